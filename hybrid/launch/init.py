@@ -1,0 +1,144 @@
+"""Start and stop a hybrid job: RPC for everyone, one process group for the trainers.
+
+Every process calls :func:`init_hybrid` with the same arguments (its role aside) and ends with
+:func:`shutdown` in a ``finally``: trainers leave their process group first, then every process
+leaves RPC, so nobody tears down a transport a peer still uses.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from hybrid.launch.roles import Role
+from hybrid.log import logger
+
+
+@dataclass(kw_only=True)
+class RuntimeOptions:
+    """Transport, threads and timeouts; the training config's ``runtime`` section."""
+
+    rpc_timeout_s: float = 60.0
+    """Deadline of one RPC (a lookup, a gradient push); a dead or slow server fails the step after it."""
+    pg_timeout_s: float = 300.0
+    """Deadline of one collective in the trainers' process group."""
+    shutdown_timeout_s: float = 60.0
+    """How long a graceful RPC shutdown waits for the peers before it gives up."""
+    transports: list[str] = field(default_factory=lambda: ["uv"])
+    """TensorPipe transports. ``uv`` (TCP) is the measured best on small machines: the default
+    shared-memory transport busy-spins and starves the trainers of CPU."""
+    channels: list[str] = field(default_factory=lambda: ["basic"])
+    """TensorPipe channels for tensor payloads."""
+    num_worker_threads: int = 8
+    """RPC worker threads per process."""
+    address: str = "127.0.0.1"
+    """Address every listening socket binds to. Loopback by default; set to the node's own
+    interface address for multi-node runs, on a trusted network only."""
+
+
+def _loopback_ifname() -> str | None:
+    for _, name in socket.if_nameindex():
+        if name == "lo" or name.startswith("lo"):
+            return name
+    return None
+
+
+def _ifname_for(address: str) -> str | None:
+    """The interface that holds ``address``, for TensorPipe's TP_SOCKET_IFNAME."""
+    if address in ("127.0.0.1", "localhost", "::1"):
+        return _loopback_ifname()
+    try:
+        import fcntl
+        import struct
+
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    except OSError:
+        return None
+    return None
+
+
+def device_type() -> str:
+    """``cuda`` when a GPU is usable by this process, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` means gloo on CPU and nccl on CUDA."""
+    if backend == "auto":
+        return "nccl" if device_type() == "cuda" else "gloo"
+    return backend
+
+
+def _pg_init_method(init_method: str) -> str:
+    # The trainers' group must not reuse RPC's rendezvous file.
+    if init_method.startswith("file://"):
+        return init_method + ".trainers"
+    return init_method
+
+
+def init_hybrid(
+    role: Role,
+    *,
+    init_method: str = "env://",
+    backend: str = "auto",
+    options: RuntimeOptions | None = None,
+) -> None:
+    """Join RPC as ``role.name`` and, on trainers, the trainers' default process group.
+
+    ``init_method`` is ``env://`` under torchrun (MASTER_ADDR/MASTER_PORT, the agent's store) or
+    ``file:///path`` for a file store (tests). Servers are not members of the trainers' group.
+    """
+    options = options or RuntimeOptions()
+    ifname = _ifname_for(options.address)
+    if ifname and "TP_SOCKET_IFNAME" not in os.environ:
+        os.environ["TP_SOCKET_IFNAME"] = ifname
+    if role.is_trainer:
+        backend = resolve_backend(backend)
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", role.index)) % torch.cuda.device_count())
+        dist.init_process_group(
+            backend,
+            init_method=_pg_init_method(init_method),
+            rank=role.index,
+            world_size=role.num_trainers,
+            timeout=datetime.timedelta(seconds=options.pg_timeout_s),
+        )
+    rpc.init_rpc(
+        role.name,
+        rank=role.rank,
+        world_size=role.world_size,
+        rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+            init_method=init_method,
+            rpc_timeout=options.rpc_timeout_s,
+            num_worker_threads=options.num_worker_threads,
+            _transports=list(options.transports),
+            _channels=list(options.channels),
+        ),
+    )
+    logger.debug("joined as %s (rank %d of %d)", role.name, role.rank, role.world_size)
+
+
+def shutdown(role: Role, *, graceful: bool = True, timeout_s: float = 60.0) -> None:
+    """Leave the trainers' group, then RPC. Safe to call after a failed init or twice."""
+    try:
+        if role.is_trainer and dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        if rpc.api._is_current_rpc_agent_set():
+            if graceful:
+                rpc.shutdown(graceful=True, timeout=timeout_s)
+            else:
+                rpc.shutdown(graceful=False)
