@@ -14,6 +14,7 @@ by faulthandler shortly before the deadline.
 from __future__ import annotations
 
 import faulthandler
+import inspect
 import multiprocessing as mp
 import os
 import pickle
@@ -67,6 +68,8 @@ def _child(fn, rank, world_size, tmp, setup, num_servers, deadline, env, kwargs)
                 backend="gloo",
                 options=kwargs.pop("_runtime", None) or RuntimeOptions(rpc_timeout_s=timeout),
             )
+        if num_servers is not None and "num_servers" in inspect.signature(fn).parameters:
+            kwargs["num_servers"] = num_servers
         result = fn(rank, world_size, **kwargs)
         with open(Path(tmp) / f"result{rank}.pkl", "wb") as f:
             pickle.dump(result, f)

@@ -1,0 +1,275 @@
+"""The bridge between local autograd (the dense part) and distributed autograd (the servers).
+
+A training step has two gradients to move. The dense part runs an ordinary ``loss.backward()``
+so DDP's allreduce and FSDP2's reduce-scatter hooks fire; the remote part goes back to the
+servers through ``dist_autograd.backward``. The two meet at the rows the servers sent: each
+received tensor (``remote``, recorded by distributed autograd) is fed to the model as a detached
+copy (``local``); after the local backward, ``local.grad`` is the gradient the servers need, and
+``dist_autograd.backward(ctx, [sum((remote * local.grad).sum())])`` delivers exactly it.
+
+Each step's distributed-autograd context lives on a thread of its own (:class:`_ContextThread`),
+never on the training thread. That is deliberate: DDP writes its gradients into a current
+distributed-autograd context instead of ``.grad``, and FSDP2 inside one never syncs, so the dense
+part must run where no context is current. It also lets the lookups of step ``t+1`` go out
+(prefetch) while step ``t`` is still open.
+
+Typical use, through :func:`step`::
+
+    with hybrid.step(model, optimizer) as s:
+        loss = loss_fn(model(dense, sparse), labels)
+        s.backward(loss)          # local backward, push to servers, optimizer step
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+
+_RELEASE = object()
+
+
+class _ContextThread:
+    """A daemon thread that opens one distributed-autograd context per step it is given and runs
+    that step's calls inside it until the step is released."""
+
+    def __init__(self, name: str) -> None:
+        self.steps: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            rstep = self.steps.get()
+            if rstep is None:
+                return
+            try:
+                with dist_autograd.context() as ctx_id:
+                    rstep.ctx_id = ctx_id
+                    while True:
+                        fn, fut = rstep.calls.get()
+                        if fn is _RELEASE:
+                            fut.set_result(None)
+                            break
+                        try:
+                            fut.set_result(fn(ctx_id))
+                        except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+                            fut.set_exception(e)
+            except BaseException as e:  # noqa: BLE001
+                rstep.broken = e
+                # Drain so nobody waits forever on a call that will never run.
+                while not rstep.calls.empty():
+                    _, fut = rstep.calls.get_nowait()
+                    if not fut.done():
+                        fut.set_exception(e)
+
+    def stop(self) -> None:
+        self.steps.put(None)
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent in each part of one step (for the training loop's breakdown)."""
+
+    lookup: float = 0.0
+    """Waiting for rows from the servers (includes waiting for slower trainers in sync mode)."""
+    dense: float = 0.0
+    """Local forward and backward of the dense part (and pooling)."""
+    push: float = 0.0
+    """Handing gradients to the servers (waited for at the start of the next step)."""
+    optimizer: float = 0.0
+
+
+@dataclass
+class RemoteStep:
+    """The remote half of one training step: its context, lookups, and gradients to push."""
+
+    step: int
+    calls: queue.Queue = field(default_factory=queue.Queue)
+    ctx_id: int | None = None
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    prefetched: dict[str, Any] = field(default_factory=dict)
+    broken: BaseException | None = None
+    times: StepTimes = field(default_factory=StepTimes)
+    pushed: Future | None = None
+
+    def call(self, fn: Callable[[int], Any]) -> Future:
+        """Run ``fn(ctx_id)`` on this step's context thread; returns its future."""
+        fut: Future = Future()
+        if self.broken is not None:
+            fut.set_exception(self.broken)
+        else:
+            self.calls.put((fn, fut))
+        return fut
+
+    def add_pair(self, remote: torch.Tensor) -> torch.Tensor:
+        """Register rows received in this step; returns the local leaf to compute with."""
+        local = remote.detach().requires_grad_(True)
+        self.pairs.append((remote, local))
+        return local
+
+    def push(self) -> Future:
+        """Send the gradients of every registered pair to the servers, then release the context.
+
+        Every pair is pushed, even one whose rows the loss did not use (zero gradient): a server
+        counts one gradient per trainer per step before it applies the step.
+        """
+        pairs, self.pairs = self.pairs, []
+
+        def _backward(ctx_id: int) -> None:
+            if not pairs:
+                return
+            roots = [
+                (r * (l.grad if l.grad is not None else torch.zeros_like(l))).sum() for r, l in pairs
+            ]
+            dist_autograd.backward(ctx_id, [torch.stack(roots).sum()])
+
+        self.pushed = self.call(_backward)
+        self.release()
+        return self.pushed
+
+    def release(self) -> Future:
+        fut: Future = Future()
+        self.calls.put((_RELEASE, fut))
+        return fut
+
+
+class RemoteRuntime:
+    """Per-trainer-process bookkeeping of steps: numbering, contexts, and the current step."""
+
+    def __init__(self, *, trainer: int, start_step: int = 0, timeout_s: float = 300.0) -> None:
+        self.trainer = trainer
+        self.next_step = start_step
+        self.timeout_s = timeout_s
+        # Three threads: the open step, the prefetched next one, and one still pushing.
+        self._threads = [_ContextThread(f"hybrid-ctx{i}") for i in range(3)]
+        self._open: dict[int, RemoteStep] = {}
+        self.current: RemoteStep | None = None
+        self.last_pushed: Future | None = None
+        self.last_times: StepTimes | None = None
+
+    def _get(self, step: int) -> RemoteStep:
+        rstep = self._open.get(step)
+        if rstep is None:
+            rstep = RemoteStep(step)
+            self._open[step] = rstep
+            self._threads[step % len(self._threads)].steps.put(rstep)
+        return rstep
+
+    def begin(self) -> RemoteStep:
+        """Open the next step and make it current."""
+        if self.current is not None:
+            raise RuntimeError(
+                f"step {self.current.step} is still open: finish it (s.backward(loss)) before the next"
+            )
+        self.wait_pushed()
+        self.current = self._get(self.next_step)
+        return self.current
+
+    def ahead(self, k: int = 1) -> RemoteStep:
+        """The step ``k`` after the next one to run (for prefetching its lookups)."""
+        base = self.next_step if self.current is None else self.current.step
+        return self._get(base + k)
+
+    def end(self, pushed: bool) -> None:
+        """Close the current step; without a push, release its context unused."""
+        rstep, self.current = self.current, None
+        if rstep is None:
+            return
+        self._open.pop(rstep.step, None)
+        self.next_step = rstep.step + 1
+        self.last_times = rstep.times
+        if not pushed:
+            rstep.release()
+
+    def wait_pushed(self) -> None:
+        """Block until the previous step's gradients reached the servers; raise its error."""
+        if self.last_pushed is not None:
+            t0 = time.perf_counter()
+            fut, self.last_pushed = self.last_pushed, None
+            fut.result(timeout=self.timeout_s)
+            if self.last_times is not None:
+                self.last_times.push += time.perf_counter() - t0
+
+    def close(self) -> None:
+        try:
+            self.wait_pushed()
+        finally:
+            for rstep in self._open.values():
+                rstep.release()
+            self._open.clear()
+            for t in self._threads:
+                t.stop()
+
+
+_RUNTIME: RemoteRuntime | None = None
+
+
+def runtime() -> RemoteRuntime | None:
+    """This process's remote runtime (set by the composer on trainers), or ``None``."""
+    return _RUNTIME
+
+
+def set_runtime(rt: RemoteRuntime | None) -> None:
+    global _RUNTIME
+    if _RUNTIME is not None and rt is not _RUNTIME:
+        _RUNTIME.close()
+    _RUNTIME = rt
+
+
+class StepHandle:
+    """What ``with hybrid.step(...) as s`` gives the training loop."""
+
+    def __init__(self, rt: RemoteRuntime | None, rstep: RemoteStep | None, optimizer) -> None:
+        self._rt, self._rstep, self._optimizer = rt, rstep, optimizer
+        self.backward_done = False
+        self._t0 = time.perf_counter()
+
+    @property
+    def step(self) -> int | None:
+        return None if self._rstep is None else self._rstep.step
+
+    @property
+    def times(self) -> StepTimes:
+        return self._rstep.times if self._rstep is not None else StepTimes()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Local backward (dense hooks fire), push to the servers, then the dense optimizer."""
+        if self.backward_done:
+            raise RuntimeError("s.backward(loss) was already called in this step")
+        loss.backward()
+        t1 = time.perf_counter()
+        if self._rstep is not None:
+            self._rstep.times.dense += t1 - self._t0 - self._rstep.times.lookup
+            self._rt.last_pushed = self._rstep.push()
+        if self._optimizer is not None:
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
+        if self._rstep is not None:
+            self._rstep.times.optimizer += time.perf_counter() - t1
+        self.backward_done = True
+
+
+@contextmanager
+def step(model: torch.nn.Module | None = None, optimizer=None) -> Iterator[StepHandle]:
+    """One training step of a composed model; see the module docstring.
+
+    ``optimizer`` is the dense optimizer (stepped and zeroed by ``s.backward``). Works without
+    remote modules too (plain local training), so the same loop serves both.
+    """
+    rt = runtime()
+    rstep = rt.begin() if rt is not None else None
+    handle = StepHandle(rt, rstep, optimizer)
+    try:
+        yield handle
+    finally:
+        if rt is not None:
+            rt.end(pushed=handle.backward_done)

@@ -1,0 +1,133 @@
+"""The ``hybrid`` command. One argparse subcommand per verb; each registers its own handler.
+
+    hybrid plan show PLAN [--model NAME] [--world-size N] [key=value ...]
+    hybrid plan check PLAN [--model NAME] [--world-size N] [key=value ...]
+
+A new verb (``train``, ``launch``, ``export``) is one ``_add_<verb>_parser`` function that sets
+``handler`` to its ``_<verb>_main(args) -> int``, plus one line in :func:`build_parser`.
+Exit codes: 0 success, 2 a user mistake (printed as ``error: ...`` on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from hybrid.plan import PlanError, format_plan, load_plan, resolve, summarize
+from hybrid.plan.report import DENSE_OPTIMIZER_STATE
+
+EXIT_USAGE = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hybrid`` console script; returns the exit code."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse (before 3.12) stops filling a nargs="*" positional at the first option, so
+    # overrides written after an option come back unparsed; keep them if they are key=value.
+    if extra and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if not hasattr(args, "handler"):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    return args.handler(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hybrid`` parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(prog="hybrid", description="Hybrid FSDP/DDP + parameter-server training.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_plan_parser(commands)
+    return parser
+
+
+def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
+    plan = commands.add_parser("plan", help="show or check a plan file against a model")
+    actions = plan.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for action, help_text in (
+        ("show", "print which module goes where, with parameter counts and bytes per trainer/server"),
+        ("check", "validate the plan against the model; exit 0 if it is OK, 2 if not"),
+    ):
+        p = actions.add_parser(action, help=help_text, description=help_text)
+        p.add_argument("plan", metavar="PLAN", help="plan YAML, e.g. conf/plans/dlrm.yaml")
+        p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="overrides, e.g. topology.parameter_servers=2")
+        p.add_argument("--model", help="model name in recsys_examples.MODELS (default: the plan's `model`)")
+        p.add_argument("--world-size", type=int, help="processes, trainers + servers (default: the plan's `world_size`)")
+        if action == "show":
+            p.add_argument("--dense-optimizer", default="adagrad", choices=sorted(DENSE_OPTIMIZER_STATE),
+                           help="dense optimizer whose state the byte estimates count (default: adagrad)")  # fmt: skip
+        p.set_defaults(handler=_plan_main)
+
+
+def _plan_main(args: argparse.Namespace) -> int:
+    """``hybrid plan show|check``: load, build the model, resolve, then print the table or OK."""
+    try:
+        plan = load_plan(args.plan, args.overrides)
+        name, key = (args.model, "--model") if args.model else (plan.model, "model")
+        model = build_model(name, key=key)
+        world_size, note = _world_size(args.world_size, plan)
+        resolved = resolve(plan, model, world_size=world_size)
+        if args.action == "show":
+            print(format_plan(resolved, model, dense_optimizer=args.dense_optimizer) + note)
+        else:
+            print(f"plan OK: {args.plan} on {name}: {summarize(resolved)}{note}")
+    except PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+def _world_size(flag: int | None, plan) -> tuple[int, str]:
+    if flag is not None:
+        return flag, ""
+    if plan.world_size is not None:
+        return plan.world_size, ""
+    smallest = plan.topology.parameter_servers + 1
+    return smallest, f"\n(world size {smallest} = parameter_servers + 1 trainer; set world_size or pass --world-size)"
+
+
+def model_registry() -> dict[str, Callable[..., nn.Module]]:
+    """``recsys_examples.MODELS`` (imported here: the CLI must start without the examples)."""
+    try:
+        from recsys_examples import MODELS
+    except ImportError as e:
+        raise PlanError(f"cannot import recsys_examples.MODELS ({e})", category="unknown_model") from None
+    return MODELS
+
+
+def build_model(name: str | None, *, key: str = "model") -> nn.Module:
+    """The example model ``name``, on the meta device when its builder takes ``device``.
+
+    Meta tensors have shapes but no storage, which is all the plan needs, so even models with
+    large tables build instantly.
+    """
+    models = model_registry()
+    if not name:
+        raise PlanError(
+            f"no model: set `model:` in the plan or pass --model; known: {', '.join(sorted(models))}",
+            category="unknown_model",
+            key="model",
+        )
+    if name not in models:
+        raise PlanError(
+            f"unknown model {name!r}; known: {', '.join(sorted(models))} (recsys_examples.MODELS)",
+            category="unknown_model",
+            key=key,
+        )
+    builder = models[name]
+    try:
+        takes_device = "device" in inspect.signature(builder).parameters
+    except (TypeError, ValueError):  # builtins and some callables have no signature
+        takes_device = False
+    return builder(device=torch.device("meta")) if takes_device else builder()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

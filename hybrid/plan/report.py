@@ -1,0 +1,212 @@
+"""The plan prints itself: module, strategy, options, parameters, bytes per trainer and server.
+
+Estimates count what stays resident; they are what a user checks a plan against, not a profile:
+
+- ``ddp`` / ``local``: the full parameters, their gradients and the dense optimizer state
+  (``sgd`` 0, ``adagrad`` 1, ``adam`` 2 tensors per parameter) on every trainer. DDP's
+  communication buckets are not counted.
+- ``fsdp``: the same, sharded on dim 0 as FSDP2 does: each parameter's rows split into T chunks
+  of ceil(rows / T), so a trainer holds ceil(rows / T) rows. With mixed precision the unsharded
+  low-precision copy exists only around each forward/backward and is not counted; with
+  ``cpu_offload`` the sharded state is in host memory but counted the same.
+- ``parameter_server``: nothing on trainers; on each server the rows it holds times
+  (embedding_dim + the sparse optimizer's state floats per row) times 4 bytes, with no gradient
+  (the servers apply a fused update). The table shows the most loaded server.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from hybrid.log import logger
+from hybrid.plan.errors import PlanError, one_of
+from hybrid.plan.match import ResolvedModule, ResolvedPlan
+from hybrid.ps.optim_spec import state_floats_per_row
+from hybrid.ps.sharding import TableSpec, shard_tables, table_specs
+
+DENSE_OPTIMIZER_STATE = {"sgd": 0, "adagrad": 1, "adam": 2}
+"""Dense optimizer -> state tensors kept per parameter (plain SGD keeps none)."""
+
+
+@dataclass
+class ModuleEstimate:
+    """Parameters and resident bytes of one resolved module."""
+
+    entry: ResolvedModule
+    params: int
+    """Parameters this module owns (those of nested fsdp modules are theirs)."""
+    trainer_bytes: int
+    """Bytes on each trainer."""
+    server_bytes: dict[int, int] = field(default_factory=dict)
+    """Server index -> bytes on that server."""
+
+    @property
+    def max_server_bytes(self) -> int:
+        return max(self.server_bytes.values(), default=0)
+
+
+def estimate_memory(resolved: ResolvedPlan, model: nn.Module, *, dense_optimizer: str = "adagrad") -> list[ModuleEstimate]:
+    """One :class:`ModuleEstimate` per entry of ``resolved``, in module order (see module docs)."""
+    if dense_optimizer not in DENSE_OPTIMIZER_STATE:
+        raise PlanError(
+            f"got {dense_optimizer!r}; expected {one_of(DENSE_OPTIMIZER_STATE)}", category="bad_value", key="dense_optimizer"
+        )
+    state = DENSE_OPTIMIZER_STATE[dense_optimizer]
+    owned = _owned_parameters(resolved, model)
+    modules = dict(model.named_modules())
+    out = []
+    for e in resolved.entries:
+        params = owned[e.fqn]
+        count = sum(p.numel() for p in params)
+        if e.strategy == "parameter_server":
+            out.append(ModuleEstimate(e, count, 0, _server_bytes(e, modules[e.fqn], resolved.num_servers)))
+            continue
+        shards = resolved.num_trainers if e.strategy == "fsdp" else 1
+        per_trainer = sum(_shard_numel(p, shards) * p.element_size() for p in params) * (2 + state)
+        out.append(ModuleEstimate(e, count, per_trainer))
+    return out
+
+
+def format_plan(resolved: ResolvedPlan, model: nn.Module, *, dense_optimizer: str = "adagrad") -> str:
+    """The plan as a table with a header line and a totals row (see the module docs for the bytes)."""
+    estimates = estimate_memory(resolved, model, dense_optimizer=dense_optimizer)
+    rows = [["module", "type", "matched by", "strategy", "options", "params", "per trainer", "per server"]]
+    for m in estimates:
+        e = m.entry
+        server = _human(m.max_server_bytes) if e.strategy == "parameter_server" else "-"
+        rows.append([e.fqn or "<root>", e.module_type, "" if e.rule_key == e.fqn else e.rule_key, e.strategy, summarize_options(e),
+                     f"{m.params:,}", _human(m.trainer_bytes), server])  # fmt: skip
+    totals: Counter[int] = Counter()
+    for m in estimates:
+        totals.update(m.server_bytes)
+    rows.append(["total", "", "", "", "", f"{sum(m.params for m in estimates):,}",
+                 _human(sum(m.trainer_bytes for m in estimates)), _human(max(totals.values(), default=0))])  # fmt: skip
+    lines = [_header(resolved), *_table(rows, right=(5, 6, 7)), _footer(dense_optimizer)]
+    return "\n".join(lines)
+
+
+def log_plan(resolved: ResolvedPlan, model: nn.Module, *, dense_optimizer: str = "adagrad") -> None:
+    """Log :func:`format_plan`'s table once, at INFO, on the ``hybrid`` logger."""
+    logger.info("plan:\n%s", format_plan(resolved, model, dense_optimizer=dense_optimizer))
+
+
+def summarize(resolved: ResolvedPlan) -> str:
+    """One line: process counts and how many modules each strategy got."""
+    counts = Counter(e.strategy for e in resolved.entries)
+    per = ", ".join(f"{n} {s}" for s, n in counts.items())
+    return (
+        f"{resolved.world_size} processes = {_plural(resolved.num_trainers, 'trainer')} + "
+        f"{_plural(resolved.num_servers, 'parameter server')}; "
+        f"{_plural(len(resolved.entries), 'module')} ({per or 'none'})"
+    )
+
+
+def summarize_options(e: ResolvedModule) -> str:
+    """The options that matter, short: ``row_wise rowwise_adagrad lr=0.05``, ``reshard bf16/fp32``."""
+    o = e.options
+    if e.strategy == "parameter_server":
+        parts = [o.sharding, o.optimizer.name, f"lr={o.optimizer.lr:g}"]
+        parts += [] if o.servers == "all" else ["servers=" + ",".join(map(str, o.servers))]
+        parts += [] if o.id_policy == "error" else [f"ids={o.id_policy}"]
+    elif e.strategy == "fsdp":
+        parts = ["reshard" if o.reshard_after_forward else "no-reshard"]
+        mp = o.mixed_precision
+        parts += [f"{_short(mp.param_dtype)}/{_short(mp.reduce_dtype)}"] if mp else []
+        parts += ["offload"] * o.cpu_offload + ["ckpt"] * o.activation_checkpointing
+        parts += ["wrap=" + ",".join(o.wrap)] if o.wrap else []
+    elif e.strategy == "ddp":
+        parts = [f"bucket={o.bucket_cap_mb:g}MB"] + ["static"] * o.static_graph
+        parts += ["grad-view"] * o.gradient_as_bucket_view + ["find-unused"] * o.find_unused_parameters
+        parts += [] if o.comm_hook == "none" else [f"{o.comm_hook}-hook"]
+    elif e.strategy == "local":
+        parts = ["replicated, no sync"]
+    else:
+        parts = []
+    return " ".join(parts)
+
+
+def _owned_parameters(resolved: ResolvedPlan, model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """Entry path -> its parameters; a parameter belongs to the innermost entry containing it."""
+    fqns = {e.fqn for e in resolved.entries}
+    owned: dict[str, list[nn.Parameter]] = {f: [] for f in fqns}
+    for name, p in model.named_parameters():
+        path = name.rpartition(".")[0]
+        while path not in fqns and path:
+            path = path.rpartition(".")[0]
+        if path in fqns:
+            owned[path].append(p)
+    return owned
+
+
+def _shard_numel(p: nn.Parameter, shards: int) -> int:
+    """Elements of ``p`` on one rank when its dim 0 is split into ``shards`` chunks (FSDP2)."""
+    if p.dim() == 0:
+        return 1
+    rows = p.shape[0]
+    return math.ceil(rows / shards) * (p.numel() // rows if rows else 0)
+
+
+def _server_bytes(e: ResolvedModule, module: nn.Module, num_servers: int) -> dict[int, int]:
+    layouts = shard_tables(_tables(e.fqn, module), num_servers, e.options.sharding, e.options.server_list(num_servers))
+    name = e.options.optimizer.name
+    return {
+        s: sum(t.rows_on(s) * (t.table.embedding_dim + state_floats_per_row(name, t.table.embedding_dim)) * 4 for t in layouts)
+        for s in range(num_servers)
+    }
+
+
+def _tables(fqn: str, module: nn.Module) -> list[TableSpec]:
+    if hasattr(module, "embedding_bag_configs"):
+        return table_specs(module.embedding_bag_configs())
+    if hasattr(module, "embedding_configs"):  # EmbeddingCollection: sequence tables, no pooling
+        return [TableSpec(c.name, c.num_embeddings, c.embedding_dim, tuple(c.feature_names)) for c in module.embedding_configs()]
+    return [TableSpec(fqn, module.num_embeddings, module.embedding_dim, (fqn,))]  # nn.Embedding(Bag)
+
+
+def _header(resolved: ResolvedPlan) -> str:
+    plan, sync = resolved.plan, resolved.plan.sync
+    mode = "sync" if sync.staleness == 0 else "async"
+    model = f", model {plan.model}" if plan.model else ""
+    return (
+        f"plan {plan.source or '(in memory)'}{model}: world size {resolved.world_size} = "
+        f"{_plural(resolved.num_trainers, 'trainer')} + {_plural(resolved.num_servers, 'parameter server')}; "
+        f"{mode} (staleness {sync.staleness}), embedding gradients {sync.gradient_scaling}"
+    )
+
+
+def _footer(dense_optimizer: str) -> str:
+    return (
+        f"bytes: params + grads + {dense_optimizer} state on each trainer (fsdp: its dim-0 shard); "
+        "rows + sparse optimizer state on the most loaded server"
+    )
+
+
+def _table(rows: list[list[str]], right: tuple[int, ...]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+
+    def fmt(r: list[str]) -> str:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        return "  ".join(cells).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return [fmt(rows[0]), rule, *(fmt(r) for r in rows[1:-1]), rule, fmt(rows[-1])]
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # unreachable, keeps type checkers quiet
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _short(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]

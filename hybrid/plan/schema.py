@@ -1,0 +1,259 @@
+"""The typed plan: what a plan YAML may say, with defaults and checks (torchtitan-style config).
+
+Every dataclass is keyword-only, every field is documented, choices are ``Literal``s, and
+``__post_init__`` raises :class:`PlanError` on a bad value. Errors raised here carry the field
+name as their key; the loader prefixes the path (``modules.dense_arch.``) and the file line.
+
+A rule in YAML is flat: ``strategy:`` plus that strategy's options side by side. The options
+dataclass for each strategy comes from :data:`STRATEGY_OPTIONS`, so a new strategy is one
+dataclass plus one registry line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args
+
+from hybrid.plan.errors import PlanError, did_you_mean, one_of
+from hybrid.ps.optim_spec import SPARSE_OPTIMIZERS
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+SparseOptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
+# The servers implement exactly these; the Literal above is what omegaconf validates against.
+assert get_args(SparseOptimizerName) == SPARSE_OPTIMIZERS, "plan schema and hybrid.ps.optim_spec disagree"
+
+DEFAULT_RULE = "*"
+"""The ``modules`` key of the default rule (quote it in YAML: ``"*":``)."""
+
+
+def _bad(key: str, value: object, expected: str, category: str = "bad_value") -> PlanError:
+    return PlanError(f"got {value!r}; expected {expected}", category=category, key=key)  # type: ignore[arg-type]
+
+
+@dataclass(kw_only=True)
+class Topology:
+    """How many of the torchrun processes are parameter servers."""
+
+    parameter_servers: int = 1
+    """Processes that hold embedding tables (the last ranks); every other process is a trainer."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Trainers' collective backend: ``auto`` picks nccl on CUDA and gloo on CPU."""
+
+    def __post_init__(self) -> None:
+        if self.parameter_servers < 0:
+            raise _bad("parameter_servers", self.parameter_servers, "an integer >= 0", "topology")
+
+
+@dataclass(kw_only=True)
+class SyncOptions:
+    """How trainers and servers agree on embedding updates."""
+
+    staleness: int = 0
+    """0 = synchronous (equal to single-process training); k >= 1 = asynchronous, lookups may
+    miss at most the last k updates."""
+    gradient_scaling: Literal["mean", "sum"] = "mean"
+    """``mean``: trainers' embedding gradients are averaged, as DDP averages dense ones, so the
+    run equals single-process training on the concatenated global batch with a mean loss.
+    ``sum``: they are added."""
+
+    def __post_init__(self) -> None:
+        if self.staleness < 0:
+            raise _bad("staleness", self.staleness, "0 (sync) or an integer k >= 1 (async bound)")
+
+
+@dataclass(kw_only=True)
+class MixedPrecision:
+    """FSDP2's ``MixedPrecisionPolicy``: the dtype of unsharded parameters and of reductions."""
+
+    param_dtype: Dtype = "float32"
+    """dtype that forward and backward compute in (the sharded copy stays float32)."""
+    reduce_dtype: Dtype = "float32"
+    """dtype of the gradient reduce-scatter."""
+
+
+@dataclass(kw_only=True)
+class FSDPOptions:
+    """``strategy: fsdp`` — FSDP2 ``fully_shard`` over the trainers."""
+
+    reshard_after_forward: bool = True
+    """Free the unsharded parameters after forward (and all-gather again in backward)."""
+    mixed_precision: MixedPrecision | None = None
+    """Mixed-precision policy, e.g. ``{param_dtype: bfloat16, reduce_dtype: float32}``; none = float32."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory."""
+    activation_checkpointing: bool = False
+    """Recompute this module's activations in backward instead of keeping them."""
+    wrap: list[str] = field(default_factory=list)
+    """Class names of descendant modules that get their own ``fully_shard`` first (like FSDP's
+    transformer auto-wrap policy), e.g. ``[Linear]`` or ``[Perceptron]``."""
+
+    def __post_init__(self) -> None:
+        for i, name in enumerate(self.wrap):
+            if not name or not name.isidentifier():
+                raise _bad(f"wrap.{i}", name, "a module class name such as 'Linear'")
+
+
+@dataclass(kw_only=True)
+class DDPOptions:
+    """``strategy: ddp`` — ``DistributedDataParallel`` over the trainers."""
+
+    bucket_cap_mb: float = 25.0
+    """Size of DDP's gradient all-reduce buckets, in MiB."""
+    static_graph: bool = False
+    """The set of used parameters never changes between iterations (lets DDP optimise)."""
+    gradient_as_bucket_view: bool = False
+    """Gradients are views into the all-reduce buckets (saves one gradient-sized copy)."""
+    find_unused_parameters: bool = False
+    """Search the graph for parameters that got no gradient (costs a graph walk each step)."""
+    comm_hook: Literal["none", "fp16", "bf16"] = "none"
+    """Compress gradients to this dtype for the all-reduce."""
+
+    def __post_init__(self) -> None:
+        if not self.bucket_cap_mb > 0:
+            raise _bad("bucket_cap_mb", self.bucket_cap_mb, "a size in MiB > 0")
+
+
+@dataclass(kw_only=True)
+class SparseOptimizer:
+    """The row-sparse optimizer that the servers apply to the rows a step touched."""
+
+    name: SparseOptimizerName
+    """Which optimizer: ``sgd``, ``adagrad``, ``rowwise_adagrad`` (one accumulator per row, as
+    FBGEMM) or ``adam``."""
+    lr: float = 0.01
+    """Learning rate."""
+    eps: float = 1e-8
+    """Added to the denominator (adagrad, rowwise_adagrad, adam)."""
+    beta1: float = 0.9
+    """Adam's first-moment decay."""
+    beta2: float = 0.999
+    """Adam's second-moment decay."""
+    weight_decay: float = 0.0
+    """L2 penalty added to the gradient of touched rows."""
+    initial_accumulator_value: float = 0.0
+    """Starting value of adagrad's accumulators."""
+
+    def __post_init__(self) -> None:
+        if self.name not in SPARSE_OPTIMIZERS:
+            raise PlanError(
+                f"unknown sparse optimizer {self.name!r}{did_you_mean(self.name, SPARSE_OPTIMIZERS)}; "
+                f"the servers implement {one_of(SPARSE_OPTIMIZERS)}",
+                category="unknown_optimizer",
+                key="name",
+            )
+        for name, ok, expected in (
+            ("lr", self.lr > 0, "a learning rate > 0"),
+            ("eps", self.eps > 0, "a value > 0"),
+            ("beta1", 0 <= self.beta1 < 1, "a value in [0, 1)"),
+            ("beta2", 0 <= self.beta2 < 1, "a value in [0, 1)"),
+            ("weight_decay", self.weight_decay >= 0, "a value >= 0"),
+            ("initial_accumulator_value", self.initial_accumulator_value >= 0, "a value >= 0"),
+        ):
+            if not ok:
+                raise _bad(name, getattr(self, name), expected)
+
+
+@dataclass(kw_only=True)
+class PSOptions:
+    """``strategy: parameter_server`` — the tables live on parameter servers, reached by RPC."""
+
+    optimizer: SparseOptimizer
+    """The servers' sparse optimizer, e.g. ``{name: rowwise_adagrad, lr: 0.05}`` (required)."""
+    sharding: Literal["table_wise", "row_wise"] = "row_wise"
+    """``row_wise``: every table's rows spread cyclically over the servers; ``table_wise``:
+    each whole table on one server, balanced by bytes."""
+    servers: list[int] | str = "all"
+    """``all``, or the indices of the servers that hold these tables, e.g. ``[0, 1]``."""
+    id_policy: Literal["error", "modulo"] = "error"
+    """What an id >= num_embeddings does: ``error`` stops the step, ``modulo`` wraps it."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.servers, str):
+            if self.servers != "all":
+                raise _bad("servers", self.servers, "'all' or a list of server indices such as [0, 1]")
+            return
+        if not self.servers:
+            raise _bad("servers", self.servers, "'all' or a non-empty list of server indices")
+        if any(s < 0 for s in self.servers) or len(set(self.servers)) != len(self.servers):
+            raise _bad("servers", self.servers, "distinct server indices >= 0")
+
+    def server_list(self, num_servers: int) -> list[int]:
+        """The server indices these tables go on, given the topology's ``num_servers``."""
+        return list(range(num_servers)) if self.servers == "all" else list(self.servers)
+
+
+@dataclass(kw_only=True)
+class LocalOptions:
+    """``strategy: local`` — replicated on every trainer with no gradient sync (no options)."""
+
+
+STRATEGY_OPTIONS: dict[str, type] = {
+    "fsdp": FSDPOptions,
+    "ddp": DDPOptions,
+    "parameter_server": PSOptions,
+    "local": LocalOptions,
+}
+"""Strategy name -> its options dataclass; a new strategy is one dataclass and one line here."""
+
+OPTION_NAMES: frozenset[str] = frozenset(
+    ["strategy"] + [f.name for cls in STRATEGY_OPTIONS.values() for f in fields(cls)]
+)
+"""Every key a rule may hold, whatever its strategy (used to parse override paths)."""
+
+
+@dataclass(kw_only=True)
+class Rule:
+    """One entry of ``modules``: which strategy a module (and its subtree) uses, with what options."""
+
+    key: str
+    """The ``modules`` key it came from: a module path, a glob, or ``"*"``."""
+    strategy: str
+    """A key of :data:`STRATEGY_OPTIONS`."""
+    options: Any
+    """An instance of ``STRATEGY_OPTIONS[strategy]``."""
+    where: str = ""
+    """``file:line`` or the override that wrote the rule, for error messages."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGY_OPTIONS:
+            raise PlanError(
+                f"got {self.strategy!r}{did_you_mean(self.strategy, STRATEGY_OPTIONS)}; "
+                f"expected {one_of(STRATEGY_OPTIONS)}",
+                category="bad_value",
+                key="strategy",
+            )
+        cls = STRATEGY_OPTIONS[self.strategy]
+        assert isinstance(self.options, cls), f"{self.strategy} rule needs {cls.__name__}, got {self.options!r}"
+
+    @property
+    def is_default(self) -> bool:
+        return self.key == DEFAULT_RULE
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """A whole plan: topology, one rule per module path or glob, and sync options."""
+
+    model: str | None = None
+    """Name of an example model in ``recsys_examples.MODELS`` (used by ``hybrid plan show``)."""
+    world_size: int | None = None
+    """Default number of processes (trainers + servers) for ``hybrid plan show/check``."""
+    topology: Topology = field(default_factory=Topology)
+    """Process counts and backend."""
+    modules: dict[str, Rule] = field(default_factory=dict)
+    """Module path or glob (or ``"*"``, the default rule) -> rule."""
+    sync: SyncOptions = field(default_factory=SyncOptions)
+    """Sync or async embedding updates."""
+    source: str = ""
+    """The file it was loaded from (set by ``load_plan``; not a YAML key)."""
+
+    def __post_init__(self) -> None:
+        if self.world_size is not None and self.world_size < 1:
+            raise _bad("world_size", self.world_size, "a number of processes >= 1", "topology")
+        for key, rule in self.modules.items():
+            assert isinstance(rule, Rule) and rule.key == key, f"modules[{key!r}] must be Rule(key={key!r})"
+
+    @property
+    def default_rule(self) -> Rule | None:
+        """The ``"*"`` rule, if the plan has one."""
+        return self.modules.get(DEFAULT_RULE)

@@ -1,0 +1,404 @@
+"""Trainer side: a module that stands in for an ``EmbeddingBagCollection`` whose tables live on
+parameter servers, and returns exactly what the original returns.
+
+Per step and per server it sends **one** lookup RPC carrying the deduplicated ids of every table
+that server holds, all servers in parallel; rows come back flat, are put back in order and pooled
+here (sum or mean, per-sample weights, empty bags) into the same ``KeyedTensor`` the local
+collection would produce. Gradients go back through :mod:`hybrid.autograd`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed.rpc as rpc
+import torch.nn.functional as F
+from torch import nn
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from hybrid import autograd as bridge
+from hybrid.ps import server as srv
+from hybrid.ps.optim import SparseOptimSpec
+from hybrid.ps.sharding import TableLayout, TableSpec, shard_tables, table_specs
+from hybrid.launch.roles import server_names
+
+_WRITE_CHUNK_BYTES = 16 << 20
+
+
+class BadIdError(ValueError):
+    """An id outside its table under ``id_policy: error``; nothing was sent or changed."""
+
+
+@dataclass
+class _TableRoute:
+    inverse: torch.Tensor  # position in the table's unique ids of every id, in feature order
+    restore: torch.Tensor  # unique position -> position in the server-sorted rows
+    feature_slices: list[tuple[int, int]]  # [start, end) of each feature's ids in ``inverse``
+
+
+@dataclass
+class _Route:
+    """How one batch's ids were split over servers, and how to put the rows back."""
+
+    tables: list[_TableRoute]
+    requests: dict[int, tuple[torch.Tensor, list[int]]]  # server -> (ids, counts per held table)
+    n_raw: dict[int, int]
+    offsets: list[torch.Tensor]  # per input feature position (include_last_offset)
+    weights: list[torch.Tensor | None]
+    batch_size: int
+
+
+class _Pending:
+    """Lookups in flight for one batch."""
+
+    def __init__(self, route: _Route, futures: dict[int, torch.futures.Future], kjt) -> None:
+        self.route, self.futures, self.kjt = route, futures, kjt
+
+    def wait(self, timeout_s: float) -> dict[int, torch.Tensor]:
+        return {s: f.wait() for s, f in self.futures.items()}
+
+
+class RemoteEmbeddingBagCollection(nn.Module):
+    """Drop-in for ``torchrec.EmbeddingBagCollection`` with its tables on parameter servers.
+
+    Build it with :meth:`from_collection`; the composer does. ``state_dict()`` yields the same
+    keys as the original (``embedding_bags.<table>.weight``), fetched from the servers.
+    """
+
+    def __init__(
+        self,
+        *,
+        cid: str,
+        tables: list[TableSpec],
+        layouts: list[TableLayout],
+        num_servers: int,
+        optimizer: SparseOptimSpec,
+        id_policy: str = "error",
+        is_weighted: bool = False,
+        trainer: int = 0,
+        num_trainers: int = 1,
+        staleness: int = 0,
+        gradient_scaling: str = "mean",
+        timeout_s: float = 300.0,
+    ) -> None:
+        super().__init__()
+        if id_policy not in ("error", "modulo"):
+            raise ValueError(f"id_policy must be 'error' or 'modulo', got {id_policy!r}")
+        self.cid = cid
+        self.tables = tables
+        self.layouts = layouts
+        self.num_servers = num_servers
+        self.optimizer = optimizer
+        self.id_policy = id_policy
+        self._is_weighted = is_weighted
+        self.trainer = trainer
+        self.num_trainers = num_trainers
+        self.staleness = staleness
+        self.gradient_scaling = gradient_scaling
+        self.timeout_s = timeout_s
+        self.server_names = server_names(num_servers)
+        self.embedding_names = [n for names in get_embedding_names_by_table(tables) for n in names]
+        self.feature_order = [f for t in tables for f in t.feature_names]
+        self.length_per_key = [t.embedding_dim for t in tables for _ in t.feature_names]
+        # Servers in request order, and for each the indices of the tables it holds.
+        self.servers = sorted({s for lay in layouts for s in lay.servers})
+        self.held = {s: [i for i, lay in enumerate(layouts) if s in lay.servers] for s in self.servers}
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_collection(
+        cls,
+        ebc: nn.Module,
+        *,
+        cid: str,
+        num_servers: int,
+        sharding: str = "row_wise",
+        servers: list[int] | None = None,
+        optimizer: SparseOptimSpec | dict | None = None,
+        **kwargs,
+    ) -> RemoteEmbeddingBagCollection:
+        specs = table_specs(ebc.embedding_bag_configs())
+        layouts = shard_tables(specs, num_servers, sharding, servers)
+        return cls(
+            cid=cid,
+            tables=specs,
+            layouts=layouts,
+            num_servers=num_servers,
+            optimizer=SparseOptimSpec.from_any(optimizer or {}),
+            is_weighted=ebc.is_weighted(),
+            **kwargs,
+        )
+
+    def create_on_servers(self, init_from: nn.Module | None = None, *, start_step: int = 0,
+                          init_seed: int = 0) -> None:
+        """Create the shards on the servers (call on one trainer, then barrier the trainers).
+
+        With ``init_from`` (the original collection, materialized), its weights are copied so the
+        hybrid model starts exactly where the plain one does; without it (or on meta), each
+        server initializes its own shards (TorchRec's uniform init) and no table crosses the wire.
+        """
+        weights = None
+        if init_from is not None:
+            w = {t.name: init_from.embedding_bags[t.name].weight for t in self.tables}
+            if not any(v.is_meta for v in w.values()):
+                weights = w
+        futs = [
+            rpc.rpc_async(
+                self.server_names[s],
+                srv.rpc_create,
+                args=(self.cid, s, self.layouts, vars(self.optimizer), self.num_trainers,
+                      self.staleness, self.gradient_scaling, start_step,
+                      None if weights is not None else init_seed),
+                timeout=self.timeout_s,
+            )
+            for s in self.servers
+        ]
+        for f in futs:
+            f.wait()
+        if weights is not None:
+            self.write_tables({n: w.detach().cpu() for n, w in weights.items()})
+
+    def write_tables(self, weights: dict[str, torch.Tensor]) -> None:
+        """Overwrite whole tables on the servers (chunked; a load, not a training step)."""
+        futs = []
+        for t, lay in zip(self.tables, self.layouts):
+            if t.name not in weights:
+                continue
+            full = weights[t.name]
+            if tuple(full.shape) != (t.num_embeddings, t.embedding_dim):
+                raise ValueError(
+                    f"table {t.name}: weight of shape {tuple(full.shape)} does not fit "
+                    f"({t.num_embeddings}, {t.embedding_dim})"
+                )
+            for pos, s in enumerate(lay.servers):
+                shard = full if lay.sharding == "table_wise" else full[pos :: lay.num_shards]
+                step = max(1, _WRITE_CHUNK_BYTES // (4 * t.embedding_dim))
+                for start in range(0, shard.shape[0], step):
+                    futs.append(
+                        rpc.rpc_async(
+                            self.server_names[s], srv.rpc_write_rows,
+                            args=(self.cid, t.name, start, shard[start : start + step].contiguous()),
+                            timeout=self.timeout_s,
+                        )
+                    )
+        for f in futs:
+            f.wait()
+
+    def read_tables(self, with_state: bool = False) -> dict[str, torch.Tensor] | tuple[dict, dict]:
+        """Whole tables assembled from the servers (and, optionally, optimizer state per table),
+        as of every step this trainer has finished (in sync mode: applied by all trainers)."""
+        after = self._finished_step()
+        weights, states = {}, {}
+        for t, lay in zip(self.tables, self.layouts):
+            shards = [
+                rpc.rpc_async(self.server_names[s], srv.rpc_read_shard, args=(self.cid, t.name, after),
+                              timeout=self.timeout_s)
+                for s in lay.servers
+            ]
+            shards = [f.wait() for f in shards]
+            full = torch.empty(t.num_embeddings, t.embedding_dim)
+            st_full: dict[str, torch.Tensor] = {}
+            for pos, (w, st) in enumerate(shards):
+                sl = slice(None) if lay.sharding == "table_wise" else slice(pos, None, lay.num_shards)
+                full[sl] = w
+                for k, v in st.items():
+                    if k not in st_full:
+                        st_full[k] = torch.empty((t.num_embeddings, *v.shape[1:]), dtype=v.dtype)
+                    st_full[k][sl] = v
+            weights[t.name] = full
+            states[t.name] = st_full
+        return (weights, states) if with_state else weights
+
+    def _finished_step(self) -> int:
+        """The last step this trainer finished (its gradients delivered), or -1."""
+        rt = bridge.runtime()
+        if rt is None:
+            return -1
+        if rt.current is not None:
+            return rt.current.step - 1
+        rt.wait_pushed()
+        return rt.next_step - 1
+
+    def stats(self) -> dict[str, dict]:
+        """Each server's counters for this collection."""
+        futs = {self.server_names[s]: rpc.rpc_async(self.server_names[s], srv.rpc_stats, args=(self.cid,))
+                for s in self.servers}
+        return {n: f.wait() for n, f in futs.items()}
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    # -- state dict: same keys as the local collection --------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name, w in self.read_tables().items():
+            destination[f"{prefix}embedding_bags.{name}.weight"] = w
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        found = {}
+        for t in self.tables:
+            key = f"{prefix}embedding_bags.{t.name}.weight"
+            if key in state_dict:
+                found[t.name] = state_dict[key]
+            elif strict:
+                missing_keys.append(key)
+        if found:
+            self.write_tables(found)
+
+    # -- routing ---------------------------------------------------------------------------------
+    def _route(self, kjt: KeyedJaggedTensor) -> _Route:
+        keys = kjt.keys()
+        index = {k: i for i, k in enumerate(keys)}
+        missing = [f for f in self.feature_order if f not in index]
+        if missing:
+            raise ValueError(f"input KeyedJaggedTensor lacks features {missing}; it has {keys}")
+        values = kjt.values().split(kjt.length_per_key())
+        lengths = kjt.lengths().view(len(keys), -1)
+        b = kjt.stride()
+        weights = kjt.weights().split(kjt.length_per_key()) if self._is_weighted else [None] * len(keys)
+        per_server: dict[int, list[torch.Tensor | None]] = {s: [None] * len(self.tables) for s in self.servers}
+        tables, offsets, wts = [], [], []
+        n_raw = {s: 0 for s in self.servers}
+        for ti, (t, lay) in enumerate(zip(self.tables, self.layouts)):
+            ids_f = []
+            for f in t.feature_names:
+                v = values[index[f]]
+                ids_f.append(self._check_ids(v, f, t))
+                offsets.append(torch.cat([lengths.new_zeros(1), torch.cumsum(lengths[index[f]], 0)]))
+                wts.append(weights[index[f]])
+            ids = torch.cat(ids_f) if len(ids_f) > 1 else ids_f[0]
+            uniq, inverse = torch.unique(ids, return_inverse=True)
+            slices, start = [], 0
+            for v in ids_f:
+                slices.append((start, start + v.numel()))
+                start += v.numel()
+            if lay.sharding == "table_wise":
+                s = lay.servers[0]
+                per_server[s][ti] = uniq
+                n_raw[s] += ids.numel()
+                restore = None
+            else:
+                pos = lay.shard_of(uniq)
+                order = torch.argsort(pos, stable=True)
+                counts = torch.bincount(pos, minlength=lay.num_shards).tolist()
+                local = lay.local_ids(uniq[order])
+                raw = torch.bincount(lay.shard_of(ids), minlength=lay.num_shards).tolist()
+                for k, chunk in enumerate(local.split(counts)):
+                    per_server[lay.servers[k]][ti] = chunk
+                    n_raw[lay.servers[k]] += raw[k]
+                restore = torch.empty_like(order)
+                restore[order] = torch.arange(order.numel())
+            tables.append(_TableRoute(inverse=inverse, restore=restore, feature_slices=slices))
+        requests = {}
+        for s in self.servers:
+            chunks = [per_server[s][ti] for ti in self.held[s]]
+            requests[s] = (torch.cat(chunks), [c.numel() for c in chunks])
+        return _Route(tables=tables, requests=requests, n_raw=n_raw, offsets=offsets, weights=wts,
+                      batch_size=b)
+
+    def _check_ids(self, v: torch.Tensor, feature: str, t: TableSpec) -> torch.Tensor:
+        if v.numel() == 0:
+            return v
+        lo, hi = int(v.min()), int(v.max())
+        if lo >= 0 and hi < t.num_embeddings:
+            return v
+        if self.id_policy == "modulo":
+            return torch.remainder(v, t.num_embeddings)
+        bad_mask = (v < 0) | (v >= t.num_embeddings)
+        bad = v[bad_mask]
+        shown = ", ".join(str(int(x)) for x in bad[:5]) + (", ..." if bad.numel() > 5 else "")
+        raise BadIdError(
+            f"feature {feature!r}: {bad.numel()} id(s) outside table {t.name!r} of {t.num_embeddings} "
+            f"rows [0, {t.num_embeddings}): {shown} (first at position {int(bad_mask.nonzero()[0])} of the "
+            f"feature's ids); nothing was sent. Fix the data, or set the plan's id_policy: modulo "
+            f"to take ids modulo the table size"
+        )
+
+    def _send(self, rstep: bridge.RemoteStep | None, kjt: KeyedJaggedTensor) -> _Pending:
+        route = self._route(kjt)
+        if rstep is None:
+            futs = {
+                s: rpc.rpc_async(self.server_names[s], srv.rpc_read,
+                                 args=(self.cid, self._finished_step(), ids, counts), timeout=self.timeout_s)
+                for s, (ids, counts) in route.requests.items()
+            }
+            return _Pending(route, futs, kjt)
+
+        def send(_ctx_id: int) -> dict[int, torch.futures.Future]:
+            return {
+                s: rpc.rpc_async(
+                    self.server_names[s], srv.rpc_lookup,
+                    args=(self.cid, self.trainer, rstep.step, ids, counts, route.n_raw[s]),
+                    timeout=self.timeout_s,
+                )
+                for s, (ids, counts) in route.requests.items()
+            }
+
+        return _Pending(route, rstep.call(send).result(timeout=self.timeout_s), kjt)
+
+    def prefetch(self, kjt: KeyedJaggedTensor, ahead: int = 1) -> None:
+        """Send the lookups of the batch that step ``current + ahead`` will use, now."""
+        rt = bridge.runtime()
+        if rt is None:
+            return
+        rstep = rt.ahead(ahead)
+        rstep.prefetched[self.cid] = self._send(rstep, kjt)
+
+    # -- forward ----------------------------------------------------------------------------------
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        rt = bridge.runtime()
+        rstep = rt.current if rt is not None and torch.is_grad_enabled() else None
+        t0 = time.perf_counter()
+        pending = rstep.prefetched.pop(self.cid, None) if rstep is not None else None
+        if pending is not None and pending.kjt is not features:
+            pending = None  # a different batch than the one prefetched: its rows are discarded
+        if pending is None:
+            pending = self._send(rstep, features)
+        rows = pending.wait(self.timeout_s)
+        if rstep is not None:
+            rows = {s: rstep.add_pair(r) for s, r in rows.items()}
+            rstep.times.lookup += time.perf_counter() - t0
+        return self._pool(pending.route, rows)
+
+    def _pool(self, route: _Route, rows: dict[int, torch.Tensor]) -> KeyedTensor:
+        per_table: list[list[torch.Tensor]] = [[] for _ in self.tables]
+        for s in self.servers:
+            ids, counts = route.requests[s]
+            held = self.held[s]
+            dims = [self.tables[ti].embedding_dim for ti in held]
+            parts = rows[s].split([n * d for n, d in zip(counts, dims)])
+            for ti, part, d in zip(held, parts, dims):
+                per_table[ti].append(part.view(-1, d))
+        pooled, f_pos = [], 0
+        for t, lay, tr, chunks in zip(self.tables, self.layouts, route.tables, per_table):
+            # Chunks arrive in shard order (servers sorted as lay.servers is); restore unique order.
+            chunks = [chunks[self.servers_rank(lay, k)] for k in range(lay.num_shards)] if lay.num_shards > 1 else chunks
+            table_rows = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+            if tr.restore is not None:
+                table_rows = table_rows.index_select(0, tr.restore)
+            mode = t.pooling
+            for start, end in tr.feature_slices:
+                w = route.weights[f_pos]
+                pooled.append(
+                    F.embedding_bag(
+                        tr.inverse[start:end], table_rows, route.offsets[f_pos], mode=mode,
+                        per_sample_weights=w, include_last_offset=True,
+                    )
+                )
+                f_pos += 1
+        values = torch.cat(pooled, dim=1) if pooled else torch.empty(route.batch_size, 0)
+        return KeyedTensor(keys=self.embedding_names, length_per_key=self.length_per_key, values=values)
+
+    def servers_rank(self, lay: TableLayout, shard_pos: int) -> int:
+        """Index, among the chunks gathered for a table (in ``self.servers`` order), of a shard."""
+        s = lay.servers[shard_pos]
+        held_servers = [x for x in self.servers if x in lay.servers]
+        return held_servers.index(s)
+
+    def extra_repr(self) -> str:
+        shard = {lay.sharding for lay in self.layouts}
+        return (f"cid={self.cid!r}, tables={len(self.tables)}, servers={[self.server_names[s] for s in self.servers]}, "
+                f"sharding={'/'.join(sorted(shard))}, optimizer={self.optimizer.name}")

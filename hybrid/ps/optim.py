@@ -1,0 +1,110 @@
+"""Row-sparse optimizers applied by a server to the rows a step touched.
+
+Every update is computed into temporaries and written back at the end, so an exception part-way
+(bad state, an injected fault) leaves the weights and the optimizer state as they were.
+Semantics (``g`` is the step's summed, scaled gradient of one row):
+
+- ``sgd``: ``w -= lr * (g + wd * w)``.
+- ``adagrad`` (as ``torch.optim.Adagrad``): ``s += g*g``; ``w -= lr * g / (sqrt(s) + eps)``.
+- ``rowwise_adagrad`` (as FBGEMM's): ``s_row += mean(g*g)``; ``w -= lr * g / (sqrt(s_row) + eps)``.
+- ``adam`` (lazy): only touched rows move, each with its own step count ``k`` for the bias
+  corrections: ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g*g``;
+  ``w -= lr / (1 - b1^k) * m / (sqrt(v) / sqrt(1 - b2^k) + eps)`` (torch.optim.Adam's formula).
+
+Weight decay is lazy too (touched rows only): with it, a dense torch optimizer differs on rows
+the batch did not touch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybrid.ps.optim_spec import SPARSE_OPTIMIZERS
+
+
+@dataclass(kw_only=True)
+class SparseOptimSpec:
+    """Hyper-parameters of a server-side optimizer (the plan's ``optimizer`` mapping)."""
+
+    name: str = "sgd"
+    lr: float = 0.01
+    eps: float = 1e-8
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name not in SPARSE_OPTIMIZERS:
+            raise ValueError(f"optimizer {self.name!r} is unknown to the server; known: {SPARSE_OPTIMIZERS}")
+
+    @classmethod
+    def from_any(cls, obj) -> SparseOptimSpec:
+        """From a SparseOptimSpec, a mapping, or any object with the same attribute names."""
+        if isinstance(obj, cls):
+            return obj
+        if isinstance(obj, dict):
+            return cls(**obj)
+        fields = cls.__dataclass_fields__
+        return cls(**{k: getattr(obj, k) for k in fields if hasattr(obj, k)})
+
+
+class RowSparseOptimizer:
+    """Optimizer state for one table shard and the update of a set of its rows."""
+
+    def __init__(self, spec: SparseOptimSpec, rows: int, dim: int) -> None:
+        self.spec = spec
+        init = spec.initial_accumulator_value
+        self.state: dict[str, torch.Tensor] = {}
+        if spec.name == "adagrad":
+            self.state["sum"] = torch.full((rows, dim), init)
+        elif spec.name == "rowwise_adagrad":
+            self.state["sum"] = torch.full((rows,), init)
+        elif spec.name == "adam":
+            self.state["exp_avg"] = torch.zeros(rows, dim)
+            self.state["exp_avg_sq"] = torch.zeros(rows, dim)
+            self.state["step"] = torch.zeros(rows)
+
+    def update(self, weight: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        """Apply ``grad`` ([len(rows), dim], one gradient per distinct row) to ``weight[rows]``."""
+        if rows.numel() == 0:
+            return
+        s = self.spec
+        w = weight.index_select(0, rows)
+        if s.weight_decay:
+            grad = grad.add(w, alpha=s.weight_decay)
+        new_state: dict[str, torch.Tensor] = {}
+        if s.name == "sgd":
+            w = w.add(grad, alpha=-s.lr)
+        elif s.name == "adagrad":
+            acc = self.state["sum"].index_select(0, rows).addcmul(grad, grad)
+            w = w.addcdiv(grad, acc.sqrt().add(s.eps), value=-s.lr)
+            new_state["sum"] = acc
+        elif s.name == "rowwise_adagrad":
+            acc = self.state["sum"].index_select(0, rows) + grad.pow(2).mean(dim=1)
+            w = w.addcdiv(grad, (acc.sqrt() + s.eps).unsqueeze(1), value=-s.lr)
+            new_state["sum"] = acc
+        elif s.name == "adam":
+            k = self.state["step"].index_select(0, rows) + 1
+            m = self.state["exp_avg"].index_select(0, rows).lerp(grad, 1 - s.beta1)
+            v = self.state["exp_avg_sq"].index_select(0, rows).mul(s.beta2).addcmul(
+                grad, grad, value=1 - s.beta2
+            )
+            bc1 = 1 - torch.pow(s.beta1, k)
+            bc2_sqrt = torch.sqrt(1 - torch.pow(s.beta2, k))
+            denom = (v.sqrt() / bc2_sqrt.unsqueeze(1)).add(s.eps)
+            w = w - (s.lr / bc1).unsqueeze(1) * m / denom
+            new_state.update(exp_avg=m, exp_avg_sq=v, step=k)
+        else:  # pragma: no cover - guarded by SparseOptimSpec
+            raise AssertionError(s.name)
+        if not bool(torch.isfinite(w).all()):
+            raise FloatingPointError(
+                f"{s.name} update produced non-finite weights for {int((~torch.isfinite(w)).any(1).sum())} rows; "
+                "nothing was applied"
+            )
+        # Write back only now: any failure above leaves weights and state untouched.
+        weight.index_copy_(0, rows, w)
+        for k_, v_ in new_state.items():
+            self.state[k_].index_copy_(0, rows, v_)

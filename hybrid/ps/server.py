@@ -1,0 +1,361 @@
+"""The parameter-server side: table shards, step bookkeeping, and the RPC entry points.
+
+A server process holds one :class:`CollectionShard` per remote collection that has tables on it.
+Trainers reach it through the module-level ``rpc_*`` functions below (RPC runs them in the
+server process). The protocol of one step ``t`` of one trainer:
+
+1. ``rpc_lookup(..., step=t, ids)`` -- deduplicated local row ids of every table held here, in
+   one request. It is answered (``async_execution``: no RPC thread waits) once the updates of
+   every trainer through step ``t - 1 - staleness`` are applied. The rows come back through
+   :class:`_Lookup`, an autograd function whose input is a per-shard anchor leaf, so
+   distributed autograd records the exchange without the table being a graph leaf: nothing
+   table-sized is ever built for the gradient.
+2. The trainer's ``dist_autograd.backward`` sends the gradient of those rows back; the
+   server's engine runs ``_Lookup.backward``, which hands it to :meth:`CollectionShard.push`.
+   Sync mode (staleness 0) sums the gradients of all trainers for step ``t`` and applies the
+   optimizer once, when the last one arrives; async mode applies each on arrival.
+
+Waiting lookups are completed by whoever completes the step they wait for, on that thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed.rpc as rpc
+
+from hybrid.ps.optim import RowSparseOptimizer, SparseOptimSpec
+from hybrid.ps.sharding import TableLayout
+
+
+@dataclass
+class ServerCounters:
+    """What a server counts per collection; trainers read them with :func:`rpc_stats`."""
+
+    lookups: int = 0
+    rows_served: int = 0
+    ids_requested: int = 0
+    """Ids before the trainers' deduplication; ``rows_served / ids_requested`` is the unique ratio."""
+    bytes_in: int = 0
+    bytes_out: int = 0
+    updates_applied: int = 0
+    wait_s: float = 0.0
+    """Time lookups spent waiting for the slowest trainer's update."""
+    max_lag: int = 0
+    """Largest number of earlier steps not yet fully applied when a lookup was answered."""
+    lags: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "lags"}
+        d["unique_ratio"] = self.rows_served / self.ids_requested if self.ids_requested else 1.0
+        return d
+
+
+class TableShard:
+    """This server's rows of one table, with their optimizer state."""
+
+    def __init__(self, layout: TableLayout, server: int, spec: SparseOptimSpec) -> None:
+        self.layout = layout
+        self.name = layout.table.name
+        self.dim = layout.table.embedding_dim
+        self.shard_pos = layout.servers.index(server)
+        self.rows = layout.rows_on(server)
+        self.weight = torch.empty(self.rows, self.dim)
+        self.optim = RowSparseOptimizer(spec, self.rows, self.dim)
+
+    def init_uniform(self, seed: int) -> None:
+        """TorchRec's default init (uniform in +-sqrt(1/num_embeddings)), seeded per table+shard."""
+        g = torch.Generator().manual_seed(seed * 1_000_003 + hash(self.name) % 1_000_003 + self.shard_pos)
+        bound = (1.0 / self.layout.table.num_embeddings) ** 0.5
+        self.weight.uniform_(-bound, bound, generator=g)
+
+
+class _Lookup(torch.autograd.Function):
+    """Rows out in forward; their gradient goes to the shard's step bookkeeping in backward."""
+
+    @staticmethod
+    def forward(ctx, anchor, shard, trainer, step, ids, counts):  # noqa: D401
+        ctx.shard, ctx.trainer, ctx.step, ctx.ids, ctx.counts = shard, trainer, step, ids, counts
+        return shard.gather(ids, counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.shard.push(ctx.trainer, ctx.step, ctx.ids, ctx.counts, grad)
+        return None, None, None, None, None, None
+
+
+class CollectionShard:
+    """The tables of one remote collection that live on this server, and their step state."""
+
+    def __init__(
+        self,
+        *,
+        cid: str,
+        server: int,
+        layouts: list[TableLayout],
+        optimizer: SparseOptimSpec,
+        num_trainers: int,
+        staleness: int,
+        gradient_scaling: str,
+        start_step: int,
+    ) -> None:
+        self.cid = cid
+        self.server = server
+        self.tables = [TableShard(lay, server, optimizer) for lay in layouts if server in lay.servers]
+        self.num_trainers = num_trainers
+        self.staleness = staleness
+        self.scale = 1.0 / num_trainers if gradient_scaling == "mean" else 1.0
+        self.complete_through = start_step - 1
+        self.arrived: dict[int, int] = defaultdict(int)
+        self.pending: dict[int, list[tuple[torch.Tensor, list[int], torch.Tensor]]] = defaultdict(list)
+        self.waiters: list[tuple[int, float, Callable[[BaseException | None], None]]] = []
+        self.failed: BaseException | None = None
+        self.fault: str | None = None
+        self.lock = threading.RLock()
+        self.anchor = torch.zeros((), requires_grad=True)
+        self.counters = ServerCounters()
+
+    # -- reading rows -------------------------------------------------------------------------
+    def _split(self, flat: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+        sizes = [n * t.dim for n, t in zip(counts, self.tables)]
+        return [c.view(n, t.dim) for c, n, t in zip(flat.split(sizes), counts, self.tables)]
+
+    def gather(self, ids: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows of ``ids`` (one chunk per table held here, ``counts`` long), flat."""
+        with self.lock:
+            parts = [
+                t.weight.index_select(0, i).view(-1) for t, i in zip(self.tables, ids.split(counts))
+            ]
+        out = torch.cat(parts) if parts else torch.empty(0)
+        self.counters.rows_served += int(ids.numel())
+        self.counters.bytes_out += out.numel() * out.element_size()
+        return out
+
+    def when_ready(self, needed: int, fn: Callable[[BaseException | None], None]) -> None:
+        """Run ``fn(None)`` once steps through ``needed`` are applied (``fn(err)`` on failure)."""
+        with self.lock:
+            if self.failed is None and self.complete_through < needed:
+                self.waiters.append((needed, time.monotonic(), fn))
+                return
+            err = self.failed
+        fn(err)
+
+    def _wake(self) -> None:
+        with self.lock:
+            ready = [w for w in self.waiters if self.failed or w[0] <= self.complete_through]
+            self.waiters = [w for w in self.waiters if w not in ready]
+            err = self.failed
+        now = time.monotonic()
+        for _, since, fn in ready:
+            self.counters.wait_s += now - since
+            # Not inline: we are on the distributed-autograd engine's thread (inside a gradient
+            # push), and answering a lookup records a new graph and sends a message from it.
+            _ANSWERS.submit(fn, err)
+
+    # -- gradients ----------------------------------------------------------------------------
+    def push(self, trainer: int, step: int, ids: torch.Tensor, counts: list[int], grad: torch.Tensor) -> None:
+        """One trainer's gradient for ``step`` (rows as looked up); applies when the step is due."""
+        self.counters.bytes_in += grad.numel() * grad.element_size()
+        try:
+            with self.lock:
+                if self.failed is not None:
+                    raise RuntimeError(f"{self.cid} on ps{self.server} failed earlier") from self.failed
+                if self.staleness == 0:
+                    self.pending[step].append((ids, counts, grad))
+                    if len(self.pending[step]) == self.num_trainers:
+                        self._apply(self.pending.pop(step))
+                else:
+                    self._apply([(ids, counts, grad)])
+                self.arrived[step] += 1
+                while self.arrived.get(self.complete_through + 1, 0) == self.num_trainers:
+                    self.arrived.pop(self.complete_through + 1)
+                    self.complete_through += 1
+        except BaseException as e:
+            with self.lock:
+                self.failed = e
+            self._wake()
+            raise
+        self._wake()
+
+    def _apply(self, contributions: list[tuple[torch.Tensor, list[int], torch.Tensor]]) -> None:
+        """Sum the contributions per distinct row and run the optimizer on each table."""
+        if self.fault == "update":
+            raise RuntimeError(f"injected fault in the update of {self.cid} on ps{self.server}")
+        per_table: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in self.tables]
+        for ids, counts, grad in contributions:
+            for k, (i, g) in enumerate(zip(ids.split(counts), self._split(grad, counts))):
+                per_table[k][0].append(i)
+                per_table[k][1].append(g)
+        updates = []
+        for table, (ids_l, grads_l) in zip(self.tables, per_table):
+            ids = torch.cat(ids_l)
+            if ids.numel() == 0:
+                continue
+            grads = torch.cat(grads_l)
+            if len(ids_l) == 1:
+                rows, summed = ids, grads  # already distinct: the trainer deduplicated
+            else:
+                rows, inverse = torch.unique(ids, return_inverse=True)
+                summed = torch.zeros(rows.numel(), table.dim).index_add_(0, inverse, grads)
+            updates.append((table, rows, summed * self.scale))
+        # Check every table's update before writing any, so a failure applies nothing.
+        snapshots = [(t, r, t.weight.index_select(0, r), {k: v.index_select(0, r) for k, v in t.optim.state.items()}) for t, r, _ in updates]
+        try:
+            for table, rows, g in updates:
+                table.optim.update(table.weight, rows, g)
+        except BaseException:
+            for t, r, w, st in snapshots:
+                t.weight.index_copy_(0, r, w)
+                for k, v in st.items():
+                    t.optim.state[k].index_copy_(0, r, v)
+            raise
+        self.counters.updates_applied += 1
+
+
+class ParameterServer:
+    """Everything one server process holds: its collections, by id."""
+
+    def __init__(self, server: int) -> None:
+        self.server = server
+        self.collections: dict[str, CollectionShard] = {}
+
+
+_SERVER: ParameterServer | None = None
+# Answers lookups that waited for a step to complete (one thread keeps answers in order).
+_ANSWERS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybrid-ps-answer")
+
+
+def _server() -> ParameterServer:
+    if _SERVER is None:
+        raise RuntimeError(f"{rpc.get_worker_info().name} holds no parameter-server state")
+    return _SERVER
+
+
+def _collection(cid: str) -> CollectionShard:
+    try:
+        return _server().collections[cid]
+    except KeyError:
+        raise KeyError(f"{rpc.get_worker_info().name} holds no collection {cid!r}") from None
+
+
+# -- RPC entry points (run on the server) ---------------------------------------------------------
+
+
+def rpc_create(cid: str, server: int, layouts, optimizer: dict, num_trainers: int, staleness: int,
+               gradient_scaling: str, start_step: int, init_seed: int | None) -> list[str]:
+    """Create (or replace) this server's shards of collection ``cid``; returns the table names."""
+    global _SERVER
+    if _SERVER is None:
+        _SERVER = ParameterServer(server)
+    shard = CollectionShard(
+        cid=cid, server=server, layouts=layouts, optimizer=SparseOptimSpec(**optimizer),
+        num_trainers=num_trainers, staleness=staleness, gradient_scaling=gradient_scaling,
+        start_step=start_step,
+    )
+    for t in shard.tables:
+        if init_seed is not None:
+            t.init_uniform(init_seed)
+        else:
+            t.weight.zero_()
+    _SERVER.collections[cid] = shard
+    return [t.name for t in shard.tables]
+
+
+def rpc_write_rows(cid: str, table: str, start: int, rows: torch.Tensor) -> None:
+    """Overwrite local rows ``[start, start + len(rows))`` of ``table`` (initial load, restore)."""
+    shard = _collection(cid)
+    t = next(t for t in shard.tables if t.name == table)
+    with shard.lock:
+        t.weight[start : start + rows.shape[0]] = rows
+
+
+def rpc_write_state(cid: str, table: str, state: dict[str, torch.Tensor]) -> None:
+    """Replace a table shard's optimizer state (restore)."""
+    shard = _collection(cid)
+    t = next(t for t in shard.tables if t.name == table)
+    with shard.lock:
+        for k, v in state.items():
+            t.optim.state[k].copy_(v)
+
+
+@rpc.functions.async_execution
+def rpc_read_shard(cid: str, table: str, after_step: int = -1):
+    """A copy of this server's rows of ``table`` and their optimizer state, once every trainer's
+    updates through ``after_step`` are applied."""
+    shard = _collection(cid)
+    t = next(t for t in shard.tables if t.name == table)
+    fut: torch.futures.Future = torch.futures.Future()
+
+    def answer(err: BaseException | None) -> None:
+        if err is not None:
+            fut.set_exception(RuntimeError(f"ps{shard.server}: collection {cid} failed: {err!r}"))
+            return
+        with shard.lock:
+            fut.set_result((t.weight.clone(), {k: v.clone() for k, v in t.optim.state.items()}))
+
+    shard.when_ready(after_step, answer)
+    return fut
+
+
+def rpc_stats(cid: str) -> dict:
+    shard = _collection(cid)
+    d = shard.counters.as_dict()
+    d["complete_through"] = shard.complete_through
+    return d
+
+
+def rpc_set_fault(cid: str, fault: str | None) -> None:
+    """Test hook: make the next update of ``cid`` raise (``"update"``) or clear it."""
+    _collection(cid).fault = fault
+
+
+@rpc.functions.async_execution
+def rpc_lookup(cid: str, trainer: int, step: int, ids: torch.Tensor, counts: list[int], n_raw: int):
+    """Rows for one trainer's step; waits (without a thread) until the step may read."""
+    shard = _collection(cid)
+    fut: torch.futures.Future = torch.futures.Future()
+    shard.counters.lookups += 1
+    shard.counters.ids_requested += n_raw
+    shard.counters.bytes_in += ids.numel() * ids.element_size()
+    needed = step - 1 - shard.staleness
+
+    def answer(err: BaseException | None) -> None:
+        if err is not None:
+            fut.set_exception(RuntimeError(f"ps{shard.server}: collection {cid} failed: {err!r}"))
+            return
+        try:
+            lag = step - 1 - shard.complete_through
+            shard.counters.max_lag = max(shard.counters.max_lag, lag)
+            if len(shard.counters.lags) < 10_000:
+                shard.counters.lags.append(lag)
+            # May run on a backward thread (the one that completed the step): grad mode is off there.
+            with torch.enable_grad():
+                rows = _Lookup.apply(shard.anchor, shard, trainer, step, ids, counts)
+            fut.set_result(rows)
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer
+            fut.set_exception(e)
+
+    shard.when_ready(needed, answer)
+    return fut
+
+
+@rpc.functions.async_execution
+def rpc_read(cid: str, after_step: int, ids: torch.Tensor, counts: list[int]):
+    """Rows without gradient (evaluation), once steps through ``after_step`` are applied."""
+    shard = _collection(cid)
+    fut: torch.futures.Future = torch.futures.Future()
+
+    def answer(err: BaseException | None) -> None:
+        if err is not None:
+            fut.set_exception(RuntimeError(f"ps{shard.server}: collection {cid} failed: {err!r}"))
+        else:
+            fut.set_result(shard.gather(ids, counts))
+
+    shard.when_ready(after_step, answer)
+    return fut

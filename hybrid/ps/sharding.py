@@ -1,0 +1,122 @@
+"""Where each embedding row lives: table-wise or row-wise over a set of parameter servers.
+
+Row-wise sharding is cyclic: global row ``r`` of a table lives on ``servers[r % S]`` at local row
+``r // S``. Cyclic rather than contiguous blocks because real id distributions are skewed towards
+small ids (Zipf); blocks would put every hot row on the first server.
+
+Table-wise sharding puts each whole table on one server, balancing bytes greedily (largest table
+to the least-loaded server), ties broken by server order, so the layout is deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Sharding = Literal["table_wise", "row_wise"]
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """What a server needs to know about one table (built from a torchrec EmbeddingBagConfig)."""
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: tuple[str, ...]
+    pooling: Literal["sum", "mean"] = "sum"
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_embeddings * self.embedding_dim * 4
+
+
+def table_specs(configs) -> list[TableSpec]:
+    """TableSpecs from torchrec ``EmbeddingBagConfig``s (in the collection's order)."""
+    from torchrec.modules.embedding_configs import PoolingType
+
+    out = []
+    for c in configs:
+        pooling = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}.get(c.pooling)
+        if pooling is None:
+            raise ValueError(f"table {c.name!r}: pooling {c.pooling} is not supported (sum, mean)")
+        out.append(
+            TableSpec(
+                name=c.name,
+                num_embeddings=c.num_embeddings,
+                embedding_dim=c.embedding_dim,
+                feature_names=tuple(c.feature_names or [c.name]),
+                pooling=pooling,
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """The placement of one table: which servers hold it and how rows map to them."""
+
+    table: TableSpec
+    sharding: Sharding
+    servers: tuple[int, ...]
+    """Global server indices (``ps<i>``) holding shards; one server for table-wise."""
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.servers)
+
+    def rows_on(self, server: int) -> int:
+        """Rows of this table held by ``server`` (0 if it holds none)."""
+        if server not in self.servers:
+            return 0
+        if self.sharding == "table_wise":
+            return self.table.num_embeddings
+        k = self.servers.index(server)
+        s = self.num_shards
+        return (self.table.num_embeddings - k + s - 1) // s
+
+    def shard_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Shard position (index into ``servers``) of each global id."""
+        if self.sharding == "table_wise":
+            return torch.zeros_like(ids)
+        return ids % self.num_shards
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Row index inside its shard of each global id."""
+        if self.sharding == "table_wise":
+            return ids
+        return ids // self.num_shards
+
+    def global_ids(self, shard_pos: int, local: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`local_ids` for rows of shard ``shard_pos``."""
+        if self.sharding == "table_wise":
+            return local
+        return local * self.num_shards + shard_pos
+
+
+def shard_tables(
+    tables: list[TableSpec],
+    num_servers: int,
+    sharding: Sharding,
+    servers: list[int] | None = None,
+) -> list[TableLayout]:
+    """Place ``tables`` on ``servers`` (default: all ``num_servers``), in table order."""
+    if sharding not in ("table_wise", "row_wise"):
+        raise ValueError(f"sharding must be 'table_wise' or 'row_wise', got {sharding!r}")
+    servers = list(range(num_servers)) if servers is None else list(servers)
+    if not servers:
+        raise ValueError("no parameter server to place the tables on")
+    bad = [s for s in servers if not 0 <= s < num_servers]
+    if bad:
+        raise ValueError(f"servers {bad} do not exist: there are {num_servers} (ps0..ps{num_servers - 1})")
+    if sharding == "row_wise":
+        return [TableLayout(t, "row_wise", tuple(servers)) for t in tables]
+    load = {s: 0 for s in servers}
+    placed: dict[str, int] = {}
+    for t in sorted(tables, key=lambda t: (-t.nbytes, t.name)):
+        target = min(servers, key=lambda s: (load[s], servers.index(s)))
+        placed[t.name] = target
+        load[target] += t.nbytes
+    return [TableLayout(t, "table_wise", (placed[t.name],)) for t in tables]

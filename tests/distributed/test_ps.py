@@ -1,0 +1,165 @@
+"""Parameter servers with real processes: 2 trainers and 1 or 2 servers, table-wise and row-wise.
+
+One run trains four remote collections at once -- one per server optimizer -- for 10 sync steps,
+and every trainer checks, step by step, that the remote collection's output equals a local
+EmbeddingBagCollection holding the reference weights, and at the end that every server row and
+its optimizer state equal single-process training on the global batch.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybrid.autograd import RemoteRuntime, set_runtime, step
+from hybrid.launch.roles import role_of
+from hybrid.ps.client import BadIdError, RemoteEmbeddingBagCollection
+from tests.harness import DistributedTestError, run_distributed
+from tests.support.sparse import (
+    ReferenceSparseOptimizer,
+    global_batch,
+    kjt_slice,
+    make_ebc,
+    test_tables,
+    touched_rows,
+)
+
+OPTIMIZERS = {"sgd": 0.5, "adagrad": 0.1, "rowwise_adagrad": 0.1, "adam": 0.05}
+STEPS, BATCH = 10, 6
+
+
+def _loss(values: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return ((values @ c) ** 2).mean() + values.sum(1).mean()
+
+
+def _train(rank, world_size, *, num_servers, sharding):
+    role = role_of(rank, world_size, num_servers)
+    if not role.is_trainer:
+        return None
+    t_n, me = role.num_trainers, role.index
+    tables = test_tables()
+    c = torch.linspace(-1, 1, sum(t.embedding_dim * len(t.feature_names) for t in tables))
+    remotes, refs = {}, {}
+    for name, lr in OPTIMIZERS.items():
+        ebc = make_ebc(seed=0)
+        remote = RemoteEmbeddingBagCollection.from_collection(
+            ebc, cid=name, num_servers=num_servers, sharding=sharding,
+            optimizer={"name": name, "lr": lr}, trainer=me, num_trainers=t_n,
+        )
+        if me == 0:
+            remote.create_on_servers(init_from=ebc)
+        remotes[name] = remote
+        ref = make_ebc(seed=0)
+        refs[name] = (ref, {t.name: ReferenceSparseOptimizer(name, ref.embedding_bags[t.name].weight.data, lr=lr)
+                            for t in tables})
+    dist.barrier()
+    set_runtime(RemoteRuntime(trainer=me))
+    max_fwd_err = 0.0
+    for s in range(STEPS):
+        data = global_batch(s, tables, t_n * BATCH)
+        kjt = kjt_slice(data, me * BATCH, (me + 1) * BATCH)
+        with step() as st:
+            outs = {n: r(kjt) for n, r in remotes.items()}
+            for n, out in outs.items():
+                local = refs[n][0](kjt).values()
+                torch.testing.assert_close(out.values(), local, rtol=1e-6, atol=1e-6)
+                max_fwd_err = max(max_fwd_err, float((out.values() - local).abs().max()))
+                assert out.keys() == refs[n][0](kjt).keys()
+            st.backward(sum(_loss(o.values(), c) for o in outs.values()))
+        # The reference: one process, the global batch, the same loss (a mean over all samples).
+        gkjt = kjt_slice(data, 0, t_n * BATCH)
+        touched = touched_rows(data, tables)
+        for n, (ref, opts) in refs.items():
+            ref.zero_grad()
+            _loss(ref(gkjt).values(), c).backward()
+            for t in tables:
+                opts[t.name].step(ref.embedding_bags[t.name].weight.grad, touched[t.name])
+    from hybrid.autograd import runtime
+
+    runtime().wait_pushed()
+    dist.barrier()  # every trainer's last push is in, so the last step is applied everywhere
+    result = {"max_fwd_err": max_fwd_err}
+    if me == 0:
+        for n, remote in remotes.items():
+            weights, states = remote.read_tables(with_state=True)
+            ref, opts = refs[n]
+            for t in tables:
+                torch.testing.assert_close(weights[t.name], ref.embedding_bags[t.name].weight.data,
+                                           rtol=1e-6, atol=1e-6, msg=lambda m: f"{n} {t.name}: {m}")
+                for k, v in opts[t.name].state.items():
+                    torch.testing.assert_close(states[t.name][k], v, rtol=1e-6, atol=1e-6,
+                                               msg=lambda m: f"{n} {t.name} state {k}: {m}")
+            result[n] = remote.stats()
+            # The tables did move: the comparison above is not trivially true.
+            assert not torch.equal(weights["t0"], make_ebc(seed=0).embedding_bags["t0"].weight.data)
+    set_runtime(None)
+    return result
+
+
+@pytest.mark.parametrize(
+    "num_servers,sharding",
+    [(1, "row_wise"), (2, "table_wise"), (2, "row_wise")],
+)
+def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sharding):
+    out = run_distributed(_train, 2 + num_servers, setup="hybrid", num_servers=num_servers, timeout=180,
+                          sharding=sharding)
+    stats = out[0]
+    for name in OPTIMIZERS:
+        per_server = stats[name]
+        for server, st in per_server.items():
+            # One lookup RPC per server per step per trainer, however many tables and features.
+            assert st["lookups"] == STEPS * 2, (server, st)
+            assert st["updates_applied"] == STEPS, (server, st)
+            assert st["complete_through"] == STEPS - 1
+            # Only deduplicated rows cross the wire: never anything table-sized.
+            assert st["rows_served"] <= st["ids_requested"]
+            assert st["bytes_out"] < STEPS * 2 * sum(4 * t.num_embeddings * t.embedding_dim for t in test_tables())
+
+
+def _bad_ids(rank, world_size, *, policy):
+    role = role_of(rank, world_size, 1)
+    if not role.is_trainer:
+        return None
+    ebc = make_ebc(seed=0)
+    remote = RemoteEmbeddingBagCollection.from_collection(
+        ebc, cid="bad", num_servers=1, optimizer={"name": "sgd", "lr": 1.0}, id_policy=policy,
+    )
+    remote.create_on_servers(init_from=ebc)
+    set_runtime(RemoteRuntime(trainer=0))
+    data = global_batch(0, test_tables(), 4)
+    ln, ids, w = data["f0"]
+    ids = ids.clone()
+    ids[0], ids[-1] = 57, -3  # table t0 has 50 rows
+    data["f0"] = (ln, ids, w)
+    kjt = kjt_slice(data, 0, 4)
+    before = remote.read_tables()
+    err = None
+    with step() as st:
+        try:
+            out = remote(kjt)
+            st.backward(out.values().sum())
+        except BadIdError as e:
+            err = str(e)
+    after = remote.read_tables()
+    if policy == "modulo":
+        fixed = dict(data)
+        fixed["f0"] = (ln, torch.remainder(ids, 50), w)
+        expect = ebc(kjt_slice(fixed, 0, 4)).values()
+        return err, out.values().detach(), expect.detach(), before, after
+    return err, None, None, before, after
+
+
+def test_bad_ids_error_policy_names_feature_id_and_size_and_changes_nothing():
+    out = run_distributed(_bad_ids, 2, setup="hybrid", num_servers=1, timeout=90, policy="error")
+    err, _, _, before, after = out[0]
+    assert err is not None
+    assert "feature 'f0'" in err and "57" in err and "-3" in err and "2 id(s)" in err and "50 rows" in err and "id_policy: modulo" in err
+    for k in before:
+        assert torch.equal(before[k], after[k])
+
+
+def test_bad_ids_modulo_policy_wraps_ids():
+    out = run_distributed(_bad_ids, 2, setup="hybrid", num_servers=1, timeout=90, policy="modulo")
+    err, got, expect, before, after = out[0]
+    assert err is None
+    torch.testing.assert_close(got, expect)
+    assert not torch.equal(before["t0"], after["t0"])  # the step went through

@@ -1,0 +1,105 @@
+"""Sparse test data and reference row-sparse optimizers shared by the PS and composer tests."""
+
+from __future__ import annotations
+
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+
+def test_tables() -> list[EmbeddingBagConfig]:
+    """Three tables: plain sum, a shared mean-pooled table with two features, and a tiny one
+    (lots of duplicate ids)."""
+    return [
+        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=50, feature_names=["f0"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=30, feature_names=["f1", "f2"],
+                           pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=7, feature_names=["f3"]),
+    ]
+
+
+def make_ebc(seed: int = 0, weighted: bool = False, tables=None) -> EmbeddingBagCollection:
+    torch.manual_seed(seed)
+    return EmbeddingBagCollection(tables=tables or test_tables(), is_weighted=weighted)
+
+
+def global_batch(step: int, tables, batch: int, *, max_len: int = 4, weighted: bool = False,
+                 seed: int = 1000) -> dict:
+    """Per feature: lengths [batch] (empty bags included) and ids, deterministic in ``step``."""
+    g = torch.Generator().manual_seed(seed + step)
+    out = {}
+    for t in tables:
+        for f in t.feature_names:
+            lengths = torch.randint(0, max_len + 1, (batch,), generator=g)
+            ids = torch.randint(0, t.num_embeddings, (int(lengths.sum()),), generator=g)
+            w = torch.rand(ids.shape, generator=g) if weighted else None
+            out[f] = (lengths, ids, w)
+    return out
+
+
+def kjt_slice(data: dict, start: int, end: int, keys: list[str] | None = None) -> KeyedJaggedTensor:
+    """The KJT of samples [start, end) of a ``global_batch``."""
+    keys = keys or list(data)
+    lengths, values, weights = [], [], []
+    for k in keys:
+        ln, ids, w = data[k]
+        off = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(ln, 0)])
+        lengths.append(ln[start:end])
+        values.append(ids[off[start] : off[end]])
+        if w is not None:
+            weights.append(w[off[start] : off[end]])
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=torch.cat(values), lengths=torch.cat(lengths),
+        weights=torch.cat(weights) if weights else None,
+    )
+
+
+def touched_rows(data: dict, tables) -> dict[str, torch.Tensor]:
+    out = {}
+    for t in tables:
+        ids = torch.cat([data[f][1] for f in t.feature_names])
+        mask = torch.zeros(t.num_embeddings, dtype=torch.bool)
+        mask[ids] = True
+        out[t.name] = mask
+    return out
+
+
+class ReferenceSparseOptimizer:
+    """Dense formulation of the servers' row-sparse optimizers: only ``touched`` rows move."""
+
+    def __init__(self, name: str, weight: torch.Tensor, *, lr: float, eps: float = 1e-8,
+                 beta1: float = 0.9, beta2: float = 0.999) -> None:
+        self.name, self.w, self.lr, self.eps, self.b1, self.b2 = name, weight, lr, eps, beta1, beta2
+        rows, dim = weight.shape
+        self.state = {
+            "sgd": {},
+            "adagrad": {"sum": torch.zeros(rows, dim)},
+            "rowwise_adagrad": {"sum": torch.zeros(rows)},
+            "adam": {"exp_avg": torch.zeros(rows, dim), "exp_avg_sq": torch.zeros(rows, dim),
+                     "step": torch.zeros(rows)},
+        }[name]
+
+    @torch.no_grad()
+    def step(self, grad: torch.Tensor, touched: torch.Tensor) -> None:
+        w, m = self.w, touched.unsqueeze(1)
+        if self.name == "sgd":
+            w.sub_(self.lr * grad * m)
+        elif self.name == "adagrad":
+            s = self.state["sum"]
+            s.add_(grad * grad * m)
+            w.sub_(torch.where(m, self.lr * grad / (s.sqrt() + self.eps), 0.0))
+        elif self.name == "rowwise_adagrad":
+            s = self.state["sum"]
+            s.add_(torch.where(touched, (grad * grad).mean(1), 0.0))
+            w.sub_(torch.where(m, self.lr * grad / (s.sqrt() + self.eps).unsqueeze(1), 0.0))
+        elif self.name == "adam":
+            st = self.state
+            st["step"].add_(touched.float())
+            k = st["step"].clamp(min=1).unsqueeze(1)
+            st["exp_avg"].copy_(torch.where(m, st["exp_avg"] * self.b1 + (1 - self.b1) * grad, st["exp_avg"]))
+            st["exp_avg_sq"].copy_(torch.where(m, st["exp_avg_sq"] * self.b2 + (1 - self.b2) * grad * grad, st["exp_avg_sq"]))
+            bc1 = 1 - self.b1 ** k
+            bc2 = 1 - self.b2 ** k
+            upd = self.lr / bc1 * st["exp_avg"] / (st["exp_avg_sq"].sqrt() / bc2.sqrt() + self.eps)
+            w.sub_(torch.where(m, upd, 0.0))

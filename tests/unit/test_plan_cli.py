@@ -1,0 +1,131 @@
+"""``hybrid plan show/check`` with a stand-in model registry (the examples may not exist yet)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid import cli
+from hybrid.plan import PlanError
+from tests.unit.test_plan_models import EBC, dlrm, write
+
+PLAN = f"""
+    model: tiny_dlrm
+    world_size: 3
+    topology: {{parameter_servers: 1}}
+    modules:
+      {EBC}:
+        strategy: parameter_server
+        optimizer: {{name: rowwise_adagrad, lr: 0.05}}
+      over_arch: {{strategy: fsdp}}
+      "*": {{strategy: ddp}}
+"""
+
+
+@pytest.fixture
+def devices(monkeypatch):
+    """Registry of one model; records the device each build was asked for."""
+    seen = []
+
+    def tiny_dlrm(device=None):
+        seen.append(device)
+        return dlrm()
+
+    monkeypatch.setattr(cli, "model_registry", lambda: {"tiny_dlrm": tiny_dlrm, "no_device": lambda: dlrm()})
+    return seen
+
+
+@pytest.fixture
+def plan(tmp_path):
+    return str(write(tmp_path, PLAN))
+
+
+def test_show_prints_the_table_built_on_meta(plan, devices, capsys):
+    assert cli.main(["plan", "show", plan]) == 0
+    out = capsys.readouterr().out
+    assert "world size 3 = 2 trainers + 1 parameter server; sync (staleness 0)" in out
+    assert EBC in out and "dense_arch" in out and "over_arch" in out and "total" in out
+    assert devices == [torch.device("meta")]
+
+
+def test_show_with_world_size_overrides_and_options(plan, devices, capsys):
+    argv = ["plan", "show", plan, "topology.parameter_servers=2", "--world-size", "5", "sync.staleness=1", "--dense-optimizer", "adam"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "world size 5 = 3 trainers + 2 parameter servers; async (staleness 1)" in out
+    assert "params + grads + adam state" in out
+
+
+def test_check_ok(plan, devices, capsys):
+    assert cli.main(["plan", "check", plan]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"plan OK: {plan} on tiny_dlrm: 3 processes = 2 trainers + 1 parameter server; 3 modules")
+
+
+def test_model_flag_beats_the_plan_and_builders_without_device_work(plan, devices, capsys):
+    assert cli.main(["plan", "check", plan, "--model", "no_device"]) == 0
+    assert "on no_device" in capsys.readouterr().out and devices == []
+
+
+def test_check_reports_plan_errors_without_traceback(plan, devices, capsys):
+    assert cli.main(["plan", "check", plan, "modules.dense_arh.strategy=ddp"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("error: override 'modules.dense_arh.strategy=ddp': modules.dense_arh: no module 'dense_arh'")
+    assert "did you mean 'dense_arch'" in captured.err and "Traceback" not in captured.err
+
+
+def test_topology_that_does_not_fit_the_world_size(plan, devices, capsys):
+    assert cli.main(["plan", "check", plan, "--world-size", "1"]) == 2
+    assert "leave no trainer in world_size=1" in capsys.readouterr().err
+
+
+def test_unknown_model_lists_known_names(plan, devices, capsys):
+    assert cli.main(["plan", "show", plan, "--model", "dlrn"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--model: unknown model 'dlrn'; known: no_device, tiny_dlrm" in err
+
+
+def test_plan_without_model_and_without_world_size(tmp_path, devices, capsys):
+    path = str(write(tmp_path, '{modules: {"*": {strategy: ddp}}}\n'))
+    assert cli.main(["plan", "check", path]) == 2
+    assert "model: no model: set `model:` in the plan or pass --model; known: no_device, tiny_dlrm" in capsys.readouterr().err
+    assert cli.main(["plan", "check", path, "--model", "tiny_dlrm"]) == 0
+    assert "(world size 2 = parameter_servers + 1 trainer; set world_size or pass --world-size)" in capsys.readouterr().out
+
+
+def test_bad_yaml_and_missing_file(tmp_path, devices, capsys):
+    assert cli.main(["plan", "check", str(write(tmp_path, "a: [1,\n"))]) == 2
+    assert "plan.yaml:2:1: invalid YAML" in capsys.readouterr().err
+    assert cli.main(["plan", "show", str(tmp_path / "none.yaml")]) == 2
+    assert "none.yaml: cannot read the plan file" in capsys.readouterr().err
+
+
+def test_missing_examples_package(plan, monkeypatch, capsys):
+    def broken():
+        raise PlanError("cannot import recsys_examples.MODELS (no module)", category="unknown_model")
+
+    monkeypatch.setattr(cli, "model_registry", broken)
+    assert cli.main(["plan", "show", plan]) == 2
+    assert "error: cannot import recsys_examples.MODELS" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(plan, devices, capsys):
+    assert cli.main([]) == 2
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "show"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "check", plan, "--bogus"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan"])
+    assert e.value.code == 2
+    assert "--bogus" in capsys.readouterr().err
+
+
+def test_console_script_entry_point_is_main():
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "hybrid"]
+    assert ep.value == "hybrid.cli:main"
