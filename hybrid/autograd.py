@@ -100,6 +100,9 @@ class RemoteStep:
     broken: BaseException | None = None
     times: StepTimes = field(default_factory=StepTimes)
     pushed: Future | None = None
+    inflight: list[Any] = field(default_factory=list)
+    """Lookups sent in this step whose rows the model has not consumed yet."""
+    sent: bool = False
 
     def call(self, fn: Callable[[int], Any]) -> Future:
         """Run ``fn(ctx_id)`` on this step's context thread; returns its future."""
@@ -180,15 +183,29 @@ class RemoteRuntime:
         return self._get(base + k)
 
     def end(self, pushed: bool) -> None:
-        """Close the current step; without a push, release its context unused."""
+        """Close the current step.
+
+        A step that ends without ``s.backward`` (an exception) but did send lookups still owes
+        the servers its gradient: zeros are pushed for every row it received, so the other
+        trainers are not left waiting for this one. A step that sent nothing is not counted.
+        """
         rstep, self.current = self.current, None
         if rstep is None:
             return
+        self.last_times = rstep.times
+        if not pushed and not rstep.sent:
+            rstep.release()
+            # Keep the (unused) context thread slot for this step number.
+            self._open.pop(rstep.step, None)
+            return
         self._open.pop(rstep.step, None)
         self.next_step = rstep.step + 1
-        self.last_times = rstep.times
         if not pushed:
-            rstep.release()
+            for pending in rstep.inflight:
+                for r in pending.wait(self.timeout_s).values():
+                    rstep.add_pair(r)
+            rstep.inflight.clear()
+            self.last_pushed = rstep.push()
 
     def wait_pushed(self) -> None:
         """Block until the previous step's gradients reached the servers; raise its error."""

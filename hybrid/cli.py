@@ -3,9 +3,10 @@
     hybrid plan show PLAN [--model NAME] [--world-size N] [key=value ...]
     hybrid plan check PLAN [--model NAME] [--world-size N] [key=value ...]
 
-A new verb (``train``, ``launch``, ``export``) is one ``_add_<verb>_parser`` function that sets
-``handler`` to its ``_<verb>_main(args) -> int``, plus one line in :func:`build_parser`.
-Exit codes: 0 success, 2 a user mistake (printed as ``error: ...`` on stderr, no traceback).
+A new verb (``train``, ``launch``, ``export``) is one ``_add_<verb>_parser(commands)`` function
+that sets ``handler`` to its ``_<verb>_main(args) -> int``, plus one line in
+:func:`build_parser`. Exit codes: 0 success, 2 a user mistake, printed as ``error: ...`` on
+stderr without a traceback.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from hybrid.plan import PlanError, format_plan, load_plan, resolve, summarize
+from hybrid.plan import Plan, PlanError, format_plan, load_plan, resolve, summarize
 from hybrid.plan.report import DENSE_OPTIMIZER_STATE
 
 EXIT_USAGE = 2
@@ -30,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # argparse (before 3.12) stops filling a nargs="*" positional at the first option, so
     # overrides written after an option come back unparsed; keep them if they are key=value.
-    if extra and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+    if extra and hasattr(args, "overrides") and all(_is_override(a) for a in extra):
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -42,27 +43,40 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``hybrid`` parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(prog="hybrid", description="Hybrid FSDP/DDP + parameter-server training.")
+    parser = argparse.ArgumentParser(
+        prog="hybrid", description="Hybrid FSDP/DDP + parameter-server training."
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_plan_parser(commands)
     return parser
 
 
+_PLAN_ACTIONS = {
+    "show": "print which module goes where, with parameters and bytes per trainer/server",
+    "check": "validate the plan against the model; exit 0 if it is OK, 2 if not",
+}
+
+
 def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser("plan", help="show or check a plan file against a model")
     actions = plan.add_subparsers(dest="action", metavar="ACTION", required=True)
-    for action, help_text in (
-        ("show", "print which module goes where, with parameter counts and bytes per trainer/server"),
-        ("check", "validate the plan against the model; exit 0 if it is OK, 2 if not"),
-    ):
+    for action, help_text in _PLAN_ACTIONS.items():
         p = actions.add_parser(action, help=help_text, description=help_text)
         p.add_argument("plan", metavar="PLAN", help="plan YAML, e.g. conf/plans/dlrm.yaml")
-        p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="overrides, e.g. topology.parameter_servers=2")
-        p.add_argument("--model", help="model name in recsys_examples.MODELS (default: the plan's `model`)")
-        p.add_argument("--world-size", type=int, help="processes, trainers + servers (default: the plan's `world_size`)")
+        p.add_argument(
+            "overrides", nargs="*", default=[], metavar="key=value",
+            help="plan overrides, e.g. topology.parameter_servers=2 modules.over_arch.strategy=ddp",
+        )  # fmt: skip
+        p.add_argument("--model", help="name in recsys_examples.MODELS (default: the plan's model)")
+        p.add_argument(
+            "--world-size", type=int,
+            help="processes, trainers + servers (default: the plan's world_size)",
+        )  # fmt: skip
         if action == "show":
-            p.add_argument("--dense-optimizer", default="adagrad", choices=sorted(DENSE_OPTIMIZER_STATE),
-                           help="dense optimizer whose state the byte estimates count (default: adagrad)")  # fmt: skip
+            p.add_argument(
+                "--dense-optimizer", default="adagrad", choices=sorted(DENSE_OPTIMIZER_STATE),
+                help="dense optimizer whose state the byte estimates count (default: adagrad)",
+            )  # fmt: skip
         p.set_defaults(handler=_plan_main)
 
 
@@ -84,49 +98,51 @@ def _plan_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _world_size(flag: int | None, plan) -> tuple[int, str]:
+def _world_size(flag: int | None, plan: Plan) -> tuple[int, str]:
+    """The world size to check against, and a note when it was guessed."""
     if flag is not None:
         return flag, ""
     if plan.world_size is not None:
         return plan.world_size, ""
     smallest = plan.topology.parameter_servers + 1
-    return smallest, f"\n(world size {smallest} = parameter_servers + 1 trainer; set world_size or pass --world-size)"
+    note = f"\n(world size {smallest} = parameter_servers + 1 trainer; set world_size or pass --world-size)"
+    return smallest, note
 
 
 def model_registry() -> dict[str, Callable[..., nn.Module]]:
-    """``recsys_examples.MODELS`` (imported here: the CLI must start without the examples)."""
+    """``recsys_examples.MODELS``, imported on use so the CLI starts without the examples."""
     try:
         from recsys_examples import MODELS
     except ImportError as e:
-        raise PlanError(f"cannot import recsys_examples.MODELS ({e})", category="unknown_model") from None
+        detail = f"cannot import recsys_examples.MODELS ({e})"
+        raise PlanError(detail, category="unknown_model") from None
     return MODELS
 
 
 def build_model(name: str | None, *, key: str = "model") -> nn.Module:
     """The example model ``name``, on the meta device when its builder takes ``device``.
 
-    Meta tensors have shapes but no storage, which is all the plan needs, so even models with
-    large tables build instantly.
+    Meta tensors have shapes but no storage, which is all a plan needs, so even models with
+    large tables build instantly. ``key`` names where the name came from, for the error.
     """
     models = model_registry()
+    known = ", ".join(sorted(models))
     if not name:
-        raise PlanError(
-            f"no model: set `model:` in the plan or pass --model; known: {', '.join(sorted(models))}",
-            category="unknown_model",
-            key="model",
-        )
+        detail = f"no model: set `model:` in the plan or pass --model; known: {known}"
+        raise PlanError(detail, category="unknown_model", key="model")
     if name not in models:
-        raise PlanError(
-            f"unknown model {name!r}; known: {', '.join(sorted(models))} (recsys_examples.MODELS)",
-            category="unknown_model",
-            key=key,
-        )
+        detail = f"unknown model {name!r}; known: {known} (recsys_examples.MODELS)"
+        raise PlanError(detail, category="unknown_model", key=key)
     builder = models[name]
     try:
         takes_device = "device" in inspect.signature(builder).parameters
-    except (TypeError, ValueError):  # builtins and some callables have no signature
+    except (TypeError, ValueError):  # some callables have no signature
         takes_device = False
     return builder(device=torch.device("meta")) if takes_device else builder()
+
+
+def _is_override(arg: str) -> bool:
+    return "=" in arg and not arg.startswith("-")
 
 
 if __name__ == "__main__":

@@ -56,11 +56,13 @@ class PlanError(ValueError):
 
     def under(self, prefix: str) -> PlanError:
         """The same error with ``prefix`` put in front of its key path."""
-        return PlanError(self.detail, category=self.category, key=join_key(prefix, self.key), where=self.where)
+        key = join_key(prefix, self.key)
+        return PlanError(self.detail, category=self.category, key=key, where=self.where)
 
     def at(self, where: str) -> PlanError:
-        """The same error located at ``where`` (``file:line`` or an override), unless already located."""
-        return PlanError(self.detail, category=self.category, key=self.key, where=self.where or where)
+        """The same error located at ``where`` (``file:line``, an override) unless already so."""
+        where = self.where or where
+        return PlanError(self.detail, category=self.category, key=self.key, where=where)
 
 
 def join_key(*parts: str) -> str:

@@ -3,19 +3,13 @@
 The file is parsed by ``OmegaConf.load``, whose loader is built on yaml's ``SafeLoader``: it
 never constructs Python objects, and a ``!!python/object`` (or any unknown) tag is refused
 with the file and line. Each section is then merged onto its structured config
-(``OmegaConf.structured(cls)``) so unknown keys and wrong types are caught with their key path,
-and instantiated, which runs the dataclasses' own checks.
-
-Overrides are omegaconf-style ``key=value`` (``topology.parameter_servers=2``,
-``modules.over_arch.strategy=ddp``, ``modules."*".strategy=fsdp``). Module paths contain dots,
-so under ``modules`` the rule key is the longest prefix that names a rule of the file, or else
-everything up to the first option name. Overriding a rule's ``strategy`` starts that rule
-afresh: the file's options belonged to the old strategy.
+(``OmegaConf.structured(cls)``) so that unknown keys and wrong types are caught with their key
+path, and instantiated, which runs the dataclasses' own checks. Errors carry ``file:line``
+(or the override that set the value); see :mod:`hybrid.plan.overrides` for ``key=value``.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import types
 import typing
@@ -28,15 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from hybrid.plan.errors import PlanError, did_you_mean, join_key, one_of
-from hybrid.plan.schema import (
-    OPTION_NAMES,
-    STRATEGY_OPTIONS,
-    Plan,
-    Rule,
-    SparseOptimizer,
-    SyncOptions,
-    Topology,
-)
+from hybrid.plan.overrides import apply_overrides, override_key
+from hybrid.plan.schema import STRATEGY_OPTIONS, Plan, Rule, SparseOptimizer, SyncOptions, Topology
 
 _SECTIONS = ("model", "world_size", "topology", "modules", "sync")
 _YAML_TAG_PREFIX = "tag:yaml.org,2002:"
@@ -73,16 +60,14 @@ def plan_from_dict(d: Mapping[str, Any], overrides: Sequence[str] = ()) -> Plan:
 
 def _build(raw: Any, overrides: Sequence[str], locate: _Locator, source: str) -> Plan:
     try:
-        raw = _apply_overrides(_check_top(raw), overrides)
-        raw = _check_top(raw)
+        raw = _check_top(apply_overrides(_check_top(raw), overrides))
         header = _load_section(_PlanHeader, {k: v for k, v in raw.items() if k != "modules"}, "")
-        rules = _load_rules(raw.get("modules"), locate)
         return Plan(
             model=header.model,
             world_size=header.world_size,
             topology=header.topology,
             sync=header.sync,
-            modules=rules,
+            modules=_load_rules(raw.get("modules"), locate),
             source=source,
         )
     except PlanError as e:
@@ -90,45 +75,42 @@ def _build(raw: Any, overrides: Sequence[str], locate: _Locator, source: str) ->
 
 
 def _read_yaml(path: Path) -> tuple[Any, str]:
+    where = str(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise PlanError(f"cannot read the plan file: {e.strerror or e}", category="io", where=str(path)) from None
+        detail = f"cannot read the plan file: {e.strerror or e}"
+        raise PlanError(detail, category="io", where=where) from None
     try:
-        cfg = OmegaConf.load(path)
+        return _to_plain(OmegaConf.load(path)), text
     except yaml.MarkedYAMLError as e:
-        raise _yaml_error(e, path, text) from None
-    except yaml.YAMLError as e:
-        raise PlanError(f"invalid YAML: {e}", category="yaml_syntax", where=str(path)) from None
-    except OmegaConfBaseException as e:
-        raise PlanError(f"unsupported YAML value: {e}", category="yaml_syntax", where=str(path)) from None
-    return _to_plain(cfg), text
+        raise _yaml_error(e, where, text) from None
+    except (yaml.YAMLError, OmegaConfBaseException) as e:
+        raise PlanError(f"invalid YAML: {e}", category="yaml_syntax", where=where) from None
+    except PlanError as e:
+        raise e.at(where) from None
 
 
-def _yaml_error(e: yaml.MarkedYAMLError, path: Path, text: str) -> PlanError:
+def _yaml_error(e: yaml.MarkedYAMLError, path: str, text: str) -> PlanError:
     mark = e.problem_mark or e.context_mark
-    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
     problem = e.problem or str(e)
-    if problem.startswith("found duplicate key"):
-        return PlanError(
-            f"duplicate key {problem.removeprefix('found duplicate key').strip()!r}; "
-            "YAML would silently keep only the last one: merge the two entries",
-            category="yaml_syntax",
-            where=where,
-        )
     if problem.startswith("could not determine a constructor for the tag"):
         tag = problem.split("tag", 1)[1].strip(" '").replace(_YAML_TAG_PREFIX, "!!")
-        return PlanError(
-            f"refusing YAML tag {tag!r}: a plan is plain data (mappings, lists, strings, numbers, "
-            "booleans) and may not construct Python objects; remove the tag",
-            category="unsafe_yaml",
-            where=where,
+        detail = (
+            f"refusing YAML tag {tag!r}: a plan is plain data (mappings, lists, strings, "
+            "numbers, booleans) and may not construct Python objects; remove the tag"
         )
+        return PlanError(detail, category="unsafe_yaml", where=where)
+    if problem.startswith("found duplicate key"):
+        name = problem.removeprefix("found duplicate key").strip()
+        detail = f"duplicate key {name!r}; YAML would keep only the last one: merge the two entries"
+        return PlanError(detail, category="yaml_syntax", where=where)
     detail = f"invalid YAML: {problem}"
     if e.context and e.context_mark and e.context_mark is not mark:
         detail += f" ({e.context} at line {e.context_mark.line + 1})"
-    line = text.splitlines()[mark.line] if mark and mark.line < len(text.splitlines()) else ""
-    if line.lstrip().startswith("*"):
+    lines = text.splitlines()
+    if mark and mark.line < len(lines) and lines[mark.line].lstrip().startswith("*"):
         detail += '; a key starting with * is a YAML alias: quote it, as in "*":'
     return PlanError(detail, category="yaml_syntax", where=where)
 
@@ -137,29 +119,28 @@ def _to_plain(cfg: Any) -> Any:
     try:
         return OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:
-        raise PlanError(f"cannot resolve an interpolation: {e}", category="bad_value") from None
+        detail = f"cannot resolve an interpolation: {str(e).splitlines()[0]}"
+        key = str(getattr(e, "full_key", "") or "")
+        raise PlanError(detail, category="bad_value", key=key) from None
 
 
 def _check_top(raw: Any) -> dict[str, Any]:
     if raw is None:
         return {}
+    sections = ", ".join(_SECTIONS)
     if not isinstance(raw, dict):
-        raise PlanError(
-            f"a plan is a mapping with keys {', '.join(_SECTIONS)}; got {type(raw).__name__} {raw!r}",
-            category="bad_value",
-        )
+        detail = f"a plan is a mapping with keys {sections}; got {type(raw).__name__} {raw!r}"
+        raise PlanError(detail, category="bad_value")
     for key in raw:
         if key not in _SECTIONS:
-            raise PlanError(
-                f"unknown key {key!r}{did_you_mean(str(key), _SECTIONS)}; a plan has {', '.join(_SECTIONS)}",
-                category="unknown_key",
-                key=str(key),
-            )
+            hint = did_you_mean(str(key), _SECTIONS)
+            detail = f"unknown key {key!r}{hint}; a plan has {sections}"
+            raise PlanError(detail, category="unknown_key", key=str(key))
     return raw
 
 
 def _load_section(cls: type, raw: Mapping[str, Any], path: str) -> Any:
-    """``raw`` merged onto ``OmegaConf.structured(cls)`` and instantiated, errors keyed by ``path``."""
+    """``raw`` merged onto ``OmegaConf.structured(cls)``, then built; errors keyed by ``path``."""
     hints = typing.get_type_hints(cls)
     raw = dict(raw)
     for name, value in list(raw.items()):
@@ -186,7 +167,8 @@ def _instantiate(cls: type, node: DictConfig, path: str) -> Any:
     for f in dataclasses.fields(cls):
         key = join_key(path, f.name)
         if OmegaConf.is_missing(node, f.name):
-            raise PlanError(f"required; expected {_describe(hints[f.name])}", category="bad_value", key=key)
+            detail = f"required; expected {_describe(hints[f.name])}"
+            raise PlanError(detail, category="bad_value", key=key)
         value = node[f.name]
         sub = _dataclass_in(hints[f.name])
         if sub is not None and value is not None:
@@ -203,64 +185,57 @@ def _load_rules(raw: Any, locate: _Locator) -> dict[str, Rule]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise PlanError(
-            f"got {raw!r}; expected a mapping of module path (or glob, or \"*\") to rule",
-            category="bad_value",
-            key="modules",
-        )
+        detail = f'got {raw!r}; expected a mapping of module path (or glob, or "*") to rule'
+        raise PlanError(detail, category="bad_value", key="modules")
     rules = {}
     for key, body in raw.items():
-        key = str(key)
-        rule = _build_rule(key, body)
-        rules[key] = dataclasses.replace(rule, where=locate(join_key("modules", key)))
+        rule = _build_rule(str(key), body)
+        rules[rule.key] = dataclasses.replace(rule, where=locate(f"modules.{rule.key}"))
     return rules
 
 
 def _build_rule(key: str, body: Any) -> Rule:
     path = f"modules.{key}"
     if not isinstance(body, dict):
-        raise PlanError(
+        detail = (
             f"got {body!r}; a rule is a mapping with 'strategy' and its options, "
-            f"e.g. {key}: {{strategy: ddp}}",
-            category="bad_value",
-            key=path,
+            f"e.g. {key}: {{strategy: ddp}}"
         )
+        raise PlanError(detail, category="bad_value", key=path)
     body = dict(body)
     strategy = body.pop("strategy", None)
     if strategy not in STRATEGY_OPTIONS:
-        got = "missing" if strategy is None else f"got {strategy!r}{did_you_mean(str(strategy), STRATEGY_OPTIONS)}"
-        raise PlanError(
-            f"{got}; expected {one_of(STRATEGY_OPTIONS)}", category="bad_value", key=f"{path}.strategy"
-        )
+        got = "missing" if strategy is None else f"got {strategy!r}"
+        hint = did_you_mean(str(strategy), STRATEGY_OPTIONS) if strategy is not None else ""
+        detail = f"{got}{hint}; expected {one_of(STRATEGY_OPTIONS)}"
+        raise PlanError(detail, category="bad_value", key=f"{path}.strategy")
     cls = STRATEGY_OPTIONS[strategy]
     _check_option_names(cls, strategy, body, path)
     return Rule(key=key, strategy=strategy, options=_load_section(cls, body, path))
 
 
 def _check_option_names(cls: type, strategy: str, body: Mapping[str, Any], path: str) -> None:
+    """Unknown rule options, with the hint a flat rule needs: which strategy has that option."""
     known = [f.name for f in dataclasses.fields(cls)]
     for name in body:
         if name in known:
             continue
-        owners = [s for s, c in STRATEGY_OPTIONS.items() if name in {f.name for f in dataclasses.fields(c)}]
-        hint = f"; it is an option of {' and '.join(owners)}, not {strategy}" if owners else did_you_mean(str(name), known)
+        owners = [s for s, c in STRATEGY_OPTIONS.items() if name in _field_names(c)]
+        if owners:
+            hint = f"; it is an option of {' and '.join(owners)}, not {strategy}"
+        else:
+            hint = did_you_mean(str(name), known)
         allowed = ", ".join(known) if known else "none (it has no options)"
-        raise PlanError(
-            f"unknown option {name!r} for strategy {strategy}{hint}; {strategy} options: {allowed}",
-            category="unknown_key",
-            key=join_key(path, str(name)),
-        )
+        detail = f"unknown option {name!r} for strategy {strategy}{hint}; {strategy} options: "
+        detail += allowed
+        raise PlanError(detail, category="unknown_key", key=join_key(path, str(name)))
 
 
 def _unknown_key_error(e: ConfigKeyError, path: str) -> PlanError:
-    cls = e.object_type if dataclasses.is_dataclass(e.object_type) else None
-    known = [f.name for f in dataclasses.fields(cls)] if cls else []
+    known = _field_names(e.object_type) if dataclasses.is_dataclass(e.object_type) else []
     name = str(e.key)
-    return PlanError(
-        f"unknown key {name!r}{did_you_mean(name, known)}; known keys here: {', '.join(known)}",
-        category="unknown_key",
-        key=join_key(path, str(e.full_key)),
-    )
+    detail = f"unknown key {name!r}{did_you_mean(name, known)}; known keys here: {', '.join(known)}"
+    return PlanError(detail, category="unknown_key", key=join_key(path, str(e.full_key)))
 
 
 def _validation_error(e: ValidationError, path: str) -> PlanError:
@@ -270,23 +245,28 @@ def _validation_error(e: ValidationError, path: str) -> PlanError:
     if hint is None:
         return PlanError(str(e.msg).splitlines()[0], category="bad_value", key=key)
     if cls is SparseOptimizer and e.key == "name":
-        return PlanError(
-            f"unknown sparse optimizer {e.value!r}{did_you_mean(str(e.value), typing.get_args(hint))}; "
-            f"the servers implement {_describe(hint)}",
-            category="unknown_optimizer",
-            key=key,
+        detail = (
+            f"unknown sparse optimizer {e.value!r}"
+            f"{did_you_mean(str(e.value), typing.get_args(hint))}; "
+            f"the servers implement {_describe(hint)}"
         )
+        return PlanError(detail, category="unknown_optimizer", key=key)
     return _expected(key, e.value, hint)
 
 
 def _expected(key: str, value: Any, hint: Any) -> PlanError:
-    choices = [a for a in typing.get_args(hint) if isinstance(a, str)] if typing.get_origin(hint) is Literal else []
-    hint_text = did_you_mean(str(value), choices) if choices else ""
-    return PlanError(f"got {value!r}{hint_text}; expected {_describe(hint)}", category="bad_value", key=key)
+    choices = typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+    hint_text = did_you_mean(str(value), [str(c) for c in choices]) if choices else ""
+    detail = f"got {value!r}{hint_text}; expected {_describe(hint)}"
+    return PlanError(detail, category="bad_value", key=key)
 
 
-_SCALARS = {bool: ("true or false", "booleans"), int: ("an integer", "integers"),
-            float: ("a number", "numbers"), str: ("a string", "strings")}  # fmt: skip
+_SCALARS = {
+    bool: ("true or false", "booleans"),
+    int: ("an integer", "integers"),
+    float: ("a number", "numbers"),
+    str: ("a string", "strings"),
+}
 
 
 def _describe(hint: Any) -> str:
@@ -303,10 +283,10 @@ def _describe(hint: Any) -> str:
             described.append("null")
         return " or ".join(described)
     if origin is list:
-        return "a list of " + _SCALARS.get(args[0], (None, _describe(args[0])))[1]
+        return "a list of " + (_SCALARS[args[0]][1] if args[0] in _SCALARS else _describe(args[0]))
     if dataclasses.is_dataclass(hint):
-        return "a mapping with keys " + ", ".join(f.name for f in dataclasses.fields(hint))
-    return _SCALARS.get(hint, (str(hint),))[0]
+        return "a mapping with keys " + ", ".join(_field_names(hint))
+    return _SCALARS[hint][0] if hint in _SCALARS else str(hint)
 
 
 def _dataclass_in(hint: Any) -> type | None:
@@ -320,12 +300,21 @@ def _is_optional(hint: Any) -> bool:
     return type(None) in typing.get_args(hint)
 
 
+def _field_names(cls: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
 class _Locator:
     """Plan key -> where it was written: ``file:line``, or the override that set it."""
 
     def __init__(self, source: str, lines: dict[str, int], overrides: Sequence[str]) -> None:
         self.source, self.lines = source, lines
-        self.overrides = [(o.partition("=")[0].strip().replace('"', "").replace("'", ""), o) for o in overrides]
+        self.overrides = []
+        for text in overrides:
+            try:
+                self.overrides.append((override_key(text), text))
+            except PlanError:
+                pass  # a malformed override is reported by apply_overrides itself
 
     def __call__(self, key: str) -> str:
         at_or_above = [o for k, o in self.overrides if key == k or key.startswith(k + ".")]

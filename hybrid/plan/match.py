@@ -11,8 +11,8 @@ The default rule ``"*"`` covers the root of every maximal subtree that has param
 contains no explicitly ruled module: with rules for DLRM's ``sparse_arch.embedding_bag_collection``
 alone, the default covers ``dense_arch`` and ``over_arch`` separately, never the root.
 
-Exact paths beat globs. Only fsdp may nest in fsdp (both are listed; :meth:`ResolvedPlan.apply_order`
-puts inner modules first, the order ``fully_shard`` needs).
+Exact paths beat globs. Only fsdp may nest in fsdp (both are listed;
+:meth:`ResolvedPlan.apply_order` puts inner modules first, the order ``fully_shard`` needs).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from hybrid.log import warn_once
-from hybrid.plan.errors import PlanError, join_key
+from hybrid.plan.errors import Category, PlanError, join_key
 from hybrid.plan.schema import DEFAULT_RULE, FSDPOptions, Plan, PSOptions, Rule
 
 
@@ -102,13 +102,14 @@ def resolve(plan: Plan, model: nn.Module, *, world_size: int) -> ResolvedPlan:
     for e in entries:
         _check_entry(e, modules[e.fqn], plan, num_servers)
     if num_servers and not any(e.strategy == "parameter_server" for e in entries):
-        warn_once(f"plan: topology.parameter_servers={num_servers} but no module uses parameter_server")
+        warn_once(f"plan: {num_servers} parameter server(s) but no module uses parameter_server")
     return ResolvedPlan(entries, plan, world_size, num_servers, world_size - num_servers)
 
 
 def _check_world(world_size: int, num_servers: int) -> None:
     if world_size < 1:
-        raise PlanError(f"got {world_size}; expected a number of processes >= 1", category="topology", key="world_size")
+        detail = f"got {world_size}; expected a number of processes >= 1"
+        raise PlanError(detail, category="topology", key="world_size")
     if world_size - num_servers < 1:
         raise PlanError(
             f"{num_servers} parameter server(s) leave no trainer in world_size={world_size}: "
@@ -133,17 +134,21 @@ def _matches(rule: Rule, modules: dict[str, nn.Module]) -> list[str]:
     key = rule.key
     if not _is_glob(key):
         if key not in modules:
-            raise _rule_error(rule, f"no module {key!r} in the model{_suggest(key, modules)}", "unknown_module")
+            detail = f"no module {key!r} in the model{_suggest(key, modules)}"
+            raise _rule_error(rule, detail, "unknown_module")
         if not _has_params(modules[key]):
             raise _rule_error(rule, _no_params_text(key, modules), "no_parameters")
         return [key]
     pattern = _glob_regex(key)
     found = [fqn for fqn in modules if fqn and pattern.fullmatch(fqn)]
     if not found:
-        raise _rule_error(rule, f"the pattern {key!r} matches no module{_suggest(key, modules)}", "unknown_module")
+        detail = f"the pattern {key!r} matches no module{_suggest(key, modules)}"
+        raise _rule_error(rule, detail, "unknown_module")
     with_params = [fqn for fqn in found if _has_params(modules[fqn])]
     if not with_params:
-        raise _rule_error(rule, f"the pattern {key!r} matches only modules without parameters ({', '.join(found[:5])})", "no_parameters")
+        found_text = ", ".join(found[:5])
+        detail = f"the pattern {key!r} matches only modules without parameters ({found_text})"
+        raise _rule_error(rule, detail, "no_parameters")
     return [f for f in with_params if not any(_is_ancestor(g, f) for g in with_params if g != f)]
 
 
@@ -165,21 +170,26 @@ def _most_specific(fqn: str, rules: list[Rule]) -> Rule:
     return first
 
 
+_NESTING_ERRORS: dict[tuple[str, str], Category] = {
+    ("ddp", "fsdp"): "fsdp_under_ddp",
+    ("fsdp", "ddp"): "ddp_under_fsdp",
+}
+
+
 def _check_nesting(direct: dict[str, Rule]) -> None:
     for fqn, inner in direct.items():
         for anc in _proper_ancestors(fqn):
             outer = direct.get(anc)
             if outer is None or (outer.strategy, inner.strategy) == ("fsdp", "fsdp"):
                 continue
-            pair = (outer.strategy, inner.strategy)
-            category = {("ddp", "fsdp"): "fsdp_under_ddp", ("fsdp", "ddp"): "ddp_under_fsdp"}.get(pair, "nested_rules")
-            raise _rule_error(
-                inner,
-                f"{inner.strategy} on {fqn!r} lies inside {anc!r}, which rule {outer.key!r} already puts under "
-                f"{outer.strategy}; only fsdp may nest inside fsdp. Remove one of the two rules, or rule the "
-                f"children of {anc!r} one by one instead of {anc!r} itself",
-                category,
+            category = _NESTING_ERRORS.get((outer.strategy, inner.strategy), "nested_rules")
+            detail = (
+                f"{inner.strategy} on {fqn!r} lies inside {anc!r}, which rule {outer.key!r} "
+                f"already puts under {outer.strategy}; only fsdp may nest inside fsdp. Remove one "
+                f"of the two rules, or rule the children of {anc!r} one by one instead of "
+                f"{anc!r} itself"
             )
+            raise _rule_error(inner, detail, category)
 
 
 def _cover_rest(
@@ -196,25 +206,24 @@ def _cover_rest(
     if fqn not in holds_rule:
         if _has_params(module):
             if default is None:
-                raise PlanError(
-                    f"module {fqn or '<root>'!r} ({type(module).__name__}, {_count(module)} parameters) matches "
-                    f'no rule; add a rule for it or a default rule "*": {{strategy: ddp}}',
-                    category="no_rule",
-                    key="modules",
+                detail = (
+                    f"module {fqn or '<root>'!r} ({type(module).__name__}, {_count(module)} "
+                    'parameters) matches no rule; add a rule for it or a default rule "*": '
+                    "{strategy: ddp}"
                 )
+                raise PlanError(detail, category="no_rule", key="modules")
             covered[fqn] = default
         return
     own = [name for name, _ in module.named_parameters(recurse=False)]
     if own:
         ruled = sorted(f for f in direct if _is_ancestor(fqn, f))
-        raise PlanError(
-            f"module {fqn or '<root>'!r} has its own parameters ({', '.join(own)}) but rules split its "
-            f"children ({', '.join(f'{f}: {direct[f].strategy}' for f in ruled)}), so nothing would own them; "
-            f"give {fqn or 'the root'!r} itself a rule (fsdp may wrap inner fsdp rules), or rule the "
-            "children without splitting it",
-            category="own_parameters",
-            key=f"modules.{ruled[0]}" if ruled else "modules",
+        split = ", ".join(f"{f}: {direct[f].strategy}" for f in ruled)
+        detail = (
+            f"module {fqn or '<root>'!r} has its own parameters ({', '.join(own)}) but rules split "
+            f"its children ({split}), so nothing would own them; give {fqn or 'the root'!r} itself "
+            "a rule (fsdp may wrap inner fsdp rules), or rule the children without splitting it"
         )
+        raise PlanError(detail, category="own_parameters", key=f"modules.{ruled[0]}")
     for name, child in module.named_children():
         _cover_rest(child, join_key(fqn, name), direct, holds_rule, default, covered)
 
@@ -233,30 +242,28 @@ def _check_embedding(e: ResolvedModule, module: nn.Module, rule: Rule) -> None:
 
     accepted = (EmbeddingBagCollection, EmbeddingCollection, nn.EmbeddingBag, nn.Embedding)
     if not isinstance(module, accepted):
-        raise _rule_error(
-            rule,
-            f"parameter_server needs an embedding module (EmbeddingBagCollection, EmbeddingCollection, "
-            f"nn.EmbeddingBag or nn.Embedding); {e.fqn!r} is a {e.module_type}"
-            f"{_suggest_embedding(module, e.fqn, accepted)}",
-            "not_an_embedding",
+        detail = (
+            "parameter_server needs an embedding module (EmbeddingBagCollection, "
+            f"EmbeddingCollection, nn.EmbeddingBag or nn.Embedding); {e.fqn!r} is a "
+            f"{e.module_type}{_suggest_embedding(module, e.fqn, accepted)}"
         )
+        raise _rule_error(rule, detail, "not_an_embedding")
     # torchrec collections only pool with sum or mean; a plain EmbeddingBag may also use max.
     if isinstance(module, nn.EmbeddingBag) and module.mode not in ("sum", "mean"):
-        raise _rule_error(
-            rule,
-            f"table {e.fqn!r} pools with {module.mode!r}; the parameter servers support 'sum' and 'mean'",
-            "unsupported_table",
+        detail = (
+            f"table {e.fqn!r} pools with {module.mode!r}; the parameter servers support "
+            "'sum' and 'mean'"
         )
+        raise _rule_error(rule, detail, "unsupported_table")
 
 
 def _check_servers(e: ResolvedModule, rule: Rule, num_servers: int) -> None:
     if num_servers == 0:
-        raise PlanError(
-            f"0, but {e.fqn!r} (rule {rule.key!r}) uses parameter_server; set parameter_servers >= 1 "
-            f"or give {e.fqn!r} another strategy",
-            category="topology",
-            key="topology.parameter_servers",
+        detail = (
+            f"0, but {e.fqn!r} (rule {rule.key!r}) uses parameter_server; set "
+            f"parameter_servers >= 1 or give {e.fqn!r} another strategy"
         )
+        raise PlanError(detail, category="topology", key="topology.parameter_servers")
     options: PSOptions = e.options
     bad = [s for s in options.server_list(num_servers) if s >= num_servers]
     if bad:
@@ -273,16 +280,14 @@ def _check_wrap(e: ResolvedModule, module: nn.Module, rule: Rule) -> None:
     classes = {type(m).__name__ for name, m in module.named_modules() if name}
     for i, cls in enumerate(e.options.wrap):
         if cls not in classes:
-            raise PlanError(
-                f"no module of class {cls!r} under {e.fqn!r}; classes there: {', '.join(sorted(classes)) or 'none'}",
-                category="bad_value",
-                key=f"modules.{rule.key}.wrap.{i}",
-                where=rule.where,
-            )
+            there = ", ".join(sorted(classes)) or "none"
+            detail = f"no module of class {cls!r} under {e.fqn!r}; classes there: {there}"
+            key = f"modules.{rule.key}.wrap.{i}"
+            raise PlanError(detail, category="bad_value", key=key, where=rule.where)
 
 
-def _rule_error(rule: Rule, detail: str, category: str) -> PlanError:
-    return PlanError(detail, category=category, key=f"modules.{rule.key}", where=rule.where)  # type: ignore[arg-type]
+def _rule_error(rule: Rule, detail: str, category: Category) -> PlanError:
+    return PlanError(detail, category=category, key=f"modules.{rule.key}", where=rule.where)
 
 
 def _suggest(key: str, modules: dict[str, nn.Module]) -> str:
@@ -304,8 +309,8 @@ def _suggest_embedding(module: nn.Module, fqn: str, accepted: tuple[type, ...]) 
 
 def _no_params_text(key: str, modules: dict[str, nn.Module]) -> str:
     return (
-        f"module {key!r} ({type(modules[key]).__name__}) has no parameters, so no strategy applies to "
-        "it; remove the rule"
+        f"module {key!r} ({type(modules[key]).__name__}) has no parameters, so no strategy "
+        "applies to it; remove the rule"
     )
 
 

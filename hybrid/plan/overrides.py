@@ -62,7 +62,8 @@ def _parse_value(value_text: str, text: str) -> Any:
     except (yaml.YAMLError, OmegaConfBaseException) as e:
         first = str(e).splitlines()[0]
         category = "unsafe_yaml" if "could not determine a constructor" in first else "bad_override"
-        raise _error(f"override {text!r}: cannot read the value {value_text!r} ({first})", category) from None
+        detail = f"override {text!r}: cannot read the value {value_text!r} ({first})"
+        raise _error(detail, category) from None
 
 
 def _split_key(key: str, text: str) -> list[str]:

@@ -49,12 +49,13 @@ class ModuleEstimate:
         return max(self.server_bytes.values(), default=0)
 
 
-def estimate_memory(resolved: ResolvedPlan, model: nn.Module, *, dense_optimizer: str = "adagrad") -> list[ModuleEstimate]:
+def estimate_memory(
+    resolved: ResolvedPlan, model: nn.Module, *, dense_optimizer: str = "adagrad"
+) -> list[ModuleEstimate]:
     """One :class:`ModuleEstimate` per entry of ``resolved``, in module order (see module docs)."""
     if dense_optimizer not in DENSE_OPTIMIZER_STATE:
-        raise PlanError(
-            f"got {dense_optimizer!r}; expected {one_of(DENSE_OPTIMIZER_STATE)}", category="bad_value", key="dense_optimizer"
-        )
+        detail = f"got {dense_optimizer!r}; expected {one_of(DENSE_OPTIMIZER_STATE)}"
+        raise PlanError(detail, category="bad_value", key="dense_optimizer")
     state = DENSE_OPTIMIZER_STATE[dense_optimizer]
     owned = _owned_parameters(resolved, model)
     modules = dict(model.named_modules())
@@ -63,7 +64,8 @@ def estimate_memory(resolved: ResolvedPlan, model: nn.Module, *, dense_optimizer
         params = owned[e.fqn]
         count = sum(p.numel() for p in params)
         if e.strategy == "parameter_server":
-            out.append(ModuleEstimate(e, count, 0, _server_bytes(e, modules[e.fqn], resolved.num_servers)))
+            servers = _server_bytes(e, modules[e.fqn], resolved.num_servers)
+            out.append(ModuleEstimate(e, count, 0, servers))
             continue
         shards = resolved.num_trainers if e.strategy == "fsdp" else 1
         per_trainer = sum(_shard_numel(p, shards) * p.element_size() for p in params) * (2 + state)
@@ -71,22 +73,42 @@ def estimate_memory(resolved: ResolvedPlan, model: nn.Module, *, dense_optimizer
     return out
 
 
-def format_plan(resolved: ResolvedPlan, model: nn.Module, *, dense_optimizer: str = "adagrad") -> str:
-    """The plan as a table with a header line and a totals row (see the module docs for the bytes)."""
+_COLUMNS = [
+    "module", "type", "matched by", "strategy", "options", "params", "per trainer", "per server",
+]  # fmt: skip
+
+
+def format_plan(
+    resolved: ResolvedPlan, model: nn.Module, *, dense_optimizer: str = "adagrad"
+) -> str:
+    """The plan as a table, with a header line and a totals row (module docs explain the bytes)."""
     estimates = estimate_memory(resolved, model, dense_optimizer=dense_optimizer)
-    rows = [["module", "type", "matched by", "strategy", "options", "params", "per trainer", "per server"]]
+    rows = [_COLUMNS] + [_row(m) for m in estimates]
+    servers: Counter[int] = Counter()
     for m in estimates:
-        e = m.entry
-        server = _human(m.max_server_bytes) if e.strategy == "parameter_server" else "-"
-        rows.append([e.fqn or "<root>", e.module_type, "" if e.rule_key == e.fqn else e.rule_key, e.strategy, summarize_options(e),
-                     f"{m.params:,}", _human(m.trainer_bytes), server])  # fmt: skip
-    totals: Counter[int] = Counter()
-    for m in estimates:
-        totals.update(m.server_bytes)
-    rows.append(["total", "", "", "", "", f"{sum(m.params for m in estimates):,}",
-                 _human(sum(m.trainer_bytes for m in estimates)), _human(max(totals.values(), default=0))])  # fmt: skip
+        servers.update(m.server_bytes)
+    params = sum(m.params for m in estimates)
+    trainer = sum(m.trainer_bytes for m in estimates)
+    server = max(servers.values(), default=0)
+    rows.append(["total", "", "", "", "", f"{params:,}", _human(trainer), _human(server)])
     lines = [_header(resolved), *_table(rows, right=(5, 6, 7)), _footer(dense_optimizer)]
     return "\n".join(lines)
+
+
+def _row(m: ModuleEstimate) -> list[str]:
+    e = m.entry
+    matched_by = "" if e.rule_key == e.fqn else e.rule_key
+    server = _human(m.max_server_bytes) if e.strategy == "parameter_server" else "-"
+    return [
+        e.fqn or "<root>",
+        e.module_type,
+        matched_by,
+        e.strategy,
+        summarize_options(e),
+        f"{m.params:,}",
+        _human(m.trainer_bytes),
+        server,
+    ]
 
 
 def log_plan(resolved: ResolvedPlan, model: nn.Module, *, dense_optimizer: str = "adagrad") -> None:
@@ -106,7 +128,7 @@ def summarize(resolved: ResolvedPlan) -> str:
 
 
 def summarize_options(e: ResolvedModule) -> str:
-    """The options that matter, short: ``row_wise rowwise_adagrad lr=0.05``, ``reshard bf16/fp32``."""
+    """Key options, short: ``row_wise rowwise_adagrad lr=0.05``, ``reshard bf16/fp32``."""
     o = e.options
     if e.strategy == "parameter_server":
         parts = [o.sharding, o.optimizer.name, f"lr={o.optimizer.lr:g}"]
@@ -120,7 +142,8 @@ def summarize_options(e: ResolvedModule) -> str:
         parts += ["wrap=" + ",".join(o.wrap)] if o.wrap else []
     elif e.strategy == "ddp":
         parts = [f"bucket={o.bucket_cap_mb:g}MB"] + ["static"] * o.static_graph
-        parts += ["grad-view"] * o.gradient_as_bucket_view + ["find-unused"] * o.find_unused_parameters
+        parts += ["grad-view"] * o.gradient_as_bucket_view
+        parts += ["find-unused"] * o.find_unused_parameters
         parts += [] if o.comm_hook == "none" else [f"{o.comm_hook}-hook"]
     elif e.strategy == "local":
         parts = ["replicated, no sync"]
@@ -151,10 +174,16 @@ def _shard_numel(p: nn.Parameter, shards: int) -> int:
 
 
 def _server_bytes(e: ResolvedModule, module: nn.Module, num_servers: int) -> dict[int, int]:
-    layouts = shard_tables(_tables(e.fqn, module), num_servers, e.options.sharding, e.options.server_list(num_servers))
-    name = e.options.optimizer.name
+    options = e.options
+    layouts = shard_tables(
+        _tables(e.fqn, module), num_servers, options.sharding, options.server_list(num_servers)
+    )
+
+    def row_bytes(dim: int) -> int:  # float32 row plus the optimizer's per-row state
+        return (dim + state_floats_per_row(options.optimizer.name, dim)) * 4
+
     return {
-        s: sum(t.rows_on(s) * (t.table.embedding_dim + state_floats_per_row(name, t.table.embedding_dim)) * 4 for t in layouts)
+        s: sum(t.rows_on(s) * row_bytes(t.table.embedding_dim) for t in layouts)
         for s in range(num_servers)
     }
 
@@ -163,18 +192,24 @@ def _tables(fqn: str, module: nn.Module) -> list[TableSpec]:
     if hasattr(module, "embedding_bag_configs"):
         return table_specs(module.embedding_bag_configs())
     if hasattr(module, "embedding_configs"):  # EmbeddingCollection: sequence tables, no pooling
-        return [TableSpec(c.name, c.num_embeddings, c.embedding_dim, tuple(c.feature_names)) for c in module.embedding_configs()]
-    return [TableSpec(fqn, module.num_embeddings, module.embedding_dim, (fqn,))]  # nn.Embedding(Bag)
+        return [
+            TableSpec(c.name, c.num_embeddings, c.embedding_dim, tuple(c.feature_names))
+            for c in module.embedding_configs()
+        ]
+    # nn.Embedding / nn.EmbeddingBag: one table, named after the module path.
+    return [TableSpec(fqn, module.num_embeddings, module.embedding_dim, (fqn,))]
 
 
 def _header(resolved: ResolvedPlan) -> str:
     plan, sync = resolved.plan, resolved.plan.sync
     mode = "sync" if sync.staleness == 0 else "async"
     model = f", model {plan.model}" if plan.model else ""
+    trainers = _plural(resolved.num_trainers, "trainer")
+    servers = _plural(resolved.num_servers, "parameter server")
     return (
         f"plan {plan.source or '(in memory)'}{model}: world size {resolved.world_size} = "
-        f"{_plural(resolved.num_trainers, 'trainer')} + {_plural(resolved.num_servers, 'parameter server')}; "
-        f"{mode} (staleness {sync.staleness}), embedding gradients {sync.gradient_scaling}"
+        f"{trainers} + {servers}; {mode} (staleness {sync.staleness}), "
+        f"embedding gradients {sync.gradient_scaling}"
     )
 
 
@@ -189,7 +224,10 @@ def _table(rows: list[list[str]], right: tuple[int, ...]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
 
     def fmt(r: list[str]) -> str:
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
         return "  ".join(cells).rstrip()
 
     rule = "  ".join("-" * w for w in widths)

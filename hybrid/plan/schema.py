@@ -14,20 +14,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from hybrid.plan.errors import PlanError, did_you_mean, one_of
+from hybrid.plan.errors import Category, PlanError, did_you_mean, one_of
 from hybrid.ps.optim_spec import SPARSE_OPTIMIZERS
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 SparseOptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
 # The servers implement exactly these; the Literal above is what omegaconf validates against.
-assert get_args(SparseOptimizerName) == SPARSE_OPTIMIZERS, "plan schema and hybrid.ps.optim_spec disagree"
+assert get_args(SparseOptimizerName) == SPARSE_OPTIMIZERS, "schema and optim_spec disagree"
 
 DEFAULT_RULE = "*"
 """The ``modules`` key of the default rule (quote it in YAML: ``"*":``)."""
 
 
-def _bad(key: str, value: object, expected: str, category: str = "bad_value") -> PlanError:
-    return PlanError(f"got {value!r}; expected {expected}", category=category, key=key)  # type: ignore[arg-type]
+def _bad(key: str, value: object, expected: str, category: Category = "bad_value") -> PlanError:
+    return PlanError(f"got {value!r}; expected {expected}", category=category, key=key)
 
 
 @dataclass(kw_only=True)
@@ -78,7 +78,7 @@ class FSDPOptions:
     reshard_after_forward: bool = True
     """Free the unsharded parameters after forward (and all-gather again in backward)."""
     mixed_precision: MixedPrecision | None = None
-    """Mixed-precision policy, e.g. ``{param_dtype: bfloat16, reduce_dtype: float32}``; none = float32."""
+    """E.g. ``{param_dtype: bfloat16, reduce_dtype: float32}``; none = everything in float32."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in host memory."""
     activation_checkpointing: bool = False
@@ -135,12 +135,12 @@ class SparseOptimizer:
 
     def __post_init__(self) -> None:
         if self.name not in SPARSE_OPTIMIZERS:
-            raise PlanError(
-                f"unknown sparse optimizer {self.name!r}{did_you_mean(self.name, SPARSE_OPTIMIZERS)}; "
-                f"the servers implement {one_of(SPARSE_OPTIMIZERS)}",
-                category="unknown_optimizer",
-                key="name",
+            detail = (
+                f"unknown sparse optimizer {self.name!r}"
+                f"{did_you_mean(self.name, SPARSE_OPTIMIZERS)}; "
+                f"the servers implement {one_of(SPARSE_OPTIMIZERS)}"
             )
+            raise PlanError(detail, category="unknown_optimizer", key="name")
         for name, ok, expected in (
             ("lr", self.lr > 0, "a learning rate > 0"),
             ("eps", self.eps > 0, "a value > 0"),
@@ -170,7 +170,8 @@ class PSOptions:
     def __post_init__(self) -> None:
         if isinstance(self.servers, str):
             if self.servers != "all":
-                raise _bad("servers", self.servers, "'all' or a list of server indices such as [0, 1]")
+                expected = "'all' or a list of server indices such as [0, 1]"
+                raise _bad("servers", self.servers, expected)
             return
         if not self.servers:
             raise _bad("servers", self.servers, "'all' or a non-empty list of server indices")
@@ -203,7 +204,7 @@ OPTION_NAMES: frozenset[str] = frozenset(
 
 @dataclass(kw_only=True)
 class Rule:
-    """One entry of ``modules``: which strategy a module (and its subtree) uses, with what options."""
+    """One entry of ``modules``: the strategy a module (and its subtree) uses, with its options."""
 
     key: str
     """The ``modules`` key it came from: a module path, a glob, or ``"*"``."""
@@ -223,7 +224,7 @@ class Rule:
                 key="strategy",
             )
         cls = STRATEGY_OPTIONS[self.strategy]
-        assert isinstance(self.options, cls), f"{self.strategy} rule needs {cls.__name__}, got {self.options!r}"
+        assert isinstance(self.options, cls), f"{self.strategy} needs {cls.__name__}"
 
     @property
     def is_default(self) -> bool:
@@ -251,7 +252,7 @@ class Plan:
         if self.world_size is not None and self.world_size < 1:
             raise _bad("world_size", self.world_size, "a number of processes >= 1", "topology")
         for key, rule in self.modules.items():
-            assert isinstance(rule, Rule) and rule.key == key, f"modules[{key!r}] must be Rule(key={key!r})"
+            assert isinstance(rule, Rule) and rule.key == key, f"modules[{key!r}] holds {rule!r}"
 
     @property
     def default_rule(self) -> Rule | None:

@@ -132,7 +132,7 @@ class RemoteEmbeddingBagCollection(nn.Module):
             **kwargs,
         )
 
-    def create_on_servers(self, init_from: nn.Module | None = None, *, start_step: int = 0,
+    def create_on_servers(self, init_from: nn.Module | None = None, *, start_step: int | None = None,
                           init_seed: int = 0) -> None:
         """Create the shards on the servers (call on one trainer, then barrier the trainers).
 
@@ -140,6 +140,9 @@ class RemoteEmbeddingBagCollection(nn.Module):
         hybrid model starts exactly where the plain one does; without it (or on meta), each
         server initializes its own shards (TorchRec's uniform init) and no table crosses the wire.
         """
+        if start_step is None:
+            rt = bridge.runtime()
+            start_step = rt.next_step if rt is not None else 0
         weights = None
         if init_from is not None:
             w = {t.name: init_from.embedding_bags[t.name].weight for t in self.tables}
@@ -337,7 +340,10 @@ class RemoteEmbeddingBagCollection(nn.Module):
                 for s, (ids, counts) in route.requests.items()
             }
 
-        return _Pending(route, rstep.call(send).result(timeout=self.timeout_s), kjt)
+        pending = _Pending(route, rstep.call(send).result(timeout=self.timeout_s), kjt)
+        rstep.sent = True
+        rstep.inflight.append(pending)
+        return pending
 
     def prefetch(self, kjt: KeyedJaggedTensor, ahead: int = 1) -> None:
         """Send the lookups of the batch that step ``current + ahead`` will use, now."""
@@ -359,6 +365,7 @@ class RemoteEmbeddingBagCollection(nn.Module):
             pending = self._send(rstep, features)
         rows = pending.wait(self.timeout_s)
         if rstep is not None:
+            rstep.inflight.remove(pending)
             rows = {s: rstep.add_pair(r) for s, r in rows.items()}
             rstep.times.lookup += time.perf_counter() - t0
         return self._pool(pending.route, rows)
@@ -402,3 +409,77 @@ class RemoteEmbeddingBagCollection(nn.Module):
         shard = {lay.sharding for lay in self.layouts}
         return (f"cid={self.cid!r}, tables={len(self.tables)}, servers={[self.server_names[s] for s in self.servers]}, "
                 f"sharding={'/'.join(sorted(shard))}, optimizer={self.optimizer.name}")
+
+
+class RemoteEmbeddingBag(nn.Module):
+    """Drop-in for a plain ``nn.EmbeddingBag`` (sum or mean) whose one table lives on servers.
+
+    Same call forms as the original (2-D input, or 1-D input with offsets, optional
+    ``per_sample_weights``), same output, and the same ``state_dict`` key (``weight``).
+    """
+
+    def __init__(self, collection: RemoteEmbeddingBagCollection, *, include_last_offset: bool) -> None:
+        super().__init__()
+        # Not a registered child: its state-dict keys (embedding_bags.*) are not this module's.
+        object.__setattr__(self, "collection", collection)
+        self.include_last_offset = include_last_offset
+        self.feature = collection.tables[0].feature_names[0]
+
+    @classmethod
+    def from_module(cls, bag: nn.EmbeddingBag, *, cid: str, **kwargs) -> RemoteEmbeddingBag:
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+        if bag.mode not in ("sum", "mean"):
+            raise ValueError(f"{cid}: nn.EmbeddingBag mode {bag.mode!r} is not supported on a parameter server (sum, mean)")
+        if bag.padding_idx is not None or bag.max_norm is not None:
+            raise ValueError(f"{cid}: padding_idx and max_norm are not supported on a parameter server")
+        name = cid.replace(".", "_") or "weight"
+        config = EmbeddingBagConfig(
+            name=name, embedding_dim=bag.embedding_dim, num_embeddings=bag.num_embeddings,
+            feature_names=[name], pooling=PoolingType.SUM if bag.mode == "sum" else PoolingType.MEAN,
+        )
+        specs = table_specs([config])
+        num_servers = kwargs.pop("num_servers")
+        layouts = shard_tables(specs, num_servers, kwargs.pop("sharding", "row_wise"), kwargs.pop("servers", None))
+        coll = RemoteEmbeddingBagCollection(
+            cid=cid, tables=specs, layouts=layouts, num_servers=num_servers,
+            optimizer=SparseOptimSpec.from_any(kwargs.pop("optimizer", None) or {}),
+            is_weighted=bag.mode == "sum", **kwargs,
+        )
+        return cls(coll, include_last_offset=bag.include_last_offset)
+
+    def create_on_servers(self, init_from: nn.EmbeddingBag | None = None, **kwargs) -> None:
+        self.collection.create_on_servers(None, **kwargs)
+        if init_from is not None and not init_from.weight.is_meta:
+            self.collection.write_tables({self.collection.tables[0].name: init_from.weight.detach().cpu()})
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if input.dim() == 2:
+            lengths = torch.full((input.shape[0],), input.shape[1], dtype=torch.long)
+            values = input.reshape(-1)
+        else:
+            if offsets is None:
+                raise ValueError("1-D input needs offsets (as nn.EmbeddingBag)")
+            bounds = offsets if self.include_last_offset else torch.cat([offsets, offsets.new_tensor([input.numel()])])
+            lengths = bounds.diff()
+            values = input
+        if self.collection.is_weighted():
+            weights = per_sample_weights.reshape(-1) if per_sample_weights is not None else torch.ones(values.shape)
+        elif per_sample_weights is not None:
+            raise ValueError("per_sample_weights are only supported with mode='sum' (as nn.EmbeddingBag)")
+        else:
+            weights = None
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=[self.feature], values=values, lengths=lengths, weights=weights)
+        return self.collection(kjt).values()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[f"{prefix}weight"] = self.collection.read_tables()[self.collection.tables[0].name]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = f"{prefix}weight"
+        if key in state_dict:
+            self.collection.write_tables({self.collection.tables[0].name: state_dict[key]})
+        elif strict:
+            missing_keys.append(key)

@@ -8,20 +8,20 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
-def test_tables() -> list[EmbeddingBagConfig]:
+def test_tables(mean: bool = True) -> list[EmbeddingBagConfig]:
     """Three tables: plain sum, a shared mean-pooled table with two features, and a tiny one
-    (lots of duplicate ids)."""
+    (lots of duplicate ids). ``mean=False`` makes them all sum-pooled (weighted collections)."""
     return [
         EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=50, feature_names=["f0"]),
         EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=30, feature_names=["f1", "f2"],
-                           pooling=PoolingType.MEAN),
+                           pooling=PoolingType.MEAN if mean else PoolingType.SUM),
         EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=7, feature_names=["f3"]),
     ]
 
 
 def make_ebc(seed: int = 0, weighted: bool = False, tables=None) -> EmbeddingBagCollection:
     torch.manual_seed(seed)
-    return EmbeddingBagCollection(tables=tables or test_tables(), is_weighted=weighted)
+    return EmbeddingBagCollection(tables=tables or test_tables(mean=not weighted), is_weighted=weighted)
 
 
 def global_batch(step: int, tables, batch: int, *, max_len: int = 4, weighted: bool = False,

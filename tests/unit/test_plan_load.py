@@ -255,7 +255,9 @@ def test_load_errors(d, category, message):
 
 OVERRIDE_ERRORS = [
     (["nokey"], "bad_override", r"^command line: override 'nokey' is not key=value; e\.g\. topology\.parameter_servers=2"),
-    (['modules."a.x=1'], "bad_override", r"cannot parse key"),
+    (['modules."a.x=1'], "bad_override", r"override 'modules\.\"a\.x=1': cannot parse the key 'modules\.\"a\.x'"),
+    (["sync.staleness=[1,"], "bad_override", r"override 'sync\.staleness=\[1,': cannot read the value '\[1,'"),
+    (['world_size=!!python/object/apply:os.system ["true"]'], "unsafe_yaml", r"cannot read the value .*could not determine a constructor"),
     (["topology.parameter_servers.x=1"], "bad_override", r"override 'topology\.parameter_servers\.x=1': topology\.parameter_servers: cannot set 'x' inside it: it is 1"),
     (["topology.parameter_servers=x"], "bad_value", r"^override 'topology\.parameter_servers=x': topology\.parameter_servers: got 'x'; expected an integer"),
     (["topolgy.parameter_servers=2"], "unknown_key", r"override 'topolgy\.parameter_servers=2': topolgy: unknown key 'topolgy' \(did you mean 'topology'\?\)"),

@@ -120,3 +120,23 @@ def test_summarize():
     plan = plan_from_dict({"modules": {EBC: PS_RULE, "dense_arch": DDP, "*": FSDP}})
     r = resolve(plan, dlrm(), world_size=3)
     assert summarize(r) == "3 processes = 2 trainers + 1 parameter server; 3 modules (1 parameter_server, 1 ddp, 1 fsdp)"
+
+
+def test_embedding_collection_tables_are_counted_per_config():
+    import torch
+    from torch import nn
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    class Sequence(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            configs = [EmbeddingConfig(name=f"s{i}", embedding_dim=4, num_embeddings=10 * (i + 1), feature_names=[f"s{i}"]) for i in range(2)]
+            self.ec = EmbeddingCollection(tables=configs, device=torch.device("meta"))
+            self.head = nn.Linear(4, 1)
+
+    rule = {**PS_RULE, "sharding": "table_wise", "optimizer": {"name": "sgd"}}
+    est = estimates({"ec": rule, "*": DDP}, world_size=3, servers=2, model=Sequence())
+    # table_wise: the larger s1 (20 rows) to ps0, then s0 (10 rows) to the lighter ps1.
+    assert est["ec"].server_bytes == {0: 20 * 4 * 4, 1: 10 * 4 * 4}
+    assert est["ec"].params == 30 * 4

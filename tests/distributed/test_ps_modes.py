@@ -1,0 +1,115 @@
+"""Async mode (staleness 1 with prefetch), weighted collections and the plain nn.EmbeddingBag
+stand-in, with real processes."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybrid.autograd import RemoteRuntime, runtime, set_runtime, step
+from hybrid.launch.roles import role_of
+from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection
+from tests.harness import run_distributed
+from tests.support.sparse import global_batch, kjt_slice, make_ebc, test_tables
+
+B = 16
+
+
+def _async(rank, world_size, *, num_servers):
+    role = role_of(rank, world_size, num_servers)
+    if not role.is_trainer:
+        return None
+    tables = test_tables()
+    ebc = make_ebc(seed=0)
+    remote = RemoteEmbeddingBagCollection.from_collection(
+        ebc, cid="a", num_servers=num_servers, optimizer={"name": "adagrad", "lr": 0.3},
+        trainer=role.index, num_trainers=role.num_trainers, staleness=1,
+    )
+    if role.index == 0:
+        remote.create_on_servers(init_from=ebc)
+    dist.barrier()
+    set_runtime(RemoteRuntime(trainer=role.index))
+    # A learnable task: the target is a fixed function of the ids.
+    torch.manual_seed(1)
+    teacher = {t.name: torch.randn(t.num_embeddings) for t in tables}
+    head = nn.Linear(sum(t.embedding_dim * len(t.feature_names) for t in tables), 1)
+    opt = torch.optim.SGD(head.parameters(), lr=0.05)
+
+    def batch(s):
+        data = global_batch(s, tables, role.num_trainers * B, seed=7)
+        lo, hi = role.index * B, (role.index + 1) * B
+        kjt = kjt_slice(data, lo, hi)
+        y = torch.zeros(B)
+        for t in tables:
+            for f in t.feature_names:
+                jt = kjt[f]
+                scores = teacher[t.name][jt.values()]
+                y += torch.zeros(B).index_add_(0, torch.repeat_interleave(torch.arange(B), jt.lengths()), scores)
+        return kjt, y
+
+    losses = []
+    nxt = batch(0)
+    for s in range(60):
+        kjt, y = nxt
+        with step(optimizer=opt) as st:
+            out = remote(kjt)
+            nxt = batch(s + 1)
+            remote.prefetch(nxt[0])  # the next step's rows travel while this one computes
+            loss = ((head(out.values()).squeeze(1) - y) ** 2).mean()
+            st.backward(loss)
+        losses.append(loss.item())
+    runtime().wait_pushed()
+    dist.barrier()
+    stats = remote.stats() if role.index == 0 else None
+    set_runtime(None)
+    return losses, stats
+
+
+def test_async_staleness_one_trains_and_never_reads_rows_older_than_k():
+    out = run_distributed(_async, 3, setup="hybrid", num_servers=1, timeout=150)
+    for losses, _ in out[:2]:
+        first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+        assert last < 0.5 * first, (first, last)
+    stats = out[0][1]["ps0"]
+    assert stats["max_lag"] <= 1, stats
+    assert stats["lookups"] == 2 * 61  # 60 steps and one prefetched lookup per trainer
+
+
+def _weighted_and_bag(rank, world_size):
+    if rank == 1:
+        return None
+    ebc = make_ebc(seed=3, weighted=True)
+    remote = RemoteEmbeddingBagCollection.from_collection(ebc, cid="w", num_servers=1,
+                                                          optimizer={"name": "sgd", "lr": 1.0})
+    remote.create_on_servers(init_from=ebc)
+    set_runtime(RemoteRuntime(trainer=0))
+    kjt = kjt_slice(global_batch(0, test_tables(), 8, weighted=True), 0, 8)
+    with step() as st:
+        out = remote(kjt)
+        torch.testing.assert_close(out.values(), ebc(kjt).values())
+        st.backward(out.values().pow(2).sum())
+    ebc(kjt).values().pow(2).sum().backward()
+    expect = {t: ebc.embedding_bags[t].weight.detach() - ebc.embedding_bags[t].weight.grad
+              for t in ("t0", "t1", "t2")}
+    got = remote.read_tables()
+    for t in expect:
+        torch.testing.assert_close(got[t], expect[t], rtol=1e-6, atol=1e-6)
+    # A plain nn.EmbeddingBag, 2-D and offsets forms, with per-sample weights.
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(20, 3, mode="sum")
+    rbag = RemoteEmbeddingBag.from_module(bag, cid="bag", num_servers=1, optimizer={"name": "sgd", "lr": 0.1})
+    rbag.create_on_servers(init_from=bag)
+    x = torch.tensor([[1, 2, 3], [4, 4, 19]])
+    psw = torch.rand(2, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(rbag(x), bag(x))
+        torch.testing.assert_close(rbag(x, per_sample_weights=psw), bag(x, per_sample_weights=psw))
+        flat, offs = torch.tensor([1, 5, 5, 7]), torch.tensor([0, 1, 1])
+        torch.testing.assert_close(rbag(flat, offs), bag(flat, offs))
+    assert list(rbag.state_dict()) == list(bag.state_dict()) == ["weight"]
+    assert torch.equal(rbag.state_dict()["weight"], bag.weight.detach())
+    set_runtime(None)
+    return True
+
+
+def test_weighted_collection_and_plain_embedding_bag_match_local():
+    assert run_distributed(_weighted_and_bag, 2, setup="hybrid", num_servers=1, timeout=90)[0]
