@@ -92,10 +92,12 @@ class RowSparseOptimizer:
             v = self.state["exp_avg_sq"].index_select(0, rows).mul(s.beta2).addcmul(
                 grad, grad, value=1 - s.beta2
             )
-            bc1 = 1 - torch.pow(s.beta1, k)
-            bc2_sqrt = torch.sqrt(1 - torch.pow(s.beta2, k))
-            denom = (v.sqrt() / bc2_sqrt.unsqueeze(1)).add(s.eps)
-            w = w - (s.lr / bc1).unsqueeze(1) * m / denom
+            # Bias corrections in float64, as torch.optim.Adam (1 - 0.999 loses 1e-5 in float32).
+            k64 = k.double()
+            step_size = (s.lr / (1 - torch.pow(s.beta1, k64))).float().unsqueeze(1)
+            bc2_sqrt = torch.sqrt(1 - torch.pow(s.beta2, k64)).float().unsqueeze(1)
+            denom = (v.sqrt() / bc2_sqrt).add(s.eps)
+            w = w - step_size * (m / denom)
             new_state.update(exp_avg=m, exp_avg_sq=v, step=k)
         else:  # pragma: no cover - guarded by SparseOptimSpec
             raise AssertionError(s.name)

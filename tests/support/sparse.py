@@ -96,10 +96,10 @@ class ReferenceSparseOptimizer:
         elif self.name == "adam":
             st = self.state
             st["step"].add_(touched.float())
-            k = st["step"].clamp(min=1).unsqueeze(1)
+            k = st["step"].clamp(min=1).unsqueeze(1).double()
             st["exp_avg"].copy_(torch.where(m, st["exp_avg"] * self.b1 + (1 - self.b1) * grad, st["exp_avg"]))
             st["exp_avg_sq"].copy_(torch.where(m, st["exp_avg_sq"] * self.b2 + (1 - self.b2) * grad * grad, st["exp_avg_sq"]))
-            bc1 = 1 - self.b1 ** k
-            bc2 = 1 - self.b2 ** k
-            upd = self.lr / bc1 * st["exp_avg"] / (st["exp_avg_sq"].sqrt() / bc2.sqrt() + self.eps)
+            step_size = (self.lr / (1 - self.b1 ** k)).float()
+            bc2_sqrt = (1 - self.b2 ** k).sqrt().float()
+            upd = step_size * (st["exp_avg"] / (st["exp_avg_sq"].sqrt() / bc2_sqrt + self.eps))
             w.sub_(torch.where(m, upd, 0.0))

@@ -1,0 +1,177 @@
+"""model + plan -> the running hybrid model (on a trainer).
+
+A thin orchestrator, in a fixed order:
+
+1. resolve the plan against the model and log its table (rank 0);
+2. replace every ``parameter_server`` module by its remote stand-in and create its tables on the
+   servers (trainer 0 creates, every trainer waits at a barrier);
+3. ``fsdp`` modules get ``fully_shard``, inner before outer (they may still be on meta);
+4. anything still on the meta device is materialized and initialized (``reset_parameters``);
+5. ``ddp`` and ``local`` modules are applied (DDP needs real tensors);
+6. the per-process remote runtime (step numbering, distributed-autograd contexts) is set up.
+
+The strategies themselves live in :mod:`hybrid.dense` (one ``apply_*`` per strategy, looked up in
+``DENSE_STRATEGIES``) and :mod:`hybrid.ps.client`. State-dict keys of the result equal the plain
+model's.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from hybrid import autograd as bridge
+from hybrid.launch.init import RuntimeOptions, device_type
+from hybrid.launch.roles import Role
+from hybrid.log import logger
+from hybrid.plan import Plan, ResolvedModule, ResolvedPlan, log_plan, resolve
+from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection
+
+
+def _parent(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    if not fqn:
+        raise ValueError("the root module itself cannot be replaced; rule a submodule instead")
+    parent_path, _, name = fqn.rpartition(".")
+    return (model.get_submodule(parent_path) if parent_path else model), name
+
+
+def _apply_parameter_server(
+    model: nn.Module, entry: ResolvedModule, *, resolved: ResolvedPlan, role: Role, name: str,
+    timeout_s: float, init_tables: str,
+) -> RemoteEmbeddingBagCollection:
+    """Swap the module at ``entry.fqn`` for its remote stand-in; trainer 0 creates the tables."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    opts = entry.options
+    module = model.get_submodule(entry.fqn)
+    kwargs = dict(
+        cid=f"{name}/{entry.fqn}" if name else entry.fqn,
+        num_servers=resolved.num_servers,
+        sharding=opts.sharding,
+        servers=opts.server_list(resolved.num_servers),
+        optimizer=opts.optimizer,
+        id_policy=opts.id_policy,
+        trainer=role.index,
+        num_trainers=role.num_trainers,
+        staleness=resolved.plan.sync.staleness,
+        gradient_scaling=resolved.plan.sync.gradient_scaling,
+        timeout_s=timeout_s,
+    )
+    if isinstance(module, EmbeddingBagCollection):
+        remote = RemoteEmbeddingBagCollection.from_collection(module, **kwargs)
+        coll = remote
+    elif isinstance(module, nn.EmbeddingBag):
+        remote = RemoteEmbeddingBag.from_module(module, **kwargs)
+        coll = remote.collection
+    else:
+        raise NotImplementedError(
+            f"modules.{entry.rule_key}: parameter_server for {type(module).__name__} at "
+            f"{entry.fqn!r} is not implemented yet (EmbeddingBagCollection and nn.EmbeddingBag are)"
+        )
+    if role.index == 0:
+        init_from = module if init_tables == "module" else None
+        if isinstance(remote, RemoteEmbeddingBag):
+            remote.create_on_servers(init_from)
+        else:
+            remote.create_on_servers(init_from)
+    parent, attr = _parent(model, entry.fqn)
+    setattr(parent, attr, remote)
+    sharding = opts.sharding
+    logger.info(
+        "applied parameter_server to %s: %d tables %s on %s, optimizer %s lr=%g",
+        entry.fqn, len(coll.tables), sharding, ",".join(coll.server_names[s] for s in coll.servers),
+        opts.optimizer.name, opts.optimizer.lr,
+    )
+    return coll
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate and initialize everything still on meta (after sharding, so FSDP allocates shards)."""
+    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return
+    model.to_empty(device=device)
+    for m in model.modules():
+        if isinstance(m, (RemoteEmbeddingBagCollection, RemoteEmbeddingBag)):
+            continue
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset) and any(True for _ in m.parameters(recurse=False)):
+            reset()
+    logger.info("materialized the model on %s", device)
+
+
+def _guard_dense(module: nn.Module, fqn: str) -> None:
+    """Refuse to run a DDP/FSDP module inside a distributed-autograd context.
+
+    There, FSDP2 never syncs its gradients and DDP writes them into the context instead of
+    ``.grad``, both silently. ``hybrid.step`` never makes a context current on the training thread.
+    """
+    import torch.distributed.autograd as dist_autograd
+
+    def hook(_mod, _args):
+        try:
+            ctx = dist_autograd._current_context()
+        except RuntimeError:
+            return
+        raise RuntimeError(
+            f"{fqn or 'the model'} (a DDP/FSDP module) ran inside distributed-autograd context "
+            f"{ctx._context_id()}: its gradients would not be synchronized. Run the training step "
+            f"with `with hybrid.step(model, optimizer) as s:` instead of dist_autograd.context()"
+        )
+
+    module.register_forward_pre_hook(hook)
+
+
+def compose(
+    model: nn.Module,
+    plan: Plan | ResolvedPlan,
+    *,
+    role: Role,
+    name: str = "",
+    runtime_options: RuntimeOptions | None = None,
+    init_tables: Literal["module", "server"] = "module",
+    start_step: int = 0,
+) -> nn.Module:
+    """Turn a plain model into the hybrid model on this trainer; returns the same object.
+
+    ``init_tables="module"`` copies the model's embedding weights to the servers (the hybrid run
+    starts exactly where the plain one would); ``"server"`` lets each server initialize its
+    shards (use it for tables built on meta). ``name`` namespaces the tables on the servers
+    when one job composes several models.
+    """
+    from hybrid.dense import DENSE_STRATEGIES
+
+    if not role.is_trainer:
+        raise RuntimeError(f"compose runs on trainers; {role.name} is a parameter server")
+    options = runtime_options or RuntimeOptions()
+    resolved = plan if isinstance(plan, ResolvedPlan) else resolve(plan, model, world_size=role.world_size)
+    if role.index == 0:
+        log_plan(resolved, model)
+    device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
+    mesh = init_device_mesh(device_type(), (role.num_trainers,))
+    for entry in resolved.by_strategy("parameter_server"):
+        _apply_parameter_server(model, entry, resolved=resolved, role=role, name=name,
+                                timeout_s=options.rpc_timeout_s, init_tables=init_tables)
+    dist.barrier()  # tables exist on the servers before any trainer looks up
+    order = resolved.apply_order()
+    for entry in order:
+        if entry.strategy == "fsdp":
+            DENSE_STRATEGIES["fsdp"](model, entry.fqn, mesh=mesh, options=entry.options)
+    _materialize(model, device)
+    if device.type != "cpu":
+        for n, m in model.named_modules():
+            if not isinstance(m, (RemoteEmbeddingBagCollection, RemoteEmbeddingBag)):
+                m.to(device)
+    for entry in order:
+        if entry.strategy in ("ddp", "local"):
+            DENSE_STRATEGIES[entry.strategy](model, entry.fqn, mesh=mesh, options=entry.options)
+    for entry in order:
+        if entry.strategy in ("ddp", "fsdp"):
+            _guard_dense(model.get_submodule(entry.fqn), entry.fqn)
+    if bridge.runtime() is None:
+        bridge.set_runtime(bridge.RemoteRuntime(trainer=role.index, start_step=start_step,
+                                                timeout_s=options.rpc_timeout_s))
+    return model
