@@ -29,7 +29,7 @@ from hybrid.log import logger, warn_once
 COMM_HOOKS = ("none", "fp16", "bf16")
 
 
-def _bf16_compress_hook_any_backend(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+def _bf16_compress_hook_any_backend(state, bucket):  # noqa: ANN001 - DDP refuses a hook whose bucket annotation is not GradBucket
     # DDP refuses a hook *named* bf16_compress_hook unless it runs on CUDA with NCCL >= 2.10
     # (older NCCL cannot reduce bfloat16). Gloo reduces bfloat16 fine on CPU, so on CPU the same
     # hook goes in under another name.
