@@ -2,6 +2,8 @@
 
     hybrid plan show PLAN [--model NAME] [--world-size N] [key=value ...]
     hybrid plan check PLAN [--model NAME] [--world-size N] [key=value ...]
+    hybrid train --plan PLAN [--config CONFIG] [key=value ...]      (one process, under torchrun)
+    hybrid launch -n N [--max-restarts K] train --plan PLAN ...     (torchrun on this machine)
 
 A new verb (``train``, ``launch``, ``export``) is one ``_add_<verb>_parser(commands)`` function
 that sets ``handler`` to its ``_<verb>_main(args) -> int``, plus one line in
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -48,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_plan_parser(commands)
+    _add_train_parser(commands)
+    _add_launch_parser(commands)
     return parser
 
 
@@ -96,6 +101,79 @@ def _plan_main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     return 0
+
+
+def _add_train_parser(commands: argparse._SubParsersAction) -> None:
+    help_text = "train a model under its plan (one process of a torchrun job)"
+    p = commands.add_parser("train", help=help_text, description=help_text + (
+        ". Overrides: `plan.KEY=VALUE` sets a plan key (e.g. plan.topology.parameter_servers=2), "
+        "any other KEY=VALUE a training-config key (e.g. train.steps=50 data.batch_size=128)."))
+    p.add_argument("--plan", required=True, metavar="PLAN", help="plan YAML, e.g. conf/plans/dlrm.yaml")
+    p.add_argument("--config", metavar="CONFIG", help="training config YAML, e.g. conf/train/dlrm.yaml")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="config and plan. overrides")
+    p.set_defaults(handler=_train_main)
+
+
+def _train_main(args: argparse.Namespace) -> int:
+    from hybrid.train.loop import main as train_main
+
+    return train_main(args.plan, args.config, args.overrides)
+
+
+def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
+    help_text = "start N local processes with torchrun and run a hybrid command in each"
+    p = commands.add_parser("launch", help=help_text, description=help_text + (
+        ", e.g. `hybrid launch -n 3 train --plan conf/plans/dlrm.yaml --config conf/train/dlrm.yaml`. "
+        "For several machines run torchrun yourself (see README, Launch)."))
+    p.add_argument("-n", "--nproc", type=int, required=True, help="processes (trainers + parameter servers)")
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of the whole group on a failure")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the hybrid command to run, e.g. train --plan ...")
+    p.set_defaults(handler=_launch_main)
+
+
+def _check_train(argv: Sequence[str], world_size: int) -> int:
+    from hybrid.train.loop import load_run
+
+    args = build_parser().parse_args(["train", *argv])
+    try:
+        load_run(args.plan, args.config, args.overrides, world_size)
+    except PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+def launch_command(nproc: int, command: Sequence[str], max_restarts: int = 0) -> list[str]:
+    """The torchrun command line ``hybrid launch`` runs (standalone: a local rendezvous on a free port)."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}", "-m", "hybrid.cli", *command,
+    ]
+
+
+def _launch_main(args: argparse.Namespace) -> int:
+    import subprocess
+
+    if args.nproc < 2:
+        print(f"error: launch -n: got {args.nproc}; a hybrid job needs at least 2 processes "
+              "(1 trainer + 1 parameter server)", file=sys.stderr)
+        return EXIT_USAGE
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("error: launch: no command; e.g. hybrid launch -n 3 train --plan conf/plans/dlrm.yaml", file=sys.stderr)
+        return EXIT_USAGE
+    if command[0] == "train":  # check plan and config here: a mistake is one message, exit 2
+        status = _check_train(command[1:], args.nproc)
+        if status:
+            return status
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; said here so it is not a surprise
+    try:
+        return subprocess.call(launch_command(args.nproc, command, args.max_restarts), env=env)
+    except KeyboardInterrupt:
+        return 130
 
 
 def _world_size(flag: int | None, plan: Plan) -> tuple[int, str]:

@@ -30,6 +30,8 @@ class RuntimeOptions:
     """Deadline of one collective in the trainers' process group."""
     shutdown_timeout_s: float = 60.0
     """How long a graceful RPC shutdown waits for the peers before it gives up."""
+    heartbeat_s: float = 5.0
+    """A waiting parameter server checks that every trainer still answers this often."""
     transports: list[str] = field(default_factory=lambda: ["uv"])
     """TensorPipe transports. ``uv`` (TCP) is the measured best on small machines: the default
     shared-memory transport busy-spins and starves the trainers of CPU."""

@@ -1,0 +1,59 @@
+"""The lifetime of a parameter-server process, and how trainers release the servers at the end.
+
+A server has no loop of its own: RPC worker threads answer the trainers. Its main thread waits
+until trainer 0 says the trainers are done (:func:`release_servers`), then takes part in the
+ordered shutdown. While it waits it checks, every ``heartbeat_s``, that every trainer still
+answers; a trainer that died or hangs past the RPC timeout ends the server with
+:class:`PeerFailure`, which names it (under torchrun the agent would also stop the group, but a
+server must not depend on that to exit).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch.distributed.rpc as rpc
+
+from hybrid.launch.roles import Role
+from hybrid.log import logger
+
+_DONE = threading.Event()
+
+
+class PeerFailure(RuntimeError):
+    """A peer process died or stopped answering."""
+
+
+def _release() -> None:
+    _DONE.set()
+
+
+def _ping() -> bool:
+    return True
+
+
+def serve(role: Role, *, heartbeat_s: float, timeout_s: float) -> None:
+    """Block this server until the trainers release it; raise :class:`PeerFailure` if one dies."""
+    logger.info("serving; waiting for the trainers (%s)", ", ".join(role.trainer_names))
+    while not _DONE.wait(heartbeat_s):
+        for name in role.trainer_names:
+            t0 = time.monotonic()
+            try:
+                rpc.rpc_sync(name, _ping, timeout=timeout_s)
+            except Exception as e:  # noqa: BLE001 - any failure to reach a peer is the same news
+                if _DONE.is_set():
+                    return
+                waited = time.monotonic() - t0
+                raise PeerFailure(
+                    f"{role.name}: trainer {name} is unreachable (no answer after {waited:.1f}s: "
+                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); it probably died"
+                ) from None
+    logger.info("released by the trainers")
+
+
+def release_servers(role: Role, timeout_s: float) -> None:
+    """Trainer 0, after every trainer finished: let each server proceed to shutdown."""
+    futs = [rpc.rpc_async(name, _release, timeout=timeout_s) for name in role.server_names]
+    for f in futs:
+        f.wait()

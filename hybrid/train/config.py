@@ -1,0 +1,193 @@
+"""The training config (``conf/train/<model>.yaml``): typed, loaded like a plan, errors that say where.
+
+Sections: ``model`` (the example's name and its builder's keyword arguments), ``data``
+(:class:`recsys_examples.data.DataConfig`), ``train`` (:class:`TrainOptions`), ``runtime``
+(:class:`hybrid.launch.init.RuntimeOptions`: timeouts, transport, listening address) and
+``checkpoint`` (:class:`CheckpointOptions`). Loading reuses the plan loader (safe YAML only,
+unknown keys and wrong types refused with ``file:line``, ``key=value`` overrides), and raises the
+same :class:`~hybrid.plan.PlanError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybrid.launch.init import RuntimeOptions
+from hybrid.plan.errors import PlanError, did_you_mean, one_of
+from hybrid.plan.load import _key_lines, _load_section, _Locator, _read_yaml
+from hybrid.plan.overrides import apply_overrides
+
+DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
+
+
+@dataclass(kw_only=True)
+class TrainOptions:
+    """The ``train`` section: how long, how fast, what to report and where."""
+
+    steps: int = 300
+    """Training steps (each one global batch of ``trainers x data.batch_size`` samples)."""
+    epochs: int = 0
+    """File sources: passes over the training files (0 = run ``steps`` steps, restarting the
+    files as needed). When > 0, training ends after ``epochs`` passes or ``steps``, whichever first."""
+    optimizer: str = "adagrad"
+    """Optimizer of the dense part on the trainers: sgd, adagrad or adam. (The tables' optimizer
+    is the plan's, applied on the servers.)"""
+    lr: float = 0.01
+    """Learning rate of the dense optimizer."""
+    eval_every: int = 100
+    """Evaluate on the held-out data every this many steps (0 = only at the end)."""
+    log_every: int = 10
+    """Write a metrics row (loss, throughput, step-time breakdown) every this many steps."""
+    out_dir: str = "runs/{model}"
+    """Where metrics (metrics.jsonl, metrics.csv), the curves PNG, the summary and TensorBoard
+    events go; ``{model}`` is replaced by the model's name."""
+    progress: bool = True
+    """A progress bar on trainer 0 (when stderr is a terminal or ``progress`` is forced on)."""
+    plot: bool = True
+    """Write curves.png (loss and AUC/recall over steps) at the end (needs matplotlib)."""
+    tensorboard: bool = True
+    """Also write TensorBoard events when the ``tensorboard`` package is installed."""
+    recall_k: list[int] = field(default_factory=lambda: [1, 5, 10])
+    """Retrieval: the k of recall@k (among the eval batch's items)."""
+    temperature: float = 0.05
+    """Retrieval: softmax temperature of the in-batch loss."""
+    nonfinite: str = "error"
+    """A batch with NaN/inf dense features or labels: ``error`` (stop, naming the step) or
+    ``skip`` (count it, change nothing)."""
+    seed: int = 0
+    """Seed of the model's initial weights (the same on every process)."""
+
+    def __post_init__(self) -> None:
+        _check("train.steps", self.steps, self.steps >= 1, "an integer >= 1")
+        _check("train.epochs", self.epochs, self.epochs >= 0, "an integer >= 0")
+        _check("train.optimizer", self.optimizer, self.optimizer in DENSE_OPTIMIZERS, f"one of {one_of(DENSE_OPTIMIZERS)}")
+        _check("train.lr", self.lr, self.lr > 0, "a number > 0")
+        _check("train.eval_every", self.eval_every, self.eval_every >= 0, "an integer >= 0")
+        _check("train.log_every", self.log_every, self.log_every >= 1, "an integer >= 1")
+        _check("train.recall_k", self.recall_k, all(k >= 1 for k in self.recall_k), "integers >= 1")
+        _check("train.temperature", self.temperature, self.temperature > 0, "a number > 0")
+        _check("train.nonfinite", self.nonfinite, self.nonfinite in ("error", "skip"), "'error' or 'skip'")
+
+
+@dataclass(kw_only=True)
+class CheckpointOptions:
+    """The ``checkpoint`` section."""
+
+    dir: str = ""
+    """Checkpoint root (one ``step_N`` directory per save); empty = no checkpoints."""
+    every: int = 0
+    """Save every this many steps (0 = only at the end, when ``dir`` is set)."""
+    keep: int = 3
+    """Keep the newest this many complete checkpoints."""
+    resume: str = ""
+    """``latest`` (the newest complete checkpoint under ``dir``, if any) or a checkpoint path."""
+
+    def __post_init__(self) -> None:
+        _check("checkpoint.every", self.every, self.every >= 0, "an integer >= 0")
+        _check("checkpoint.keep", self.keep, self.keep >= 1, "an integer >= 1")
+
+
+@dataclass(kw_only=True)
+class _ConfigFile:
+    model: dict[str, Any] = field(default_factory=dict)
+    data: Any = None  # DataConfig, filled in by load_config (recsys_examples is imported on use)
+    train: TrainOptions = field(default_factory=TrainOptions)
+    runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+
+
+@dataclass
+class RunConfig:
+    """A loaded training config."""
+
+    model_name: str
+    model_kwargs: dict[str, Any]
+    data: Any
+    train: TrainOptions
+    runtime: RuntimeOptions
+    checkpoint: CheckpointOptions
+    source: str = ""
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.train.out_dir.replace("{model}", self.model_name))
+
+
+SECTIONS = ("model", "data", "train", "runtime", "checkpoint")
+
+
+def _check(key: str, value: Any, ok: bool, expected: str) -> None:
+    if not ok:
+        raise PlanError(f"got {value!r}; expected {expected}", category="bad_value", key=key)
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, model: str | None = None) -> RunConfig:
+    """Read the training config at ``path`` (``None``: all defaults), apply ``key=value`` overrides.
+
+    ``model`` (the plan's ``model:``) is used when the config names none; a config whose
+    ``model.name`` differs from the plan's is refused, since the plan was written for one model.
+    """
+    if path is None:
+        raw, locate, source = {}, _Locator("", {}, overrides), ""
+    else:
+        raw, text = _read_yaml(Path(path))
+        locate, source = _Locator(str(path), _key_lines(text), overrides), str(path)
+    try:
+        return _build(raw or {}, overrides, model, source)
+    except PlanError as e:
+        raise e.at(locate(e.key)) from None
+
+
+def _build(raw: Any, overrides: Sequence[str], plan_model: str | None, source: str) -> RunConfig:
+    from recsys_examples import MODELS
+    from recsys_examples.data import DataConfig, check_data_config
+
+    if not isinstance(raw, dict):
+        raise PlanError(f"a training config is a mapping with keys {', '.join(SECTIONS)}; got {raw!r}",
+                        category="bad_value")
+    raw = apply_overrides(raw, overrides)
+    for key in raw:
+        if key not in SECTIONS:
+            raise PlanError(f"unknown section {key!r}{did_you_mean(str(key), SECTIONS)}; a training config has "
+                            f"{', '.join(SECTIONS)}", category="unknown_key", key=str(key))
+    model_raw = dict(raw.get("model") or {})
+    name = model_raw.pop("name", None) or plan_model
+    if not name:
+        raise PlanError(f"no model: set model.name (one of {one_of(sorted(MODELS))})", category="unknown_model",
+                        key="model.name")
+    if name not in MODELS:
+        raise PlanError(f"unknown model {name!r}{did_you_mean(name, MODELS)}; known: {one_of(sorted(MODELS))}",
+                        category="unknown_model", key="model.name")
+    if plan_model and name != plan_model:
+        raise PlanError(f"the config trains {name!r} but the plan is written for {plan_model!r}",
+                        category="bad_value", key="model.name")
+    params = [p for p in inspect.signature(MODELS[name]).parameters if p not in ("device",)]
+    for k in model_raw:
+        if k not in params:
+            raise PlanError(f"{name} takes no option {k!r}{did_you_mean(k, params)}; it takes {', '.join(params)}",
+                            category="unknown_key", key=f"model.{k}")
+    header = {k: v for k, v in raw.items() if k in ("train", "runtime", "checkpoint")}
+    cfg = _load_section(_ConfigFile, header, "")
+    data = _load_section(DataConfig, raw.get("data") or {}, "data")
+    try:
+        check_data_config(data)
+    except ValueError as e:
+        key = str(e).split(":", 1)[0] if str(e).startswith("data.") else "data"
+        raise PlanError(str(e).split(": ", 1)[-1] if key != "data" else str(e), category="bad_value", key=key) from None
+    return RunConfig(name, model_raw, data, cfg.train, cfg.runtime, cfg.checkpoint, source)
+
+
+def config_dict(cfg: RunConfig) -> dict[str, Any]:
+    """The whole config as plain data (written next to the metrics of a run)."""
+    return {
+        "model": {"name": cfg.model_name, **cfg.model_kwargs},
+        "data": dataclasses.asdict(cfg.data),
+        "train": dataclasses.asdict(cfg.train),
+        "runtime": dataclasses.asdict(cfg.runtime),
+        "checkpoint": dataclasses.asdict(cfg.checkpoint),
+    }

@@ -1,0 +1,415 @@
+"""``hybrid train``: one process of a run, as a trainer or a parameter server.
+
+Every process loads the plan and the training config, checks the plan against the model (so a
+mistake ends every process with the same message, exit code 2), takes its role from its rank
+(the last ``topology.parameter_servers`` ranks are servers), and joins RPC (and, on trainers,
+the trainers' process group). Servers then just serve (:mod:`hybrid.launch.serve`); trainers
+compose the model and run :class:`Trainer`. The end is ordered: trainers finish their last
+push, meet at a barrier, trainer 0 releases the servers, and everyone shuts down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hybrid
+from hybrid import autograd as bridge
+from hybrid.launch.init import init_hybrid, shutdown
+from hybrid.launch.roles import Role, role_of
+from hybrid.launch.serve import PeerFailure, release_servers, serve
+from hybrid.log import init_logging, logger
+from hybrid.plan import Plan, PlanError, ResolvedPlan, load_plan, resolve, summarize
+from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection
+from hybrid.train import metrics as M
+from hybrid.train.config import RunConfig, config_dict, load_config
+from hybrid.train.report import MetricsWriter, fmt, plot_curves, table
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+PLAN_PREFIX = "plan."
+
+
+class NonFiniteBatch(ValueError):
+    """A batch with NaN or inf in its dense features or labels (``train.nonfinite: error``)."""
+
+
+def split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``plan.``-prefixed overrides go to the plan (prefix removed), the rest to the config."""
+    plan = [o[len(PLAN_PREFIX):] for o in overrides if o.startswith(PLAN_PREFIX)]
+    config = [o for o in overrides if not o.startswith(PLAN_PREFIX)]
+    return plan, config
+
+
+def load_run(plan_path: str, config_path: str | None, overrides: Sequence[str], world_size: int,
+             ) -> tuple[Plan, RunConfig, nn.Module, ResolvedPlan]:
+    """Plan + config + the model they describe, checked against each other and the world size.
+
+    The model is built on the meta device here (shapes only), for the check; raises PlanError.
+    """
+    from recsys_examples import MODELS
+
+    plan_over, config_over = split_overrides(overrides)
+    plan = load_plan(plan_path, plan_over)
+    cfg = load_config(config_path, config_over, model=plan.model)
+    meta = MODELS[cfg.model_name](**cfg.model_kwargs, device=torch.device("meta"))
+    resolved = resolve(plan, meta, world_size=world_size)
+    return plan, cfg, meta, resolved
+
+
+def main(plan_path: str, config_path: str | None, overrides: Sequence[str]) -> int:
+    """Entry of ``hybrid train`` in one process started by torchrun (RANK, WORLD_SIZE, MASTER_*)."""
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        print(f"error: hybrid train runs under torchrun (missing {', '.join(missing)} in the environment); "
+              f"start it with `hybrid launch -n N train ...` or `torchrun --nproc-per-node N -m hybrid.cli train ...`",
+              file=sys.stderr)
+        return EXIT_USAGE
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    init_logging(f"rank{rank}")
+    _quiet_known_warnings()
+    try:
+        plan, cfg, _, resolved = load_run(plan_path, config_path, overrides, world_size)
+    except PlanError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    role = role_of(rank, world_size, plan.topology.parameter_servers)
+    init_logging(role.name)
+    return run_process(role, plan, cfg, resolved, init_method="env://")
+
+
+def _quiet_known_warnings() -> None:
+    """Silence torch warnings that every run would print and that say nothing about the run."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
+    warnings.filterwarnings("ignore", message=".*is_fx_tracing will return true.*")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module="fbgemm_gpu")
+
+
+def run_process(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, *, init_method: str) -> int:
+    """Join the job as ``role``, do its part, shut down in order; returns the exit code."""
+    options = cfg.runtime
+    try:
+        init_hybrid(role, init_method=init_method, backend=plan.topology.backend, options=options)
+    except Exception as e:  # noqa: BLE001
+        logger.error("%s could not join the job: %s", role.name, e)
+        return EXIT_FAILED
+    ok = False
+    try:
+        if role.is_trainer:
+            Trainer(role, plan, cfg, resolved).run()
+        else:
+            serve(role, heartbeat_s=options.heartbeat_s, timeout_s=options.rpc_timeout_s)
+        ok = True
+    except PeerFailure as e:
+        logger.error("%s", e)
+    except NonFiniteBatch as e:
+        logger.error("%s", e)
+    except Exception as e:  # noqa: BLE001
+        logger.error("%s failed: %s\n%s", role.name, e, traceback.format_exc())
+    if ok and bridge.runtime() is not None:
+        bridge.set_runtime(None)  # closes the context threads
+    if not ok:
+        # A failed process does not wait for its peers (they may be the reason); exiting makes
+        # torchrun stop the others, and servers notice a missing trainer within a heartbeat.
+        logger.error("%s exits with code %d", role.name, EXIT_FAILED)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)
+    shutdown(role, graceful=True, timeout_s=options.shutdown_timeout_s)
+    return EXIT_OK
+
+
+def dense_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    params = [p for p in params if p.requires_grad]
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    return torch.optim.Adagrad(params, lr=lr)
+
+
+def remote_collections(model: nn.Module) -> list[RemoteEmbeddingBagCollection]:
+    out = []
+    for m in model.modules():
+        if isinstance(m, RemoteEmbeddingBagCollection):
+            out.append(m)
+        elif isinstance(m, RemoteEmbeddingBag):
+            out.append(m.collection)
+    return out
+
+
+@dataclasses.dataclass
+class _Window:
+    """Sums over the steps since the last train row."""
+
+    steps: int = 0
+    samples: int = 0
+    loss: float = 0.0
+    data: float = 0.0
+    lookup: float = 0.0
+    dense: float = 0.0
+    push: float = 0.0
+    optimizer: float = 0.0
+    wall: float = 0.0
+
+
+class Trainer:
+    """The training loop of one trainer: compose, train, evaluate, report."""
+
+    def __init__(self, role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan) -> None:
+        from recsys_examples import MODELS, TASK_OF, schema_of
+        from recsys_examples.data import make_dataset
+        from recsys_examples.tasks import CTRTask, RetrievalTask
+
+        self.role, self.plan, self.cfg = role, plan, cfg
+        self.t = cfg.train
+        self.rank0 = role.index == 0
+        kwargs = dict(cfg.model_kwargs)
+        kwargs.setdefault("seed", self.t.seed)
+        model = MODELS[cfg.model_name](**kwargs)  # the same initial weights on every trainer
+        task_name = TASK_OF[cfg.model_name]
+        self.task = CTRTask() if task_name == "ctr" else RetrievalTask(temperature=self.t.temperature)
+        self.schema = schema_of(model, task_name)
+        self.model = hybrid.compose(model, resolve(plan, model, world_size=role.world_size), role=role,
+                                    runtime_options=cfg.runtime)
+        self.optimizer = dense_optimizer(self.t.optimizer, self.model.parameters(), self.t.lr)
+        self.remotes = remote_collections(self.model)
+        self.staleness = plan.sync.staleness
+        n, me = role.num_trainers, role.index
+        self.train_data = make_dataset(self.schema, cfg.data, split="train", rank=me, world_size=n)
+        self.eval_data = make_dataset(self.schema, cfg.data, split="eval", rank=me, world_size=n)
+        self.out_dir = cfg.out_dir
+        self.writer = MetricsWriter(self.out_dir, tensorboard=self.t.tensorboard) if self.rank0 else None
+        self.skipped = 0
+        self.evals: list[dict[str, Any]] = []
+        self.quality = "auc" if task_name == "ctr" else f"recall@{max(self.t.recall_k)}"
+        if self.rank0:
+            (self.out_dir / "config.json").write_text(json.dumps(
+                {"config": config_dict(cfg), "plan_source": plan.source, "processes": summarize(resolved)},
+                indent=2, default=str))
+
+    # -- data ------------------------------------------------------------------------------------
+    def _batches(self) -> Iterator[Any]:
+        """Training batches: ``train.steps`` of them, or fewer when ``epochs`` passes end first.
+
+        A batch with NaN/inf is refused or skipped by every trainer together (one small
+        all-reduce per batch), so the trainers never disagree on which step a batch is.
+        """
+        epoch = 0
+        while True:
+            produced = False
+            for batch in self.train_data:
+                produced = True
+                bad = torch.tensor([0.0 if self._finite(batch) else 1.0])
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+                if bad.item():
+                    if self.t.nonfinite == "error":
+                        raise NonFiniteBatch(
+                            f"{self.role.name}: a training batch holds NaN or inf in its dense features or "
+                            f"labels (step {self.step}); set train.nonfinite=skip to skip such batches")
+                    self.skipped += 1
+                    continue
+                yield batch
+            epoch += 1
+            if not produced:
+                raise ValueError(f"{self.role.name}: the training data yielded no batch "
+                                 f"(data.batch_size={self.cfg.data.batch_size} per trainer)")
+            if self.t.epochs and epoch >= self.t.epochs:
+                return
+            if hasattr(self.train_data, "restart"):
+                self.train_data.restart()
+
+    @staticmethod
+    def _finite(batch) -> bool:
+        return bool(torch.isfinite(batch.dense).all()) and bool(torch.isfinite(batch.labels).all())
+
+    # -- the loop --------------------------------------------------------------------------------
+    def run(self) -> None:
+        t = self.t
+        self.step = 0
+        window = _Window()
+        batches = self._batches()
+        nxt = next(batches, None)
+        bar = self._progress()
+        started = time.perf_counter()
+        train_time = 0.0
+        last_loss = float("nan")
+        prev_times = None
+        while nxt is not None and self.step < t.steps:
+            batch = nxt
+            t0 = time.perf_counter()
+            with hybrid.step(self.model, self.optimizer) as s:
+                outputs = self.task.forward(self.model, batch)
+                td = time.perf_counter()
+                nxt = next(batches, None) if self.step + 1 < t.steps else None
+                data_time = time.perf_counter() - td
+                if nxt is not None and self.staleness > 0:
+                    for r in self.remotes:  # the next step's rows travel while this one computes
+                        r.prefetch(nxt.sparse)
+                loss = self.task.loss(outputs, batch)
+                s.backward(loss)
+            wall = time.perf_counter() - t0
+            train_time += wall
+            self.step += 1
+            times = s.times
+            window.steps += 1
+            window.samples += len(batch)
+            window.loss += float(loss.detach())
+            window.data += data_time
+            window.lookup += times.lookup
+            window.dense += times.dense - data_time
+            # A step's push is waited for when the next step begins: count it one step late.
+            window.push += prev_times.push if prev_times is not None else 0.0
+            prev_times = times
+            window.optimizer += times.optimizer
+            window.wall += wall
+            if bar is not None:
+                bar.update(1)
+            if self.step % t.log_every == 0 or self.step == t.steps or nxt is None:
+                last_loss = self._log_train(window)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{last_loss:.4f}")
+                window = _Window()
+            if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps and nxt is not None:
+                self._evaluate()
+        if bar is not None:
+            bar.close()
+        rt = bridge.runtime()
+        if rt is not None:
+            rt.wait_pushed()
+        self._evaluate()
+        total = time.perf_counter() - started
+        stats = self._server_stats()
+        self.finish(train_time=train_time, total=total, last_loss=last_loss, stats=stats)
+
+    def _progress(self):
+        if not (self.rank0 and self.t.progress):
+            return None
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return None
+        return tqdm(total=self.t.steps, desc=f"train {self.cfg.model_name}", unit="step", dynamic_ncols=True,
+                    file=sys.stderr, mininterval=1.0)
+
+    def _log_train(self, w: _Window) -> float:
+        """One train row: losses and times averaged over the window and the trainers."""
+        sums = torch.tensor([w.loss, w.samples, w.data, w.lookup, w.dense, w.push, w.optimizer, w.wall],
+                            dtype=torch.float64)
+        dist.all_reduce(sums)
+        n = self.role.num_trainers
+        loss, samples, data, lookup, dense, push, opt, wall = sums.tolist()
+        per_step = lambda x: 1000 * x / (w.steps * n)  # noqa: E731 - milliseconds per step, mean over trainers
+        row = {
+            "kind": "train", "step": self.step, "loss": loss / (w.steps * n),
+            "samples_per_s": samples / (wall / n) if wall > 0 else float("nan"),
+            "step_ms": per_step(wall), "data_ms": per_step(data), "lookup_ms": per_step(lookup),
+            "dense_ms": per_step(dense), "push_ms": per_step(push), "optimizer_ms": per_step(opt),
+            "skipped_batches": self.skipped,
+        }
+        if self.writer is not None:
+            self.writer.write(row)
+        return row["loss"]
+
+    @torch.no_grad()
+    def _evaluate(self) -> None:
+        """Metrics on the held-out data, over every trainer's share (everyone gets the same numbers)."""
+        self.model.eval()
+        outs: dict[str, list[torch.Tensor]] = {}
+        for batch in self.eval_data:
+            o = self.task.eval_outputs(self.task.forward(self.model, batch), batch)
+            for k, v in o.items():
+                outs.setdefault(k, []).append(v)
+        self.model.train()
+        if not outs:
+            return
+        result = M.compute(self.task.name, outs, ks=list(self.t.recall_k))
+        if self.task.name == "retrieval":
+            # The in-batch loss of the eval batches is not what the metric needs: report the
+            # mean rank instead, and keep "loss" for the curves from the train rows.
+            result["loss"] = float("nan")
+        row = {"kind": "eval", "step": self.step, **result}
+        self.evals.append(row)
+        if self.writer is not None:
+            self.writer.write(row)
+            shown = ", ".join(f"{k} {fmt(v)}" for k, v in result.items() if k != "candidates")
+            logger.info("eval at step %d: %s", self.step, shown)
+
+    def _server_stats(self) -> dict[str, dict]:
+        if not self.rank0:
+            return {}
+        out: dict[str, dict] = {}
+        for r in self.remotes:
+            for server, d in r.stats().items():
+                agg = out.setdefault(server, {})
+                for k, v in d.items():
+                    if isinstance(v, (int, float)):
+                        agg[k] = agg.get(k, 0) + v
+        return out
+
+    def finish(self, *, train_time: float, total: float, last_loss: float, stats: dict[str, dict]) -> None:
+        """Barrier, release the servers (trainer 0), then the summary and the files."""
+        dist.barrier()
+        if self.rank0:
+            release_servers(self.role, self.cfg.runtime.rpc_timeout_s)
+        if self.writer is None:
+            return
+        self.writer.close()
+        rows = self.writer.rows
+        png = plot_curves(rows, self.out_dir / "curves.png", quality=self.quality) if self.t.plot else None
+        summary = self._summary(rows, train_time, total, last_loss, stats, png)
+        (self.out_dir / "summary.txt").write_text(summary + "\n")
+        print(summary, flush=True)
+
+    def _summary(self, rows, train_time, total, last_loss, stats, png) -> str:
+        train_rows = [r for r in rows if r["kind"] == "train"]
+        samples = self.step * self.cfg.data.batch_size * self.role.num_trainers
+        mean = lambda k: sum(r[k] for r in train_rows) / len(train_rows) if train_rows else float("nan")  # noqa: E731
+        first_eval = self.evals[0] if self.evals else {}
+        last_eval = self.evals[-1] if self.evals else {}
+        lines = [
+            ("model", f"{self.cfg.model_name} ({self.task.name}), plan {self.plan.source or '<dict>'}"),
+            ("processes", f"{_plural(self.role.num_trainers, 'trainer')} + "
+                          f"{_plural(self.role.num_servers, 'parameter server')}, "
+                          f"staleness {self.staleness}"),
+            ("steps", f"{self.step} ({samples:,} samples, {self.skipped} batches skipped)"),
+            ("time", f"{train_time:.1f}s training, {total:.1f}s with evaluation"),
+            ("throughput", f"{samples / train_time:,.0f} samples/s" if train_time > 0 else "n/a"),
+            ("step time", f"{mean('step_ms'):.1f} ms = data {mean('data_ms'):.1f} + lookup {mean('lookup_ms'):.1f} "
+                          f"+ dense fwd/bwd {mean('dense_ms'):.1f} + push {mean('push_ms'):.1f} "
+                          f"+ optimizer {mean('optimizer_ms'):.1f} (+ rest)"),
+            ("train loss", f"{fmt(train_rows[0]['loss']) if train_rows else 'n/a'} -> {fmt(last_loss)}"),
+        ]
+        for k, v in last_eval.items():
+            if k in ("kind", "step", "candidates") or (isinstance(v, float) and math.isnan(v)):
+                continue
+            before = first_eval.get(k)
+            shown = f"{fmt(before)} (step {first_eval['step']}) -> {fmt(v)}" if len(self.evals) > 1 else fmt(v)
+            lines.append((f"eval {k}", shown))
+        for server, d in sorted(stats.items()):
+            steps = max(self.step, 1)
+            uniq = d.get("rows_served", 0) / d["ids_requested"] if d.get("ids_requested") else float("nan")
+            lines.append((server, f"{d.get('lookups', 0) / steps / self.role.num_trainers:.1f} lookups/step/trainer, "
+                                  f"{d.get('bytes_in', 0) / steps / 1024:.1f} KiB in + {d.get('bytes_out', 0) / steps / 1024:.1f} "
+                                  f"KiB out per step, unique ids {uniq:.2f}"))
+        outputs = ["metrics.jsonl", "metrics.csv", "summary.txt"] + (["curves.png"] if png else [])
+        lines.append(("output", f"{self.out_dir}/ ({', '.join(outputs)})"))
+        return "== hybrid run summary ==\n" + table(lines)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"

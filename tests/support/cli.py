@@ -1,0 +1,47 @@
+"""Run the real ``hybrid`` command (and torchrun under it) in a subprocess that cannot outlive the test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return f"--- exit code {self.returncode}\n--- stdout:\n{self.stdout}\n--- stderr:\n{self.stderr}"
+
+
+def run_hybrid(args: list[str], *, timeout: float, cwd: Path | None = None, env: dict[str, str] | None = None,
+               module: str = "hybrid.cli") -> Result:
+    """``python -m hybrid.cli ARGS`` in its own session; on timeout the whole session is SIGKILLed.
+
+    torchrun and its workers are in that session too, so nothing is left behind either way.
+    """
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd or REPO, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"`hybrid {' '.join(args)}` did not finish in {timeout}s\n--- stdout:\n{out}\n"
+                             f"--- stderr:\n{err[-8000:]}") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a finished run, if any
+        except ProcessLookupError:
+            pass
+    return Result(proc.returncode, out, err)
