@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import sys
@@ -95,7 +96,7 @@ def _quiet_known_warnings() -> None:
     import warnings
 
     warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
-    warnings.filterwarnings("ignore", message=".*is_fx_tracing will return true.*")
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=DeprecationWarning, module="fbgemm_gpu")
 
 

@@ -1,0 +1,52 @@
+"""Data for the examples: one :class:`Batch` type, readers (synthetic, Criteo TSV, CSV/Parquet).
+
+:func:`make_dataset` picks the reader named by ``data.source``. Every reader yields trainer
+``rank``'s share ``[rank*B, (rank+1)*B)`` of each global batch of ``world_size x B`` samples, so
+all trainers yield the same number of batches and sync training equals single-process training
+on the global batches.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterable
+
+from recsys_examples.data.batch import Batch, kjt_from_ids
+from recsys_examples.data.config import DataConfig, Schema, check_data_config
+from recsys_examples.data.criteo import CriteoReader
+from recsys_examples.data.synthetic import SyntheticData
+from recsys_examples.data.tabular import CsvReader, FileReader, ParquetReader
+
+READERS: dict[str, type[FileReader]] = {"criteo": CriteoReader, "csv": CsvReader, "parquet": ParquetReader}
+"""The file readers by ``data.source`` (``synthetic`` needs no files)."""
+
+
+def make_dataset(schema: Schema, cfg: DataConfig, *, split: str, rank: int = 0,
+                 world_size: int = 1) -> Iterable[Batch]:
+    """The batches of trainer ``rank`` of ``world_size`` for ``split`` (``"train"`` or ``"eval"``).
+
+    Synthetic: an endless training stream and ``cfg.eval_batches`` held-out batches. Files:
+    ``cfg.train_paths`` or ``cfg.eval_paths``, one pass per ``iter()``. A file source without
+    files for the split, or a path that matches nothing, is a ``ValueError`` naming the key.
+    """
+    check_data_config(cfg)
+    if split not in ("train", "eval"):
+        raise ValueError(f"split: got {split!r}; expected 'train' or 'eval'")
+    if cfg.source == "synthetic":
+        return SyntheticData(schema, cfg, rank=rank, world_size=world_size, split=split)
+    key = f"data.{split}_paths"
+    paths = list(cfg.train_paths if split == "train" else cfg.eval_paths)
+    if not paths:
+        raise ValueError(f"{key}: data.source={cfg.source} reads files; list the {split} files "
+                         f"(e.g. {key}=[/data/part_0.gz])")
+    for p in paths:
+        if not (glob.glob(p) if glob.has_magic(p) else os.path.isfile(p)):
+            raise ValueError(f"{key}: {p!r} {'matches no file' if glob.has_magic(p) else 'is not a file'}")
+    return READERS[cfg.source](schema, cfg, paths, rank=rank, world_size=world_size)
+
+
+__all__ = [
+    "Batch", "CriteoReader", "CsvReader", "DataConfig", "ParquetReader", "Schema", "SyntheticData",
+    "check_data_config", "kjt_from_ids", "make_dataset",
+]

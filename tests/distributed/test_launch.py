@@ -1,0 +1,75 @@
+"""Launch paths other than the one-machine default: two torchrun agents ("nodes") on localhost
+with c10d rendezvous, exactly the README's multi-machine command; and usage errors of launch/train."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from tests.support.cli import REPO, run_hybrid
+
+TINY = ["model.num_embeddings=200", "model.bottom_mlp=[8,16]", "model.top_mlp=[8,1]", "train.steps=4",
+        "train.eval_every=0", "data.batch_size=8", "data.eval_batches=1", "train.plot=false", "train.progress=false"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_agents_with_c10d_rendezvous(tmp_path):
+    port = _free_port()
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test-two-nodes",
+           "-m", "hybrid.cli", "train", "--plan", "conf/plans/dlrm.yaml", "--config", "conf/train/dlrm.yaml",
+           *TINY, f"train.out_dir={out}", "runtime.address=127.0.0.1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True) for _ in range(2)]
+    outputs = []
+    try:
+        for a in agents:
+            outputs.append(a.communicate(timeout=240)[0])
+    finally:
+        for a in agents:
+            try:
+                os.killpg(a.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            a.wait()
+    joined = "\n".join(f"--- agent {i} (exit {a.returncode}):\n{o}" for i, (a, o) in enumerate(zip(agents, outputs)))
+    assert [a.returncode for a in agents] == [0, 0], joined[-12000:]
+    assert "3 trainers + 1 parameter server" in joined, joined[-12000:]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "train"]
+    assert steps[-1] == 4
+
+
+def test_plan_mistake_through_launch_is_one_message_and_exit_2():
+    res = run_hybrid(["launch", "-n", "3", "train", "--plan", "conf/plans/dlrm.yaml", "--config", "conf/train/dlrm.yaml",
+                      "plan.modules.dense_arch.strategy=fdsp"], timeout=60)
+    assert res.returncode == 2, res.output
+    assert "error: " in res.stderr and "modules.dense_arch.strategy" in res.stderr and "fsdp" in res.stderr, res.output
+    assert "Traceback" not in res.stderr
+
+
+def test_config_mistake_names_file_line_and_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name: dlrm\ntrain:\n  steps: 10\n  optimiser: sgd\n")
+    res = run_hybrid(["launch", "-n", "3", "train", "--plan", "conf/plans/dlrm.yaml", "--config", str(bad)], timeout=60)
+    assert res.returncode == 2, res.output
+    assert f"{bad}:5" in res.stderr and "optimiser" in res.stderr and "optimizer" in res.stderr, res.output
+
+
+def test_train_outside_torchrun_says_how_to_start_it():
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    res = subprocess.run([sys.executable, "-m", "hybrid.cli", "train", "--plan", "conf/plans/dlrm.yaml"], cwd=REPO,
+                         env=clean, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert "runs under torchrun" in res.stderr and "hybrid launch -n N train" in res.stderr
