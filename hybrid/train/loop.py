@@ -245,6 +245,8 @@ class Trainer:
         window = _Window()
         batches = self._batches()
         nxt = next(batches, None)
+        if t.eval_every:
+            self._evaluate()  # the untrained model's numbers, for comparison
         bar = self._progress()
         started = time.perf_counter()
         train_time = 0.0

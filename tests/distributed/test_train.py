@@ -98,8 +98,26 @@ def test_example_trains_under_its_plan_and_matches_one_process(name, tmp_path):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5)
     assert got[0] != got[-1]  # it trained
     evals = rows(out, "eval")
-    assert [r["step"] for r in evals] == [3, STEPS]
+    assert [r["step"] for r in evals] == [0, 3, STEPS]
     quality = "auc" if TASK_OF[name] == "ctr" else "recall@10"
     assert all(0.0 <= r[quality] <= 1.0 for r in evals), evals
     assert (out / "metrics.csv").read_text().startswith("kind,step,loss")
     assert (out / "summary.txt").exists()
+
+
+def test_demo_config_learns_held_out_auc_well_above_chance(tmp_path):
+    """The demo's model, data and plan, fewer steps: held-out AUC goes from chance to well above it."""
+    out = tmp_path / "demo"
+    res = run_hybrid(["launch", "-n", "3", "train", "--plan", "conf/plans/dlrm.yaml", "--config", "conf/train/dlrm.yaml",
+                      "train.steps=120", "train.eval_every=60", f"train.out_dir={out}", "train.progress=false"],
+                     timeout=300)
+    assert res.returncode == 0, res.output
+    evals = rows(out, "eval")
+    assert [r["step"] for r in evals] == [0, 60, 120]
+    assert abs(evals[0]["auc"] - 0.5) < 0.1, evals[0]
+    assert evals[-1]["auc"] > 0.75, evals
+    assert evals[-1]["ne"] < evals[0]["ne"]
+    summary = res.stdout[res.stdout.index("== hybrid run summary =="):]
+    for line in ("throughput", "step time", "eval auc", "ps0", "output"):
+        assert line in summary, summary
+    assert (out / "curves.png").stat().st_size > 10_000
