@@ -131,23 +131,25 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_launch_main)
 
 
-def _check_train(argv: Sequence[str], world_size: int) -> int:
+def _check_train(argv: Sequence[str], world_size: int) -> tuple[int, str]:
+    """Exit status of checking a ``train`` command's plan and config, and the address to listen on."""
     from hybrid.train.loop import load_run
 
     args = build_parser().parse_args(["train", *argv])
     try:
-        load_run(args.plan, args.config, args.overrides, world_size)
+        _, cfg, _, _ = load_run(args.plan, args.config, args.overrides, world_size)
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    return 0
+        return EXIT_USAGE, ""
+    return 0, cfg.runtime.address
 
 
-def launch_command(nproc: int, command: Sequence[str], max_restarts: int = 0) -> list[str]:
-    """The torchrun command line ``hybrid launch`` runs (standalone: a local rendezvous on a free port)."""
+def launch_command(nproc: int, command: Sequence[str], max_restarts: int = 0, address: str = "127.0.0.1") -> list[str]:
+    """The torchrun command line ``hybrid launch`` runs: a local rendezvous on a free port, and
+    every store torchrun hosts listening on ``address`` only (:mod:`hybrid.launch.torchrun`)."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        f"--max-restarts={max_restarts}", "-m", "hybrid.cli", *command,
+        sys.executable, "-m", "hybrid.launch.torchrun", "--address", address, "--standalone",
+        f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "-m", "hybrid.cli", *command,
     ]
 
 
@@ -164,14 +166,15 @@ def _launch_main(args: argparse.Namespace) -> int:
     if not command:
         print("error: launch: no command; e.g. hybrid launch -n 3 train --plan conf/plans/dlrm.yaml", file=sys.stderr)
         return EXIT_USAGE
+    address = "127.0.0.1"
     if command[0] == "train":  # check plan and config here: a mistake is one message, exit 2
-        status = _check_train(command[1:], args.nproc)
+        status, address = _check_train(command[1:], args.nproc)
         if status:
             return status
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; said here so it is not a surprise
     try:
-        return subprocess.call(launch_command(args.nproc, command, args.max_restarts), env=env)
+        return subprocess.call(launch_command(args.nproc, command, args.max_restarts, address), env=env)
     except KeyboardInterrupt:
         return 130
 

@@ -105,8 +105,9 @@ def init_hybrid(
     """
     options = options or RuntimeOptions()
     ifname = _ifname_for(options.address)
-    if ifname and "TP_SOCKET_IFNAME" not in os.environ:
-        os.environ["TP_SOCKET_IFNAME"] = ifname
+    if ifname:  # RPC (TensorPipe) and the trainers' gloo group listen on this interface only
+        os.environ.setdefault("TP_SOCKET_IFNAME", ifname)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
     if role.is_trainer:
         backend = resolve_backend(backend)
         if backend == "nccl":

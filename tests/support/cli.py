@@ -25,9 +25,9 @@ class Result:
 
 def run_hybrid(args: list[str], *, timeout: float, cwd: Path | None = None, env: dict[str, str] | None = None,
                module: str = "hybrid.cli") -> Result:
-    """``python -m hybrid.cli ARGS`` in its own session; on timeout the whole session is SIGKILLed.
+    """``python -m hybrid.cli ARGS``; on timeout it and every process below it are SIGKILLed.
 
-    torchrun and its workers are in that session too, so nothing is left behind either way.
+    Whatever is still alive below it when it returns is killed too: nothing is left behind.
     """
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd or REPO, env=full_env,
@@ -35,13 +35,21 @@ def run_hybrid(args: list[str], *, timeout: float, cwd: Path | None = None, env:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, err = proc.communicate()
         raise AssertionError(f"`hybrid {' '.join(args)}` did not finish in {timeout}s\n--- stdout:\n{out}\n"
                              f"--- stderr:\n{err[-8000:]}") from None
     finally:
+        kill_tree(proc.pid)  # stragglers of a finished run, if any
+    return Result(proc.returncode, out, err)
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL ``root`` and every process below it (torchrun puts its workers in new sessions)."""
+    from tests.support.sockets import descendants
+
+    for pid in descendants(root)[::-1]:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a finished run, if any
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return Result(proc.returncode, out, err)

@@ -1,0 +1,66 @@
+"""Listening TCP sockets of a set of processes, from /proc (no tools needed)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and every live process below it (torchrun starts its workers in new sessions)."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            parent[int(d.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    found, frontier = [root], [root]
+    while frontier:
+        frontier = [p for p, pp in parent.items() if pp in frontier]
+        found += frontier
+    return found
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    out = set()
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                out.add(link[8:-1])
+    except OSError:
+        pass
+    return out
+
+
+def _addr(hex_addr: str, v6: bool) -> str:
+    ip_hex, port_hex = hex_addr.split(":")
+    raw = bytes.fromhex(ip_hex)
+    if v6:  # four little-endian 32-bit words
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+        ip = ipaddress.IPv6Address(raw)
+    else:
+        ip = ipaddress.IPv4Address(raw[::-1])
+    return f"{ip}:{int(port_hex, 16)}"
+
+
+def listening(pids: list[int]) -> list[tuple[int, str]]:
+    """``(pid, "address:port")`` of every listening TCP socket held by ``pids``."""
+    owner = {inode: pid for pid in pids for inode in _socket_inodes(pid)}
+    found = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if parts[3] == "0A" and parts[9] in owner:  # 0A = LISTEN
+                found.append((owner[parts[9]], _addr(parts[1], v6)))
+    return found
