@@ -16,14 +16,15 @@ distributed training equals single-process training on the global batch.
 - **CTR labels**: ``Bernoulli(sigmoid(SHARPNESS * z + BIAS))`` with ``z`` a unit-variance mix of
   ``dense @ w`` and, for every feature, the mean over the bag of a fixed per-row score (a seeded
   hash of the row, mean 0, variance 1). The teacher depends on ``seed`` only, so train and eval
-  share it; a small DLRM learns it well above AUC 0.5 (hot rows are seen often).
+  share it. The Bayes AUC is about 0.93 (0.81 from the dense part alone); the default DLRM of
+  ``conf/train/dlrm.yaml`` reaches about 0.85 on held-out batches after 300 steps of 256.
 - **retrieval** (``schema.task == "retrieval"``): every sample is a positive (query, item) pair,
   label 1. The first query feature is a power-law user id; the other query features are
   attributes of that user (seeded hashes). The first item feature holds the user's preferred
   items (the ``j``-th id of the bag is the user's ``j``-th preference, drawn once per user from
   the item power law), replaced by a random item with probability ``RETRIEVAL_NOISE``; the
-  other item features are attributes of the first item. So recall@k of a two-tower with
-  in-batch negatives can rise far above chance.
+  other item features are attributes of the first item. The default two-tower reaches a
+  recall@10 of about 0.8 among 256 in-batch candidates (chance: 0.04) after 200 steps.
 
 Every per-row quantity is a hash of (seed, feature, row): nothing of size ``rows`` is stored, so
 tables of any size cost nothing here.
@@ -44,7 +45,7 @@ from recsys_examples.data.config import DataConfig, Schema
 
 SPLITS = ("train", "eval")
 SHARPNESS = 3.0
-"""CTR teacher: logit scale (higher = less label noise; 3 gives a Bayes AUC of about 0.9)."""
+"""CTR teacher: logit scale (higher = less label noise)."""
 BIAS = -1.0
 """CTR teacher: logit offset (about 40% positives)."""
 RETRIEVAL_NOISE = 0.1
@@ -176,11 +177,6 @@ class SyntheticData:
         while self.steps is None or t < self.start + self.steps:
             yield self.global_batch(t).slice(lo, lo + self.batch_size)
             t += 1
-
-    def __len__(self) -> int:
-        if self.steps is None:
-            raise TypeError("an endless synthetic training stream has no length")
-        return self.steps
 
     def global_batch(self, t: int) -> Batch:
         """All ``world_size x batch_size`` samples of step ``t`` (every trainer's share)."""

@@ -47,6 +47,7 @@ from recsys_examples.data.config import DataConfig, Schema
 logger = logging.getLogger("hybrid.data")
 
 _MAX_ID = (1 << 63) - 1
+_CHUNK_ROWS = 8192
 
 
 def expand_paths(paths: Sequence[str]) -> list[str]:
@@ -59,10 +60,9 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
 
 def open_binary(path: str) -> IO[bytes]:
     """``path`` for reading bytes, decompressed when it is gzip (by its magic number, not its name)."""
-    f = open(path, "rb")
-    if f.peek(2)[:2] == b"\x1f\x8b":
-        return gzip.GzipFile(fileobj=f, mode="rb")  # type: ignore[return-value]
-    return f
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rb") if gzipped else open(path, "rb")  # type: ignore[return-value]
 
 
 def show(value: Any, limit: int = 40) -> str:
@@ -77,9 +77,9 @@ def show(value: Any, limit: int = 40) -> str:
 class FileReader:
     """Sharded batches of the good records of files read in order (see the module docstring).
 
-    A subclass sets ``source`` (named in messages as ``data.<source>``), yields records from
-    :meth:`_records` (counting ``counts["lines"]``, reporting bad ones with :meth:`_malformed`)
-    and turns a list of records into a :class:`Batch` in :meth:`_batch`.
+    A subclass sets ``source`` (named in messages as ``data.<source>``), yields lists of good
+    records from :meth:`_chunks` (counting ``counts["lines"]``, reporting bad records with
+    :meth:`_malformed`) and turns a list of records into a :class:`Batch` in :meth:`_batch`.
     """
 
     source = "files"
@@ -103,15 +103,14 @@ class FileReader:
         w, b = self.world_size, self.batch_size
         size, lo, hi = w * b, self.rank * b, (self.rank + 1) * b
         buf: list[Any] = []
-        for record in self._records():
-            buf.append(record)
-            if len(buf) == size:
-                counts["good"] += size
+        for chunk in self._chunks():
+            counts["good"] += len(chunk)
+            buf += chunk
+            while len(buf) >= size:
                 counts["batches"] += 1
                 yield self._batch(buf[lo:hi])
-                buf = []
+                del buf[:size]
         g = len(buf)
-        counts["good"] += g
         if g and (self.cfg.drop_last or g < w):
             counts["dropped"] = g
         elif g:
@@ -127,10 +126,12 @@ class FileReader:
         if self.counts["malformed"] == 1:
             logger.warning("%s (skipped: data.malformed=skip; later ones are only counted)", text)
 
-    def _records(self) -> Iterator[Any]:
+    def _chunks(self) -> Iterator[list[Any]]:
+        """The good records, in order, a list at a time."""
         raise NotImplementedError
 
     def _batch(self, records: list[Any]) -> Batch:
+        """One trainer's batch from its records."""
         raise NotImplementedError
 
 
@@ -201,13 +202,13 @@ class _Columns(FileReader):
             what = "a number" if y is None else "a label in [0, 1]"
             return f"column {self.cfg.label_column!r}: {show(label)} is not {what}"
         xs = []
-        for name, v in zip(self.dense_columns, dense):
+        for name, v in zip(self.dense_columns, dense, strict=True):
             x = 0.0 if v is None or v == "" else _number(v)
             if x is None:
                 return f"column {name!r}: {show(v)} is not a number"
             xs.append(x)
         bags = []
-        for name, v in zip(self.sparse_columns, sparse):
+        for name, v in zip(self.sparse_columns, sparse, strict=True):
             if v is None or v == "":
                 bags.append([])
                 continue
@@ -235,7 +236,8 @@ class CsvReader(_Columns):
 
     source = "csv"
 
-    def _records(self) -> Iterator[tuple]:
+    def _chunks(self) -> Iterator[list[tuple]]:
+        chunk: list[tuple] = []
         for path in self.paths:
             with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
                 reader = csv.reader(f)
@@ -262,8 +264,12 @@ class CsvReader(_Columns):
                                          [row[i] for i in sparse])
                     if isinstance(parsed, str):
                         self._malformed(f"{path}:{reader.line_num}", parsed)
-                    else:
-                        yield parsed
+                        continue
+                    chunk.append(parsed)
+                    if len(chunk) == _CHUNK_ROWS:
+                        yield chunk
+                        chunk = []
+        yield chunk
 
 
 def _pyarrow_parquet() -> Any:
@@ -284,27 +290,28 @@ class ParquetReader(_Columns):
         super().__init__(schema, cfg, paths, rank=rank, world_size=world_size)
         self._pq = _pyarrow_parquet()
 
-    def _records(self) -> Iterator[tuple]:
+    def _chunks(self) -> Iterator[list[tuple]]:
         for path in self.paths:
             pf = self._pq.ParquetFile(path)
             header = pf.schema_arrow.names
             label, dense, sparse = self._indices(path, header)
-            wanted = [header[i] for i in ([] if label is None else [label]) + dense + sparse]
-            names = list(dict.fromkeys(wanted))
+            names = list(dict.fromkeys(header[i] for i in ([] if label is None else [label]) + dense + sparse))
             row = 0
-            for rb in pf.iter_batches(batch_size=65536, columns=names):
+            for rb in pf.iter_batches(batch_size=_CHUNK_ROWS, columns=names):
                 cols = {name: rb.column(name).to_pylist() for name in names}
                 ys = cols[header[label]] if label is not None else [1.0] * rb.num_rows
                 xs = [cols[header[i]] for i in dense]
                 ss = [cols[header[i]] for i in sparse]
+                chunk = []
                 for j in range(rb.num_rows):
-                    row += 1
                     self.counts["lines"] += 1
                     parsed = self._parse(ys[j], [c[j] for c in xs], [c[j] for c in ss])
                     if isinstance(parsed, str):
-                        self._malformed(f"{path}: row {row}", parsed)
+                        self._malformed(f"{path}: row {row + j + 1}", parsed)
                     else:
-                        yield parsed
+                        chunk.append(parsed)
+                row += rb.num_rows
+                yield chunk
 
 
 __all__ = ["CsvReader", "FileReader", "ParquetReader", "expand_paths", "open_binary"]
