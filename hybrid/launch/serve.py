@@ -57,3 +57,24 @@ def release_servers(role: Role, timeout_s: float) -> None:
     futs = [rpc.rpc_async(name, _release, timeout=timeout_s) for name in role.server_names]
     for f in futs:
         f.wait()
+
+
+def unreachable_peers(role: Role, timeout_s: float = 2.0) -> list[str]:
+    """The other processes of the job that do not answer a ping within ``timeout_s`` (for the
+    message of a failing process: which peer is gone, whatever error this process saw first)."""
+    names = [n for n in [*role.trainer_names, *role.server_names] if n != role.name]
+    futs = {}
+    for n in names:
+        try:
+            futs[n] = rpc.rpc_async(n, _ping, timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - cannot even send: gone
+            futs[n] = None
+    gone = []
+    for n, f in futs.items():
+        try:
+            if f is None:
+                raise RuntimeError
+            f.wait()
+        except Exception:  # noqa: BLE001
+            gone.append(n)
+    return gone

@@ -51,14 +51,29 @@ class _Route:
     batch_size: int
 
 
+class ServerError(RuntimeError):
+    """A parameter server failed, died or did not answer in time; the message names it."""
+
+
 class _Pending:
     """Lookups in flight for one batch."""
 
-    def __init__(self, route: _Route, futures: dict[int, torch.futures.Future], kjt) -> None:
+    def __init__(self, route: _Route, futures: dict[int, torch.futures.Future], kjt,
+                 names: list[str] | None = None) -> None:
         self.route, self.futures, self.kjt = route, futures, kjt
+        self.names = names
 
     def wait(self, timeout_s: float) -> dict[int, torch.Tensor]:
-        return {s: f.wait() for s, f in self.futures.items()}
+        out = {}
+        for s, f in self.futures.items():
+            try:
+                out[s] = f.wait()
+            except Exception as e:  # noqa: BLE001 - every failure of a peer gets its name
+                name = self.names[s] if self.names else f"server {s}"
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                hint = " (it died or closed the connection)" if "EOF" in first or "pipe" in first or "ECONNRE" in first else ""
+                raise ServerError(f"lookup on parameter server {name} failed{hint}: {first}") from e
+        return out
 
 
 class RemoteEmbeddingBagCollection(nn.Module):
@@ -328,7 +343,7 @@ class RemoteEmbeddingBagCollection(nn.Module):
                                  args=(self.cid, self._finished_step(), ids, counts), timeout=self.timeout_s)
                 for s, (ids, counts) in route.requests.items()
             }
-            return _Pending(route, futs, kjt)
+            return _Pending(route, futs, kjt, self.server_names)
 
         def send(_ctx_id: int) -> dict[int, torch.futures.Future]:
             return {
@@ -340,7 +355,7 @@ class RemoteEmbeddingBagCollection(nn.Module):
                 for s, (ids, counts) in route.requests.items()
             }
 
-        pending = _Pending(route, rstep.call(send).result(timeout=self.timeout_s), kjt)
+        pending = _Pending(route, rstep.call(send).result(timeout=self.timeout_s), kjt, self.server_names)
         rstep.sent = True
         rstep.inflight.append(pending)
         return pending

@@ -30,7 +30,7 @@ import hybrid
 from hybrid import autograd as bridge
 from hybrid.launch.init import init_hybrid, shutdown
 from hybrid.launch.roles import Role, role_of
-from hybrid.launch.serve import PeerFailure, release_servers, serve
+from hybrid.launch.serve import PeerFailure, release_servers, serve, unreachable_peers
 from hybrid.log import init_logging, logger
 from hybrid.plan import Plan, PlanError, ResolvedPlan, load_plan, resolve, summarize
 from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection
@@ -126,6 +126,12 @@ def run_process(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, 
     if not ok:
         # A failed process does not wait for its peers (they may be the reason); exiting makes
         # torchrun stop the others, and servers notice a missing trainer within a heartbeat.
+        try:
+            gone = unreachable_peers(role)
+        except Exception:  # noqa: BLE001 - the RPC agent itself may be down
+            gone = []
+        if gone:
+            logger.error("%s: peers not answering: %s", role.name, ", ".join(gone))
         logger.error("%s exits with code %d", role.name, EXIT_FAILED)
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,0 +1,142 @@
+"""Faults end cleanly: a dead or slow peer, or a failing update, ends every process with a non-zero
+exit and a message naming the peer, within the configured timeout plus a margin -- never a hang.
+
+Each test runs the real job (``hybrid.train.loop.run_process``: RPC, process group, compose,
+training loop, serving) on spawned processes with a file-store rendezvous; the fault is real (a
+process SIGKILLs itself at a chosen point, sleeps, or raises inside the update), injected by
+patching the server's code inside that process only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.harness import DistributedTestError, run_distributed
+from tests.support.cli import REPO
+
+RPC_TIMEOUT = 8.0
+MARGIN = 25.0  # start-up on 2 busy cores and the loop's own teardown
+TINY = ["model.num_embeddings=200", "model.bottom_mlp=[8,16]", "model.top_mlp=[8,1]", "train.steps=200",
+        "train.eval_every=0", "data.batch_size=8", "train.progress=false", "train.plot=false",
+        f"runtime.rpc_timeout_s={RPC_TIMEOUT}", "runtime.heartbeat_s=1", "runtime.pg_timeout_s=20",
+        "runtime.shutdown_timeout_s=10"]
+
+
+def _die_at(method: str, after: int) -> None:
+    """SIGKILL this process on the ``after``-th call of ``CollectionShard.<method>``."""
+    from hybrid.ps import server as srv
+
+    original = getattr(srv.CollectionShard, method)
+    calls = [0]
+
+    def wrapped(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] >= after:
+            logging.getLogger("hybrid").error("fault: killing myself in %s", method)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, *args, **kwargs)
+
+    setattr(srv.CollectionShard, method, wrapped)
+
+
+def _sleep_at(method: str, after: int, seconds: float) -> None:
+    from hybrid.ps import server as srv
+
+    original = getattr(srv.CollectionShard, method)
+    calls = [0]
+
+    def wrapped(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == after:
+            time.sleep(seconds)
+        return original(self, *args, **kwargs)
+
+    setattr(srv.CollectionShard, method, wrapped)
+
+
+def _job(rank: int, world_size: int, *, tmp: str, num_servers: int, fault: dict | None, overrides: list[str]):
+    from hybrid.launch.roles import role_of
+    from hybrid.log import init_logging, logger
+    from hybrid.train.loop import load_run, run_process
+
+    plan, cfg, _, resolved = load_run(str(REPO / "conf/plans/dlrm.yaml"), str(REPO / "conf/train/dlrm.yaml"),
+                                      [*TINY, f"train.out_dir={tmp}/out", f"plan.topology.parameter_servers={num_servers}",
+                                       *overrides], world_size)
+    role = role_of(rank, world_size, num_servers)
+    init_logging(role.name)
+    log = logging.FileHandler(Path(tmp) / f"{role.name}.log")
+    log.setFormatter(logging.Formatter("%(created).3f %(message)s"))
+    logger.addHandler(log)
+    if fault and fault["who"] == role.name:
+        kind = fault["kind"]
+        if kind == "die":
+            _die_at(fault["method"], fault["after"])
+        elif kind == "sleep":
+            logger.error("fault: %s will sleep %.0fs", role.name, fault["seconds"])
+            _sleep_at(fault["method"], fault["after"], fault["seconds"])
+        elif kind == "die_trainer":
+            import threading
+
+            def later():
+                time.sleep(fault["after_s"])
+                logger.error("fault: killing myself mid-step")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            threading.Thread(target=later, daemon=True).start()
+    return run_process(role, plan, cfg, resolved, init_method=f"file://{tmp}/rdzv")
+
+
+def _run_fault(tmp_path: Path, world_size: int, num_servers: int, fault: dict, overrides: list[str] = ()):
+    t0 = time.time()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_job, world_size, setup="none", timeout=RPC_TIMEOUT + 120, failure_grace=RPC_TIMEOUT + MARGIN,
+                        tmp=str(tmp_path), num_servers=num_servers, fault=fault, overrides=list(overrides))
+    logs = {p.stem: p.read_text() for p in tmp_path.glob("*.log")}
+    return str(info.value), logs, _time_to_end(logs, t0)
+
+
+def _time_to_end(logs: dict[str, str], t0: float) -> float:
+    """Seconds from the fault (its log line) to the last process's exit line."""
+    stamps = lambda text, what: [float(line.split()[0]) for line in text.splitlines() if what in line]  # noqa: E731
+    fault = min((t for text in logs.values() for t in stamps(text, "fault:")), default=t0)
+    ends = [t for text in logs.values() for t in stamps(text, "exits with code")]
+    return (max(ends) if ends else time.time()) - fault
+
+
+def _assert_all_failed_naming(report: str, logs: dict[str, str], names: list[str], peer: str) -> None:
+    """Each of ``names`` exited with code 1 by itself (not killed by the harness) and its log names ``peer``."""
+    for name in names:
+        assert f"({name}) was killed or exited with code 1 " in report or f"({name}) raised (exit code 1)" in report, report
+        text = logs.get(name, "")
+        assert peer in text, f"{name} does not name {peer}:\n{text}\n---\n{report}"
+
+
+@pytest.mark.parametrize("method", ["gather", "push"], ids=["mid-forward", "mid-backward"])
+def test_server_killed_ends_every_process_naming_it(tmp_path, method):
+    report, logs, elapsed = _run_fault(tmp_path, 4, 2, {"who": "ps0", "kind": "die", "method": method, "after": 6})
+    assert elapsed < RPC_TIMEOUT + MARGIN, elapsed
+    _assert_all_failed_naming(report, logs, ["trainer0", "trainer1", "ps1"], "ps0")
+
+
+def test_trainer_killed_ends_every_process_naming_it(tmp_path):
+    report, logs, elapsed = _run_fault(tmp_path, 3, 1, {"who": "trainer1", "kind": "die_trainer", "after_s": 12.0},
+                                       ["train.steps=100000"])
+    assert elapsed < RPC_TIMEOUT + MARGIN, elapsed
+    _assert_all_failed_naming(report, logs, ["ps0", "trainer0"], "trainer1")
+
+
+def test_slow_server_gives_a_timeout_error_naming_it(tmp_path):
+    report, logs, elapsed = _run_fault(tmp_path, 3, 1, {"who": "ps0", "kind": "sleep", "method": "gather", "after": 6,
+                                                        "seconds": RPC_TIMEOUT + 10})
+    assert elapsed < RPC_TIMEOUT + 10 + MARGIN, elapsed  # the sleeper itself ends when it wakes
+    for name in ("trainer0", "trainer1"):
+        assert "ps0" in logs[name], logs[name]
+    timed_out = [n for n in ("trainer0", "trainer1") if "lookup on parameter server ps0 failed" in logs[n]
+                 and "timeout (8000 ms)" in logs[n]]
+    assert timed_out, logs  # the trainer whose lookup hung says so; the other may fail on it first
