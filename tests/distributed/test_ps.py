@@ -163,3 +163,54 @@ def test_bad_ids_modulo_policy_wraps_ids():
     assert err is None
     torch.testing.assert_close(got, expect)
     assert not torch.equal(before["t0"], after["t0"])  # the step went through
+
+
+def _raw_state(cid):
+    """On a server: its tables and optimizer state as they are (no waiting, even after a failure)."""
+    from hybrid.ps import server as srv
+
+    shard = srv._collection(cid)
+    with shard.lock:
+        return {t.name: (t.weight.clone(), {k: v.clone() for k, v in t.optim.state.items()}) for t in shard.tables}
+
+
+def _failing_update(rank, world_size, *, num_servers):
+    import torch.distributed.rpc as rpc
+
+    from hybrid.autograd import runtime
+    from hybrid.ps import server as srv
+
+    role = role_of(rank, world_size, num_servers)
+    if not role.is_trainer:
+        return None
+    ebc = make_ebc(seed=0)
+    remote = RemoteEmbeddingBagCollection.from_collection(ebc, cid="faulty", num_servers=1,
+                                                          optimizer={"name": "adagrad", "lr": 0.5})
+    remote.create_on_servers(init_from=ebc)
+    set_runtime(RemoteRuntime(trainer=0))
+    kjt = kjt_slice(global_batch(0, test_tables(), 4), 0, 4)
+    with step() as st:  # one good step, so the optimizer state is not all zeros
+        st.backward(remote(kjt).values().sum())
+    runtime().wait_pushed()
+    before = rpc.rpc_sync("ps0", _raw_state, args=("faulty",))
+    rpc.rpc_sync("ps0", srv.rpc_set_fault, args=("faulty", "update"))
+    err = None
+    try:
+        with step() as st:
+            st.backward(remote(kjt).values().sum())
+        runtime().wait_pushed()
+    except Exception as e:  # noqa: BLE001 - the point is what it says
+        err = f"{type(e).__name__}: {e}"
+    after = rpc.rpc_sync("ps0", _raw_state, args=("faulty",))
+    set_runtime(None)
+    return err, before, after
+
+
+def test_exception_in_a_server_update_reaches_the_trainer_and_applies_nothing():
+    err, before, after = run_distributed(_failing_update, 2, setup="hybrid", num_servers=1, timeout=90)[0]
+    assert err is not None and "injected fault in the update of faulty on ps0" in err, err
+    assert any(st["sum"].abs().sum() > 0 for _, st in before.values())  # there was state to lose
+    for name, (w, st) in before.items():
+        assert torch.equal(w, after[name][0]), name
+        for k, v in st.items():
+            assert torch.equal(v, after[name][1][k]), (name, k)
