@@ -69,3 +69,29 @@ def test_train_outside_torchrun_says_how_to_start_it():
                          env=clean, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2, res.stderr
     assert "runs under torchrun" in res.stderr and "hybrid launch -n N train" in res.stderr
+
+
+def _csv(path, rows):
+    header = "label,d1,d2,a,b\n"
+    path.write_text(header + "".join(",".join(map(str, r)) + "\n" for r in rows))
+
+
+def test_csv_data_with_a_nan_batch_is_refused_or_skipped_and_changes_nothing(tmp_path):
+    good = [(i % 2, 0.5 * i, 1.0, i % 7, f"{i % 5}|{(i + 1) % 5}") for i in range(64)]
+    bad = list(good)
+    bad[20] = (1, "nan", 1.0, 3, "1")  # global batch 1 (16 rows per global batch)
+    _csv(tmp_path / "train.csv", bad)
+    _csv(tmp_path / "eval.csv", good[:16])
+    common = ["train", "--plan", "conf/plans/dlrm.yaml", "--config", "conf/train/dlrm.yaml",
+              "model.features=[a,b]", "model.num_dense=2", "model.num_embeddings=10", "model.bottom_mlp=[8,16]",
+              "model.top_mlp=[8,1]", "data.source=csv", f"data.train_paths=[{tmp_path}/train.csv]",
+              f"data.eval_paths=[{tmp_path}/eval.csv]", "data.dense_columns=[d1,d2]", "data.sparse_columns=[a,b]",
+              "data.batch_size=8", "train.steps=3", "train.eval_every=0", "train.log_every=1", "train.progress=false",
+              "train.plot=false"]
+    res = run_hybrid(["launch", "-n", "3", *common, f"train.out_dir={tmp_path}/err"], timeout=240)
+    assert res.returncode != 0, res.output
+    assert "NaN or inf" in res.stderr and "train.nonfinite=skip" in res.stderr, res.output
+    res = run_hybrid(["launch", "-n", "3", *common, "train.nonfinite=skip", f"train.out_dir={tmp_path}/skip"],
+                     timeout=240)
+    assert res.returncode == 0, res.output
+    assert "3 (48 samples, 1 batches skipped)" in res.stdout, res.output
