@@ -32,6 +32,9 @@ class RuntimeOptions:
     """How long a graceful RPC shutdown waits for the peers before it gives up."""
     heartbeat_s: float = 5.0
     """A waiting parameter server checks that every trainer still answers this often."""
+    startup_timeout_s: float = 120.0
+    """How long a process waits for every other process of the job to start; after it, the
+    error names the ones that never came."""
     transports: list[str] = field(default_factory=lambda: ["uv"])
     """TensorPipe transports. ``uv`` (TCP) is the measured best on small machines: the default
     shared-memory transport busy-spins and starves the trainers of CPU."""
@@ -91,6 +94,49 @@ def _pg_init_method(init_method: str) -> str:
     return init_method
 
 
+class StartupError(RuntimeError):
+    """Some processes of the job did not start within ``runtime.startup_timeout_s``."""
+
+
+def _startup_store(init_method: str, world_size: int, timeout_s: float) -> dist.Store | None:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if init_method.startswith("file://"):
+        return dist.FileStore(init_method[len("file://"):] + ".startup", world_size)
+    if init_method == "env://" and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timeout)
+    return None
+
+
+def wait_for_everyone(role: Role, init_method: str, timeout_s: float) -> None:
+    """Check in on the job's store and wait until every process has; name the missing ones.
+
+    Without it, a process that never starts leaves the others inside torch's own rendezvous
+    (RPC's waits for 30 minutes) with no word of who is missing.
+    """
+    import time
+
+    from hybrid.launch.roles import role_of
+
+    store = _startup_store(init_method, role.world_size, timeout_s)
+    if store is None:
+        return
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"hybrid/startup/{attempt}", store)
+    store.set(str(role.rank), role.name)
+    deadline = time.monotonic() + timeout_s
+    missing = list(range(role.world_size))
+    while True:
+        missing = [r for r in missing if not store.check([str(r)])]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(f"{role_of(r, role.world_size, role.num_servers).name} (rank {r})" for r in missing)
+            raise StartupError(f"{role.name}: {names} did not start within {timeout_s:g}s "
+                               f"(runtime.startup_timeout_s); check their logs, or raise the timeout")
+        time.sleep(0.1)
+
+
 def init_hybrid(
     role: Role,
     *,
@@ -104,6 +150,7 @@ def init_hybrid(
     ``file:///path`` for a file store (tests). Servers are not members of the trainers' group.
     """
     options = options or RuntimeOptions()
+    wait_for_everyone(role, init_method, options.startup_timeout_s)
     ifname = _ifname_for(options.address)
     if ifname:  # RPC (TensorPipe) and the trainers' gloo group listen on this interface only
         os.environ.setdefault("TP_SOCKET_IFNAME", ifname)

@@ -140,3 +140,25 @@ def test_slow_server_gives_a_timeout_error_naming_it(tmp_path):
     timed_out = [n for n in ("trainer0", "trainer1") if "lookup on parameter server ps0 failed" in logs[n]
                  and "timeout (8000 ms)" in logs[n]]
     assert timed_out, logs  # the trainer whose lookup hung says so; the other may fail on it first
+
+
+def _never_started_server(rank: int, world_size: int, *, tmp: str):
+    from hybrid.launch.init import RuntimeOptions, init_hybrid
+    from hybrid.launch.roles import role_of
+
+    role = role_of(rank, world_size, 1)
+    if not role.is_trainer:
+        time.sleep(12)  # "never" starts: stays away past the trainers' start-up timeout
+        return None
+    t0 = time.time()
+    try:
+        init_hybrid(role, init_method=f"file://{tmp}/rdzv", options=RuntimeOptions(startup_timeout_s=4))
+    except Exception as e:  # noqa: BLE001 - the point is what it says and when
+        return time.time() - t0, f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_a_server_that_never_starts_is_named_within_the_startup_timeout(tmp_path):
+    for waited, err in run_distributed(_never_started_server, 3, setup="none", timeout=60, tmp=str(tmp_path))[:2]:
+        assert 4 <= waited < 10, waited
+        assert "StartupError" in err and "ps0 (rank 2) did not start within 4s" in err and "startup_timeout_s" in err
