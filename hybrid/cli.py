@@ -4,6 +4,7 @@
     hybrid plan check PLAN [--model NAME] [--world-size N] [key=value ...]
     hybrid train --plan PLAN [--config CONFIG] [key=value ...]      (one process, under torchrun)
     hybrid launch -n N [--max-restarts K] train --plan PLAN ...     (torchrun on this machine)
+    hybrid export CKPT OUT                                          (a checkpoint -> one plain state_dict)
 
 A new verb (``train``, ``launch``, ``export``) is one ``_add_<verb>_parser(commands)`` function
 that sets ``handler`` to its ``_<verb>_main(args) -> int``, plus one line in
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(commands)
     _add_train_parser(commands)
     _add_launch_parser(commands)
+    _add_export_parser(commands)
     return parser
 
 
@@ -177,6 +179,31 @@ def _launch_main(args: argparse.Namespace) -> int:
         return subprocess.call(launch_command(args.nproc, command, args.max_restarts, address), env=env)
     except KeyboardInterrupt:
         return 130
+
+
+def _add_export_parser(commands: argparse._SubParsersAction) -> None:
+    help_text = "write a checkpoint as one plain state_dict with the unsharded model's keys"
+    p = commands.add_parser("export", help=help_text, description=help_text + (
+        ": dense part and every table whole, no optimizer state; load it with "
+        "`model.load_state_dict(torch.load(OUT, weights_only=True))` for evaluation or serving."))
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="a checkpoint directory (runs/ckpt/step_00000400) or a checkpoint root (its newest)")
+    p.add_argument("out", metavar="OUT", help="the .pt file to write")
+    p.set_defaults(handler=_export_main)
+
+
+def _export_main(args: argparse.Namespace) -> int:
+    from hybrid.checkpoint import Checkpoint, CheckpointError, export
+
+    try:
+        ckpt = Checkpoint(args.checkpoint)
+        state = export(ckpt.path, args.out)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    values = sum(t.numel() for t in state.values())
+    print(f"exported {ckpt.path} (step {ckpt.step}) to {args.out}: {len(state)} tensors, {values:,} values")
+    return 0
 
 
 def _world_size(flag: int | None, plan: Plan) -> tuple[int, str]:

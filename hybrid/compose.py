@@ -41,7 +41,7 @@ def _parent(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
 
 def _apply_parameter_server(
     model: nn.Module, entry: ResolvedModule, *, resolved: ResolvedPlan, role: Role, name: str,
-    timeout_s: float, init_tables: str,
+    timeout_s: float, init_tables: str, start_step: int = 0,
 ) -> RemoteEmbeddingBagCollection:
     """Swap the module at ``entry.fqn`` for its remote stand-in; trainer 0 creates the tables."""
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -74,10 +74,8 @@ def _apply_parameter_server(
         )
     if role.index == 0:
         init_from = module if init_tables == "module" else None
-        if isinstance(remote, RemoteEmbeddingBag):
-            remote.create_on_servers(init_from)
-        else:
-            remote.create_on_servers(init_from)
+        # The servers' step bookkeeping starts where the trainers' numbering does (a resumed run).
+        remote.create_on_servers(init_from, start_step=start_step)
     parent, attr = _parent(model, entry.fqn)
     setattr(parent, attr, remote)
     sharding = opts.sharding
@@ -93,13 +91,33 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
     """Allocate and initialize everything still on meta (after sharding, so FSDP allocates shards)."""
     if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         return
+    # A buffer computed in __init__ (DLRM's interaction indices, a positional table) comes back
+    # from to_empty as garbage; only its module can recompute it. Find them before allocating.
+    meta_buffers = {
+        fqn: [n for n, b in m.named_buffers(recurse=False) if b.is_meta]
+        for fqn, m in model.named_modules()
+        if not isinstance(m, (RemoteEmbeddingBagCollection, RemoteEmbeddingBag))
+    }
     model.to_empty(device=device)
-    for m in model.modules():
+    for fqn, m in model.named_modules():
         if isinstance(m, (RemoteEmbeddingBagCollection, RemoteEmbeddingBag)):
             continue
         reset = getattr(m, "reset_parameters", None)
-        if callable(reset) and any(True for _ in m.parameters(recurse=False)):
-            reset()
+        has_params = any(True for _ in m.parameters(recurse=False))
+        if callable(reset) and has_params:
+            reset()  # nn.Linear, nn.BatchNorm (its running statistics too), ...
+        if meta_buffers.get(fqn):
+            reset_buffers = getattr(m, "reset_buffers", None)
+            if callable(reset_buffers):
+                reset_buffers()
+            elif not (callable(reset) and has_params):
+                names = ", ".join(f"{fqn}.{n}" if fqn else n for n in meta_buffers[fqn])
+                raise ValueError(
+                    f"buffer {names} of {type(m).__name__} was built on the meta device and nothing can "
+                    f"recompute it (the module has no reset_buffers() or reset_parameters()); build "
+                    f"{fqn or 'the model'} outside `torch.device('meta')`, or give {type(m).__name__} a "
+                    f"reset_buffers() method that fills it"
+                )
     logger.info("materialized the model on %s", device)
 
 
@@ -152,9 +170,11 @@ def compose(
         log_plan(resolved, model)
     device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
     mesh = init_device_mesh(device_type(), (role.num_trainers,))
+    rt = bridge.runtime()  # an existing runtime keeps its numbering (start_step applies to a new one)
+    first_step = rt.next_step if rt is not None else start_step
     for entry in resolved.by_strategy("parameter_server"):
         _apply_parameter_server(model, entry, resolved=resolved, role=role, name=name,
-                                timeout_s=options.rpc_timeout_s, init_tables=init_tables)
+                                timeout_s=options.rpc_timeout_s, init_tables=init_tables, start_step=first_step)
     dist.barrier()  # tables exist on the servers before any trainer looks up
     order = resolved.apply_order()
     for entry in order:

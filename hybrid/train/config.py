@@ -63,15 +63,15 @@ class TrainOptions:
     """Seed of the model's initial weights (the same on every process)."""
 
     def __post_init__(self) -> None:
-        _check("train.steps", self.steps, self.steps >= 1, "an integer >= 1")
-        _check("train.epochs", self.epochs, self.epochs >= 0, "an integer >= 0")
-        _check("train.optimizer", self.optimizer, self.optimizer in DENSE_OPTIMIZERS, f"one of {one_of(DENSE_OPTIMIZERS)}")
-        _check("train.lr", self.lr, self.lr > 0, "a number > 0")
-        _check("train.eval_every", self.eval_every, self.eval_every >= 0, "an integer >= 0")
-        _check("train.log_every", self.log_every, self.log_every >= 1, "an integer >= 1")
-        _check("train.recall_k", self.recall_k, all(k >= 1 for k in self.recall_k), "integers >= 1")
-        _check("train.temperature", self.temperature, self.temperature > 0, "a number > 0")
-        _check("train.nonfinite", self.nonfinite, self.nonfinite in ("error", "skip"), "'error' or 'skip'")
+        _check("steps", self.steps, self.steps >= 1, "an integer >= 1")
+        _check("epochs", self.epochs, self.epochs >= 0, "an integer >= 0")
+        _check("optimizer", self.optimizer, self.optimizer in DENSE_OPTIMIZERS, f"one of {one_of(DENSE_OPTIMIZERS)}")
+        _check("lr", self.lr, self.lr > 0, "a number > 0")
+        _check("eval_every", self.eval_every, self.eval_every >= 0, "an integer >= 0")
+        _check("log_every", self.log_every, self.log_every >= 1, "an integer >= 1")
+        _check("recall_k", self.recall_k, all(k >= 1 for k in self.recall_k), "integers >= 1")
+        _check("temperature", self.temperature, self.temperature > 0, "a number > 0")
+        _check("nonfinite", self.nonfinite, self.nonfinite in ("error", "skip"), "'error' or 'skip'")
 
 
 @dataclass(kw_only=True)
@@ -88,8 +88,10 @@ class CheckpointOptions:
     """``latest`` (the newest complete checkpoint under ``dir``, if any) or a checkpoint path."""
 
     def __post_init__(self) -> None:
-        _check("checkpoint.every", self.every, self.every >= 0, "an integer >= 0")
-        _check("checkpoint.keep", self.keep, self.keep >= 1, "an integer >= 1")
+        _check("every", self.every, self.every >= 0, "an integer >= 0")
+        _check("keep", self.keep, self.keep >= 1, "an integer >= 1")
+        _check("resume", self.resume, self.resume != "latest" or bool(self.dir),
+               "a checkpoint path, or 'latest' together with checkpoint.dir")
 
 
 @dataclass(kw_only=True)

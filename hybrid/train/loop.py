@@ -191,8 +191,13 @@ class Trainer:
         task_name = TASK_OF[cfg.model_name]
         self.task = CTRTask() if task_name == "ctr" else RetrievalTask(temperature=self.t.temperature)
         self.schema = schema_of(model, task_name)
+        # Checkpoint to resume from (hybrid.checkpoint), found before composing: its step numbers
+        # the trainers' runtime and the servers' step bookkeeping, and its tables replace the init.
+        self.resume = self._find_resume()
+        self.start_step = self.resume.step if self.resume is not None else 0
         self.model = hybrid.compose(model, resolve(plan, model, world_size=role.world_size), role=role,
-                                    runtime_options=cfg.runtime)
+                                    runtime_options=cfg.runtime, start_step=self.start_step,
+                                    init_tables="server" if self.resume is not None else "module")
         self.optimizer = dense_optimizer(self.t.optimizer, self.model.parameters(), self.t.lr)
         self.remotes = remote_collections(self.model)
         self.staleness = plan.sync.staleness
@@ -200,7 +205,10 @@ class Trainer:
         self.train_data = make_dataset(self.schema, cfg.data, split="train", rank=me, world_size=n)
         self.eval_data = make_dataset(self.schema, cfg.data, split="eval", rank=me, world_size=n)
         self.out_dir = cfg.out_dir
+        earlier = self._earlier_rows() if self.rank0 and self.resume is not None else []
         self.writer = MetricsWriter(self.out_dir, tensorboard=self.t.tensorboard) if self.rank0 else None
+        for row in earlier:  # a resumed run continues the metrics of the run it resumes
+            self.writer.write(row)
         self.skipped = 0
         self.evals: list[dict[str, Any]] = []
         self.quality = "auc" if task_name == "ctr" else f"recall@{max(self.t.recall_k)}"
@@ -208,6 +216,11 @@ class Trainer:
             (self.out_dir / "config.json").write_text(json.dumps(
                 {"config": config_dict(cfg), "plan_source": plan.source, "processes": summarize(resolved)},
                 indent=2, default=str))
+        self._data_start: tuple[int, int] = (0, 0)  # (epoch, batch) of the first training batch
+        self._data_pos: tuple[int, int] = (0, -1)  # (epoch, batch) of the last batch handed out
+        self._last_saved: int | None = None
+        if self.resume is not None:
+            self._restore(self.resume)
 
     # -- data ------------------------------------------------------------------------------------
     def _batches(self) -> Iterator[Any]:
@@ -216,11 +229,16 @@ class Trainer:
         A batch with NaN/inf is refused or skipped by every trainer together (one small
         all-reduce per batch), so the trainers never disagree on which step a batch is.
         """
-        epoch = 0
+        epoch, first = self._data_start
         while True:
             produced = False
-            for batch in self.train_data:
+            base = 0
+            if first and isinstance(getattr(self.train_data, "start", None), int):
+                self.train_data.start = base = first  # synthetic: the stream starts at any batch
+            for index, batch in enumerate(self.train_data, start=base):
                 produced = True
+                if index < first:
+                    continue  # file readers: batches a resumed checkpoint already trained on
                 bad = torch.tensor([0.0 if self._finite(batch) else 1.0])
                 dist.all_reduce(bad, op=dist.ReduceOp.MAX)
                 if bad.item():
@@ -230,8 +248,9 @@ class Trainer:
                             f"labels (step {self.step}); set train.nonfinite=skip to skip such batches")
                     self.skipped += 1
                     continue
+                self._data_pos = (epoch, index)
                 yield batch
-            epoch += 1
+            epoch, first = epoch + 1, 0
             if not produced:
                 raise ValueError(f"{self.role.name}: the training data yielded no batch "
                                  f"(data.batch_size={self.cfg.data.batch_size} per trainer)")
@@ -247,11 +266,11 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
         t = self.t
-        self.step = 0
+        self.step = self.start_step
         window = _Window()
         batches = self._batches()
         nxt = next(batches, None)
-        if t.eval_every:
+        if t.eval_every and self.resume is None:
             self._evaluate()  # the untrained model's numbers, for comparison
         bar = self._progress()
         started = time.perf_counter()
@@ -295,15 +314,57 @@ class Trainer:
                 window = _Window()
             if t.eval_every and self.step % t.eval_every == 0 and self.step < t.steps and nxt is not None:
                 self._evaluate()
+            if self.cfg.checkpoint.dir and self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
+                self._save(nxt)
         if bar is not None:
             bar.close()
         rt = bridge.runtime()
         if rt is not None:
             rt.wait_pushed()
         self._evaluate()
+        if self.cfg.checkpoint.dir and self._last_saved != self.step:
+            self._save(nxt)  # nxt: None, or the first batch when a resumed run had no step left
         total = time.perf_counter() - started
         stats = self._server_stats()
         self.finish(train_time=train_time, total=total, last_loss=last_loss, stats=stats)
+
+    # -- checkpoints (hybrid.checkpoint) ---------------------------------------------------------
+    def _find_resume(self):
+        from hybrid.checkpoint import find_resume
+
+        ck = self.cfg.checkpoint
+        return find_resume(ck.resume, ck.dir)
+
+    def _restore(self, ckpt) -> None:
+        """Model, optimizers, tables (by the servers), step numbering, RNG, data position."""
+        ckpt.restore(self.model, self.optimizer)
+        state = ckpt.train_state
+        self._data_start = tuple(state.get("data", (0, 0)))
+        self.skipped = int(state.get("skipped", 0))
+        if self.cfg.checkpoint.dir and ckpt.path.parent == Path(self.cfg.checkpoint.dir).resolve():
+            self._last_saved = ckpt.step  # it is already there: do not write the same step again
+        if self.rank0:
+            logger.info("resuming at step %d from %s (data at epoch %d, batch %d)", ckpt.step, ckpt.path,
+                        *self._data_start)
+
+    def _earlier_rows(self) -> list[dict[str, Any]]:
+        """Rows of ``metrics.jsonl`` up to the resumed step, when the run writes to the same place."""
+        path = self.out_dir / "metrics.jsonl"
+        if not path.is_file():
+            return []
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        return [r for r in rows if r.get("step", 0) <= self.start_step]
+
+    def _save(self, nxt) -> None:
+        """Checkpoint after ``self.step`` steps; ``nxt`` is the batch already drawn for the next one."""
+        from hybrid.checkpoint import save
+
+        epoch, index = self._data_pos
+        data = [epoch, index] if nxt is not None else [epoch, index + 1]
+        ck = self.cfg.checkpoint
+        save(ck.dir, self.step, self.model, self.optimizer, keep=ck.keep,
+             train_state={"data": data, "skipped": self.skipped})
+        self._last_saved = self.step
 
     def _progress(self):
         if not (self.rank0 and self.t.progress):

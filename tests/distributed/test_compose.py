@@ -138,3 +138,66 @@ def test_hybrid_dlrm_equals_single_process_training_in_every_configuration():
     assert set(report) == set(ALL)
     for cfg, r in report.items():
         assert r["last_loss"] < r["first_loss"], (cfg, r)
+
+
+class _MetaNet(torch.nn.Module):
+    """Tables and a dense tower, all built on the meta device by the test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(tables=copy.deepcopy(TABLES), device=torch.device("meta"))
+        self.tower = torch.nn.Sequential(torch.nn.Linear(4 * 8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+    def forward(self, kjt):
+        return self.tower(self.ebc(kjt).values())
+
+
+def _meta(rank, world_size, *, num_servers):
+    role = role_of(rank, world_size, num_servers)
+    if not role.is_trainer:
+        return None
+    plan = plan_from_dict({"world_size": world_size, "topology": {"parameter_servers": num_servers}, "modules": {
+        "ebc": {"strategy": "parameter_server", "sharding": "row_wise", "optimizer": {"name": "sgd", "lr": 0.5}},
+        "tower": {"strategy": "fsdp"}}})
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = _MetaNet()
+    shapes = {n: p.shape for n, p in model.named_parameters() if not n.startswith("ebc")}
+    hybrid.compose(model, plan, role=role, name="meta", init_tables="server")
+    # Nothing is left on meta, and each trainer allocated only its shard of the tower.
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    local = {n: p.to_local().numel() for n, p in model.named_parameters()}
+    assert local.keys() == shapes.keys()
+    # FSDP2 shards dim 0: at most ceil(rows / trainers) rows each.
+    assert all(local[n] <= -(-shp[0] // role.num_trainers) * shp[1:].numel() for n, shp in shapes.items()), local
+    assert sum(local.values()) < sum(shp.numel() for shp in shapes.values())
+    assert all(torch.isfinite(full(p)).all() for p in model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {n: full(p).detach().clone() for n, p in model.named_parameters()}
+    losses = []
+    for s in range(3):
+        _, labels, data = global_data(s, role.num_trainers * B)
+        lo, hi = role.index * B, (role.index + 1) * B
+        with hybrid.step(model, optimizer) as st:
+            loss = F.binary_cross_entropy_with_logits(model(kjt_slice(data, lo, hi)).squeeze(1), labels[lo:hi])
+            st.backward(loss)
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert all(not torch.equal(full(p).detach(), before[n]) for n, p in model.named_parameters())
+
+    # A buffer computed in __init__ (DLRM's interaction indices) cannot come back from meta: refused.
+    with torch.device("meta"):
+        dlrm = DLRM(embedding_bag_collection=EmbeddingBagCollection(tables=copy.deepcopy(TABLES),
+                                                                    device=torch.device("meta")),
+                    dense_in_features=13, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1])
+    with pytest.raises(ValueError, match=r"buffer inter_arch\.triu_indices of InteractionArch was built on the meta"):
+        hybrid.compose(dlrm, make_plan("fsdp", "row_wise", "sgd", num_servers, world_size), role=role,
+                       name="meta_dlrm", init_tables="server")
+    return losses
+
+
+def test_a_model_built_on_meta_is_sharded_then_materialized():
+    """Construct on meta, shard, materialize: each trainer allocates only its FSDP shard, tables
+    are initialized by the servers, and the model trains."""
+    out = run_distributed(_meta, 3, setup="hybrid", num_servers=1, timeout=120)
+    assert out[0] is not None and out[1] is not None

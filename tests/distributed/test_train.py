@@ -7,6 +7,7 @@ through the whole product: CLI, torchrun, config, data, loop).
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 from pathlib import Path
@@ -101,7 +102,11 @@ def test_example_trains_under_its_plan_and_matches_one_process(name, tmp_path):
     assert [r["step"] for r in evals] == [0, 3, STEPS]
     quality = "auc" if TASK_OF[name] == "ctr" else "recall@10"
     assert all(0.0 <= r[quality] <= 1.0 for r in evals), evals
-    assert (out / "metrics.csv").read_text().startswith("kind,step,loss")
+    with open(out / "metrics.csv", newline="") as f:  # the CSV holds the same train rows as the JSONL
+        table = list(csv.DictReader(f))
+    assert {"kind", "step", "loss", quality} <= set(table[0]), table[0]
+    csv_losses = [float(r["loss"]) for r in table if r["kind"] == "train"]
+    torch.testing.assert_close(torch.tensor(csv_losses), torch.tensor(got), rtol=1e-6, atol=1e-6)
     assert (out / "summary.txt").exists()
 
 

@@ -1,0 +1,391 @@
+"""Save and restore a composed model on the trainers (every trainer calls; trainer 0 leads).
+
+Save, at a step boundary (every trainer's gradients of the last step delivered):
+
+1. trainer 0 empties ``<root>/step_<N>/`` (a leftover of a crashed save of the same step);
+2. trainer 0 asks every server to write its shards of every remote collection (in parallel,
+   server-side, see :mod:`hybrid.checkpoint.server_io`) and, meanwhile,
+3. the trainers write the dense model and its optimizer with ``torch.distributed.checkpoint``
+   (FSDP parameters as their shards, replicated ones once), each trainer its RNG states and
+   training position, and each hashes its share of the files;
+4. trainer 0 writes ``manifest.json`` last, atomically, then keeps the newest ``keep``.
+
+Restore: the dense state through DCP (which reshards to the current trainers), the tables by
+the servers themselves (resharded row by row to the current layout), the step numbering of the
+trainers' runtime and of the servers' step bookkeeping, and this trainer's RNG states. Every
+file is checked against the manifest first. A failure on any trainer is raised on all of them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from torch import nn
+
+from hybrid import autograd as bridge
+from hybrid.checkpoint import files as F
+from hybrid.checkpoint import server_io
+from hybrid.checkpoint.files import CheckpointError, FileEntry
+from hybrid.log import logger
+from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _agree(err: str | None, what: str) -> None:
+    """Every trainer learns whether any failed (a barrier too); all raise the first failure."""
+    rank, world = _rank_world()
+    errs: list[str | None] = [err]
+    if world > 1:
+        errs = [None] * world
+        dist.all_gather_object(errs, err)
+    bad = [(r, e) for r, e in enumerate(errs) if e]
+    if bad:
+        r, e = bad[0]
+        raise CheckpointError(f"{what} failed on trainer{r}: {e}")
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip()
+    return text if isinstance(e, CheckpointError) else f"{type(e).__name__}: {text}"
+
+
+def remote_collections(model: nn.Module) -> list[tuple[str, RemoteEmbeddingBagCollection, dict[str, str]]]:
+    """``(module path, collection, {table: state-dict key})`` of every remote module of ``model``."""
+    out = []
+    for fqn, m in model.named_modules():
+        prefix = f"{fqn}." if fqn else ""
+        if isinstance(m, RemoteEmbeddingBagCollection):
+            out.append((fqn, m, {t.name: f"{prefix}embedding_bags.{t.name}.weight" for t in m.tables}))
+        elif isinstance(m, RemoteEmbeddingBag):
+            out.append((fqn, m.collection, {m.collection.tables[0].name: f"{prefix}weight"}))
+    return out
+
+
+def _no_load(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+    return None
+
+
+@contextmanager
+def dense_only(model: nn.Module, *, placeholders: bool = False):
+    """Within it, ``model.state_dict()`` and ``load_state_dict`` leave the remote tables out (the
+    servers save and load those themselves; otherwise every trainer would fetch every table).
+    With ``placeholders``, ``state_dict()`` holds an empty tensor at each table's key instead,
+    so its keys are the plain model's, in order."""
+    remotes = [m for m in model.modules() if isinstance(m, (RemoteEmbeddingBagCollection, RemoteEmbeddingBag))]
+    for m in remotes:
+        names = [t.name for t in m.tables] if isinstance(m, RemoteEmbeddingBagCollection) else None
+
+        def save(destination, prefix, keep_vars, names=names):
+            if placeholders:
+                for key in [f"embedding_bags.{n}.weight" for n in names] if names is not None else ["weight"]:
+                    destination[prefix + key] = torch.empty(0)
+
+        m.__dict__["_save_to_state_dict"] = save
+        m.__dict__["_load_from_state_dict"] = _no_load
+    try:
+        yield model
+    finally:
+        for m in remotes:
+            m.__dict__.pop("_save_to_state_dict", None)
+            m.__dict__.pop("_load_from_state_dict", None)
+
+
+def state_dict_keys(model: nn.Module) -> list[str]:
+    """The composed model's state-dict keys, in order (the plain model's), without reading tables."""
+    with dense_only(model, placeholders=True):
+        return list(model.state_dict().keys())
+
+
+def _dense_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    with dense_only(model):
+        state = {"model": get_model_state_dict(model)}
+        if optimizer is not None:
+            state["optim"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+# -- RNG ------------------------------------------------------------------------------------------
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states (torch, CUDA, Python's ``random``, NumPy's global) as plain data."""
+    version, state, gauss = random.getstate()
+    out: dict[str, Any] = {"torch": torch.get_rng_state(),
+                           "python": {"version": version, "state": list(state), "gauss": gauss}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        _, keys, pos, has_gauss, cached = np.random.get_state()
+        out["numpy"] = {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    return out
+
+
+def restore_rng(st: dict[str, Any]) -> None:
+    torch.set_rng_state(st["torch"])
+    py = st["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+    np = sys.modules.get("numpy")
+    if "numpy" in st and np is not None:
+        n = st["numpy"]
+        np.random.set_state(("MT19937", n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"],
+                             n["cached_gaussian"]))
+
+
+# -- save -----------------------------------------------------------------------------------------
+
+
+def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         keep: int = 3, train_state: dict[str, Any] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Path:
+    """Write the checkpoint of ``step`` under ``root`` (every trainer calls); returns its directory.
+
+    ``train_state`` is plain JSON data the training loop wants back on resume (data position,
+    counters); it goes into the manifest (trainer 0's) and into each trainer's own file.
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    rank, world = _rank_world()
+    rt = bridge.runtime()
+    if rt is not None:
+        rt.wait_pushed()
+    after_step = (rt.next_step if rt is not None else step) - 1
+    ckpt = F.step_dir(Path(root).resolve(), step)
+    err = None
+    if rank == 0:
+        try:
+            F.prepare(ckpt)
+        except OSError as e:
+            err = f"cannot create {ckpt}: {e}"
+    _agree(err, f"saving step {step}")
+    remotes = remote_collections(model)
+    futures = []
+    if rank == 0:  # the servers write while the trainers write the dense part
+        for _fqn, coll, _ in remotes:
+            for s in coll.servers:
+                futures.append((coll, s, rpc.rpc_async(
+                    coll.server_names[s], server_io.rpc_save_collection,
+                    args=(coll.cid, str(ckpt), step, after_step), timeout=timeout_s)))
+    mine: list[FileEntry] = []
+    err = None
+    try:
+        state = _dense_state(model, optimizer)
+        dcp_save(state, storage_writer=FileSystemWriter(str(ckpt / "dense")), no_dist=not dist.is_initialized())
+        own = ckpt / "trainers" / f"trainer{rank}.pt"
+        own.parent.mkdir(parents=True, exist_ok=True)
+        F.save_tensors({"rng": capture_rng(), "train": train_state or {}}, own)
+        mine.append(F.entry_for(ckpt, own))
+    except Exception as e:  # noqa: BLE001 - shared with every trainer below
+        err = _describe(e)
+    _agree(err, f"saving step {step}")  # every dense file exists once all got here
+    dense_files = sorted(p for p in (ckpt / "dense").rglob("*") if p.is_file())
+    mine += [F.entry_for(ckpt, p) for i, p in enumerate(dense_files) if i % world == rank]
+    keys = state_dict_keys(model)  # on every trainer: a model's state_dict() may be collective
+    entries: list[list[FileEntry]] = [mine]
+    if world > 1:
+        entries = [None] * world  # type: ignore[list-item]
+        dist.all_gather_object(entries, mine)
+    err = None
+    if rank == 0:
+        try:
+            collections = _wait_servers(futures, remotes)
+            table_files = [FileEntry(f["path"], f["size"], f["sha256"])
+                           for c in collections for t in c["tables"] for f in t["files"]]
+            F.write_manifest(
+                ckpt, step=step, files=[e for part in entries for e in part] + table_files,
+                world={"trainers": world, "servers": remotes[0][1].num_servers if remotes else 0},
+                train=train_state or {}, dense={"dir": "dense", "optimizer": optimizer is not None},
+                collections=collections, keys=keys,
+            )
+            removed = F.prune(ckpt.parent, keep, current=ckpt)
+            newer = [p.name for s, p in F.checkpoints(ckpt.parent) if s > step]
+            gone = f" (removed {', '.join(p.name for p in removed)})" if removed else ""
+            logger.info("saved checkpoint %s%s", ckpt, gone)
+            if newer:
+                logger.warning("%s also holds newer checkpoints from an earlier run (%s); resume=latest picks "
+                               "the newest", ckpt.parent, ", ".join(newer))
+        except Exception as e:  # noqa: BLE001
+            err = _describe(e)
+    _agree(err, f"saving step {step}")
+    return ckpt
+
+
+def _wait_servers(futures, remotes) -> list[dict[str, Any]]:
+    """Every server's file entries, grouped into the manifest's ``collections`` section."""
+    written: dict[str, dict[str, dict[str, Any]]] = {}
+    for coll, s, fut in futures:
+        try:
+            answer = fut.wait()
+        except Exception as e:  # noqa: BLE001
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"parameter server {coll.server_names[s]} did not write its shards of "
+                                  f"{coll.cid}: {first}") from None
+        for f in answer:
+            written.setdefault(coll.cid, {})[f["path"]] = f
+    out = []
+    for fqn, coll, keys in remotes:
+        tables = []
+        for t, lay in zip(coll.tables, coll.layouts, strict=True):
+            names = [server_io.shard_file(coll.cid, t.name, k, lay.num_shards) for k in range(lay.num_shards)]
+            missing = [n for n in names if n not in written.get(coll.cid, {})]
+            if missing:
+                raise CheckpointError(f"{coll.cid}: the servers wrote no {missing[0]}")
+            tables.append({"name": t.name, "key": keys[t.name], "num_embeddings": t.num_embeddings,
+                           "embedding_dim": t.embedding_dim, "sharding": lay.sharding, "num_shards": lay.num_shards,
+                           "servers": list(lay.servers), "optimizer": coll.optimizer.name,
+                           "files": [written[coll.cid][n] for n in names]})
+        out.append({"cid": coll.cid, "fqn": fqn, "optimizer": vars(coll.optimizer), "tables": tables})
+    return out
+
+
+# -- restore --------------------------------------------------------------------------------------
+
+
+class Checkpoint:
+    """A complete checkpoint, opened: its manifest read (cheap); :meth:`restore` loads it."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = F.resolve(path).resolve()
+        self.manifest = F.read_manifest(self.path)
+
+    @property
+    def step(self) -> int:
+        """Training steps done when it was saved; a resumed run continues with this step number."""
+        return int(self.manifest["step"])
+
+    @property
+    def train_state(self) -> dict[str, Any]:
+        return dict(self.manifest.get("train") or {})
+
+    @property
+    def world(self) -> dict[str, int]:
+        return dict(self.manifest.get("world") or {})
+
+    def __repr__(self) -> str:
+        w = self.world
+        return (f"Checkpoint({str(self.path)!r}, step={self.step}, trainers={w.get('trainers')}, "
+                f"servers={w.get('servers')})")
+
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, rng: bool = True,
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Load everything into the composed ``model`` (every trainer calls, before training)."""
+        rank, world = _rank_world()
+        what = f"restoring {self.path}"
+        err = None
+        try:
+            dense = sorted(rel for rel in self.manifest["files"] if rel.startswith("dense/"))
+            for i, rel in enumerate(dense):
+                if i % world == rank:
+                    F.verify(self.path, F.manifest_entry(self.manifest, rel))
+        except Exception as e:  # noqa: BLE001
+            err = _describe(e)
+        _agree(err, what)
+        err = None
+        try:
+            self._load_dense(model, optimizer)
+        except Exception as e:  # noqa: BLE001
+            err = _describe(e)
+        _agree(err, what)
+        err = None
+        if rank == 0:
+            try:
+                self._load_tables(model, timeout_s)
+            except Exception as e:  # noqa: BLE001
+                err = _describe(e)
+        _agree(err, what)  # no trainer looks up before every table is loaded
+        rt = bridge.runtime()
+        if rt is not None:
+            if rt.current is not None:
+                raise CheckpointError(f"restore during step {rt.current.step}: restore before training")
+            rt.next_step = self.step
+        if rng:
+            self._restore_rng(rank)
+        logger.info("restored %s", self)
+
+    def _load_dense(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        from torch.distributed.checkpoint import load as dcp_load
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        with_optim = optimizer is not None and bool(self.manifest.get("dense", {}).get("optimizer"))
+        if optimizer is not None and not with_optim:
+            logger.warning("%s holds no dense optimizer state; the optimizer starts fresh", self.path)
+        state = _dense_state(model, optimizer if with_optim else None)
+        try:
+            dcp_load(state, storage_reader=F.safe_dcp_reader(self.path / "dense"),
+                     no_dist=not dist.is_initialized())
+        except Exception as e:
+            raise CheckpointError(f"the dense state in {self.path / 'dense'} does not fit the model "
+                                  f"({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})") from None
+        with dense_only(model):
+            set_model_state_dict(model, state["model"])
+            if with_optim:
+                set_optimizer_state_dict(model, optimizer, state["optim"])
+
+    def _load_tables(self, model: nn.Module, timeout_s: float) -> None:
+        saved = self.manifest.get("collections") or []
+        futures = []
+        for fqn, coll, _ in remote_collections(model):
+            match = [c for c in saved if c["cid"] == coll.cid] or [c for c in saved if c["fqn"] == fqn]
+            if not match:
+                raise CheckpointError(f"{self.path} holds no tables for {fqn or coll.cid!r} (it has "
+                                      f"{[c['fqn'] for c in saved]})")
+            for s in coll.servers:
+                futures.append((coll, s, rpc.rpc_async(
+                    coll.server_names[s], server_io.rpc_load_collection,
+                    args=(coll.cid, str(self.path), self.step, match[0]["tables"]), timeout=timeout_s)))
+        for coll, s, fut in futures:
+            try:
+                fut.wait()
+            except Exception as e:  # noqa: BLE001
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise CheckpointError(f"parameter server {coll.server_names[s]} could not load {coll.cid}: "
+                                      f"{first}") from None
+
+    def _restore_rng(self, rank: int) -> None:
+        rel = f"trainers/trainer{rank}.pt"
+        if rel not in self.manifest["files"]:
+            logger.info("%s was saved by %s trainers; trainer%d keeps its own RNG states", self.path,
+                        self.world.get("trainers"), rank)
+            return
+        restore_rng(F.load_tensors(self.path, F.manifest_entry(self.manifest, rel))["rng"])
+
+
+def find_resume(resume: str, root: str) -> Checkpoint | None:
+    """The checkpoint named by a training config's ``checkpoint.resume`` (``latest`` or a path)."""
+    if not resume:
+        return None
+    if resume == "latest":
+        if not root:
+            raise CheckpointError("checkpoint.resume=latest needs checkpoint.dir (where to look)")
+        newest = F.latest(root)
+        if newest is None:
+            logger.info("checkpoint.resume=latest: no complete checkpoint under %s; starting at step 0", root)
+            return None
+        return Checkpoint(newest)
+    return Checkpoint(os.path.expanduser(resume))

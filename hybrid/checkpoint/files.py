@@ -1,0 +1,284 @@
+"""Files of a checkpoint: the manifest, checksums, atomic writes, safe loading, finding and pruning.
+
+A checkpoint is one directory ``<root>/step_<N>/``; it exists once its ``manifest.json`` does.
+The manifest is written last, atomically (temp file, fsync, rename, fsync of the directory), and
+names every other file with its size and SHA-256. Every reader checks a file against the
+manifest before it opens it, and opens it without running pickled code: ``torch.load`` with
+``weights_only=True`` for our files, and a restricted unpickler (DCP's own metadata classes,
+``torch.Size``, dtypes, nothing else) for ``torch.distributed.checkpoint``'s ``.metadata``,
+which DCP itself would read with plain ``pickle``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "hybrid-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+_CHUNK = 1 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read: missing, incomplete, tampered, incompatible."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint as the manifest names it."""
+
+    path: str
+    """Relative to the checkpoint directory, ``/``-separated."""
+    size: int
+    sha256: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {"size": self.size, "sha256": self.sha256}
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def sha256_of(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def entry_for(ckpt: str | Path, path: str | Path) -> FileEntry:
+    """Size and checksum of ``path`` (a file inside checkpoint directory ``ckpt``)."""
+    p = Path(path)
+    return FileEntry(p.relative_to(ckpt).as_posix(), p.stat().st_size, sha256_of(p))
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_tensors(obj: Any, path: str | Path) -> None:
+    """``torch.save`` then fsync: the file's bytes are on disk before the manifest names it."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``path`` so that it is either absent or complete: temp file, fsync, rename, fsync dir."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_manifest(ckpt: str | Path, *, step: int, files: Iterable[FileEntry], **sections: Any) -> None:
+    """Write ``manifest.json`` (last, atomically). ``sections`` are further plain-JSON sections."""
+    ckpt = Path(ckpt)
+    for d in sorted({p for p in ckpt.rglob("*") if p.is_dir()} | {ckpt}, key=lambda p: -len(p.parts)):
+        fsync_dir(d)  # every file's directory entry is durable before the manifest names it
+    doc = {
+        "format": FORMAT, "version": VERSION, "step": step, "created_unix": time.time(),
+        **sections,
+        "files": {e.path: e.as_json() for e in sorted(files, key=lambda e: e.path)},
+    }
+    atomic_write_text(ckpt / MANIFEST, json.dumps(doc, indent=1, sort_keys=False) + "\n")
+
+
+def read_manifest(ckpt: str | Path) -> dict[str, Any]:
+    """The manifest of checkpoint directory ``ckpt``; :class:`CheckpointError` when it has none."""
+    path = Path(ckpt) / MANIFEST
+    if not path.is_file():
+        why = "it does not exist" if not Path(ckpt).exists() else (
+            f"it has no {MANIFEST}: the save did not finish (a crash mid-save), so it is not a checkpoint")
+        raise CheckpointError(f"{ckpt} is not a complete checkpoint: {why}")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable manifest ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} manifest")
+    if doc.get("version") != VERSION:
+        raise CheckpointError(f"{path}: manifest version {doc.get('version')!r}; this hybrid reads version {VERSION}")
+    return doc
+
+
+def manifest_entry(manifest: dict[str, Any], rel: str) -> FileEntry:
+    try:
+        e = manifest["files"][rel]
+    except KeyError:
+        raise CheckpointError(f"the manifest names no file {rel!r}; the checkpoint is incomplete or was edited") from None
+    return FileEntry(rel, int(e["size"]), str(e["sha256"]))
+
+
+def verify(ckpt: str | Path, entry: FileEntry) -> Path:
+    """Check one file against its manifest entry; returns its path. Raises on any difference."""
+    path = Path(ckpt) / entry.path
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (the manifest names it)")
+    size = path.stat().st_size
+    if size != entry.size:
+        raise CheckpointError(f"{path}: {size} bytes, the manifest says {entry.size}: the file was changed "
+                              f"after the checkpoint was written (truncated, corrupt or tampered); refusing it")
+    digest = sha256_of(path)
+    if digest != entry.sha256:
+        raise CheckpointError(f"{path}: checksum mismatch (sha256 {digest[:16]}..., the manifest says "
+                              f"{entry.sha256[:16]}...): the file was changed after the checkpoint was written "
+                              f"(corrupt or tampered); refusing to load it")
+    return path
+
+
+def load_tensors(ckpt: str | Path, entry: FileEntry, *, mmap: bool = False) -> Any:
+    """Verify, then ``torch.load(weights_only=True)``: tensors and plain data only, no pickled code."""
+    path = verify(ckpt, entry)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: holds more than tensors and plain data (pickled objects); refusing to "
+                              f"load it with weights_only=True ({first})") from None
+
+
+# -- torch.distributed.checkpoint metadata, without plain pickle ----------------------------------
+
+_DCP_METADATA_NAMES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex", "StorageMeta",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds DCP's ``Metadata`` and refuses any other global (a payload cannot run code)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _DCP_METADATA_NAMES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in checkpoint metadata")
+
+
+def load_dcp_metadata(path: str | Path) -> Any:
+    try:
+        with open(path, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path}: holds more than checkpoint metadata ({e}); refusing to load it") from None
+
+
+def safe_dcp_reader(path: str | Path):
+    """A ``FileSystemReader`` whose ``.metadata`` goes through :class:`_MetadataUnpickler`.
+
+    Its tensor and byte items are read by DCP itself: raw tensor bytes, and ``torch.load(...,
+    weights_only=True)`` for the rest.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            metadata = load_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return _SafeReader(str(path))
+
+
+# -- finding and pruning ---------------------------------------------------------------------------
+
+
+def checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root`` (those with a readable manifest), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for d in root.iterdir():
+        m = STEP_DIR.match(d.name)
+        if m and d.is_dir() and (d / MANIFEST).is_file():
+            try:
+                out.append((int(read_manifest(d)["step"]), d))
+            except CheckpointError:
+                continue
+    return sorted(out)
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or ``None``."""
+    found = checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory, or a root holding ``step_*`` checkpoints (its newest)."""
+    p = Path(path)
+    if (p / MANIFEST).is_file() or STEP_DIR.match(p.name):
+        return p
+    if p.is_dir() and any(STEP_DIR.match(d.name) for d in p.iterdir()):
+        newest = latest(p)
+        if newest is None:
+            raise CheckpointError(f"{p} holds no complete checkpoint (every step_* directory lacks {MANIFEST})")
+        return newest
+    return p
+
+
+def prepare(ckpt: Path) -> None:
+    """Make an empty directory for a new save; a leftover of a crashed save is removed first."""
+    if ckpt.exists():
+        shutil.rmtree(ckpt)
+    ckpt.mkdir(parents=True)
+
+
+def prune(root: str | Path, keep: int, *, current: Path) -> list[Path]:
+    """Keep the newest ``keep`` complete checkpoints (always ``current``); remove the rest and
+    every incomplete ``step_*`` directory (leftovers of crashed saves). Returns what was removed."""
+    root = Path(root)
+    complete = checkpoints(root)
+    keep_paths = {p for _, p in complete[-keep:]} | {current}
+    removed = []
+    for d in sorted(root.iterdir()):
+        if not (STEP_DIR.match(d.name) and d.is_dir()) or d in keep_paths:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+def dumps_plain(obj: Any) -> bytes:
+    """``torch.save`` into bytes (for the test hook that writes part of a file)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()

@@ -1,0 +1,170 @@
+"""Checkpoint code that runs on a parameter server (called by trainer 0 over RPC).
+
+Each server writes its own shards straight into the checkpoint directory and reads them back
+from there, all servers in parallel; no table crosses the wire. One file per table shard::
+
+    tables/<collection>/<table>/shard<k>-of-<S>.pt
+        {"weight": [rows_k, dim], "state": {name: [rows_k, ...]}, "info": {...layout, step...}}
+
+Shard ``k`` of a row-wise table holds global rows ``k, k+S, k+2S, ...`` (the cyclic layout of
+:mod:`hybrid.ps.sharding`); a table-wise table has one shard holding every row. Loading maps
+each row this server holds now to the saved shard and local row that has it, so a checkpoint
+written with S servers, row-wise or table-wise, loads into any other layout (reshard).
+
+Test hook: ``HYBRID_TEST_CHECKPOINT_KILL=<worker>:<step>`` (e.g. ``ps1:20``) makes that server
+SIGKILL itself while writing its shards of the checkpoint of that step, after one whole file
+and half of the next: a crash mid-save, for the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import torch
+import torch.distributed.rpc as rpc
+
+from hybrid.checkpoint.files import FileEntry, dumps_plain, entry_for, load_tensors, save_tensors
+from hybrid.ps.server import TableShard, _collection
+
+KILL_ENV = "HYBRID_TEST_CHECKPOINT_KILL"
+# Writes run here, not on an RPC thread nor on the thread that completed the step (which may be
+# the distributed-autograd engine's or the one answering lookups).
+_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybrid-ckpt-write")
+
+
+def shard_file(cid: str, table: str, pos: int, num_shards: int) -> str:
+    """Relative path of one table shard's file."""
+    return f"tables/{quote(cid, safe='.-_')}/{quote(table, safe='.-_')}/shard{pos}-of-{num_shards}.pt"
+
+
+def _worker() -> str:
+    return rpc.get_worker_info().name
+
+
+def _kill_point(step: int) -> bool:
+    spec = os.environ.get(KILL_ENV, "")
+    if not spec:
+        return False
+    who, _, at = spec.partition(":")
+    return who == _worker() and at == str(step)
+
+
+def _write_shards(shard, ckpt: Path, step: int) -> list[dict[str, Any]]:
+    out = []
+    kill = _kill_point(step)
+    with shard.lock:  # no update can interleave with the copy to disk
+        for i, t in enumerate(shard.tables):
+            rel = shard_file(shard.cid, t.name, t.shard_pos, t.layout.num_shards)
+            path = ckpt / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            payload = {"weight": t.weight, "state": dict(t.optim.state), "info": _info(shard.cid, t, step)}
+            if kill and (i == 1 or len(shard.tables) == 1):
+                data = dumps_plain(payload)
+                with open(path, "wb") as f:
+                    f.write(data[: len(data) // 2])
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.kill(os.getpid(), signal.SIGKILL)
+            save_tensors(payload, path)
+            e = entry_for(ckpt, path)
+            out.append({"path": e.path, "size": e.size, "sha256": e.sha256})
+    return out
+
+
+def _info(cid: str, t: TableShard, step: int) -> dict[str, Any]:
+    lay = t.layout
+    return {"cid": cid, "table": t.name, "shard": t.shard_pos, "num_shards": lay.num_shards,
+            "sharding": lay.sharding, "num_embeddings": lay.table.num_embeddings,
+            "embedding_dim": lay.table.embedding_dim, "optimizer": t.optim.spec.name, "step": step}
+
+
+@rpc.functions.async_execution
+def rpc_save_collection(cid: str, ckpt: str, step: int, after_step: int):
+    """Write this server's shards of ``cid`` into ``ckpt`` (the checkpoint of training step
+    ``step``) once every trainer's updates through ``after_step`` are applied; answers the
+    manifest entries (path, size, sha256) of the files it wrote."""
+    shard = _collection(cid)
+    fut: torch.futures.Future = torch.futures.Future()
+
+    def write() -> None:
+        try:
+            fut.set_result(_write_shards(shard, Path(ckpt), step))
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer
+            fut.set_exception(RuntimeError(f"{_worker()}: saving {cid} into {ckpt} failed: {e!r}"))
+
+    def ready(err: BaseException | None) -> None:
+        if err is not None:
+            fut.set_exception(RuntimeError(f"{_worker()}: collection {cid} failed before the save: {err!r}"))
+        else:
+            _WRITER.submit(write)
+
+    shard.when_ready(after_step, ready)
+    return fut
+
+
+def rpc_load_collection(cid: str, ckpt: str, step: int, saved: list[dict[str, Any]]) -> int:
+    """Fill this server's shards of ``cid`` from the saved tables ``saved`` (the manifest's
+    entries of this collection, with their file entries), then continue step bookkeeping from
+    ``step``: lookups of step ``step`` are answered at once. Returns the rows loaded."""
+    shard = _collection(cid)
+    by_name = {s["name"]: s for s in saved}
+    loaded = 0
+    with shard.lock:
+        for t in shard.tables:
+            src = by_name.get(t.name)
+            if src is None:
+                raise KeyError(f"{_worker()}: the checkpoint has no table {t.name!r} in {cid} "
+                               f"(it has {sorted(by_name)})")
+            _check_fits(cid, t, src)
+            loaded += _fill(t, Path(ckpt), src)
+        shard.complete_through = step - 1
+        shard.arrived.clear()
+        shard.pending.clear()
+    return loaded
+
+
+def _check_fits(cid: str, t: TableShard, src: dict[str, Any]) -> None:
+    have = (src["num_embeddings"], src["embedding_dim"])
+    want = (t.layout.table.num_embeddings, t.layout.table.embedding_dim)
+    if have != want:
+        raise ValueError(f"{cid}: table {t.name} is {have[0]} x {have[1]} in the checkpoint but {want[0]} x "
+                         f"{want[1]} in the model")
+    if src["optimizer"] != t.optim.spec.name:
+        raise ValueError(f"{cid}: table {t.name} was trained with the {src['optimizer']} optimizer but the plan "
+                         f"says {t.optim.spec.name}: its optimizer state cannot be carried over (use the same "
+                         f"optimizer to resume)")
+
+
+def _held_rows(t: TableShard) -> torch.Tensor:
+    """Global row ids this server holds of table ``t``, in local order."""
+    local = torch.arange(t.rows, dtype=torch.int64)
+    return t.layout.global_ids(t.shard_pos, local)
+
+
+def _fill(t: TableShard, ckpt: Path, src: dict[str, Any]) -> int:
+    rows = _held_rows(t)
+    s, files = src["num_shards"], src["files"]
+    for k, f in enumerate(files):
+        if src["sharding"] == "table_wise":
+            mine, local = torch.arange(rows.numel()), rows
+        else:
+            mine = (rows % s == k).nonzero().flatten()
+            local = rows[mine] // s
+        if mine.numel() == 0:
+            continue
+        data = load_tensors(ckpt, FileEntry(f["path"], int(f["size"]), f["sha256"]), mmap=True)
+        weight, state = data["weight"], data["state"]
+        if weight.shape[0] <= int(local.max()):
+            raise ValueError(f"{f['path']}: holds {weight.shape[0]} rows; row {int(local.max())} is needed")
+        t.weight.index_copy_(0, mine, weight.index_select(0, local))
+        if set(state) != set(t.optim.state):
+            raise ValueError(f"{f['path']}: optimizer state {sorted(state)}; the table's optimizer keeps "
+                             f"{sorted(t.optim.state)}")
+        for key, v in state.items():
+            t.optim.state[key].index_copy_(0, mine, v.index_select(0, local).to(t.optim.state[key].dtype))
+    return int(rows.numel())

@@ -1,0 +1,242 @@
+"""Checkpoint files without processes: reshard maths, manifest checks, refusing tampered or
+pickled files, DCP metadata without plain pickle, finding and pruning, RNG states.
+
+Shards are written and read by the server-side functions themselves, on ``CollectionShard``s
+built in this process (no RPC).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybrid.checkpoint import files as F
+from hybrid.checkpoint.core import Checkpoint, capture_rng, restore_rng
+from hybrid.checkpoint.export import load_tables
+from hybrid.checkpoint.files import CheckpointError
+from hybrid.checkpoint.server_io import _fill, _write_shards, shard_file
+from hybrid.ps.optim import SparseOptimSpec
+from hybrid.ps.server import CollectionShard
+from hybrid.ps.sharding import TableSpec, shard_tables
+
+TABLES = [TableSpec("a", 23, 4, ("fa",)), TableSpec("b", 7, 3, ("fb",)), TableSpec("c", 2, 5, ("fc",))]
+CID = "sparse_arch.ebc"
+
+
+def _full(spec: SparseOptimSpec) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """Distinct values for every row of every table and of its optimizer state."""
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for t in TABLES:
+        state = {}
+        if spec.name == "rowwise_adagrad":
+            state["sum"] = torch.rand(t.num_embeddings, generator=g)
+        elif spec.name == "adam":
+            state = {"exp_avg": torch.randn(t.num_embeddings, t.embedding_dim, generator=g),
+                     "exp_avg_sq": torch.rand(t.num_embeddings, t.embedding_dim, generator=g),
+                     "step": torch.randint(1, 9, (t.num_embeddings,), generator=g).float()}
+        out[t.name] = (torch.randn(t.num_embeddings, t.embedding_dim, generator=g), state)
+    return out
+
+
+def _servers(sharding: str, num_servers: int, spec: SparseOptimSpec) -> list[CollectionShard]:
+    layouts = shard_tables(TABLES, num_servers, sharding)
+    return [CollectionShard(cid=CID, server=s, layouts=layouts, optimizer=spec, num_trainers=1, staleness=0,
+                            gradient_scaling="mean", start_step=0) for s in range(num_servers)]
+
+
+def _held(t) -> torch.Tensor:
+    return t.layout.global_ids(t.shard_pos, torch.arange(t.rows))
+
+
+def _save(tmp: Path, sharding: str, num_servers: int, spec: SparseOptimSpec, full) -> Path:
+    """Write ``full`` as the servers of a ``sharding`` x ``num_servers`` layout would, plus a manifest."""
+    ckpt = F.step_dir(tmp, 5)
+    F.prepare(ckpt)
+    written = {}
+    for shard in _servers(sharding, num_servers, spec):
+        for t in shard.tables:
+            w, st = full[t.name]
+            t.weight.copy_(w[_held(t)])
+            for k, v in st.items():
+                t.optim.state[k].copy_(v[_held(t)])
+        for f in _write_shards(shard, ckpt, 5):
+            written[f["path"]] = f
+    tables = []
+    for lay in shard_tables(TABLES, num_servers, sharding):
+        t = lay.table
+        tables.append({"name": t.name, "key": f"ebc.embedding_bags.{t.name}.weight", "num_embeddings": t.num_embeddings,
+                       "embedding_dim": t.embedding_dim, "sharding": lay.sharding, "num_shards": lay.num_shards,
+                       "servers": list(lay.servers), "optimizer": spec.name,
+                       "files": [written[shard_file(CID, t.name, k, lay.num_shards)] for k in range(lay.num_shards)]})
+    files = [F.FileEntry(f["path"], f["size"], f["sha256"]) for f in written.values()]
+    F.write_manifest(ckpt, step=5, files=files, collections=[{"cid": CID, "fqn": "ebc", "tables": tables}])
+    return ckpt
+
+
+def _load(ckpt: Path, sharding: str, num_servers: int, spec: SparseOptimSpec) -> list[CollectionShard]:
+    saved = {t["name"]: t for t in F.read_manifest(ckpt)["collections"][0]["tables"]}
+    servers = _servers(sharding, num_servers, spec)
+    for shard in servers:
+        for t in shard.tables:
+            t.weight.fill_(float("nan"))
+            _fill(t, ckpt, saved[t.name])
+    return servers
+
+
+@pytest.mark.parametrize("src,dst", [
+    (("row_wise", 3), ("row_wise", 2)),
+    (("row_wise", 2), ("table_wise", 2)),
+    (("table_wise", 2), ("row_wise", 3)),
+    (("row_wise", 2), ("row_wise", 1)),
+    (("table_wise", 3), ("table_wise", 1)),
+])
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
+def test_tables_load_row_for_row_into_any_layout(tmp_path, src, dst, optimizer):
+    spec = SparseOptimSpec(name=optimizer)
+    full = _full(spec)
+    ckpt = _save(tmp_path, *src, spec, full)
+    for shard in _load(ckpt, *dst, spec):
+        for t in shard.tables:
+            w, st = full[t.name]
+            assert torch.equal(t.weight, w[_held(t)]), (t.name, shard.server)
+            for k, v in st.items():
+                assert torch.equal(t.optim.state[k], v[_held(t)]), (t.name, k)
+    for key, (w, st) in load_tables(ckpt).items():  # the export's reader agrees
+        name = key.split(".")[-2]
+        assert torch.equal(w, full[name][0])
+        assert st.keys() == full[name][1].keys() and all(torch.equal(st[k], full[name][1][k]) for k in st)
+
+
+def test_a_different_optimizer_is_refused(tmp_path):
+    ckpt = _save(tmp_path, "row_wise", 2, SparseOptimSpec(name="rowwise_adagrad"), _full(SparseOptimSpec(name="rowwise_adagrad")))
+    from hybrid.checkpoint.server_io import _check_fits
+
+    t = _servers("row_wise", 1, SparseOptimSpec(name="adam"))[0].tables[0]
+    saved = F.read_manifest(ckpt)["collections"][0]["tables"][0]
+    with pytest.raises(ValueError, match="trained with the rowwise_adagrad optimizer but the plan says adam"):
+        _check_fits(CID, t, saved)
+
+
+def _one_shard(ckpt: Path) -> tuple[Path, dict]:
+    table = F.read_manifest(ckpt)["collections"][0]["tables"][0]
+    return ckpt / table["files"][0]["path"], table
+
+
+def test_a_changed_byte_is_refused_as_a_checksum_mismatch(tmp_path):
+    spec = SparseOptimSpec(name="rowwise_adagrad")
+    ckpt = _save(tmp_path, "row_wise", 2, spec, _full(spec))
+    path, table = _one_shard(ckpt)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch.*refusing to load it"):
+        load_tables(ckpt)
+    t = _servers("row_wise", 2, spec)[0].tables[0]
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        _fill(t, ckpt, table)
+
+
+def test_a_truncated_file_is_refused(tmp_path):
+    spec = SparseOptimSpec(name="sgd")
+    ckpt = _save(tmp_path, "table_wise", 1, spec, _full(spec))
+    path, _ = _one_shard(ckpt)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="100 bytes, the manifest says"):
+        load_tables(ckpt)
+
+
+class _Payload:
+    """Pickles to a call of ``os.system``: what a malicious shard file would hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_payload_in_a_shard_is_refused_even_with_a_matching_checksum(tmp_path):
+    spec = SparseOptimSpec(name="rowwise_adagrad")
+    ckpt = _save(tmp_path / "c", "row_wise", 2, spec, _full(spec))
+    path, table = _one_shard(ckpt)
+    marker = tmp_path / "pwned"
+    good = torch.load(path, weights_only=True)
+    torch.save({**good, "info": _Payload(marker)}, path)
+    manifest = json.loads((ckpt / F.MANIFEST).read_text())  # the attacker fixes the manifest too
+    rel = table["files"][0]["path"]
+    manifest["files"][rel] = F.entry_for(ckpt, path).as_json()
+    manifest["collections"][0]["tables"][0]["files"][0].update(manifest["files"][rel])
+    (ckpt / F.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="pickled objects.*weights_only=True"):
+        load_tables(ckpt)
+    t = _servers("row_wise", 2, spec)[0].tables[0]
+    with pytest.raises(CheckpointError, match="weights_only=True"):
+        _fill(t, ckpt, manifest["collections"][0]["tables"][0])
+    assert not marker.exists()
+
+
+def test_dcp_metadata_is_read_without_plain_pickle(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"w": torch.randn(3, 2), "b": torch.zeros(2, dtype=torch.float64)},
+             "optim": {"param_groups": [{"lr": 0.1, "params": ["w"], "betas": (0.9, 0.99), "foreach": None}]}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dense"), no_dist=True)
+    meta = F.load_dcp_metadata(tmp_path / "dense" / ".metadata")
+    assert {"model.w", "model.b"} <= set(meta.state_dict_metadata)
+    target = {"model": {"w": torch.empty(3, 2), "b": torch.empty(2, dtype=torch.float64)}}
+    dcp.load(target, storage_reader=F.safe_dcp_reader(tmp_path / "dense"), no_dist=True)
+    assert torch.equal(target["model"]["w"], state["model"]["w"])
+    marker = tmp_path / "pwned"
+    (tmp_path / "dense" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(CheckpointError, match="posix.system is not allowed|system is not allowed"):
+        F.load_dcp_metadata(tmp_path / "dense" / ".metadata")
+    assert not marker.exists()
+
+
+def test_a_checkpoint_without_manifest_does_not_exist(tmp_path):
+    spec = SparseOptimSpec(name="sgd")
+    done = _save(tmp_path, "row_wise", 1, spec, _full(spec))
+    partial = F.step_dir(tmp_path, 9)
+    (partial / "tables").mkdir(parents=True)
+    (partial / "tables" / "x.pt").write_bytes(b"half a file")
+    assert F.latest(tmp_path) == done
+    assert F.resolve(tmp_path) == done
+    with pytest.raises(CheckpointError, match="not a complete checkpoint.*did not finish"):
+        Checkpoint(partial)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Checkpoint(tmp_path / "nowhere")
+
+
+def test_prune_keeps_the_newest_and_removes_leftovers(tmp_path):
+    for step in (2, 4, 6, 8):
+        d = F.step_dir(tmp_path, step)
+        F.prepare(d)
+        F.write_manifest(d, step=step, files=[])
+    F.prepare(F.step_dir(tmp_path, 3))  # a crashed save
+    removed = F.prune(tmp_path, 2, current=F.step_dir(tmp_path, 8))
+    assert sorted(p.name for p in removed) == ["step_00000002", "step_00000003", "step_00000004"]
+    assert [s for s, _ in F.checkpoints(tmp_path)] == [6, 8]
+
+
+def test_manifest_is_replaced_atomically(tmp_path):
+    F.write_manifest(tmp_path, step=1, files=[F.FileEntry("a", 1, "00")])
+    F.write_manifest(tmp_path, step=2, files=[])
+    assert F.read_manifest(tmp_path)["step"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == [F.MANIFEST]  # no temp file left
+
+
+def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
+    import numpy as np
+
+    F.save_tensors(capture_rng(), tmp_path / "rng.pt")
+    want = (torch.rand(3), random.random(), np.random.rand())
+    restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True))
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(want[0], got[0]) and want[1:] == got[1:]
