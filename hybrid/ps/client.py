@@ -21,6 +21,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from hybrid import autograd as bridge
 from hybrid.ps import server as srv
+from hybrid.ps.fused import FusedPlan, FusedRoute
 from hybrid.ps.optim import SparseOptimSpec
 from hybrid.ps.sharding import TableLayout, TableSpec, shard_tables, table_specs
 from hybrid.launch.roles import server_names
@@ -121,6 +122,9 @@ class RemoteEmbeddingBagCollection(nn.Module):
         # Servers in request order, and for each the indices of the tables it holds.
         self.servers = sorted({s for lay in layouts for s in lay.servers})
         self.held = {s: [i for i, lay in enumerate(layouts) if s in lay.servers] for s in self.servers}
+        # Tables of one dimension and pooling (the usual case) take the fast path of one
+        # deduplication and one pooling kernel for all of them; others go table by table.
+        self._fused = FusedPlan.build(tables, layouts, self.servers, self.feature_order, is_weighted=is_weighted)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -335,8 +339,16 @@ class RemoteEmbeddingBagCollection(nn.Module):
             f"to take ids modulo the table size"
         )
 
+    def _fix_ids(self, ids: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Ids (every feature's, in collection order) after ``id_policy``, for the fast path."""
+        table_of = {f: t for t in self.tables for f in t.feature_names}
+        return torch.cat([self._check_ids(v, f, table_of[f]) for v, f in zip(ids.split(counts), self.feature_order)])
+
     def _send(self, rstep: bridge.RemoteStep | None, kjt: KeyedJaggedTensor) -> _Pending:
-        route = self._route(kjt)
+        if self._fused is not None and not (self._is_weighted and kjt.weights().requires_grad):
+            route = self._fused.route(kjt, fix_ids=self._fix_ids)
+        else:
+            route = self._route(kjt)
         if rstep is None:
             futs = {
                 s: rpc.rpc_async(self.server_names[s], srv.rpc_read,
@@ -385,7 +397,10 @@ class RemoteEmbeddingBagCollection(nn.Module):
             rstep.times.lookup += time.perf_counter() - t0
         return self._pool(pending.route, rows)
 
-    def _pool(self, route: _Route, rows: dict[int, torch.Tensor]) -> KeyedTensor:
+    def _pool(self, route: _Route | FusedRoute, rows: dict[int, torch.Tensor]) -> KeyedTensor:
+        if isinstance(route, FusedRoute):
+            values = self._fused.pool(route, rows)
+            return KeyedTensor(keys=self.embedding_names, length_per_key=self.length_per_key, values=values)
         per_table: list[list[torch.Tensor]] = [[] for _ in self.tables]
         for s in self.servers:
             ids, counts = route.requests[s]

@@ -39,6 +39,8 @@ class ServerCounters:
     """What a server counts per collection; trainers read them with :func:`rpc_stats`."""
 
     lookups: int = 0
+    gradients: int = 0
+    """Gradient pushes received (one per trainer per step that looked up here)."""
     rows_served: int = 0
     ids_requested: int = 0
     """Ids before the trainers' deduplication; ``rows_served / ids_requested`` is the unique ratio."""
@@ -128,11 +130,11 @@ class CollectionShard:
 
     def gather(self, ids: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows of ``ids`` (one chunk per table held here, ``counts`` long), flat."""
+        out = torch.empty(sum(n * t.dim for n, t in zip(counts, self.tables)))
         with self.lock:
-            parts = [
-                t.weight.index_select(0, i).view(-1) for t, i in zip(self.tables, ids.split(counts))
-            ]
-        out = torch.cat(parts) if parts else torch.empty(0)
+            # Straight into the reply: no per-table temporaries and no concatenation copy.
+            for t, i, o in zip(self.tables, ids.split(counts), self._split(out, counts)):
+                torch.index_select(t.weight, 0, i, out=o)
         self.counters.rows_served += int(ids.numel())
         self.counters.bytes_out += out.numel() * out.element_size()
         return out
@@ -161,6 +163,7 @@ class CollectionShard:
     # -- gradients ----------------------------------------------------------------------------
     def push(self, trainer: int, step: int, ids: torch.Tensor, counts: list[int], grad: torch.Tensor) -> None:
         """One trainer's gradient for ``step`` (rows as looked up); applies when the step is due."""
+        self.counters.gradients += 1
         self.counters.bytes_in += grad.numel() * grad.element_size()
         try:
             with self.lock:
@@ -200,21 +203,19 @@ class CollectionShard:
             grads = torch.cat(grads_l)
             if len(ids_l) == 1:
                 rows, summed = ids, grads  # already distinct: the trainer deduplicated
+                if self.scale != 1.0:
+                    summed = summed * self.scale
             else:
                 rows, inverse = torch.unique(ids, return_inverse=True)
                 summed = torch.zeros(rows.numel(), table.dim).index_add_(0, inverse, grads)
-            updates.append((table, rows, summed * self.scale))
-        # Check every table's update before writing any, so a failure applies nothing.
-        snapshots = [(t, r, t.weight.index_select(0, r), {k: v.index_select(0, r) for k, v in t.optim.state.items()}) for t, r, _ in updates]
-        try:
-            for table, rows, g in updates:
-                table.optim.update(table.weight, rows, g)
-        except BaseException:
-            for t, r, w, st in snapshots:
-                t.weight.index_copy_(0, r, w)
-                for k, v in st.items():
-                    t.optim.state[k].index_copy_(0, r, v)
-            raise
+                if self.scale != 1.0:
+                    summed.mul_(self.scale)
+            updates.append((table, rows, summed))
+        # Compute every table's update before writing any, so a failure applies nothing (and
+        # no snapshot of the touched rows is needed to undo one).
+        computed = [(table, rows, table.optim.compute(table.weight, rows, g)) for table, rows, g in updates]
+        for table, rows, (w, state) in computed:
+            table.optim.commit(table.weight, rows, w, state)
         self.counters.updates_applied += 1
 
 

@@ -1,0 +1,105 @@
+"""The trainer side of the parameter servers without processes: routing ids to servers and pooling
+their replies equals the local ``EmbeddingBagCollection`` -- outputs and table gradients -- on the
+fast path (one dimension, one pooling) and on the table-by-table path, for every layout."""
+
+import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from hybrid.ps.client import BadIdError, RemoteEmbeddingBagCollection
+from hybrid.ps.fused import FusedRoute
+from tests.support.sparse import global_batch, kjt_slice
+from tests.support.sparse import test_tables as mixed_tables
+
+
+def _same_dim_tables(pooling: PoolingType) -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=50, feature_names=["f0"], pooling=pooling),
+        EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=30, feature_names=["f1", "f2"], pooling=pooling),
+        EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=7, feature_names=["f3"], pooling=pooling),
+    ]
+
+
+def _serve(remote: RemoteEmbeddingBagCollection, route, weights: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """What each server would answer: the requested rows of its held tables, flat, as leaves."""
+    out = {}
+    for s, (ids, counts) in route.requests.items():
+        parts = []
+        for ti, local in zip(remote.held[s], ids.split(counts)):
+            lay = remote.layouts[ti]
+            rows = lay.global_ids(lay.servers.index(s), local)
+            parts.append(weights[lay.table.name][rows].reshape(-1))
+        out[s] = torch.cat(parts).requires_grad_(True)
+    return out
+
+
+def _table_grads(remote, route, rows: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The servers' row gradients scattered back into whole tables."""
+    grads = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim) for t in remote.tables}
+    for s, (ids, counts) in route.requests.items():
+        dims = [remote.tables[ti].embedding_dim for ti in remote.held[s]]
+        chunks = rows[s].grad.split([n * d for n, d in zip(counts, dims)])
+        for ti, local, g, d in zip(remote.held[s], ids.split(counts), chunks, dims):
+            lay = remote.layouts[ti]
+            grads[lay.table.name].index_add_(0, lay.global_ids(lay.servers.index(s), local), g.view(-1, d))
+    return grads
+
+
+def _check(tables, *, weighted: bool, num_servers: int, sharding: str, fused: bool, key_order=None):
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted)
+    remote = RemoteEmbeddingBagCollection.from_collection(ebc, cid="c", num_servers=num_servers, sharding=sharding)
+    assert (remote._fused is not None) == fused
+    data = global_batch(3, tables, 6, weighted=weighted)
+    kjt = kjt_slice(data, 0, 6, keys=key_order)
+    weights = {n: b.weight.detach() for n, b in ebc.embedding_bags.items()}
+    route = remote._fused.route(kjt, fix_ids=remote._fix_ids) if fused else remote._route(kjt)
+    assert isinstance(route, FusedRoute) == fused
+    rows = _serve(remote, route, weights)
+    got = remote._pool(route, rows)
+    want = ebc(kjt)
+    assert got.keys() == want.keys()
+    torch.testing.assert_close(got.values(), want.values(), rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(want.values())
+    (got.values() * g).sum().backward()
+    (want.values() * g).sum().backward()
+    for name, grad in _table_grads(remote, route, rows).items():
+        torch.testing.assert_close(grad, ebc.embedding_bags[name].weight.grad, rtol=1e-5, atol=1e-6)
+    # Every distinct row went out once, to the one server that holds it.
+    sent = sum(ids.numel() for ids, _ in route.requests.values())
+    distinct = sum(torch.unique(torch.cat([kjt[f].values() for f in t.feature_names])).numel() for t in tables)
+    assert sent == distinct
+
+
+@pytest.mark.parametrize("num_servers,sharding", [(1, "row_wise"), (3, "row_wise"), (2, "table_wise")])
+@pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
+def test_fast_path_equals_the_local_collection(num_servers, sharding, pooling):
+    _check(_same_dim_tables(pooling), weighted=False, num_servers=num_servers, sharding=sharding, fused=True)
+
+
+@pytest.mark.parametrize("num_servers,sharding", [(1, "row_wise"), (2, "row_wise")])
+def test_fast_path_weighted_and_in_another_key_order(num_servers, sharding):
+    _check(_same_dim_tables(PoolingType.SUM), weighted=True, num_servers=num_servers, sharding=sharding,
+           fused=True, key_order=["f3", "f1", "f0", "f2"])
+
+
+@pytest.mark.parametrize("num_servers,sharding", [(1, "row_wise"), (2, "row_wise"), (2, "table_wise")])
+def test_mixed_dimensions_go_table_by_table_and_equal_the_local_collection(num_servers, sharding):
+    _check(mixed_tables(), weighted=False, num_servers=num_servers, sharding=sharding, fused=False)
+
+
+def test_fast_path_applies_the_id_policy():
+    tables = _same_dim_tables(PoolingType.SUM)
+    ebc = EmbeddingBagCollection(tables=tables)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f0", "f1", "f2", "f3"], values=torch.tensor([1, 2, 3, 9]), lengths=torch.tensor([1, 1, 1, 1]),
+    )
+    strict = RemoteEmbeddingBagCollection.from_collection(ebc, cid="c", num_servers=1)
+    with pytest.raises(BadIdError, match="feature 'f3': 1 id\\(s\\) outside table 't2' of 7 rows"):
+        strict._fused.route(kjt, fix_ids=strict._fix_ids)
+    modulo = RemoteEmbeddingBagCollection.from_collection(ebc, cid="c", num_servers=1, id_policy="modulo")
+    route = modulo._fused.route(kjt, fix_ids=modulo._fix_ids)
+    ids, counts = route.requests[0]
+    assert counts == [1, 2, 1] and ids.tolist() == [1, 2, 3, 2]  # 9 % 7 == 2 in t2
