@@ -1,0 +1,210 @@
+"""Fresh processes for one system, and what each process measures about itself.
+
+:func:`spawn` starts ``world_size`` processes (``multiprocessing`` spawn: nothing inherited from
+the parent but the environment), each calling ``fn(rank, world_size, store, **kwargs)`` where
+``store`` is a private temp directory for file-store rendezvous (no port is ever fixed, so runs
+never collide). Each rank's return value comes back in a list. A rank that raises, or a run past
+its timeout, kills every child (SIGKILL) and raises :class:`BenchmarkError` with each rank's
+traceback: a benchmark never hangs and never leaves a process behind.
+
+:class:`Meter` measures one process over the timed window: wall seconds, CPU seconds (every
+thread of the process, so a busy-spinning transport thread shows), and peak RSS.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import resource
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class BenchmarkError(RuntimeError):
+    """A rank of a system failed or the system ran past its timeout."""
+
+
+class Meter:
+    """Wall and CPU time of this process between :meth:`start` and :meth:`stop`, and peak RSS."""
+
+    def __init__(self) -> None:
+        self.wall = [0.0, 0.0]
+        self.cpu = [0.0, 0.0]
+        self._profiler = None
+
+    def start(self) -> None:
+        self._start_profiler()
+        self.wall[0], self.cpu[0] = time.perf_counter(), time.process_time()
+
+    def stop(self) -> None:
+        self.wall[1], self.cpu[1] = time.perf_counter(), time.process_time()
+        if self._profiler is not None:
+            self._profiler.send_signal(signal.SIGINT)  # py-spy writes its profile and exits
+            self._profiler.wait(timeout=60)
+            self._profiler = None
+
+    def _start_profiler(self) -> None:
+        """With ``BENCH_PROFILE_CMD`` set (e.g. ``py-spy record --pid {pid} -o /tmp/{name}.txt``
+        or ``perf record -g --pid {pid} -o /tmp/{name}.data``), run it over this process's timed
+        window; it gets SIGINT at the end. ``BENCH_PROFILE_ONLY=ps0,trainer1`` limits it to those
+        processes. Profilers perturb the timings: use their profiles, not the numbers."""
+        template = os.environ.get("BENCH_PROFILE_CMD")
+        only = os.environ.get("BENCH_PROFILE_ONLY")
+        name = _process_name()
+        if not template or (only and name not in only.split(",")):
+            return
+        import shlex
+        import subprocess
+
+        cmd = shlex.split(template.format(pid=os.getpid(), name=name))
+        self._profiler = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # let it attach before the window opens
+
+    def report(self, name: str) -> dict:
+        """``cpu_util`` is CPU seconds per wall second in the window (1.0 = one core busy)."""
+        wall = self.wall[1] - self.wall[0]
+        cpu = self.cpu[1] - self.cpu[0]
+        return {
+            "name": name,
+            "window_s": wall,
+            "cpu_s": cpu,
+            "cpu_util": cpu / wall if wall > 0 else 0.0,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        }
+
+
+def _process_name() -> str:
+    """``trainer0``, ``ps0``, ... (the RPC name, else the trainer rank), or ``local``."""
+    import torch.distributed as dist
+    import torch.distributed.rpc as rpc
+
+    if rpc.api._is_current_rpc_agent_set():
+        return rpc.get_worker_info().name
+    if dist.is_initialized():
+        return f"trainer{dist.get_rank()}"
+    return "local"
+
+
+METER = Meter()
+"""This process's meter; servers have theirs started and stopped by trainer 0 (:func:`rpc_mark`)."""
+
+
+def rpc_mark(what: str) -> None:
+    """Start or stop the meter of the process this runs in (called over RPC on servers)."""
+    METER.start() if what == "start" else METER.stop()
+
+
+def mark_servers(names: list[str], what: str) -> None:
+    """Start or stop the meters of the RPC workers ``names`` (from trainer 0)."""
+    import torch.distributed.rpc as rpc
+
+    for name in names:
+        rpc.rpc_sync(name, rpc_mark, args=(what,))
+
+
+def _child(fn, rank, world_size, store, threads, quiet, kwargs) -> None:
+    code = 0
+    if quiet:
+        # Deprecation notes and info lines of torch, torchrec and hybrid would bury the results.
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        result = fn(rank, world_size, store, **kwargs)
+        with open(Path(store) / f"result{rank}.pkl", "wb") as f:
+            pickle.dump(result, f)
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        code = 1
+        (Path(store) / f"error{rank}.txt").write_text(traceback.format_exc())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _kill(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.join(timeout=5)
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    timeout_s: float,
+    threads: int = 1,
+    grace_s: float = 10.0,
+    quiet: bool = True,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, store, **kwargs)`` on ``world_size`` fresh processes.
+
+    ``threads`` is every process's ``OMP_NUM_THREADS`` and ``torch.set_num_threads``. After one
+    rank fails the others get ``grace_s`` to finish (a dead peer often leaves them waiting).
+    ``quiet`` silences warnings and log lines below ERROR in the children.
+    """
+    ctx = mp.get_context("spawn")
+    env = {"OMP_NUM_THREADS": str(threads)}  # read by the children at import of torch
+    if quiet:
+        env["PYTHONWARNINGS"] = "ignore"  # also for warnings raised before _child runs
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    with tempfile.TemporaryDirectory(prefix="hybrid-bench-") as store:
+        procs = [
+            ctx.Process(target=_child, args=(fn, r, world_size, store, threads, quiet, kwargs))
+            for r in range(world_size)
+        ]
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        deadline = time.monotonic() + timeout_s
+        failed_at = None
+        timed_out = False
+        try:
+            while any(p.is_alive() for p in procs):
+                now = time.monotonic()
+                if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                    failed_at = now
+                if now > deadline or (failed_at is not None and now > failed_at + grace_s):
+                    timed_out = now > deadline
+                    break
+                time.sleep(0.02)
+        finally:
+            _kill(procs)
+        problems = []
+        for r, p in enumerate(procs):
+            err = Path(store) / f"error{r}.txt"
+            if err.exists():
+                problems.append(f"--- rank {r} raised:\n{err.read_text()}")
+            elif p.exitcode != 0:
+                why = f"passed the {timeout_s:.0f}s timeout" if timed_out else f"exited with {p.exitcode}"
+                problems.append(f"--- rank {r} {why} and was killed")
+        if problems:
+            raise BenchmarkError(f"{len(problems)} of {world_size} ranks failed:\n" + "\n".join(problems))
+        out = []
+        for r in range(world_size):
+            with open(Path(store) / f"result{r}.pkl", "rb") as f:
+                out.append(pickle.load(f))
+        return out

@@ -1,0 +1,182 @@
+"""``python -m benchmarks.run``: one synthetic DLRM, trained under several systems, side by side.
+
+Every system trains the same model (same initial weights) on the same batches, in fresh
+processes of its own, one system after the other. Each prints one JSON line on stdout::
+
+    {"system": "hybrid_sync", "samples_per_s": ..., "median_step_s": ..., "first_loss": ...,
+     "final_loss": ..., "processes": {"trainer0": {"cpu_util": ..., "peak_rss_mb": ...}, ...},
+     "breakdown_s": {...}, "servers": {"ps0": {"rpcs_per_step": ..., ...}}}
+
+and a table of throughput ratios (with the issue's targets) goes to stderr at the end.
+``samples_per_s`` counts every trainer's samples over the slowest trainer's timed window;
+``first_loss``/``final_loss`` are the global batch's mean loss at the first and the last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+from benchmarks.launch import BenchmarkError
+from benchmarks.systems import SYSTEMS
+from benchmarks.systems.torchrec_dmp import SHARDINGS
+from benchmarks.workload import Workload
+
+TARGETS = [
+    # (system, baseline, minimum ratio of samples/s)
+    ("hybrid_sync", "torchrec_dmp", 1.0),
+    ("hybrid_sync", "rpc_tutorial", 8.0),
+    ("hybrid_async", "torchrec_dmp", 1.3),
+    ("hybrid_sync", "local", 0.6),
+]
+"""The issue's throughput targets, checked in the table."""
+
+
+def summarize(system: str, w: Workload, reports: list[dict]) -> dict:
+    """One system's JSON line from its processes' reports."""
+    trainers = [r for r in reports if "losses" in r]
+    window = max(r["window_s"] for r in trainers)
+    samples = sum(r["samples_per_step"] for r in trainers) * w.steps
+    per_step = [max(ts) for ts in zip(*(r["step_s"] for r in trainers))]
+    line = {
+        "system": system,
+        "samples_per_s": samples / window,
+        "median_step_s": statistics.median(per_step),
+        # Every trainer's batch has the same size, so the global mean loss is the trainers' mean.
+        "first_loss": sum(r["losses"][0] for r in trainers) / len(trainers),
+        "final_loss": sum(r["losses"][-1] for r in trainers) / len(trainers),
+        "steps": w.steps,
+        "processes": {
+            r["name"]: {"cpu_util": r["cpu_util"], "cpu_ms_per_step": 1e3 * r["cpu_s"] / w.steps,
+                        "peak_rss_mb": r["peak_rss_mb"]}
+            for r in reports
+        },
+    }
+    if "sharding" in trainers[0]:
+        line["sharding"] = trainers[0]["sharding"]
+    if "breakdown_s" in trainers[0]:
+        line["breakdown_s"] = trainers[0]["breakdown_s"]
+        line["servers"] = {name: _per_step(c, w.steps) for name, c in trainers[0]["server_stats"].items()}
+    return line
+
+
+def _per_step(c: dict, steps: int) -> dict:
+    """A server's counters over the timed window, per step (all trainers together)."""
+    return {
+        "rpcs_per_step": (c["lookups"] + c["gradients"]) / steps,
+        "lookups_per_step": c["lookups"] / steps,
+        "gradient_pushes_per_step": c["gradients"] / steps,
+        "bytes_recv_per_step": c["bytes_in"] / steps,
+        "bytes_sent_per_step": c["bytes_out"] / steps,
+        "unique_id_ratio": c["rows_served"] / c["ids_requested"] if c["ids_requested"] else 1.0,
+        "wait_s_per_step": c["wait_s"] / steps,
+    }
+
+
+def run_systems(w: Workload, systems: list[str], *, timeout_s: float, dmp_sharding: str = "table_wise",
+                runtime: dict | None = None, emit=None) -> list[dict]:
+    """Run ``systems`` one after another; returns their JSON lines (``{"system", "error"}`` for
+    a system that failed). ``emit(line)`` is called as each one finishes."""
+    lines = []
+    for name in systems:
+        kwargs: dict = {"timeout_s": timeout_s}
+        if name == "torchrec_dmp":
+            kwargs["sharding"] = dmp_sharding
+        if name.startswith("hybrid") and runtime:
+            kwargs["runtime"] = runtime
+        t0 = time.perf_counter()
+        try:
+            line = summarize(name, w, SYSTEMS[name](w, **kwargs))
+        except BenchmarkError as e:
+            line = {"system": name, "error": str(e)}
+        line["wall_s"] = time.perf_counter() - t0
+        lines.append(line)
+        if emit is not None:
+            emit(line)
+    return lines
+
+
+def ratio_table(lines: list[dict]) -> str:
+    """Samples/s of every system, its ratio to each baseline present, and the targets."""
+    ok = {l["system"]: l for l in lines if "error" not in l}
+    bases = [b for b in ("local", "rpc_tutorial", "torchrec_dmp") if b in ok]
+    head = f"{'system':<18}{'samples/s':>11}{'step ms':>9}{'first loss':>12}{'final loss':>12}" + "".join(
+        f"{'/' + b:>15}" for b in bases
+    )
+    rows = [head, "-" * len(head)]
+    for l in lines:
+        if "error" in l:
+            rows.append(f"{l['system']:<18}  FAILED (see the JSON line)")
+            continue
+        r = f"{l['system']:<18}{l['samples_per_s']:>11.0f}{l['median_step_s'] * 1e3:>9.1f}"
+        r += f"{l['first_loss']:>12.6f}{l['final_loss']:>12.6f}"
+        r += "".join(f"{l['samples_per_s'] / ok[b]['samples_per_s']:>14.2f}x" for b in bases)
+        rows.append(r)
+    checks = [(s, b, m) for s, b, m in TARGETS if s in ok and b in ok]
+    if checks:
+        rows.append("")
+        rows.append("targets:")
+        for s, b, m in checks:
+            got = ok[s]["samples_per_s"] / ok[b]["samples_per_s"]
+            rows.append(f"  {s} >= {m:g}x {b}: {got:.2f}x  {'met' if got >= m else 'MISSED'}")
+    return "\n".join(rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated systems to run, in order; known: {', '.join(SYSTEMS)}")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds one system may take before it is killed")
+    p.add_argument("--dmp-sharding", default="table_wise", choices=SHARDINGS, help="torchrec_dmp's sharding type")
+    p.add_argument("--transports", default=None,
+                   help="hybrid's TensorPipe transports, e.g. uv or shm,uv (default: RuntimeOptions')")
+    p.add_argument("--channels", default=None,
+                   help="hybrid's TensorPipe channels, e.g. basic or cma,basic (default: RuntimeOptions')")
+    p.add_argument("--rpc-threads", type=int, default=None,
+                   help="hybrid's RPC worker threads per process (default: RuntimeOptions')")
+    Workload.add_arguments(p)
+    args = p.parse_args(argv)
+    unknown = [s for s in args.systems.split(",") if s and s not in SYSTEMS]
+    if unknown:
+        p.error(f"--systems: unknown {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
+    try:
+        args.workload = Workload.from_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runtime = {}
+    if args.transports:
+        runtime["transports"] = args.transports.split(",")
+    if args.channels:
+        runtime["channels"] = args.channels.split(",")
+    if args.rpc_threads:
+        runtime["num_worker_threads"] = args.rpc_threads
+
+    def emit(line: dict) -> None:
+        print(json.dumps(line), flush=True)
+        if "error" in line:
+            print(f"{line['system']} failed:\n{line['error']}", file=sys.stderr, flush=True)
+
+    w = args.workload
+    print(f"workload: {json.dumps(vars(w))}", file=sys.stderr, flush=True)
+    lines = run_systems(w, [s for s in args.systems.split(",") if s], timeout_s=args.timeout,
+                        dmp_sharding=args.dmp_sharding, runtime=runtime, emit=emit)
+    print(ratio_table(lines), file=sys.stderr, flush=True)
+    bad = [l["system"] for l in lines if "error" in l or not all(
+        math.isfinite(l[k]) for k in ("first_loss", "final_loss"))]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""``hybrid_sync``, ``hybrid_async`` and ``hybrid_sync_fsdp``: the DLRM composed by hybrid.
+
+The tables go to the parameter servers (``sgd`` with ``sparse_lr``, trainers' gradients
+averaged), the bottom and top MLPs under DDP (``hybrid_sync``, ``hybrid_async``) or FSDP2
+(``hybrid_sync_fsdp``); ``hybrid_async`` runs with staleness 1 and prefetches the next batch's
+rows while the current step computes. Every step is ``with hybrid.step(model, optimizer)``, as
+in the training loop. Besides the common report, trainer 0 returns the per-step breakdown
+(:class:`hybrid.autograd.StepTimes`) and the servers' counters over the timed window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.launch import METER, mark_servers, spawn
+from benchmarks.systems.common import train
+from benchmarks.workload import Data, Workload, build_dlrm, loss_fn
+
+
+def plan_dict(w: Workload, *, dense: str, staleness: int) -> dict:
+    """The plan: tables row-wise on every server, both MLPs under ``dense``."""
+    return {
+        "world_size": w.trainers + w.servers,
+        "topology": {"parameter_servers": w.servers},
+        "modules": {
+            "sparse_arch.embedding_bag_collection": {
+                "strategy": "parameter_server", "sharding": "row_wise",
+                "optimizer": {"name": "sgd", "lr": w.sparse_lr},
+            },
+            "dense_arch": {"strategy": dense},
+            "over_arch": {"strategy": dense},
+        },
+        "sync": {"staleness": staleness},
+    }
+
+
+def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, staleness: int,
+          runtime: dict) -> dict:
+    from hybrid.launch.init import RuntimeOptions, init_hybrid, shutdown
+    from hybrid.launch.roles import role_of
+
+    role = role_of(rank, world_size, w.servers)
+    options = RuntimeOptions(**runtime)
+    init_hybrid(role, init_method=f"file://{store}/rpc", backend="gloo", options=options)
+    report, ok = None, False
+    try:
+        if role.is_trainer:
+            report = _trainer(role, w, dense=dense, staleness=staleness, options=options)
+        ok = True
+    finally:
+        shutdown(role, graceful=ok, timeout_s=options.shutdown_timeout_s)
+    return report if role.is_trainer else METER.report(role.name)
+
+
+def _trainer(role, w: Workload, *, dense: str, staleness: int, options) -> dict:
+    import hybrid
+    from hybrid.autograd import runtime, set_runtime
+    from hybrid.plan import plan_from_dict
+
+    model = build_dlrm(w)
+    hybrid.compose(model, plan_from_dict(plan_dict(w, dense=dense, staleness=staleness)), role=role,
+                   runtime_options=options)
+    ebc = model.sparse_arch.embedding_bag_collection
+    optimizer = torch.optim.SGD([p for p in model.parameters()], lr=w.lr)
+    batches = Data(w).batches(trainer=role.index)
+    for b in batches:
+        b.kjt()
+    times, stats = [], {}
+
+    def step(t: int, b) -> torch.Tensor:
+        with hybrid.step(model, optimizer) as s:
+            logits = model(b.dense, b.kjt())
+            if staleness > 0 and t + 1 < len(batches):
+                ebc.prefetch(batches[t + 1].kjt())
+            loss = loss_fn(logits, b.labels)
+            s.backward(loss)
+        if t >= w.warmup:
+            times.append(runtime().last_times)
+        return loss
+
+    def start() -> None:
+        if role.index == 0:
+            stats["start"] = ebc.stats()
+            mark_servers(ebc.server_names, "start")
+
+    def stop() -> None:
+        runtime().wait_pushed()
+        dist.barrier()
+        if role.index == 0:
+            mark_servers(ebc.server_names, "stop")
+            stats["stop"] = ebc.stats()
+
+    report = train(w, batches, step, name=role.name, sync=dist.barrier, on_start=start, on_stop=stop)
+    set_runtime(None)
+    report["samples_per_step"] = w.batch
+    if role.index == 0:
+        report["breakdown_s"] = {k: sum(getattr(x, k) for x in times) / len(times) for k in asdict(times[0])}
+        report["server_stats"] = {n: _delta(stats["start"][n], stats["stop"][n]) for n in stats["stop"]}
+    return report
+
+
+def _delta(before: dict, after: dict) -> dict:
+    """Counters accumulated over the timed window (numbers only)."""
+    return {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float)) and k in before}
+
+
+def _run(w: Workload, *, timeout_s: float, dense: str, staleness: int, runtime: dict | None) -> list[dict]:
+    return spawn(_rank, w.trainers + w.servers, timeout_s=timeout_s, threads=w.threads, w=w, dense=dense,
+                 staleness=staleness, runtime=dict(runtime or {}))
+
+
+def run_hybrid_sync(w: Workload, *, timeout_s: float, runtime: dict | None = None) -> list[dict]:
+    """Sync (staleness 0), dense under DDP. ``runtime``: :class:`RuntimeOptions` overrides."""
+    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=0, runtime=runtime)
+
+
+def run_hybrid_async(w: Workload, *, timeout_s: float, runtime: dict | None = None) -> list[dict]:
+    """Async (staleness 1, prefetch of the next batch), dense under DDP."""
+    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=1, runtime=runtime)
+
+
+def run_hybrid_sync_fsdp(w: Workload, *, timeout_s: float, runtime: dict | None = None) -> list[dict]:
+    """Sync (staleness 0), dense under FSDP2."""
+    return _run(w, timeout_s=timeout_s, dense="fsdp", staleness=0, runtime=runtime)

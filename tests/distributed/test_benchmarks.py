@@ -1,0 +1,74 @@
+"""The benchmarks run, with a tiny workload, as a user runs them (``python -m benchmarks.run`` and
+``python -m benchmarks.memory`` in subprocesses). Nothing here is timed: the checks are that every
+system trains the same model on the same data -- the same first loss everywhere, and for the
+synchronous systems the same final loss as one process -- and that FSDP holds a shard of what
+DDP holds. Speed is the benchmark's business (README, Performance)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks.systems import SYSTEMS
+from tests.support.cli import run_hybrid
+
+TINY = ["--tables", "2", "--rows", "200", "--dim", "8", "--bottom-mlp", "16,8", "--top-mlp", "16,1",
+        "--batch", "16", "--warmup", "1", "--steps", "3"]
+
+
+def _lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_every_system_trains_the_same_model_on_the_same_batches():
+    res = run_hybrid(TINY, module="benchmarks.run", timeout=400)
+    assert res.returncode == 0, res.output
+    lines = {l["system"]: l for l in _lines(res.stdout)}
+    assert list(lines) == list(SYSTEMS), res.output
+    for name, l in lines.items():
+        assert "error" not in l, l
+        assert math.isfinite(l["first_loss"]) and math.isfinite(l["final_loss"]), l
+        assert l["samples_per_s"] > 0 and l["median_step_s"] > 0, l
+        assert all(p["peak_rss_mb"] > 0 for p in l["processes"].values()), l
+    first = lines["local"]["first_loss"]
+    for name, l in lines.items():  # same initial weights, same first batch
+        assert l["first_loss"] == pytest.approx(first, rel=1e-6), (name, l["first_loss"], first)
+    final = lines["local"]["final_loss"]
+    for name in ("rpc_tutorial", "hybrid_sync", "hybrid_sync_fsdp"):  # same updates as one process
+        assert lines[name]["final_loss"] == pytest.approx(final, rel=1e-5), (name, lines[name]["final_loss"], final)
+    assert lines["torchrec_dmp"]["final_loss"] == pytest.approx(final, rel=1e-3)  # FBGEMM's fused kernel
+    for name in ("hybrid_sync", "hybrid_async", "hybrid_sync_fsdp"):
+        servers = lines[name]["servers"]
+        assert list(servers) == ["ps0"], servers
+        s = servers["ps0"]
+        # Per step: one lookup and one gradient push from each of the 2 trainers (async prefetches
+        # each next batch's rows, so the window's first lookups happened before it opened).
+        assert s["gradient_pushes_per_step"] == 2, s
+        if name == "hybrid_async":
+            assert 2 * (3 - 1) / 3 <= s["lookups_per_step"] <= 2, s
+        else:
+            assert s["lookups_per_step"] == 2, s
+        assert s["bytes_sent_per_step"] > 0 and s["bytes_recv_per_step"] > 0, s
+        assert 0 < s["unique_id_ratio"] <= 1, s
+        assert set(lines[name]["breakdown_s"]) >= {"lookup", "dense", "optimizer"}, lines[name]["breakdown_s"]
+    assert "hybrid_sync >= 1x torchrec_dmp" in res.stderr  # the ratio table
+
+
+def test_memory_benchmark_fsdp_holds_a_shard_of_what_ddp_holds():
+    res = run_hybrid(["--width", "64", "--layers", "2", "--trainers", "2", "--steps", "2", "--rows", "100"],
+                     module="benchmarks.memory", timeout=300)
+    assert res.returncode == 0, res.output
+    by = {l["strategy"]: l for l in _lines(res.stdout)}
+    ddp, fsdp = by["ddp"], by["fsdp"]
+    assert ddp["dense_params"] == fsdp["dense_params"]
+    # DDP: every trainer holds the whole dense model, its gradients and Adam's two moments.
+    assert ddp["param_bytes"] == 4 * ddp["dense_params"]
+    assert ddp["grad_bytes"] == ddp["param_bytes"]
+    assert ddp["optim_bytes"] >= 2 * ddp["param_bytes"]
+    # FSDP at 2 trainers: about half (dim-0 shards, padded).
+    assert fsdp["total_bytes"] <= 0.55 * ddp["total_bytes"], (fsdp, ddp)
+    assert fsdp["total_bytes"] >= 0.45 * ddp["total_bytes"], (fsdp, ddp)
+    assert "targets" in res.stderr
