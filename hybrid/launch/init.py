@@ -159,13 +159,24 @@ def init_hybrid(
     if ifname:  # RPC (TensorPipe) and the trainers' gloo group listen on this interface only
         os.environ.setdefault("TP_SOCKET_IFNAME", ifname)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+    pg_store, rpc_init = None, init_method
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if init_method == "env://" and attempt is not None:
+        # Under torchrun the workers share the agent's store, and a restarted group finds the
+        # previous attempt's keys there (gloo would dial the dead processes' addresses): every
+        # attempt gets keys of its own.
+        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=datetime.timedelta(seconds=options.startup_timeout_s))
+        pg_store = dist.PrefixStore(f"hybrid/attempt{attempt}/trainers", base)
+        rpc_init = _attempt_rendezvous(dist.PrefixStore(f"hybrid/attempt{attempt}/rpc", base))
     if role.is_trainer:
         backend = resolve_backend(backend)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", role.index)) % torch.cuda.device_count())
         dist.init_process_group(
             backend,
-            init_method=_pg_init_method(init_method),
+            init_method=None if pg_store is not None else _pg_init_method(init_method),
+            store=pg_store,
             rank=role.index,
             world_size=role.num_trainers,
             timeout=datetime.timedelta(seconds=options.pg_timeout_s),
@@ -175,7 +186,7 @@ def init_hybrid(
         rank=role.rank,
         world_size=role.world_size,
         rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
-            init_method=init_method,
+            init_method=rpc_init,
             rpc_timeout=options.rpc_timeout_s,
             num_worker_threads=options.num_worker_threads,
             _transports=list(options.transports),
@@ -183,6 +194,30 @@ def init_hybrid(
         ),
     )
     logger.debug("joined as %s (rank %d of %d)", role.name, role.rank, role.world_size)
+
+
+_ATTEMPT_STORE: list[dist.Store] = []
+
+
+def _attempt_rendezvous(store: dist.Store) -> str:
+    """An ``init_method`` (``hybrid-attempt://``) whose rendezvous hands RPC ``store``.
+
+    ``rpc.init_rpc`` takes its store only from a rendezvous URL; this registers (once) a handler
+    for a scheme of ours that yields the store of the current torchrun attempt.
+    """
+    import importlib
+
+    rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module, not its function
+    _ATTEMPT_STORE[:] = [store]
+    if "hybrid-attempt" not in rdzv._rendezvous_handlers:
+        def handler(url: str, **kwargs):
+            from urllib.parse import parse_qs, urlparse
+
+            query = parse_qs(urlparse(url).query)
+            yield _ATTEMPT_STORE[0], int(query["rank"][0]), int(query["world_size"][0])
+
+        rdzv.register_rendezvous_handler("hybrid-attempt", handler)
+    return "hybrid-attempt://"
 
 
 def shutdown(role: Role, *, graceful: bool = True, timeout_s: float = 60.0) -> None:

@@ -162,3 +162,48 @@ def test_a_server_that_never_starts_is_named_within_the_startup_timeout(tmp_path
     for waited, err in run_distributed(_never_started_server, 3, setup="none", timeout=60, tmp=str(tmp_path))[:2]:
         assert 4 <= waited < 10, waited
         assert "StartupError" in err and "ps0 (rank 2) did not start within 4s" in err and "startup_timeout_s" in err
+
+
+def _train_losses(out: Path) -> dict[int, float]:
+    import json
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in rows if r["kind"] == "train"]
+    steps = [r["step"] for r in train]
+    assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
+    return {r["step"]: r["loss"] for r in train}
+
+
+@pytest.mark.slow
+def test_torchrun_restart_after_a_killed_server_resumes_from_the_last_checkpoint(tmp_path):
+    """``hybrid launch --max-restarts 1`` with checkpoints every 10 steps: the server is SIGKILLed
+    at step 25; torchrun restarts the group, which resumes at step 20 and finishes -- with exactly
+    the losses of a run that never failed."""
+    from tests.support.cli import run_hybrid
+
+    steps = ["train.steps=30", "train.log_every=1", "checkpoint.every=10", "checkpoint.resume=latest"]
+    common = ["launch", "-n", "3", "--max-restarts", "1", "train", "--plan", "conf/plans/dlrm.yaml",
+              "--config", "conf/train/dlrm.yaml", *TINY[:3], "train.eval_every=0", "data.batch_size=8",
+              "train.progress=false", "train.plot=false", f"runtime.rpc_timeout_s={RPC_TIMEOUT}",
+              "runtime.heartbeat_s=1", "runtime.pg_timeout_s=20", "runtime.shutdown_timeout_s=10", *steps]
+    straight, failed = tmp_path / "straight", tmp_path / "failed"
+    res = run_hybrid([*common, f"train.out_dir={straight}", f"checkpoint.dir={straight}/ckpt"], timeout=240)
+    assert res.returncode == 0, res.output
+    want = _train_losses(straight)
+    assert sorted(want) == list(range(1, 31))
+
+    # Rank 2 is the server; its 50th gradient push (2 trainers a step) is in step 25.
+    env = {"HYBRID_TEST_FAULT": "2:push:50", "PYTHONPATH": f"{REPO / 'tests/support/inject'}:{REPO}"}
+    t0 = time.monotonic()
+    res = run_hybrid([*common, f"train.out_dir={failed}", f"checkpoint.dir={failed}/ckpt"], timeout=300, env=env)
+    assert res.returncode == 0, res.output
+    log = res.stdout + res.stderr
+    assert "fault injection: rank 2 kills itself in CollectionShard.push" in log, res.output
+    assert "ps0" in log and "not answering" in log, res.output  # the failure named the dead server
+    assert "resuming at step 20" in log, res.output
+    got = _train_losses(failed)
+    assert sorted(got) == list(range(1, 31)), sorted(got)
+    assert got == want  # bit for bit: the restarted job continued from step 20's checkpoint exactly
+    ckpts = sorted(p.name for p in (failed / "ckpt").iterdir() if p.name.startswith("step_"))
+    assert ckpts[-1] == "step_00000030", ckpts
+    print(f"restarted run took {time.monotonic() - t0:.1f}s")
