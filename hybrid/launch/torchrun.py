@@ -24,7 +24,16 @@ def bound_socket(address: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((address, port))
+    try:
+        s.bind((address, port))
+    except OSError as e:
+        s.close()
+        # RuntimeError, as TCPStore raises it: torch's c10d rendezvous then tries to join the
+        # store there as a client (another agent of the same job on this machine may host it).
+        raise RuntimeError(
+            f"cannot listen on {address}:{port}: {e.strerror} -- another process holds the port (another "
+            f"job's store?); choose a free port for --rdzv-endpoint / --master-port, or stop that process"
+        ) from e
     s.listen(2048)
     _SOCKETS.append(s)
     return s
@@ -54,11 +63,53 @@ def install(address: str) -> None:
     static_tcp_rendezvous.TCPStore = cls
 
 
+def _flag(argv: list[str], *names: str) -> str | None:
+    """The value of torchrun flag ``names`` (``--x v`` or ``--x=v``; dashes or underscores)."""
+    spellings = {n for name in names for n in (name, name.replace("-", "_"))}
+    for i, a in enumerate(argv):
+        if a in ("-m", "--module", "--no-python") or a.endswith(".py"):
+            break  # the training command's own arguments start here
+        key, eq, value = a.partition("=")
+        if key in spellings:
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
+
+
+def port_in_use_error(argv: list[str], address: str) -> str | None:
+    """On one node this agent must host the store: if its port is taken, say so now.
+
+    torch would try to join whatever listens there as a client and wait for its read timeout
+    (a minute or more) before failing with a message that names neither the port nor the cause.
+    """
+    nnodes = _flag(argv, "--nnodes") or "1"
+    if nnodes not in ("1", "1:1") or _flag(argv, "--standalone") is not None or "--standalone" in argv:
+        return None
+    endpoint = _flag(argv, "--rdzv-endpoint")
+    port = endpoint.rpartition(":")[2] if endpoint and ":" in endpoint else _flag(argv, "--master-port")
+    if not port or not port.isdigit() or int(port) == 0:
+        return None
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((address, int(port)))
+        except OSError as e:
+            return (f"the rendezvous port {address}:{port} is already in use ({e.strerror}): another process "
+                    f"listens there (another job's store?). Choose a free port for "
+                    f"{'--rdzv-endpoint' if endpoint else '--master-port'}, stop that process, or use "
+                    f"`hybrid launch` (--standalone), which picks a free port itself")
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     address = "127.0.0.1"
     if argv[:1] == ["--address"]:
         address, argv = argv[1], argv[2:]
+    problem = port_in_use_error(argv, address)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     install(address)
     from torch.distributed.run import main as torchrun_main
 

@@ -207,3 +207,41 @@ def test_torchrun_restart_after_a_killed_server_resumes_from_the_last_checkpoint
     ckpts = sorted(p.name for p in (failed / "ckpt").iterdir() if p.name.startswith("step_"))
     assert ckpts[-1] == "step_00000030", ckpts
     print(f"restarted run took {time.monotonic() - t0:.1f}s")
+
+
+def _busy(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def _shutdown_in_flight(rank: int, world_size: int, *, tmp: str, busy_s: float):
+    """Trainers leave RPCs running on the server and shut down at once; each process times its own
+    ``shutdown``. Returns (seconds in shutdown, whether every in-flight RPC had completed)."""
+    import torch.distributed.rpc as rpc
+
+    from hybrid.launch.init import RuntimeOptions, init_hybrid, shutdown
+    from hybrid.launch.roles import role_of
+
+    role = role_of(rank, world_size, 1)
+    options = RuntimeOptions(rpc_timeout_s=30, shutdown_timeout_s=30)
+    init_hybrid(role, init_method=f"file://{tmp}/rdzv", options=options)
+    futs = []
+    if role.is_trainer:
+        futs = [rpc.rpc_async("ps0", _busy, args=(busy_s,)) for _ in range(4)]
+    pending = sum(not f.done() for f in futs)
+    t0 = time.monotonic()
+    shutdown(role, graceful=True, timeout_s=options.shutdown_timeout_s)
+    took = time.monotonic() - t0
+    return took, all(f.done() and f.value() == busy_s for f in futs), pending
+
+
+def test_shutdown_with_rpcs_in_flight_returns_within_a_bound(tmp_path):
+    """8 RPCs of 1.5 s each are still running on the server when every process shuts down: the
+    in-flight calls finish (the server runs them on its worker threads, 8 by default, in
+    parallel), and every process leaves ``shutdown`` within the work plus a margin."""
+    busy = 1.5
+    out = run_distributed(_shutdown_in_flight, 3, setup="none", timeout=90, tmp=str(tmp_path), busy_s=busy)
+    assert out[0][2] > 0 and out[1][2] > 0, out  # the trainers' calls were running when shutdown began
+    for rank, (took, completed, _) in enumerate(out):
+        assert completed, f"rank {rank}: an in-flight RPC did not complete before shutdown returned"
+        assert took < busy + 15, f"rank {rank} took {took:.1f}s to shut down"

@@ -95,3 +95,24 @@ def test_csv_data_with_a_nan_batch_is_refused_or_skipped_and_changes_nothing(tmp
                      timeout=240)
     assert res.returncode == 0, res.output
     assert "3 (48 samples, 1 batches skipped)" in res.stdout, res.output
+
+
+def test_a_rendezvous_port_in_use_is_named_at_once():
+    """One node must host the rendezvous store; a taken port is an immediate, clear error (torch
+    alone would try to join whatever listens there and fail a minute later without naming it)."""
+    import time
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        cmd = [sys.executable, "-m", "hybrid.launch.torchrun", "--address", "127.0.0.1", "--nnodes", "1",
+               "--nproc-per-node", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "-m", "hybrid.cli", "train", "--plan", "conf/plans/dlrm.yaml", *TINY]
+        t0 = time.monotonic()
+        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - t0
+    assert res.returncode == 2, res.stderr[-4000:]
+    assert f"127.0.0.1:{port} is already in use" in res.stderr and "--rdzv-endpoint" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    assert took < 30, took

@@ -555,3 +555,34 @@ def test_parquet_reader(tmp_path):
     cfg.malformed = "error"
     with pytest.raises(ValueError, match=re.escape(f"data.parquet: {path}: row 5: column 'user': -1 is not an id")):
         list(ParquetReader(_tab_schema(), cfg, [str(path)]))
+
+
+def test_seeded_fuzz_batch_slice_equals_slicing_each_feature():
+    """Batch.slice (a trainer's share of a global batch) on random KJTs -- empty bags, empty
+    features, weights, any [lo, hi) including empty ranges -- equals slicing every feature's
+    bags one by one."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(99)
+    for case in range(100):
+        n, keys = int(torch.randint(1, 9, (1,), generator=g)), ["a", "b", "c"][: 1 + case % 3]
+        lengths = torch.randint(0, 4, (len(keys) * n,), generator=g) * (torch.rand(len(keys) * n, generator=g) > 0.3)
+        values = torch.randint(0, 1000, (int(lengths.sum()),), generator=g)
+        weighted = case % 2 == 0
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths,
+                                                  weights=torch.rand(values.numel(), generator=g) if weighted else None)
+        batch = Batch(torch.randn(n, 2, generator=g), kjt, torch.rand(n, generator=g))
+        lo = int(torch.randint(0, n + 1, (1,), generator=g))
+        hi = int(torch.randint(lo, n + 1, (1,), generator=g))
+        part = batch.slice(lo, hi)
+        assert len(part) == hi - lo and part.sparse.keys() == keys
+        torch.testing.assert_close(part.dense, batch.dense[lo:hi])
+        for k in keys:
+            jt = kjt[k]
+            bags = [jt.values()[int(jt.offsets()[i]):int(jt.offsets()[i + 1])] for i in range(lo, hi)]
+            assert part.sparse[k].lengths().tolist() == [b.numel() for b in bags], (case, k)
+            assert part.sparse[k].values().tolist() == (torch.cat(bags).tolist() if bags else []), (case, k)
+            if weighted:
+                wb = [jt.weights()[int(jt.offsets()[i]):int(jt.offsets()[i + 1])] for i in range(lo, hi)]
+                want = torch.cat(wb) if wb else torch.empty(0)
+                torch.testing.assert_close(part.sparse[k].weights(), want)

@@ -103,3 +103,69 @@ def test_fast_path_applies_the_id_policy():
     route = modulo._fused.route(kjt, fix_ids=modulo._fix_ids)
     ids, counts = route.requests[0]
     assert counts == [1, 2, 1] and ids.tolist() == [1, 2, 3, 2]  # 9 % 7 == 2 in t2
+
+
+def _random_kjt(g: torch.Generator, tables, n: int, *, weighted: bool, bad: bool) -> KeyedJaggedTensor:
+    """``n`` samples: bag lengths 0..4 (a third empty, sometimes a whole feature empty), ids in
+    range, or with ``bad`` also negative and past the end."""
+    keys = [f for t in tables for f in t.feature_names]
+    rows = {f: t.num_embeddings for t in tables for f in t.feature_names}
+    lengths, values = [], []
+    for f in keys:
+        ln = torch.randint(0, 5, (n,), generator=g) * (torch.rand(n, generator=g) > 0.33)
+        if float(torch.rand(1, generator=g)) < 0.15:
+            ln = torch.zeros(n, dtype=torch.int64)
+        lo, hi = (-3, rows[f] + 3) if bad else (0, rows[f])
+        lengths.append(ln)
+        values.append(torch.randint(lo, hi, (int(ln.sum()),), generator=g))
+    v = torch.cat(values)
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=v, lengths=torch.cat(lengths),
+        weights=torch.rand(v.numel(), generator=g) if weighted else None)
+
+
+def test_seeded_fuzz_routing_and_pooling_equal_the_local_collection_or_refuse_bad_ids():
+    """Random batches (empty bags, empty features, bad ids, weights, both pooling modes, 1-3
+    servers, both shardings, fast and table-by-table paths): the remote collection pools exactly
+    what the local one does, or -- only for ids outside a table under id_policy=error -- raises
+    BadIdError before anything is sent; under modulo it equals the local one on the wrapped ids."""
+    g = torch.Generator().manual_seed(1234)
+    outcomes = {"equal": 0, "refused": 0, "wrapped": 0}
+    for case in range(60):
+        weighted = case % 3 == 0
+        pooling = PoolingType.SUM if weighted or case % 2 else PoolingType.MEAN
+        tables = _same_dim_tables(pooling) if case % 4 or weighted else mixed_tables()  # weights: sum only
+        num_servers = 1 + case % 3
+        sharding = "table_wise" if case % 5 == 0 and num_servers <= len(tables) else "row_wise"
+        policy = "modulo" if case % 7 == 0 else "error"
+        bad = case % 2 == 1
+        kjt = _random_kjt(g, tables, 1 + case % 6, weighted=weighted, bad=bad)
+        torch.manual_seed(case)
+        ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted)
+        remote = RemoteEmbeddingBagCollection.from_collection(ebc, cid="c", num_servers=num_servers,
+                                                               sharding=sharding, id_policy=policy)
+        table_of = {f: t for t in tables for f in t.feature_names}
+        out_of_range = any(((kjt[f].values() < 0) | (kjt[f].values() >= table_of[f].num_embeddings)).any()
+                           for f in kjt.keys())
+        route_fn = (lambda k: remote._fused.route(k, fix_ids=remote._fix_ids)) if remote._fused else remote._route
+        if out_of_range and policy == "error":
+            with pytest.raises(BadIdError, match="outside table"):
+                route_fn(kjt)
+            outcomes["refused"] += 1
+            continue
+        if out_of_range:  # modulo: the local collection on the wrapped ids
+            wrapped = torch.cat([torch.remainder(kjt[f].values(), table_of[f].num_embeddings) for f in kjt.keys()])
+            ref_kjt = KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=wrapped, lengths=kjt.lengths(),
+                                                          weights=kjt.weights_or_none())
+            outcomes["wrapped"] += 1
+        else:
+            ref_kjt = kjt
+            outcomes["equal"] += 1
+        route = route_fn(kjt)
+        weights = {n: b.weight.detach() for n, b in ebc.embedding_bags.items()}
+        got = remote._pool(route, _serve(remote, route, weights))
+        want = ebc(ref_kjt)
+        assert got.keys() == want.keys(), case
+        torch.testing.assert_close(got.values(), want.values(), rtol=1e-6, atol=1e-6,
+                                   msg=lambda m: f"case {case}: {m}")
+    assert all(outcomes.values()), outcomes  # every branch was exercised
