@@ -88,6 +88,16 @@ def _trainer(role, w: Workload, *, dense: str, steps: int, options) -> dict:
     return out
 
 
+def plan_estimate(w: Workload, dense: str) -> int:
+    """What the plan report (``hybrid plan show``) predicts a trainer holds, for Adam."""
+    from hybrid.plan import estimate_memory, plan_from_dict, resolve
+
+    model = build_dlrm(w)
+    resolved = resolve(plan_from_dict(plan_dict(w, dense=dense, staleness=0)), model,
+                       world_size=w.trainers + w.servers)
+    return sum(m.trainer_bytes for m in estimate_memory(resolved, model, dense_optimizer="adam"))
+
+
 def measure(w: Workload, dense: str, trainers: int, *, steps: int, timeout_s: float) -> dict:
     """One (strategy, trainer count): the largest per-trainer numbers over its trainers."""
     w = w.with_(trainers=trainers)
@@ -99,6 +109,7 @@ def measure(w: Workload, dense: str, trainers: int, *, steps: int, timeout_s: fl
         if k in ts[0]:
             line[k] = max(r[k] for r in ts)
     line["server_peak_rss_mb"] = max(r["peak_rss_mb"] for r in reports if "total_bytes" not in r)
+    line["plan_estimate_bytes"] = plan_estimate(w, dense)
     return line
 
 

@@ -72,3 +72,6 @@ def test_memory_benchmark_fsdp_holds_a_shard_of_what_ddp_holds():
     assert fsdp["total_bytes"] <= 0.55 * ddp["total_bytes"], (fsdp, ddp)
     assert fsdp["total_bytes"] >= 0.45 * ddp["total_bytes"], (fsdp, ddp)
     assert "targets" in res.stderr
+    # The plan report's per-trainer estimate (`hybrid plan show`) is what the trainers hold.
+    for line in (ddp, fsdp):
+        assert line["plan_estimate_bytes"] == pytest.approx(line["total_bytes"], rel=0.10), line
