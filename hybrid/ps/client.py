@@ -33,6 +33,30 @@ class BadIdError(ValueError):
     """An id outside its table under ``id_policy: error``; nothing was sent or changed."""
 
 
+class BadBatchError(ValueError):
+    """A ``KeyedJaggedTensor`` whose lengths, values and weights disagree; nothing was sent."""
+
+
+def check_kjt(kjt: KeyedJaggedTensor, where: str = "") -> None:
+    """Refuse a batch whose parts disagree, naming what disagrees (torch would fail deep inside
+    a kernel, or silently ignore ids past the last bag)."""
+    keys, lengths, values = kjt.keys(), kjt.lengths(), kjt.values()
+    prefix = f"{where}: " if where else ""
+    if lengths.numel() % max(len(keys), 1):
+        raise BadBatchError(f"{prefix}{lengths.numel()} lengths for {len(keys)} features: expected a multiple of "
+                            f"{len(keys)} (one length per feature and sample)")
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise BadBatchError(f"{prefix}a negative bag length ({int(lengths.min())}) in feature "
+                            f"{keys[int((lengths < 0).nonzero()[0]) // max(kjt.stride(), 1)]!r}")
+    total = int(lengths.sum())
+    if total != values.numel():
+        raise BadBatchError(f"{prefix}the lengths add up to {total} ids but the batch holds {values.numel()} values; "
+                            f"lengths/offsets and values disagree")
+    weights = kjt.weights_or_none()
+    if weights is not None and weights.numel() != values.numel():
+        raise BadBatchError(f"{prefix}{weights.numel()} per-sample weights for {values.numel()} ids")
+
+
 @dataclass
 class _TableRoute:
     inverse: torch.Tensor  # position in the table's unique ids of every id, in feature order
@@ -345,6 +369,7 @@ class RemoteEmbeddingBagCollection(nn.Module):
         return torch.cat([self._check_ids(v, f, table_of[f]) for v, f in zip(ids.split(counts), self.feature_order)])
 
     def _send(self, rstep: bridge.RemoteStep | None, kjt: KeyedJaggedTensor) -> _Pending:
+        check_kjt(kjt, where=self.cid)
         if self._fused is not None and not (self._is_weighted and kjt.weights().requires_grad):
             route = self._fused.route(kjt, fix_ids=self._fix_ids)
         else:

@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.cli import REPO, kill_tree, run_hybrid
 
 TINY = ["model.num_embeddings=200", "model.bottom_mlp=[8,16]", "model.top_mlp=[8,1]", "train.steps=4",
@@ -116,3 +118,42 @@ def test_a_rendezvous_port_in_use_is_named_at_once():
     assert f"127.0.0.1:{port} is already in use" in res.stderr and "--rdzv-endpoint" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
     assert took < 30, took
+
+
+PLAN_MISTAKES = {
+    "unknown module path": (["plan.modules.dense_ach.strategy=ddp"], ["dense_ach", "dense_arch"]),
+    "parameter_server on a dense module": (["plan.modules.dense_arch.strategy=parameter_server",
+                                            "plan.modules.dense_arch.optimizer.name=sgd"],
+                                           ["dense_arch", "parameter_server", "EmbeddingBagCollection"]),
+    "unknown option": (["plan.modules.dense_arch.bucket_cap=10"], ["bucket_cap", "bucket_cap_mb"]),
+    "wrong type": (["plan.modules.dense_arch.bucket_cap_mb=big"], ["bucket_cap_mb", "big"]),
+    "optimizer unknown to the server": (["plan.modules.sparse_arch.embedding_bag_collection.optimizer.name=adamw"],
+                                        ["adamw", "rowwise_adagrad"]),
+    "topology that cannot fit": (["plan.topology.parameter_servers=3"], ["parameter_servers", "trainer"]),
+}
+
+
+@pytest.mark.parametrize("mistake", list(PLAN_MISTAKES))
+def test_plan_error_categories_end_to_end_exit_2_without_traceback(mistake):
+    overrides, must = PLAN_MISTAKES[mistake]
+    res = run_hybrid(["launch", "-n", "3", "train", "--plan", "conf/plans/dlrm.yaml", "--config", "conf/train/dlrm.yaml",
+                      *overrides], timeout=60)
+    assert res.returncode == 2, res.output
+    assert res.stderr.startswith("error: ") or "\nerror: " in res.stderr, res.output
+    assert all(m in res.stderr for m in must), res.output
+    assert "Traceback" not in res.stderr, res.output
+
+
+@pytest.mark.parametrize("text,must", [
+    ("model: dlrm\nmodules:\n  dense_arch: !!python/object/apply:os.system [\"touch PWNED\"]\n", ["python"]),
+    ("model: dlrm\nmodules:\n  dense_arch: {strategy: ddp\n  over_arch: x\n", [":4:", "invalid YAML"]),
+], ids=["python tag", "bad YAML syntax"])
+def test_plan_files_that_must_not_load_exit_2(tmp_path, text, must):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text)
+    res = run_hybrid(["launch", "-n", "3", "train", "--plan", str(plan), "--config", "conf/train/dlrm.yaml"],
+                     timeout=60, cwd=tmp_path)
+    assert res.returncode == 2, res.output
+    assert str(plan) in res.stderr and all(m in res.stderr for m in must), res.output
+    assert "Traceback" not in res.stderr, res.output
+    assert not (tmp_path / "PWNED").exists()  # the tag's code never ran

@@ -169,3 +169,23 @@ def test_seeded_fuzz_routing_and_pooling_equal_the_local_collection_or_refuse_ba
         torch.testing.assert_close(got.values(), want.values(), rtol=1e-6, atol=1e-6,
                                    msg=lambda m: f"case {case}: {m}")
     assert all(outcomes.values()), outcomes  # every branch was exercised
+
+
+@pytest.mark.parametrize("values,lengths,weights,message", [
+    ([1, 2, 3], [1, 1, 1, 1], None, "the lengths add up to 4 ids but the batch holds 3 values"),
+    ([1, 2, 3, 4, 5], [1, 1, 1, 1], None, "the lengths add up to 4 ids but the batch holds 5 values"),
+    ([1, 2, 3, 4], [1, 1, 3, -1], None, "a negative bag length \\(-1\\) in feature 'f1'"),
+    ([1, 2, 3, 4], [1, 1, 1, 1], [0.5, 0.5], "2 per-sample weights for 4 ids"),
+])
+def test_a_batch_whose_lengths_and_values_disagree_is_refused_before_anything_is_sent(values, lengths, weights,
+                                                                                       message):
+    from hybrid.ps.client import BadBatchError
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=50, feature_names=[f"f{i}"])
+              for i in range(2)]
+    remote = RemoteEmbeddingBagCollection.from_collection(
+        EmbeddingBagCollection(tables=tables, is_weighted=weights is not None), cid="c", num_servers=1)
+    kjt = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor(values), lengths=torch.tensor(lengths),
+                            weights=None if weights is None else torch.tensor(weights))
+    with pytest.raises(BadBatchError, match=message):
+        remote._send(None, kjt)  # no RPC is initialized: the check must come first
