@@ -44,13 +44,14 @@ def test_every_system_trains_the_same_model_on_the_same_batches():
         servers = lines[name]["servers"]
         assert list(servers) == ["ps0"], servers
         s = servers["ps0"]
-        # Per step: one lookup and one gradient push from each of the 2 trainers (async prefetches
-        # each next batch's rows, so the window's first lookups happened before it opened).
-        assert s["gradient_pushes_per_step"] == 2, s
+        # Per step: one lookup and one gradient push from each of the 2 trainers. Async mode
+        # prefetches each next batch's rows and does not wait for its pushes, so at the edges of
+        # the 3-step window up to one step's calls per trainer fall on the other side.
         if name == "hybrid_async":
-            assert 2 * (3 - 1) / 3 <= s["lookups_per_step"] <= 2, s
+            assert 2 * (3 - 1) / 3 <= s["lookups_per_step"] <= 2 * (3 + 1) / 3, s
+            assert 2 * (3 - 1) / 3 <= s["gradient_pushes_per_step"] <= 2 * (3 + 1) / 3, s
         else:
-            assert s["lookups_per_step"] == 2, s
+            assert s["lookups_per_step"] == 2 and s["gradient_pushes_per_step"] == 2, s
         assert s["bytes_sent_per_step"] > 0 and s["bytes_recv_per_step"] > 0, s
         assert 0 < s["unique_id_ratio"] <= 1, s
         assert set(lines[name]["breakdown_s"]) >= {"lookup", "dense", "optimizer"}, lines[name]["breakdown_s"]
