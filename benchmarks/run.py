@@ -67,7 +67,7 @@ def summarize(system: str, w: Workload, reports: list[dict]) -> dict:
 def _per_step(c: dict, steps: int) -> dict:
     """A server's counters over the timed window, per step (all trainers together)."""
     return {
-        "rpcs_per_step": (c["lookups"] + c["gradients"]) / steps,
+        "rpcs_per_step": (c["lookups"] + c["push_messages"]) / steps,
         "lookups_per_step": c["lookups"] / steps,
         "gradient_pushes_per_step": c["gradients"] / steps,
         "bytes_recv_per_step": c["bytes_in"] / steps,

@@ -7,6 +7,15 @@ received tensor (``remote``, recorded by distributed autograd) is fed to the mod
 copy (``local``); after the local backward, ``local.grad`` is the gradient the servers need, and
 ``dist_autograd.backward(ctx, [sum((remote * local.grad).sum())])`` delivers exactly it.
 
+That is the ``dist_autograd`` gradient push. The default, ``rpc``, skips distributed autograd:
+the same ``local.grad`` goes to each server in a plain RPC, and that RPC is not even sent on its
+own -- it is owed until the trainer's next lookup of that server, which carries it (a server
+applies it before it looks the rows up). A sync step then costs one message per server instead
+of four (lookup, autograd backward, and their answers), and nothing waits for the push. An owed
+push that no lookup picks up within :data:`FLUSH_AFTER_S` is sent on its own (a trainer
+between steps for long, or a loop that stops), and :meth:`RemoteRuntime.wait_pushed` sends and
+awaits whatever is owed.
+
 Each step's distributed-autograd context lives on a thread of its own (:class:`_ContextThread`),
 never on the training thread. That is deliberate: DDP writes its gradients into a current
 distributed-autograd context instead of ``.grad``, and FSDP2 inside one never syncs, so the dense
@@ -35,6 +44,10 @@ import torch
 import torch.distributed.autograd as dist_autograd
 
 _RELEASE = object()
+
+FLUSH_AFTER_S = 0.02
+"""An owed gradient push (``rpc`` mode) that no lookup carried within this many seconds is sent
+on its own, so a trainer that pauses between steps never holds up the others."""
 
 
 class _ContextThread:
@@ -103,20 +116,29 @@ class RemoteStep:
     inflight: list[Any] = field(default_factory=list)
     """Lookups sent in this step whose rows the model has not consumed yet."""
     sent: bool = False
+    direct: bool = False
+    """``rpc`` gradient push: no distributed-autograd context, calls run inline."""
 
-    def call(self, fn: Callable[[int], Any]) -> Future:
-        """Run ``fn(ctx_id)`` on this step's context thread; returns its future."""
+    def call(self, fn: Callable[[int | None], Any]) -> Future:
+        """Run ``fn(ctx_id)`` on this step's context thread (inline, ``ctx_id=None``, in ``rpc``
+        mode); returns its future."""
         fut: Future = Future()
         if self.broken is not None:
             fut.set_exception(self.broken)
+        elif self.direct:
+            try:
+                fut.set_result(fn(None))
+            except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+                fut.set_exception(e)
         else:
             self.calls.put((fn, fut))
         return fut
 
-    def add_pair(self, remote: torch.Tensor) -> torch.Tensor:
-        """Register rows received in this step; returns the local leaf to compute with."""
+    def add_pair(self, remote: torch.Tensor, dest: PushDest | None = None) -> torch.Tensor:
+        """Register rows received in this step; returns the local leaf to compute with.
+        ``dest`` says where their gradient goes in ``rpc`` mode."""
         local = remote.detach().requires_grad_(True)
-        self.pairs.append((remote, local))
+        self.pairs.append((remote, local, dest))
         return local
 
     def push(self) -> Future:
@@ -131,7 +153,7 @@ class RemoteStep:
             if not pairs:
                 return
             roots = [
-                (r * (l.grad if l.grad is not None else torch.zeros_like(l))).sum() for r, l in pairs
+                (r * (l.grad if l.grad is not None else torch.zeros_like(l))).sum() for r, l, _ in pairs
             ]
             dist_autograd.backward(ctx_id, [torch.stack(roots).sum()])
 
@@ -145,26 +167,129 @@ class RemoteStep:
         return fut
 
 
-class RemoteRuntime:
-    """Per-trainer-process bookkeeping of steps: numbering, contexts, and the current step."""
+@dataclass(frozen=True)
+class PushDest:
+    """Where the gradient of rows from one lookup goes (``rpc`` mode): a collection that can
+    ``push_to(server, [(step, parts)])``, the server, and the ids and per-table counts asked."""
 
-    def __init__(self, *, trainer: int, start_step: int = 0, timeout_s: float = 300.0) -> None:
+    owner: Any
+    server: int
+    ids: torch.Tensor
+    counts: list[int]
+
+
+class _Owed:
+    """Gradient pushes computed but not sent yet (``rpc`` mode), per (collection, server).
+
+    A lookup of that server takes them (:meth:`take`) and carries them; :meth:`flush` sends the
+    rest on their own. A daemon thread flushes what waits longer than :data:`FLUSH_AFTER_S`."""
+
+    def __init__(self, flush_after_s: float = FLUSH_AFTER_S) -> None:
+        self.flush_after_s = flush_after_s
+        self.cond = threading.Condition()
+        self.items: dict[tuple[int, int], tuple[Any, int, list[tuple[int, list]]]] = {}
+        self.since = 0.0
+        self.sent: list[torch.futures.Future] = []
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="hybrid-push-flush", daemon=True)
+        self.thread.start()
+
+    def add(self, step: int, pairs: list) -> None:
+        with self.cond:
+            for _, local, dest in pairs:
+                g = local.grad if local.grad is not None else torch.zeros_like(local)
+                key = (id(dest.owner), dest.server)
+                _, _, steps = self.items.setdefault(key, (dest.owner, dest.server, []))
+                if steps and steps[-1][0] == step:
+                    steps[-1][1].append((dest.ids, dest.counts, g))
+                else:
+                    steps.append((step, [(dest.ids, dest.counts, g)]))
+            if not self.since:
+                self.since = time.monotonic()
+            self.cond.notify_all()
+
+    def take(self, owner: Any, server: int) -> list[tuple[int, list]]:
+        """What ``owner`` owes ``server``, as ``[(step, [(ids, counts, grad), ...]), ...]``."""
+        with self.cond:
+            item = self.items.pop((id(owner), server), None)
+            if not self.items:
+                self.since = 0.0
+            return item[2] if item is not None else []
+
+    def flush(self) -> None:
+        """Send everything owed, each on its own RPC (collected by :meth:`wait`)."""
+        with self.cond:
+            items, self.items, self.since = list(self.items.values()), {}, 0.0
+            for owner, server, steps in items:
+                self.sent.append(owner.push_to(server, steps))
+
+    def reap(self, timeout_s: float, wait: bool) -> None:
+        """Drop finished sends, raising the first failure; with ``wait``, wait for all of them."""
+        with self.cond:
+            sent = self.sent
+            self.sent = [] if wait else [f for f in sent if not f.done()]
+        for f in sent:
+            if wait or f.done():
+                f.wait()  # an RPC future: it fails by itself past the RPC deadline
+
+    def _run(self) -> None:
+        with self.cond:
+            while not self.closed:
+                if not self.items:
+                    self.cond.wait()
+                    continue
+                left = self.since + self.flush_after_s - time.monotonic()
+                if left > 0:
+                    self.cond.wait(left)
+                    continue
+                try:
+                    self.flush()
+                except BaseException:  # noqa: BLE001 - a failed send surfaces in reap()
+                    pass
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+class RemoteRuntime:
+    """Per-trainer-process bookkeeping of steps: numbering, contexts, and the current step.
+
+    ``gradient_push``: ``rpc`` (plain RPCs, carried by the next lookup) or ``dist_autograd``;
+    ``flush_after_s``: how long an owed push waits for a lookup to carry it (``rpc``)."""
+
+    def __init__(self, *, trainer: int, start_step: int = 0, timeout_s: float = 300.0,
+                 gradient_push: str = "rpc", flush_after_s: float = FLUSH_AFTER_S) -> None:
+        if gradient_push not in ("rpc", "dist_autograd"):
+            raise ValueError(f"gradient_push must be 'rpc' or 'dist_autograd', got {gradient_push!r}")
         self.trainer = trainer
         self.next_step = start_step
         self.timeout_s = timeout_s
+        self.direct = gradient_push == "rpc"
         # Three threads: the open step, the prefetched next one, and one still pushing.
-        self._threads = [_ContextThread(f"hybrid-ctx{i}") for i in range(3)]
+        self._threads = [] if self.direct else [_ContextThread(f"hybrid-ctx{i}") for i in range(3)]
+        self.owed = _Owed(flush_after_s) if self.direct else None
         self._open: dict[int, RemoteStep] = {}
         self.current: RemoteStep | None = None
         self.last_pushed: Future | None = None
         self.last_times: StepTimes | None = None
 
+    def push(self, rstep: RemoteStep) -> None:
+        """Hand the gradients of ``rstep``'s rows to the servers (``rpc``: owe them)."""
+        if self.direct:
+            pairs, rstep.pairs = rstep.pairs, []
+            self.owed.add(rstep.step, pairs)
+        else:
+            self.last_pushed = rstep.push()
+
     def _get(self, step: int) -> RemoteStep:
         rstep = self._open.get(step)
         if rstep is None:
-            rstep = RemoteStep(step)
+            rstep = RemoteStep(step, direct=self.direct)
             self._open[step] = rstep
-            self._threads[step % len(self._threads)].steps.put(rstep)
+            if not self.direct:
+                self._threads[step % len(self._threads)].steps.put(rstep)
         return rstep
 
     def begin(self) -> RemoteStep:
@@ -173,7 +298,10 @@ class RemoteRuntime:
             raise RuntimeError(
                 f"step {self.current.step} is still open: finish it (s.backward(loss)) before the next"
             )
-        self.wait_pushed()
+        if self.direct:
+            self.owed.reap(self.timeout_s, wait=False)  # owed pushes ride on this step's lookups
+        else:
+            self.wait_pushed()
         self.current = self._get(self.next_step)
         return self.current
 
@@ -202,13 +330,20 @@ class RemoteRuntime:
         self.next_step = rstep.step + 1
         if not pushed:
             for pending in rstep.inflight:
-                for r in pending.wait(self.timeout_s).values():
-                    rstep.add_pair(r)
+                for s, r in pending.wait(self.timeout_s).items():
+                    rstep.add_pair(r, pending.dest(s))
             rstep.inflight.clear()
-            self.last_pushed = rstep.push()
+            self.push(rstep)
 
     def wait_pushed(self) -> None:
         """Block until the previous step's gradients reached the servers; raise its error."""
+        if self.direct:
+            t0 = time.perf_counter()
+            self.owed.flush()
+            self.owed.reap(self.timeout_s, wait=True)
+            if self.last_times is not None:
+                self.last_times.push += time.perf_counter() - t0
+            return
         if self.last_pushed is not None:
             t0 = time.perf_counter()
             fut, self.last_pushed = self.last_pushed, None
@@ -225,6 +360,8 @@ class RemoteRuntime:
             self._open.clear()
             for t in self._threads:
                 t.stop()
+            if self.owed is not None:
+                self.owed.close()
 
 
 _RUNTIME: RemoteRuntime | None = None
@@ -266,7 +403,7 @@ class StepHandle:
         t1 = time.perf_counter()
         if self._rstep is not None:
             self._rstep.times.dense += t1 - self._t0 - self._rstep.times.lookup
-            self._rt.last_pushed = self._rstep.push()
+            self._rt.push(self._rstep)
         if self._optimizer is not None:
             self._optimizer.step()
             self._optimizer.zero_grad(set_to_none=True)

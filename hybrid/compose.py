@@ -193,5 +193,6 @@ def compose(
             _guard_dense(model.get_submodule(entry.fqn), entry.fqn)
     if bridge.runtime() is None:
         bridge.set_runtime(bridge.RemoteRuntime(trainer=role.index, start_step=start_step,
-                                                timeout_s=options.rpc_timeout_s))
+                                                timeout_s=options.rpc_timeout_s,
+                                                gradient_push=options.gradient_push))
     return model

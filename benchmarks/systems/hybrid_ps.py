@@ -93,7 +93,11 @@ def _trainer(role, w: Workload, *, dense: str, staleness: int, options) -> dict:
             mark_servers(ebc.server_names, "stop")
             stats["stop"] = ebc.stats()
 
-    report = train(w, batches, step, name=role.name, sync=dist.barrier, on_start=start, on_stop=stop)
+    def sync() -> None:
+        runtime().wait_pushed()  # the window's counters start with nothing owed
+        dist.barrier()
+
+    report = train(w, batches, step, name=role.name, sync=sync, on_start=start, on_stop=stop)
     set_runtime(None)
     report["samples_per_step"] = w.batch
     if role.index == 0:

@@ -20,6 +20,9 @@ from hybrid.launch.roles import Role
 from hybrid.log import logger
 
 
+GRADIENT_PUSHES = ("rpc", "dist_autograd")
+
+
 @dataclass(kw_only=True)
 class RuntimeOptions:
     """Transport, threads and timeouts; the training config's ``runtime`` section."""
@@ -46,6 +49,19 @@ class RuntimeOptions:
     ptrace is restricted."""
     num_worker_threads: int = 8
     """RPC worker threads per process."""
+    gradient_push: str = "rpc"
+    """How the embedding rows' gradients reach the servers. ``rpc`` (default): one plain RPC per
+    server carrying the row gradients, sent along with the trainer's next lookup of that server
+    (or on its own when no lookup follows soon); one message per server per step instead of
+    four. ``dist_autograd``: ``torch.distributed.autograd`` carries them (a context per step and
+    ``dist_autograd.backward``), as in PyTorch's RPC tutorials. Both train the same numbers."""
+
+    def __post_init__(self) -> None:
+        from hybrid.plan.errors import PlanError
+
+        if self.gradient_push not in GRADIENT_PUSHES:
+            raise PlanError(f"got {self.gradient_push!r}; expected one of {', '.join(GRADIENT_PUSHES)}",
+                            category="bad_value", key="gradient_push")
     address: str = "127.0.0.1"
     """Address every listening socket binds to. Loopback by default; set to the node's own
     interface address for multi-node runs, on a trusted network only."""

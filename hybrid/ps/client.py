@@ -84,9 +84,15 @@ class _Pending:
     """Lookups in flight for one batch."""
 
     def __init__(self, route: _Route, futures: dict[int, torch.futures.Future], kjt,
-                 names: list[str] | None = None) -> None:
+                 names: list[str] | None = None, owner: RemoteEmbeddingBagCollection | None = None) -> None:
         self.route, self.futures, self.kjt = route, futures, kjt
         self.names = names
+        self.owner = owner
+
+    def dest(self, s: int) -> bridge.PushDest:
+        """Where the gradient of server ``s``'s rows goes (``rpc`` gradient push)."""
+        ids, counts = self.route.requests[s]
+        return bridge.PushDest(self.owner, s, ids, counts)
 
     def wait(self, timeout_s: float) -> dict[int, torch.Tensor]:
         out = {}
@@ -264,6 +270,8 @@ class RemoteEmbeddingBagCollection(nn.Module):
         if rt is None:
             return -1
         if rt.current is not None:
+            if rt.owed is not None:
+                rt.owed.flush()  # the read waits for the previous step, which waits for this push
             return rt.current.step - 1
         rt.wait_pushed()
         return rt.next_step - 1
@@ -382,20 +390,30 @@ class RemoteEmbeddingBagCollection(nn.Module):
             }
             return _Pending(route, futs, kjt, self.server_names)
 
-        def send(_ctx_id: int) -> dict[int, torch.futures.Future]:
+        owed = bridge.runtime().owed if rstep.direct else None
+
+        def send(_ctx_id: int | None) -> dict[int, torch.futures.Future]:
+            # rpc mode: each lookup carries the gradients this trainer still owes that server.
             return {
                 s: rpc.rpc_async(
                     self.server_names[s], srv.rpc_lookup,
-                    args=(self.cid, self.trainer, rstep.step, ids, counts, route.n_raw[s]),
+                    args=(self.cid, self.trainer, rstep.step, ids, counts, route.n_raw[s],
+                          owed.take(self, s) if owed is not None else None),
                     timeout=self.timeout_s,
                 )
                 for s, (ids, counts) in route.requests.items()
             }
 
-        pending = _Pending(route, rstep.call(send).result(timeout=self.timeout_s), kjt, self.server_names)
+        pending = _Pending(route, rstep.call(send).result(timeout=self.timeout_s), kjt, self.server_names, self)
         rstep.sent = True
         rstep.inflight.append(pending)
         return pending
+
+    def push_to(self, server: int, steps: list[tuple[int, list]]) -> torch.futures.Future:
+        """Send server ``server`` this trainer's row gradients on their own (``rpc`` push):
+        ``steps`` is ``[(step, [(ids, counts, grad), ...]), ...]``, one part per lookup."""
+        return rpc.rpc_async(self.server_names[server], srv.rpc_push, args=(self.cid, self.trainer, steps),
+                             timeout=self.timeout_s)
 
     def prefetch(self, kjt: KeyedJaggedTensor, ahead: int = 1) -> None:
         """Send the lookups of the batch that step ``current + ahead`` will use, now."""
@@ -418,7 +436,7 @@ class RemoteEmbeddingBagCollection(nn.Module):
         rows = pending.wait(self.timeout_s)
         if rstep is not None:
             rstep.inflight.remove(pending)
-            rows = {s: rstep.add_pair(r) for s, r in rows.items()}
+            rows = {s: rstep.add_pair(r, pending.dest(s)) for s, r in rows.items()}
             rstep.times.lookup += time.perf_counter() - t0
         return self._pool(pending.route, rows)
 

@@ -68,6 +68,19 @@ class RowSparseOptimizer:
             self.state["exp_avg_sq"] = torch.zeros(rows, dim)
             self.state["step"] = torch.zeros(rows)
 
+    @property
+    def accumulates(self) -> bool:
+        """Plain SGD (no weight decay): the update is linear in the gradient, so a server adds each
+        contribution straight into the weights (:meth:`accumulate`), duplicates and all, with no
+        deduplication and no temporaries -- about five times cheaper per step than
+        :meth:`compute` plus :meth:`commit`."""
+        return self.spec.name == "sgd" and not self.spec.weight_decay
+
+    def accumulate(self, weight: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
+        """``weight[rows] -= lr * scale * grad`` (rows may repeat); only where :attr:`accumulates`.
+        Check the gradients with :func:`check_finite` first: this writes as it goes."""
+        weight.index_add_(0, rows, grad, alpha=-self.spec.lr * scale)
+
     def update(self, weight: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
         """Apply ``grad`` ([len(rows), dim], one gradient per distinct row) to ``weight[rows]``."""
         self.commit(weight, rows, *self.compute(weight, rows, grad))
@@ -127,6 +140,14 @@ class RowSparseOptimizer:
         weight.index_copy_(0, rows, w)
         for k, v in new_state.items():
             self.state[k].index_copy_(0, rows, v)
+
+
+def check_finite(grads: list[torch.Tensor], what: str) -> None:
+    """Raise ``FloatingPointError`` (nothing applied yet) if a gradient holds NaN or infinity."""
+    for g in grads:
+        if g.numel() and not _all_finite(g):
+            raise FloatingPointError(f"{what}: non-finite gradients for {int((~torch.isfinite(g)).any(1).sum())} "
+                                     "rows; nothing was applied")
 
 
 def _all_finite(t: torch.Tensor) -> bool:

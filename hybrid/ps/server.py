@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed.rpc as rpc
 
-from hybrid.ps.optim import RowSparseOptimizer, SparseOptimSpec
+from hybrid.ps.optim import RowSparseOptimizer, SparseOptimSpec, check_finite
 from hybrid.ps.sharding import TableLayout
 
 
@@ -41,6 +41,8 @@ class ServerCounters:
     lookups: int = 0
     gradients: int = 0
     """Gradient pushes received (one per trainer per step that looked up here)."""
+    push_messages: int = 0
+    """Gradient pushes that came in a message of their own (the rest rode on a lookup)."""
     rows_served: int = 0
     ids_requested: int = 0
     """Ids before the trainers' deduplication; ``rows_served / ids_requested`` is the unique ratio."""
@@ -148,7 +150,7 @@ class CollectionShard:
             err = self.failed
         fn(err)
 
-    def _wake(self) -> None:
+    def _wake(self, inline: bool = False) -> None:
         with self.lock:
             ready = [w for w in self.waiters if self.failed or w[0] <= self.complete_through]
             self.waiters = [w for w in self.waiters if w not in ready]
@@ -156,25 +158,37 @@ class CollectionShard:
         now = time.monotonic()
         for _, since, fn in ready:
             self.counters.wait_s += now - since
-            # Not inline: we are on the distributed-autograd engine's thread (inside a gradient
-            # push), and answering a lookup records a new graph and sends a message from it.
-            _ANSWERS.submit(fn, err)
+            if inline:
+                fn(err)
+            else:
+                # Not inline on the distributed-autograd engine's thread (inside a gradient
+                # push): answering a lookup records a new graph and sends a message from it.
+                _ANSWERS.submit(fn, err)
 
     # -- gradients ----------------------------------------------------------------------------
     def push(self, trainer: int, step: int, ids: torch.Tensor, counts: list[int], grad: torch.Tensor) -> None:
-        """One trainer's gradient for ``step`` (rows as looked up); applies when the step is due."""
+        """One trainer's gradient for ``step`` (rows as looked up; ``dist_autograd`` push, on the
+        distributed-autograd engine's thread); applies when the step is due."""
+        self.counters.push_messages += 1
+        self.push_parts(trainer, step, [(ids, counts, grad)], inline=False)
+
+    def push_parts(self, trainer: int, step: int, parts: list[tuple[torch.Tensor, list[int], torch.Tensor]],
+                   *, inline: bool = True) -> None:
+        """One trainer's gradients for ``step``, one ``(ids, counts, grad)`` per lookup it made;
+        applies when the step is due (sync: every trainer's arrived). ``inline``: lookups this
+        completes are answered on this thread (an RPC thread) rather than handed to another."""
         self.counters.gradients += 1
-        self.counters.bytes_in += grad.numel() * grad.element_size()
+        self.counters.bytes_in += sum(g.numel() * g.element_size() for _, _, g in parts)
         try:
             with self.lock:
                 if self.failed is not None:
                     raise RuntimeError(f"{self.cid} on ps{self.server} failed earlier") from self.failed
                 if self.staleness == 0:
-                    self.pending[step].append((ids, counts, grad))
-                    if len(self.pending[step]) == self.num_trainers:
+                    self.pending[step].extend(parts)
+                    if self.arrived.get(step, 0) + 1 == self.num_trainers:
                         self._apply(self.pending.pop(step))
                 else:
-                    self._apply([(ids, counts, grad)])
+                    self._apply(parts)
                 self.arrived[step] += 1
                 while self.arrived.get(self.complete_through + 1, 0) == self.num_trainers:
                     self.arrived.pop(self.complete_through + 1)
@@ -182,14 +196,23 @@ class CollectionShard:
         except BaseException as e:
             with self.lock:
                 self.failed = e
-            self._wake()
+            self._wake(inline)
             raise
-        self._wake()
+        self._wake(inline)
 
     def _apply(self, contributions: list[tuple[torch.Tensor, list[int], torch.Tensor]]) -> None:
         """Sum the contributions per distinct row and run the optimizer on each table."""
         if self.fault == "update":
             raise RuntimeError(f"injected fault in the update of {self.cid} on ps{self.server}")
+        if all(t.optim.accumulates for t in self.tables):
+            # Plain SGD: add every contribution straight in (rows may repeat across trainers).
+            check_finite([g for _, _, g in contributions], f"sgd update of {self.cid} on ps{self.server}")
+            for ids, counts, grad in contributions:
+                for table, i, g in zip(self.tables, ids.split(counts), self._split(grad, counts)):
+                    if i.numel():
+                        table.optim.accumulate(table.weight, i, g, self.scale)
+            self.counters.updates_applied += 1
+            return
         per_table: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in self.tables]
         for ids, counts, grad in contributions:
             for k, (i, g) in enumerate(zip(ids.split(counts), self._split(grad, counts))):
@@ -317,10 +340,24 @@ def rpc_set_fault(cid: str, fault: str | None) -> None:
 
 
 @rpc.functions.async_execution
-def rpc_lookup(cid: str, trainer: int, step: int, ids: torch.Tensor, counts: list[int], n_raw: int):
-    """Rows for one trainer's step; waits (without a thread) until the step may read."""
+def rpc_lookup(cid: str, trainer: int, step: int, ids: torch.Tensor, counts: list[int], n_raw: int,
+               pushes: list[tuple[int, list]] | None = None):
+    """Rows for one trainer's step; waits (without a thread) until the step may read.
+
+    ``pushes`` is ``None`` under the ``dist_autograd`` gradient push: the rows are recorded by
+    distributed autograd and their gradient comes back through ``_Lookup.backward``. Otherwise
+    (``rpc`` push) the rows are plain, and ``pushes`` carries the gradients this trainer owed
+    (``[(step, [(ids, counts, grad), ...]), ...]``), applied before anything is looked up."""
     shard = _collection(cid)
     fut: torch.futures.Future = torch.futures.Future()
+    plain = pushes is not None
+    if pushes:
+        try:
+            for pstep, parts in pushes:
+                shard.push_parts(trainer, pstep, parts)
+        except BaseException as e:  # noqa: BLE001 - the lookup fails with the push's error
+            fut.set_exception(RuntimeError(f"ps{shard.server}: gradient push of {cid} failed: {e}"))
+            return fut
     shard.counters.lookups += 1
     shard.counters.ids_requested += n_raw
     shard.counters.bytes_in += ids.numel() * ids.element_size()
@@ -336,14 +373,26 @@ def rpc_lookup(cid: str, trainer: int, step: int, ids: torch.Tensor, counts: lis
             if len(shard.counters.lags) < 10_000:
                 shard.counters.lags.append(lag)
             # May run on a backward thread (the one that completed the step): grad mode is off there.
-            with torch.enable_grad():
-                rows = _Lookup.apply(shard.anchor, shard, trainer, step, ids, counts)
+            if plain:
+                rows = shard.gather(ids, counts)
+            else:
+                with torch.enable_grad():
+                    rows = _Lookup.apply(shard.anchor, shard, trainer, step, ids, counts)
             fut.set_result(rows)
         except BaseException as e:  # noqa: BLE001 - handed to the trainer
             fut.set_exception(e)
 
     shard.when_ready(needed, answer)
     return fut
+
+
+def rpc_push(cid: str, trainer: int, steps: list[tuple[int, list]]) -> None:
+    """A trainer's owed row gradients sent on their own (``rpc`` push, no lookup followed soon):
+    ``[(step, [(ids, counts, grad), ...]), ...]``."""
+    shard = _collection(cid)
+    shard.counters.push_messages += 1
+    for step, parts in steps:
+        shard.push_parts(trainer, step, parts)
 
 
 @rpc.functions.async_execution

@@ -52,6 +52,9 @@ def test_every_system_trains_the_same_model_on_the_same_batches():
             assert 2 * (3 - 1) / 3 <= s["gradient_pushes_per_step"] <= 2 * (3 + 1) / 3, s
         else:
             assert s["lookups_per_step"] == 2 and s["gradient_pushes_per_step"] == 2, s
+            # The pushes ride on the next lookups (all 6 of the window on messages of their own
+            # would make 4; a push waits at most 20 ms for a lookup, so a slow machine may send some).
+            assert s["rpcs_per_step"] < 4, s
         assert s["bytes_sent_per_step"] > 0 and s["bytes_recv_per_step"] > 0, s
         assert 0 < s["unique_id_ratio"] <= 1, s
         assert set(lines[name]["breakdown_s"]) >= {"lookup", "dense", "optimizer"}, lines[name]["breakdown_s"]

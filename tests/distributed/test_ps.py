@@ -31,7 +31,7 @@ def _loss(values: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return ((values @ c) ** 2).mean() + values.sum(1).mean()
 
 
-def _train(rank, world_size, *, num_servers, sharding):
+def _train(rank, world_size, *, num_servers, sharding, push="rpc"):
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
         return None
@@ -52,7 +52,8 @@ def _train(rank, world_size, *, num_servers, sharding):
         refs[name] = (ref, {t.name: ReferenceSparseOptimizer(name, ref.embedding_bags[t.name].weight.data, lr=lr)
                             for t in tables})
     dist.barrier()
-    set_runtime(RemoteRuntime(trainer=me))
+    # A long flush delay: the reference's work between steps must not send a push on its own.
+    set_runtime(RemoteRuntime(trainer=me, gradient_push=push, flush_after_s=60.0))
     max_fwd_err = 0.0
     for s in range(STEPS):
         data = global_batch(s, tables, t_n * BATCH)
@@ -96,18 +97,24 @@ def _train(rank, world_size, *, num_servers, sharding):
 
 
 @pytest.mark.parametrize(
-    "num_servers,sharding",
-    [(1, "row_wise"), (2, "table_wise"), (2, "row_wise")],
+    "num_servers,sharding,push",
+    [(1, "row_wise", "rpc"), (2, "table_wise", "rpc"), (2, "row_wise", "rpc"), (2, "row_wise", "dist_autograd")],
 )
-def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sharding):
+def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sharding, push):
     out = run_distributed(_train, 2 + num_servers, setup="hybrid", num_servers=num_servers, timeout=180,
-                          sharding=sharding)
+                          sharding=sharding, push=push)
     stats = out[0]
     for name in OPTIMIZERS:
         per_server = stats[name]
         for server, st in per_server.items():
             # One lookup RPC per server per step per trainer, however many tables and features.
             assert st["lookups"] == STEPS * 2, (server, st)
+            assert st["gradients"] == STEPS * 2, (server, st)
+            if push == "rpc":
+                # Every push but each trainer's last rode on its next lookup; the last was flushed.
+                assert st["push_messages"] == 2, (server, st)
+            else:
+                assert st["push_messages"] == STEPS * 2, (server, st)
             assert st["updates_applied"] == STEPS, (server, st)
             assert st["complete_through"] == STEPS - 1
             # Only deduplicated rows cross the wire: never anything table-sized.
