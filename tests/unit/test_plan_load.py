@@ -280,3 +280,12 @@ def test_plan_error_keeps_key_category_and_location():
     assert isinstance(err, ValueError)
     assert (err.category, err.key, err.where) == ("bad_value", "sync.staleness", "")
     assert str(err.under("x").at("f.yaml:3")) == "f.yaml:3: x.sync.staleness: " + err.detail
+
+
+def test_runtime_gradient_push_is_checked_and_named():
+    from hybrid.train.config import load_config
+
+    assert load_config(None, [], model="dlrm").runtime.gradient_push == "rpc"
+    assert load_config(None, ["runtime.gradient_push=dist_autograd"], model="dlrm").runtime.gradient_push == "dist_autograd"
+    with pytest.raises(PlanError, match=r"runtime\.gradient_push: got 'bogus'; expected one of rpc, dist_autograd"):
+        load_config(None, ["runtime.gradient_push=bogus"], model="dlrm")
