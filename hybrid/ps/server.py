@@ -351,6 +351,7 @@ def rpc_lookup(cid: str, trainer: int, step: int, ids: torch.Tensor, counts: lis
     shard = _collection(cid)
     fut: torch.futures.Future = torch.futures.Future()
     plain = pushes is not None
+    shard.counters.lookups += 1
     if pushes:
         try:
             for pstep, parts in pushes:
@@ -358,7 +359,6 @@ def rpc_lookup(cid: str, trainer: int, step: int, ids: torch.Tensor, counts: lis
         except BaseException as e:  # noqa: BLE001 - the lookup fails with the push's error
             fut.set_exception(RuntimeError(f"ps{shard.server}: gradient push of {cid} failed: {e}"))
             return fut
-    shard.counters.lookups += 1
     shard.counters.ids_requested += n_raw
     shard.counters.bytes_in += ids.numel() * ids.element_size()
     needed = step - 1 - shard.staleness

@@ -1,6 +1,8 @@
 """Async mode (staleness 1 with prefetch), weighted collections and the plain nn.EmbeddingBag
 stand-in, with real processes."""
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -59,7 +61,13 @@ def _async(rank, world_size, *, num_servers):
         losses.append(loss.item())
     runtime().wait_pushed()
     dist.barrier()
-    stats = remote.stats() if role.index == 0 else None
+    stats = None
+    if role.index == 0:
+        # Each trainer's last prefetch (of a step never run) may still be on its way: it is
+        # not part of any step, so nothing waited for it. Give it a moment to be counted.
+        deadline = time.monotonic() + 10
+        while (stats := remote.stats())["ps0"]["lookups"] < 2 * 61 and time.monotonic() < deadline:
+            time.sleep(0.05)
     set_runtime(None)
     return losses, stats
 
