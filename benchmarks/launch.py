@@ -132,7 +132,8 @@ def _child(fn, rank, world_size, store, threads, quiet, kwargs) -> None:
     os._exit(code)
 
 
-def _kill(procs: list) -> None:
+def kill_all(procs: list) -> None:
+    """SIGKILL every live process of ``procs`` and reap them (also used by the test harness)."""
     for p in procs:
         if p.is_alive():
             try:
@@ -192,7 +193,7 @@ def spawn(
                     break
                 time.sleep(0.02)
         finally:
-            _kill(procs)
+            kill_all(procs)
         problems = []
         for r, p in enumerate(procs):
             err = Path(store) / f"error{r}.txt"

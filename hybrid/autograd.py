@@ -45,6 +45,9 @@ import torch.distributed.autograd as dist_autograd
 
 _RELEASE = object()
 
+GRADIENT_PUSHES = ("rpc", "dist_autograd")
+"""How row gradients reach the servers (``runtime.gradient_push``); see the module docstring."""
+
 FLUSH_AFTER_S = 0.02
 """An owed gradient push (``rpc`` mode) that no lookup carried within this many seconds is sent
 on its own, so a trainer that pauses between steps never holds up the others."""
@@ -152,9 +155,7 @@ class RemoteStep:
         def _backward(ctx_id: int) -> None:
             if not pairs:
                 return
-            roots = [
-                (r * (l.grad if l.grad is not None else torch.zeros_like(l))).sum() for r, l, _ in pairs
-            ]
+            roots = [(remote * _grad_of(local)).sum() for remote, local, _ in pairs]
             dist_autograd.backward(ctx_id, [torch.stack(roots).sum()])
 
         self.pushed = self.call(_backward)
@@ -165,6 +166,12 @@ class RemoteStep:
         fut: Future = Future()
         self.calls.put((_RELEASE, fut))
         return fut
+
+
+def _grad_of(local: torch.Tensor) -> torch.Tensor:
+    """The gradient of received rows; zeros for rows the loss did not use (a server still
+    counts one gradient per trainer per step)."""
+    return local.grad if local.grad is not None else torch.zeros_like(local)
 
 
 @dataclass(frozen=True)
@@ -197,7 +204,7 @@ class _Owed:
     def add(self, step: int, pairs: list) -> None:
         with self.cond:
             for _, local, dest in pairs:
-                g = local.grad if local.grad is not None else torch.zeros_like(local)
+                g = _grad_of(local)
                 key = (id(dest.owner), dest.server)
                 _, _, steps = self.items.setdefault(key, (dest.owner, dest.server, []))
                 if steps and steps[-1][0] == step:
@@ -217,13 +224,13 @@ class _Owed:
             return item[2] if item is not None else []
 
     def flush(self) -> None:
-        """Send everything owed, each on its own RPC (collected by :meth:`wait`)."""
+        """Send everything owed, each on its own RPC (collected by :meth:`reap`)."""
         with self.cond:
             items, self.items, self.since = list(self.items.values()), {}, 0.0
             for owner, server, steps in items:
                 self.sent.append(owner.push_to(server, steps))
 
-    def reap(self, timeout_s: float, wait: bool) -> None:
+    def reap(self, wait: bool) -> None:
         """Drop finished sends, raising the first failure; with ``wait``, wait for all of them."""
         with self.cond:
             sent = self.sent
@@ -261,8 +268,8 @@ class RemoteRuntime:
 
     def __init__(self, *, trainer: int, start_step: int = 0, timeout_s: float = 300.0,
                  gradient_push: str = "rpc", flush_after_s: float = FLUSH_AFTER_S) -> None:
-        if gradient_push not in ("rpc", "dist_autograd"):
-            raise ValueError(f"gradient_push must be 'rpc' or 'dist_autograd', got {gradient_push!r}")
+        if gradient_push not in GRADIENT_PUSHES:
+            raise ValueError(f"gradient_push must be one of {', '.join(GRADIENT_PUSHES)}, got {gradient_push!r}")
         self.trainer = trainer
         self.next_step = start_step
         self.timeout_s = timeout_s
@@ -299,7 +306,7 @@ class RemoteRuntime:
                 f"step {self.current.step} is still open: finish it (s.backward(loss)) before the next"
             )
         if self.direct:
-            self.owed.reap(self.timeout_s, wait=False)  # owed pushes ride on this step's lookups
+            self.owed.reap(wait=False)  # owed pushes ride on this step's lookups
         else:
             self.wait_pushed()
         self.current = self._get(self.next_step)
@@ -340,7 +347,7 @@ class RemoteRuntime:
         if self.direct:
             t0 = time.perf_counter()
             self.owed.flush()
-            self.owed.reap(self.timeout_s, wait=True)
+            self.owed.reap(wait=True)
             if self.last_times is not None:
                 self.last_times.push += time.perf_counter() - t0
             return

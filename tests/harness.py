@@ -18,7 +18,6 @@ import inspect
 import multiprocessing as mp
 import os
 import pickle
-import signal
 import sys
 import tempfile
 import time
@@ -26,6 +25,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from benchmarks.launch import kill_all
 
 
 class DistributedTestError(AssertionError):
@@ -98,17 +99,6 @@ def _child(fn, rank, world_size, tmp, setup, num_servers, deadline, env, kwargs)
     os._exit(code)
 
 
-def _kill_all(procs: list[mp.Process]) -> None:
-    for p in procs:
-        if p.is_alive():
-            try:
-                os.kill(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for p in procs:
-        p.join(timeout=5)
-
-
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -158,7 +148,7 @@ def run_distributed(
                 time.sleep(0.05)
         finally:
             # Give hung ranks' faulthandler a moment, then make sure nothing survives the test.
-            _kill_all(procs)
+            kill_all(procs)
         problems = []
         for r, p in enumerate(procs):
             err = Path(tmp) / f"error{r}.txt"

@@ -16,11 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from hybrid.autograd import GRADIENT_PUSHES
 from hybrid.launch.roles import Role
 from hybrid.log import logger
-
-
-GRADIENT_PUSHES = ("rpc", "dist_autograd")
 
 
 @dataclass(kw_only=True)

@@ -390,7 +390,7 @@ class RemoteEmbeddingBagCollection(nn.Module):
             }
             return _Pending(route, futs, kjt, self.server_names)
 
-        owed = bridge.runtime().owed if rstep.direct else None
+        owed = bridge.runtime().owed  # None under dist_autograd
 
         def send(_ctx_id: int | None) -> dict[int, torch.futures.Future]:
             # rpc mode: each lookup carries the gradients this trainer still owes that server.
