@@ -76,10 +76,20 @@ class RowSparseOptimizer:
         :meth:`compute` plus :meth:`commit`."""
         return self.spec.name == "sgd" and not self.spec.weight_decay
 
-    def accumulate(self, weight: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, scale: float = 1.0) -> None:
+    def accumulate(self, weight: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, scale: float = 1.0,
+                   *, distinct: bool = False) -> None:
         """``weight[rows] -= lr * scale * grad`` (rows may repeat); only where :attr:`accumulates`.
-        Check the gradients with :func:`check_finite` first: this writes as it goes."""
-        weight.index_add_(0, rows, grad, alpha=-self.spec.lr * scale)
+        Check the gradients with :func:`check_finite` first: this writes as it goes.
+
+        ``distinct``: the caller knows ``rows`` has no repeats (one trainer's deduplicated
+        lookup). Then the rows are read, updated and written back whole (``index_select``,
+        ``add_``, ``index_copy_``), about twice as fast on CPU as ``index_add_``, which adds
+        row by row; the result is the same, bit for bit."""
+        alpha = -self.spec.lr * scale
+        if distinct:
+            weight.index_copy_(0, rows, weight.index_select(0, rows).add_(grad, alpha=alpha))
+        else:
+            weight.index_add_(0, rows, grad, alpha=alpha)
 
     def update(self, weight: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor) -> None:
         """Apply ``grad`` ([len(rows), dim], one gradient per distinct row) to ``weight[rows]``."""
@@ -155,3 +165,17 @@ def _all_finite(t: torch.Tensor) -> bool:
     finite (a NaN or an infinity makes the sum non-finite); only a non-finite sum, which finite
     elements can reach by overflow, needs the element-wise check. Four times cheaper per step."""
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def ascending_per_table(ids: torch.Tensor, counts: list[int]) -> bool:
+    """Whether ``ids`` (one chunk per table, ``counts`` long) is strictly ascending within every
+    chunk, which proves each chunk free of repeats. A trainer's deduplicated lookup is (its ids
+    come out of ``torch.unique``); one vectorized test over all chunks, whatever their number."""
+    if ids.numel() < 2:
+        return True
+    up = ids[1:] > ids[:-1]
+    ends = torch.tensor(counts, dtype=torch.int64).cumsum(0)[:-1] - 1  # last id of every chunk but the final one
+    ends = ends[(ends >= 0) & (ends < up.numel())]
+    if ends.numel():
+        up.index_fill_(0, ends, True)  # a chunk boundary may go down
+    return bool(up.all())

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed.rpc as rpc
 
-from hybrid.ps.optim import RowSparseOptimizer, SparseOptimSpec, check_finite
+from hybrid.ps.optim import RowSparseOptimizer, SparseOptimSpec, ascending_per_table, check_finite
 from hybrid.ps.sharding import TableLayout
 
 
@@ -208,9 +208,10 @@ class CollectionShard:
             # Plain SGD: add every contribution straight in (rows may repeat across trainers).
             check_finite([g for _, _, g in contributions], f"sgd update of {self.cid} on ps{self.server}")
             for ids, counts, grad in contributions:
+                distinct = ascending_per_table(ids, counts)
                 for table, i, g in zip(self.tables, ids.split(counts), self._split(grad, counts)):
                     if i.numel():
-                        table.optim.accumulate(table.weight, i, g, self.scale)
+                        table.optim.accumulate(table.weight, i, g, self.scale, distinct=distinct)
             self.counters.updates_applied += 1
             return
         per_table: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in self.tables]
