@@ -121,6 +121,13 @@ class RemoteStep:
     sent: bool = False
     direct: bool = False
     """``rpc`` gradient push: no distributed-autograd context, calls run inline."""
+    deferred: list[Any] = field(default_factory=list)
+    """Lookups of this step routed but held back until the previous step pushes (sync prefetch)."""
+    on_grads: Callable[[RemoteStep], None] | None = None
+    """``rpc`` push: called inside ``s.backward`` as soon as every received row has its gradient
+    (before the rest of the backward, the allreduce and the optimizer step)."""
+    in_backward: bool = False
+    ready: int = 0
 
     def call(self, fn: Callable[[int | None], Any]) -> Future:
         """Run ``fn(ctx_id)`` on this step's context thread (inline, ``ctx_id=None``, in ``rpc``
@@ -142,7 +149,24 @@ class RemoteStep:
         ``dest`` says where their gradient goes in ``rpc`` mode."""
         local = remote.detach().requires_grad_(True)
         self.pairs.append((remote, local, dest))
+        if self.on_grads is not None:
+            local.register_post_accumulate_grad_hook(self._grad_ready)
         return local
+
+    def _grad_ready(self, _local: torch.Tensor) -> None:
+        # Runs once per backward per received tensor, after its gradient is complete. Only the
+        # step's own backward (s.backward) pushes early; any other leaves the push to its end.
+        if not self.in_backward:
+            return
+        self.ready += 1
+        if self.ready == len(self.pairs):
+            self.on_grads(self)
+
+    def send_deferred(self) -> None:
+        """Send this step's deferred lookups (each carries what its server is owed)."""
+        deferred, self.deferred = self.deferred, []
+        for pending in deferred:
+            pending.send()
 
     def push(self) -> Future:
         """Send the gradients of every registered pair to the servers, then release the context.
@@ -285,15 +309,19 @@ class RemoteRuntime:
     def push(self, rstep: RemoteStep) -> None:
         """Hand the gradients of ``rstep``'s rows to the servers (``rpc``: owe them)."""
         if self.direct:
-            pairs, rstep.pairs = rstep.pairs, []
-            self.owed.add(rstep.step, pairs)
+            pairs, rstep.pairs, rstep.ready = rstep.pairs, [], 0
+            if pairs:
+                self.owed.add(rstep.step, pairs)
+            nxt = self._open.get(rstep.step + 1)
+            if nxt is not None:
+                nxt.send_deferred()  # the next step's lookups carry this push
         else:
             self.last_pushed = rstep.push()
 
     def _get(self, step: int) -> RemoteStep:
         rstep = self._open.get(step)
         if rstep is None:
-            rstep = RemoteStep(step, direct=self.direct)
+            rstep = RemoteStep(step, direct=self.direct, on_grads=self.push if self.direct else None)
             self._open[step] = rstep
             if not self.direct:
                 self._threads[step % len(self._threads)].steps.put(rstep)
@@ -406,7 +434,13 @@ class StepHandle:
         """Local backward (dense hooks fire), push to the servers, then the dense optimizer."""
         if self.backward_done:
             raise RuntimeError("s.backward(loss) was already called in this step")
-        loss.backward()
+        if self._rstep is not None:
+            self._rstep.in_backward, self._rstep.ready = True, 0  # rpc push: rows' gradients go out when complete
+        try:
+            loss.backward()
+        finally:
+            if self._rstep is not None:
+                self._rstep.in_backward = False
         t1 = time.perf_counter()
         if self._rstep is not None:
             self._rstep.times.dense += t1 - self._t0 - self._rstep.times.lookup

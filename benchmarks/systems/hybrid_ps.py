@@ -73,7 +73,7 @@ def _trainer(role, w: Workload, *, dense: str, staleness: int, options) -> dict:
     def step(t: int, b) -> torch.Tensor:
         with hybrid.step(model, optimizer) as s:
             logits = model(b.dense, b.kjt())
-            if staleness > 0 and t + 1 < len(batches):
+            if t + 1 < len(batches):
                 ebc.prefetch(batches[t + 1].kjt())
             loss = loss_fn(logits, b.labels)
             s.backward(loss)

@@ -10,6 +10,7 @@ collection would produce. Gradients go back through :mod:`hybrid.autograd`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -81,13 +82,21 @@ class ServerError(RuntimeError):
 
 
 class _Pending:
-    """Lookups in flight for one batch."""
+    """Lookups in flight for one batch (or, deferred, routed and waiting to be sent)."""
 
-    def __init__(self, route: _Route, futures: dict[int, torch.futures.Future], kjt,
-                 names: list[str] | None = None, owner: RemoteEmbeddingBagCollection | None = None) -> None:
+    def __init__(self, route: _Route, futures: dict[int, torch.futures.Future] | None, kjt,
+                 names: list[str] | None = None, owner: RemoteEmbeddingBagCollection | None = None,
+                 sender: Callable[[], dict[int, torch.futures.Future]] | None = None) -> None:
         self.route, self.futures, self.kjt = route, futures, kjt
         self.names = names
         self.owner = owner
+        self.sender = sender
+
+    def send(self) -> None:
+        """Send a deferred lookup now (no-op once sent)."""
+        if self.futures is None:
+            sender, self.sender = self.sender, None
+            self.futures = sender()
 
     def dest(self, s: int) -> bridge.PushDest:
         """Where the gradient of server ``s``'s rows goes (``rpc`` gradient push)."""
@@ -95,6 +104,7 @@ class _Pending:
         return bridge.PushDest(self.owner, s, ids, counts)
 
     def wait(self, timeout_s: float) -> dict[int, torch.Tensor]:
+        self.send()
         out = {}
         for s, f in self.futures.items():
             try:
@@ -376,7 +386,10 @@ class RemoteEmbeddingBagCollection(nn.Module):
         table_of = {f: t for t in self.tables for f in t.feature_names}
         return torch.cat([self._check_ids(v, f, table_of[f]) for v, f in zip(ids.split(counts), self.feature_order)])
 
-    def _send(self, rstep: bridge.RemoteStep | None, kjt: KeyedJaggedTensor) -> _Pending:
+    def _send(self, rstep: bridge.RemoteStep | None, kjt: KeyedJaggedTensor, *, defer: bool = False) -> _Pending:
+        """Route ``kjt`` and send its lookups (for ``rstep``; ``None``: a plain read). ``defer``:
+        route now, send when the step before ``rstep`` pushes its gradients (or when the rows
+        are first waited for), carrying that push."""
         check_kjt(kjt, where=self.cid)
         if self._fused is not None and not (self._is_weighted and kjt.weights().requires_grad):
             route = self._fused.route(kjt, fix_ids=self._fix_ids)
@@ -404,8 +417,16 @@ class RemoteEmbeddingBagCollection(nn.Module):
                 for s, (ids, counts) in route.requests.items()
             }
 
-        pending = _Pending(route, rstep.call(send).result(timeout=self.timeout_s), kjt, self.server_names, self)
-        rstep.sent = True
+        def sender() -> dict[int, torch.futures.Future]:
+            futures = rstep.call(send).result(timeout=self.timeout_s)
+            rstep.sent = True
+            return futures
+
+        if defer:
+            pending = _Pending(route, None, kjt, self.server_names, self, sender)
+            rstep.deferred.append(pending)
+        else:
+            pending = _Pending(route, sender(), kjt, self.server_names, self)
         rstep.inflight.append(pending)
         return pending
 
@@ -416,12 +437,20 @@ class RemoteEmbeddingBagCollection(nn.Module):
                              timeout=self.timeout_s)
 
     def prefetch(self, kjt: KeyedJaggedTensor, ahead: int = 1) -> None:
-        """Send the lookups of the batch that step ``current + ahead`` will use, now."""
+        """Look up the rows of the batch that step ``current + ahead`` will use ahead of time.
+
+        With staleness >= ``ahead`` the lookups go out now and the rows arrive while this step
+        computes. In sync mode (staleness 0; ``rpc`` push) the next step's rows can only be read
+        once every trainer's gradients of this step are applied, so the ids are routed now and
+        the lookup goes out together with this step's gradient push, in the same message: the
+        server applies the step, reads the rows and answers while this trainer finishes its
+        backward and optimizer step, and the next forward finds its rows waiting."""
         rt = bridge.runtime()
         if rt is None:
             return
         rstep = rt.ahead(ahead)
-        rstep.prefetched[self.cid] = self._send(rstep, kjt)
+        defer = rt.direct and rt.current is not None and ahead == 1 and self.staleness == 0
+        rstep.prefetched[self.cid] = self._send(rstep, kjt, defer=defer)
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:

@@ -285,8 +285,10 @@ class Trainer:
                 td = time.perf_counter()
                 nxt = next(batches, None) if self.step + 1 < t.steps else None
                 data_time = time.perf_counter() - td
-                if nxt is not None and self.staleness > 0:
-                    for r in self.remotes:  # the next step's rows travel while this one computes
+                if nxt is not None:
+                    # The next step's rows travel while this one computes (sync: they are read
+                    # once this step is applied, and asked for with this step's gradient push).
+                    for r in self.remotes:
                         r.prefetch(nxt.sparse)
                 loss = self.task.loss(outputs, batch)
                 s.backward(loss)

@@ -31,7 +31,7 @@ def _loss(values: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return ((values @ c) ** 2).mean() + values.sum(1).mean()
 
 
-def _train(rank, world_size, *, num_servers, sharding, push="rpc"):
+def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=False):
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
         return None
@@ -55,11 +55,18 @@ def _train(rank, world_size, *, num_servers, sharding, push="rpc"):
     # A long flush delay: the reference's work between steps must not send a push on its own.
     set_runtime(RemoteRuntime(trainer=me, gradient_push=push, flush_after_s=60.0))
     max_fwd_err = 0.0
+    nxt = None
     for s in range(STEPS):
         data = global_batch(s, tables, t_n * BATCH)
-        kjt = kjt_slice(data, me * BATCH, (me + 1) * BATCH)
+        kjt = nxt if nxt is not None else kjt_slice(data, me * BATCH, (me + 1) * BATCH)
         with step() as st:
             outs = {n: r(kjt) for n, r in remotes.items()}
+            if prefetch and s + 1 < STEPS:
+                # Sync prefetch: the next rows are asked for with this step's push and read once
+                # every trainer's step is applied (checked by the next step's comparison).
+                nxt = kjt_slice(global_batch(s + 1, tables, t_n * BATCH), me * BATCH, (me + 1) * BATCH)
+                for r in remotes.values():
+                    r.prefetch(nxt)
             for n, out in outs.items():
                 local = refs[n][0](kjt).values()
                 torch.testing.assert_close(out.values(), local, rtol=1e-6, atol=1e-6)
@@ -97,12 +104,13 @@ def _train(rank, world_size, *, num_servers, sharding, push="rpc"):
 
 
 @pytest.mark.parametrize(
-    "num_servers,sharding,push",
-    [(1, "row_wise", "rpc"), (2, "table_wise", "rpc"), (2, "row_wise", "rpc"), (2, "row_wise", "dist_autograd")],
+    "num_servers,sharding,push,prefetch",
+    [(1, "row_wise", "rpc", False), (2, "table_wise", "rpc", False), (2, "row_wise", "rpc", True),
+     (2, "row_wise", "dist_autograd", False)],
 )
-def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sharding, push):
+def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sharding, push, prefetch):
     out = run_distributed(_train, 2 + num_servers, setup="hybrid", num_servers=num_servers, timeout=180,
-                          sharding=sharding, push=push)
+                          sharding=sharding, push=push, prefetch=prefetch)
     stats = out[0]
     for name in OPTIMIZERS:
         per_server = stats[name]
@@ -111,7 +119,8 @@ def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sh
             assert st["lookups"] == STEPS * 2, (server, st)
             assert st["gradients"] == STEPS * 2, (server, st)
             if push == "rpc":
-                # Every push but each trainer's last rode on its next lookup; the last was flushed.
+                # Every push but each trainer's last rode on its next lookup (prefetch: the next
+                # step's lookup went out with it, in one message); the last was flushed.
                 assert st["push_messages"] == 2, (server, st)
             else:
                 assert st["push_messages"] == STEPS * 2, (server, st)
