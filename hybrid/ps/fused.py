@@ -14,9 +14,13 @@ each table it holds, in table order, and back the rows in that order.
   row in the servers' replies, concatenated -- the rows themselves are never permuted.
 - **Pool.** One ``embedding_bag`` over all bags, ordered sample by sample (the ids are permuted
   once when routed), so its output is already the ``KeyedTensor`` layout
-  ``[batch, features * dim]``. Its backward is one ``index_add_`` of the bags' gradients
-  into the unique rows, about five times cheaper on CPU than ``embedding_bag``'s own dense
-  backward (which sorts the ids again).
+  ``[batch, features * dim]``.
+- **Backward.** The gradient of a unique row is the sum of the gradients of the bags its ids
+  fell in (times the id's weight, or ``1 / len(bag)`` for mean): itself an ``embedding_bag``,
+  with the bags' gradients as the table and one "bag" per unique row listing the bags of its
+  ids. The sort that deduplicates the ids already groups them by row, so routing keeps that
+  grouping and the backward is one fused ``embedding_bag`` call: no id-sized gradient copy and
+  no second sort (``index_add_`` sorts its index again), several times cheaper on CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -43,12 +48,17 @@ class FusedRoute:
     """Row of every id (bag by bag) in the replies concatenated by server."""
     offsets: torch.Tensor
     """Bag boundaries, bags ordered (sample, feature) (``include_last_offset``)."""
-    bag_of_id: torch.Tensor
-    """Bag of every id."""
     weights: torch.Tensor | None
     """Per-sample weights (weighted collections)."""
+    grad_bags: torch.Tensor
+    """Backward: the bag of every id, ids grouped by unique row (in ``torch.unique`` order)."""
+    grad_offsets: torch.Tensor
+    """Backward: where each unique row's group starts in ``grad_bags`` (``include_last_offset``)."""
     grad_scale: torch.Tensor | None
-    """What each id's row gradient is scaled by: its weight, or ``1 / len(bag)`` for mean."""
+    """Backward: what each id's contribution is scaled by, grouped as ``grad_bags``: its weight,
+    or ``1 / len(bag)`` for mean."""
+    grad_order: torch.Tensor | None
+    """Backward: unique row -> its row in the replies (several servers), or ``None`` (same)."""
     mode: str
     batch_size: int
 
@@ -125,7 +135,11 @@ class FusedPlan:
         if total and bool(((ids < 0) | (gid >= torch.repeat_interleave(self.row_base[1:], per_table, output_size=total))).any()):
             ids = fix_ids(ids, counts)
             gid = ids + base
-        uniq, inverse = torch.unique(gid, return_inverse=True)
+        # One sort deduplicates and groups the ids by row (kept for the backward).
+        sorted_gid, by_row = _sort(gid)
+        uniq, per_row = torch.unique_consecutive(sorted_gid, return_counts=True)
+        ranks = torch.repeat_interleave(torch.arange(uniq.numel()), per_row, output_size=total)
+        inverse = torch.empty_like(by_row).scatter_(0, by_row, ranks)
         t_u = torch.searchsorted(self.row_base[1:], uniq, right=True)
         local = uniq - self.row_base.index_select(0, t_u)
         ntab, nsrv = len(self.tables), len(self.servers)
@@ -135,6 +149,7 @@ class FusedPlan:
             requests = {s: (local, [per[ti] for ti in self.held[s]])}
             n_raw = {s: total}
             idx = inverse
+            grad_order = None
         else:
             if self.sharded:
                 shards = self.shards.index_select(0, t_u)
@@ -153,10 +168,21 @@ class FusedPlan:
             place = torch.empty_like(order)
             place[order] = torch.arange(order.numel())
             idx = place.index_select(0, inverse)
+            grad_order = order
         # Bags sample-major (sample, feature), so the pooled rows are already the KeyedTensor's
         # [batch, features * dim] and no transpose is paid forward or backward: the ids arrive
         # feature-major and are permuted once here.
         nf = len(counts)
+        # Sample-major bag of every id (ids still feature-major): feature f, sample s -> s * nf + f.
+        sm_bag = torch.arange(nf * b).view(b, nf).t().reshape(-1)
+        bag_fm = torch.repeat_interleave(sm_bag, lengths, output_size=total)
+        grad_bags = bag_fm.index_select(0, by_row)
+        grad_offsets = torch.cat([per_row.new_zeros(1), per_row.cumsum(0)])
+        if self.mode == "mean":
+            inv_len = 1.0 / lengths.clamp(min=1).to(torch.float32)  # feature-major bags
+            grad_scale = torch.repeat_interleave(inv_len, lengths, output_size=total).index_select(0, by_row)
+        else:
+            grad_scale = weights.index_select(0, by_row) if weights is not None else None
         if nf > 1:
             sm_lengths = lengths.view(nf, b).t().reshape(-1)
             fm_start = (lengths.cumsum(0) - lengths).view(nf, b).t().reshape(-1)
@@ -166,37 +192,52 @@ class FusedPlan:
             weights = weights.index_select(0, perm) if weights is not None else None
             lengths = sm_lengths
         offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        bag_of_id = torch.repeat_interleave(torch.arange(nf * b), lengths, output_size=total)
-        grad_scale = weights
-        if self.mode == "mean":
-            grad_scale = (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag_of_id)
-        return FusedRoute(requests=requests, n_raw=n_raw, idx=idx, offsets=offsets, bag_of_id=bag_of_id,
-                          weights=weights, grad_scale=grad_scale, mode=self.mode, batch_size=b)
+        return FusedRoute(requests=requests, n_raw=n_raw, idx=idx, offsets=offsets, weights=weights,
+                          grad_bags=grad_bags, grad_offsets=grad_offsets, grad_scale=grad_scale,
+                          grad_order=grad_order, mode=self.mode, batch_size=b)
 
     def pool(self, route: FusedRoute, rows: dict[int, torch.Tensor]) -> torch.Tensor:
         """The collection's pooled values ``[batch, features * dim]`` from the servers' replies."""
         d = self.dim
         parts = [rows[s].view(-1, d) for s in self.servers]
         table_rows = parts[0] if len(parts) == 1 else torch.cat(parts)
-        out = _PooledRows.apply(table_rows, route.idx, route.offsets, route.bag_of_id, route.weights,
-                                route.grad_scale, route.mode)
+        out = _PooledRows.apply(table_rows, route)
         return out.view(route.batch_size, -1)
 
 
+def _sort(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.sort(keys, stable=True)`` for int64 keys: sorted keys and their positions.
+
+    On CPU the position is packed into the low bits of each key and the packed keys are sorted
+    by value alone (numpy's vectorized sort), about four times faster than ``torch.sort``, which
+    sorts (key, index) pairs; ties come out by position, as a stable sort's do. Negative keys,
+    keys too large to share 62 bits with a position, and other devices take ``torch.sort``.
+    """
+    n = keys.numel()
+    bits = max(n - 1, 1).bit_length()
+    if keys.device.type != "cpu" or n == 0 or int(keys.min()) < 0 or int(keys.max()).bit_length() + bits > 62:
+        return torch.sort(keys, stable=True)
+    packed = np.sort((keys << bits).add_(torch.arange(n)).numpy())
+    packed = torch.from_numpy(packed)
+    return packed >> bits, packed & ((1 << bits) - 1)
+
+
 class _PooledRows(torch.autograd.Function):
-    """``embedding_bag`` forward; backward: one ``index_add_`` into the unique rows."""
+    """``embedding_bag`` forward; backward: one ``embedding_bag`` of the bags' gradients, a
+    "bag" per unique row (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, rows, idx, offsets, bag_of_id, weights, grad_scale, mode):  # noqa: D401
-        ctx.save_for_backward(idx, bag_of_id, grad_scale)
-        ctx.num_rows = rows.shape[0]
-        return F.embedding_bag(idx, rows, offsets, mode=mode, per_sample_weights=weights, include_last_offset=True)
+    def forward(ctx, rows, route):  # noqa: D401
+        ctx.route = route
+        return F.embedding_bag(route.idx, rows, route.offsets, mode=route.mode, per_sample_weights=route.weights,
+                               include_last_offset=True)
 
     @staticmethod
     def backward(ctx, grad):
-        idx, bag_of_id, grad_scale = ctx.saved_tensors
-        g = grad.contiguous().index_select(0, bag_of_id)  # a strided grad takes a slow path
-        if grad_scale is not None:
-            g.mul_(grad_scale.unsqueeze(1))
-        rows_grad = torch.zeros(ctx.num_rows, grad.shape[1], dtype=grad.dtype).index_add_(0, idx, g)
-        return rows_grad, None, None, None, None, None, None
+        r = ctx.route
+        # A strided gradient would take a slow path; the bags' gradients are the "table".
+        rows_grad = F.embedding_bag(r.grad_bags, grad.contiguous(), r.grad_offsets, mode="sum",
+                                    per_sample_weights=r.grad_scale, include_last_offset=True)
+        if r.grad_order is not None:
+            rows_grad = rows_grad.index_select(0, r.grad_order)
+        return rows_grad, None

@@ -127,7 +127,7 @@ def _random_kjt(g: torch.Generator, tables, n: int, *, weighted: bool, bad: bool
 def test_seeded_fuzz_routing_and_pooling_equal_the_local_collection_or_refuse_bad_ids():
     """Random batches (empty bags, empty features, bad ids, weights, both pooling modes, 1-3
     servers, both shardings, fast and table-by-table paths): the remote collection pools exactly
-    what the local one does, or -- only for ids outside a table under id_policy=error -- raises
+    what the local one does and gives the rows the local one's gradients, or -- only for ids outside a table under id_policy=error -- raises
     BadIdError before anything is sent; under modulo it equals the local one on the wrapped ids."""
     g = torch.Generator().manual_seed(1234)
     outcomes = {"equal": 0, "refused": 0, "wrapped": 0}
@@ -163,11 +163,21 @@ def test_seeded_fuzz_routing_and_pooling_equal_the_local_collection_or_refuse_ba
             outcomes["equal"] += 1
         route = route_fn(kjt)
         weights = {n: b.weight.detach() for n, b in ebc.embedding_bags.items()}
-        got = remote._pool(route, _serve(remote, route, weights))
+        rows = _serve(remote, route, weights)
+        got = remote._pool(route, rows)
         want = ebc(ref_kjt)
         assert got.keys() == want.keys(), case
         torch.testing.assert_close(got.values(), want.values(), rtol=1e-6, atol=1e-6,
                                    msg=lambda m: f"case {case}: {m}")
+        # And the rows' gradients: the local collection's, row by row.
+        gout = torch.randn(want.values().shape, generator=g)
+        (got.values() * gout).sum().backward()
+        (want.values() * gout).sum().backward()
+        for name, grad in _table_grads(remote, route, rows).items():
+            want_grad = ebc.embedding_bags[name].weight.grad
+            want_grad = torch.zeros_like(grad) if want_grad is None else want_grad
+            torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"case {case} table {name} gradient: {m}")
     assert all(outcomes.values()), outcomes  # every branch was exercised
 
 
