@@ -7,7 +7,8 @@ A thin orchestrator, in a fixed order:
    servers (trainer 0 creates, every trainer waits at a barrier);
 3. ``fsdp`` modules get ``fully_shard``, inner before outer (they may still be on meta);
 4. anything still on the meta device is materialized and initialized (``reset_parameters``);
-5. ``ddp`` and ``local`` modules are applied (DDP needs real tensors);
+5. ``ddp`` and ``local`` modules are applied (DDP needs real tensors); ddp modules with equal
+   options share one DDP (:func:`hybrid.dense.ddp.merge_groups`);
 6. the per-process remote runtime (step numbering, distributed-autograd contexts) is set up.
 
 The strategies themselves live in :mod:`hybrid.dense` (one ``apply_*`` per strategy, looked up in
@@ -161,6 +162,7 @@ def compose(
     when one job composes several models.
     """
     from hybrid.dense import DENSE_STRATEGIES
+    from hybrid.dense.ddp import apply_ddp_merged, merge_groups
 
     if not role.is_trainer:
         raise RuntimeError(f"compose runs on trainers; {role.name} is a parameter server")
@@ -186,8 +188,12 @@ def compose(
             if not isinstance(m, (RemoteEmbeddingBagCollection, RemoteEmbeddingBag)):
                 m.to(device)
     for entry in order:
-        if entry.strategy in ("ddp", "local"):
-            DENSE_STRATEGIES[entry.strategy](model, entry.fqn, mesh=mesh, options=entry.options)
+        if entry.strategy == "local":
+            DENSE_STRATEGIES["local"](model, entry.fqn, mesh=mesh, options=entry.options)
+    # ddp modules with equal options share one DDP (one set of buckets) where that is exact.
+    ddp = [(e.fqn, e.options) for e in order if e.strategy == "ddp"]
+    for root, fqns, opts in merge_groups(model, ddp):
+        apply_ddp_merged(model, root, fqns, mesh=mesh, options=opts)
     for entry in order:
         if entry.strategy in ("ddp", "fsdp"):
             _guard_dense(model.get_submodule(entry.fqn), entry.fqn)

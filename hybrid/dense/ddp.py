@@ -44,6 +44,134 @@ def _comm_hook(name: str, device_type: str):
     raise ValueError(f"ddp comm_hook: got {name!r}; expected one of {', '.join(map(repr, COMM_HOOKS))}")
 
 
+def _is_under(fqn: str, root: str) -> bool:
+    return root == "" or fqn == root or fqn.startswith(root + ".")
+
+
+def _common_ancestor(fqns: list[str]) -> str:
+    parts = [f.split(".") if f else [] for f in fqns]
+    common = []
+    for level in zip(*parts):
+        if any(p != level[0] for p in level):
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def merge_groups(model: nn.Module, members: list[tuple[str, Any]]) -> list[tuple[str, list[str], Any]]:
+    """Which ``ddp`` modules share one ``DistributedDataParallel``: ``[(root, fqns, options)]``.
+
+    ``members`` are the plan's ddp modules as ``(fqn, options)``. Those with ``merge: true`` and
+    equal options form one group, synchronized by one DDP applied on their closest common
+    ancestor (``root``) over their parameters only -- one allreduce per bucket for all of them
+    instead of at least one per module. A group is merged only where that is exact: no member
+    inside another, and no module on the way from ``root`` down to a member (``root`` included,
+    the members excluded) owns a parameter of its own, which the ancestor's DDP would
+    otherwise take. Every other module forms a group of its own (``root == fqn``).
+    """
+    groups: list[tuple[Any, list[str]]] = []  # options dataclasses compare equal but do not hash
+    alone: list[tuple[str, list[str], Any]] = []
+    for fqn, opts in members:
+        if not getattr(opts, "merge", False):
+            alone.append((fqn, [fqn], opts))
+            continue
+        for gopts, fqns in groups:
+            if gopts == opts:
+                fqns.append(fqn)
+                break
+        else:
+            groups.append((opts, [fqn]))
+    out: list[tuple[str, list[str], Any]] = []
+    for opts, fqns in groups:
+        if len(fqns) > 1 and _mergeable(model, fqns):
+            out.append((_common_ancestor(fqns), fqns, opts))
+        else:
+            out.extend((f, [f], opts) for f in fqns)
+    return out + alone
+
+
+def _path_modules(fqns: list[str], root: str) -> set[str]:
+    """Modules from ``root`` down to each of ``fqns``, ``root`` included, ``fqns`` excluded."""
+    path = set()
+    for f in fqns:
+        parts = f.split(".") if f else []
+        depth = len(root.split(".")) if root else 0
+        for k in range(depth, len(parts)):
+            path.add(".".join(parts[:k]))
+    return path - set(fqns)
+
+
+def _mergeable(model: nn.Module, fqns: list[str]) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(a != b and _is_under(b, a) for a in fqns for b in fqns):
+        return False
+    root = _common_ancestor(fqns)
+    if isinstance(model.get_submodule(root), FSDPModule):
+        return False
+    return not any(any(True for _ in model.get_submodule(p).parameters(recurse=False))
+                   for p in _path_modules(fqns, root))
+
+
+def apply_ddp_merged(model: nn.Module, root: str, fqns: list[str], *, mesh: DeviceMesh, options: Any) -> None:
+    """One DDP for the modules ``fqns`` (a group from :func:`merge_groups`), applied on ``root``.
+
+    ``replicate(root, ignored_modules=...)`` takes the members' parameters and nothing else (the
+    other branches under ``root`` are ignored), and its forward hooks on ``root`` drive the
+    reducer. So a member must run inside ``root``'s forward: one that is called on its own
+    would silently skip the sync; it raises instead, naming the group.
+    """
+    if len(fqns) == 1 and root == fqns[0]:
+        apply_ddp(model, root, mesh=mesh, options=options)
+        return
+    params = [p for f in fqns for p in model.get_submodule(f).parameters()]
+    if not any(p.requires_grad for p in params):
+        warn_once(f"ddp on {', '.join(fqns)}: no parameter requires a gradient, nothing to synchronize; left as is")
+        return
+    if any(p.is_meta for p in params):
+        raise ValueError(f"ddp on {', '.join(fqns)}: parameters are still on the meta device; materialize them first")
+    path = _path_modules(fqns, root)
+    ignored = []
+    for p in path:
+        for name, child in model.get_submodule(p).named_children():
+            child_fqn = f"{p}.{name}" if p else name
+            if child_fqn not in fqns and child_fqn not in path:
+                ignored.append(child)
+    _replicate(model, root, mesh=mesh, options=options, ignored_modules=ignored,
+               what=f"{', '.join(fqns)} (one reducer on {root or '<root>'})")
+    _require_inside(model, root, fqns)
+
+
+def _require_inside(model: nn.Module, root: str, fqns: list[str]) -> None:
+    """A member of a merged DDP group that runs outside the root's forward raises."""
+    root_mod = model.get_submodule(root)
+    depth = [0]
+
+    def enter(_m, _args):
+        depth[0] += 1
+
+    def leave(_m, _args, _out):
+        depth[0] -= 1
+
+    root_mod.register_forward_pre_hook(enter, prepend=True)
+    root_mod.register_forward_hook(leave, always_call=True)
+    group = ", ".join(fqns)
+
+    def check(_m, _args, *, fqn: str) -> None:
+        # Recomputation inside a backward (activation checkpointing) is not a new forward.
+        if depth[0] or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return
+        raise RuntimeError(
+            f"{fqn} ran outside the forward of {root or 'the model'}: the ddp modules {group} share one "
+            f"DistributedDataParallel whose gradient sync is driven by {root or 'the model'}'s forward, so "
+            f"their gradients would not be synchronized. Call {root or 'the model'}, or set `merge: false` "
+            f"on these modules in the plan (one DDP each)"
+        )
+
+    for f in fqns:
+        model.get_submodule(f).register_forward_pre_hook(lambda m, a, f=f: check(m, a, fqn=f))
+
+
 def apply_ddp(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any) -> None:
     """Make ``model.get_submodule(fqn)`` data parallel over ``mesh`` (the trainers), in place.
 
@@ -59,15 +187,22 @@ def apply_ddp(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any) -> 
     """
     module = model.get_submodule(fqn)
     name = fqn or "<root>"
-    hook = None if options.comm_hook == "none" else _comm_hook(options.comm_hook, mesh.device_type)
     if not any(p.requires_grad for p in module.parameters()):
         warn_once(f"ddp on {name}: no parameter requires a gradient, nothing to synchronize; left as is")
         return
     if any(p.is_meta for p in module.parameters()):
         raise ValueError(f"ddp on {name}: parameters are still on the meta device; materialize them first")
+    _replicate(model, fqn, mesh=mesh, options=options, ignored_modules=[], what=name)
+
+
+def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ignored_modules: list[nn.Module],
+               what: str) -> None:
+    module = model.get_submodule(fqn)
+    hook = None if options.comm_hook == "none" else _comm_hook(options.comm_hook, mesh.device_type)
     group = mesh.get_group()
     replicate(
         module,
+        ignored_modules=ignored_modules,
         process_group=group,
         bucket_cap_mb=options.bucket_cap_mb,
         static_graph=options.static_graph,
@@ -82,6 +217,6 @@ def apply_ddp(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any) -> 
     logger.info(
         "applied ddp to %s (bucket_cap_mb=%g, static_graph=%s, gradient_as_bucket_view=%s, "
         "find_unused_parameters=%s, comm_hook=%s, %d trainers)",
-        name, options.bucket_cap_mb, options.static_graph, options.gradient_as_bucket_view,
+        what, options.bucket_cap_mb, options.static_graph, options.gradient_as_bucket_view,
         options.find_unused_parameters, options.comm_hook, mesh.size(),
     )

@@ -107,6 +107,10 @@ class DDPOptions:
     """Search the graph for parameters that got no gradient (costs a graph walk each step)."""
     comm_hook: Literal["none", "fp16", "bf16"] = "none"
     """Compress gradients to this dtype for the all-reduce."""
+    merge: bool = True
+    """Share one ``DistributedDataParallel`` (one set of allreduce buckets, applied on their
+    common ancestor) with the plan's other ddp modules that have the same options, as TorchRec's
+    DistributedModelParallel does for all dense modules; ``false``: one DDP for this module."""
 
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:

@@ -305,6 +305,64 @@ def test_ddp_comm_hooks_are_registered_and_track_uncompressed_training():
         assert any(not torch.equal(v, ref_state[k]) for k, v in state.items())  # the hook did something
 
 
+def _merged(rank: int, world_size: int):
+    from torch.distributed._composable import replicate
+
+    from hybrid.dense.ddp import apply_ddp_merged, merge_groups
+    from hybrid.plan.schema import DDPOptions
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for merge in (True, False):
+        model = build()
+        apply_fsdp(model, "middle", mesh=mesh, options=FSDPOpts())
+        groups = merge_groups(model, [("bottom", DDPOptions(merge=merge)), ("top", DDPOptions(merge=merge))])
+        for root, fqns, opts in groups:
+            apply_ddp_merged(model, root, fqns, mesh=mesh, options=opts)
+        ddps = {}
+        for fqn in ("", "bottom", "top"):
+            try:
+                ddps[fqn] = {id(p) for p in replicate.state(model.get_submodule(fqn))._ddp.parameters()}
+            except (AttributeError, KeyError):
+                pass
+        want = {fqn: {id(p) for p in model.get_submodule(fqn).parameters()} for fqn in ("bottom", "top")}
+        error = None
+        try:
+            model.bottom(torch.zeros(2, 8))  # a member called on its own, outside the root's forward
+        except RuntimeError as e:
+            error = str(e)
+        with torch.no_grad():
+            model.bottom(torch.zeros(2, 8))  # evaluation needs no sync: allowed
+        losses = train(model, "sgd", rank=rank, world_size=world_size)
+        out[merge] = {
+            "groups": [(r, f) for r, f, _ in groups],
+            "ddps": {k: v == (want["bottom"] | want["top"]) if k == "" else v == want[k] for k, v in ddps.items()},
+            "error": error, "losses": losses, "state": full_state(model),
+        }
+    return out
+
+
+def test_ddp_modules_with_equal_options_share_one_ddp_and_train_as_one_process():
+    results = run_distributed(_merged, 2, timeout=90)
+    ref = build()
+    ref_losses = train(ref, "sgd", rank=0, world_size=1, batch=2 * B)
+    for out in results:
+        merged, separate = out[True], out[False]
+        # merge: one DDP on the root holding exactly bottom's and top's parameters (not middle's,
+        # which FSDP owns); merge: false, one DDP each.
+        assert merged["groups"] == [("", ["bottom", "top"])]
+        assert merged["ddps"] == {"": True}
+        assert separate["groups"] == [("bottom", ["bottom"]), ("top", ["top"])]
+        assert separate["ddps"] == {"bottom": True, "top": True}
+        assert merged["error"] is not None and "bottom ran outside the forward of the model" in merged["error"]
+        assert "merge: false" in merged["error"]
+        assert separate["error"] is None
+        for r in (merged, separate):
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), atol=1e-5, rtol=1e-5)
+            for k, want in ref.state_dict().items():
+                torch.testing.assert_close(r["state"][k], want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
 def _checkpointing(rank: int, world_size: int):
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
