@@ -7,7 +7,10 @@ processes of its own, one system after the other. Each prints one JSON line on s
      "final_loss": ..., "processes": {"trainer0": {"cpu_util": ..., "peak_rss_mb": ...}, ...},
      "breakdown_s": {...}, "servers": {"ps0": {"rpcs_per_step": ..., ...}}}
 
-and a table of throughput ratios (with the issue's targets) goes to stderr at the end.
+and a table of throughput ratios (with the issue's targets) goes to stderr at the end. With
+``--repeat N`` (default 3) every system runs N times, round-robin, and its line is its median
+run's (``runs_samples_per_s`` lists them all): on a shared 2-core machine one run's samples/s
+wanders by up to 1.5x.
 ``samples_per_s`` counts every trainer's samples over the slowest trainer's timed window;
 ``first_loss``/``final_loss`` are the global batch's mean loss at the first and the last step.
 """
@@ -77,10 +80,35 @@ def _per_step(c: dict, steps: int) -> dict:
     }
 
 
+def median_run(runs: list[dict]) -> dict:
+    """One system's line from its repeated runs: the run with the median samples/s (the lower
+    middle one of an even count), plus every run's samples/s in ``runs_samples_per_s``. A
+    system with a failed run reports that run's error."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    ordered = sorted(runs, key=lambda r: r["samples_per_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "runs_samples_per_s": [r["samples_per_s"] for r in runs]}
+
+
+def run_rounds(w: Workload, systems: list[str], *, repeat: int, progress=None, **kwargs) -> list[dict]:
+    """Run every system ``repeat`` times, round-robin (round 1 runs them all in order, then round
+    2, ...), so that the machine's slow and fast moments fall on every system alike; returns one
+    line per system (:func:`median_run`). ``progress(round, line)`` is called after each run."""
+    runs: dict[str, list[dict]] = {name: [] for name in systems}
+    for k in range(repeat):
+        for name in systems:
+            line = run_systems(w, [name], **kwargs)[0]
+            runs[name].append(line)
+            if progress is not None:
+                progress(k + 1, line)
+    return [median_run(runs[name]) for name in systems]
+
+
 def run_systems(w: Workload, systems: list[str], *, timeout_s: float, dmp_sharding: str = "table_wise",
-                runtime: dict | None = None, emit=None) -> list[dict]:
+                runtime: dict | None = None) -> list[dict]:
     """Run ``systems`` one after another; returns their JSON lines (``{"system", "error"}`` for
-    a system that failed). ``emit(line)`` is called as each one finishes."""
+    a system that failed)."""
     lines = []
     for name in systems:
         kwargs: dict = {"timeout_s": timeout_s}
@@ -95,8 +123,6 @@ def run_systems(w: Workload, systems: list[str], *, timeout_s: float, dmp_shardi
             line = {"system": name, "error": str(e)}
         line["wall_s"] = time.perf_counter() - t0
         lines.append(line)
-        if emit is not None:
-            emit(line)
     return lines
 
 
@@ -134,6 +160,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated systems to run, in order; known: {', '.join(SYSTEMS)}")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one system may take before it is killed")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs per system, round-robin over the systems; each reports its median run "
+                        "(the machine's speed wanders between runs)")
     p.add_argument("--dmp-sharding", default="table_wise", choices=SHARDINGS, help="torchrec_dmp's sharding type")
     p.add_argument("--transports", default=None,
                    help="hybrid's TensorPipe transports, e.g. uv or shm,uv (default: RuntimeOptions')")
@@ -143,6 +172,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hybrid's RPC worker threads per process (default: RuntimeOptions')")
     Workload.add_arguments(p)
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat: got {args.repeat}; expected 1 or more runs per system")
     unknown = [s for s in args.systems.split(",") if s and s not in SYSTEMS]
     if unknown:
         p.error(f"--systems: unknown {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
@@ -163,15 +194,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.rpc_threads:
         runtime["num_worker_threads"] = args.rpc_threads
 
-    def emit(line: dict) -> None:
-        print(json.dumps(line), flush=True)
+    def progress(k: int, line: dict) -> None:
         if "error" in line:
-            print(f"{line['system']} failed:\n{line['error']}", file=sys.stderr, flush=True)
+            print(f"run {k}/{args.repeat}: {line['system']} failed:\n{line['error']}", file=sys.stderr, flush=True)
+        else:
+            print(f"run {k}/{args.repeat}: {line['system']:<18}{line['samples_per_s']:>9.0f} samples/s",
+                  file=sys.stderr, flush=True)
 
     w = args.workload
-    print(f"workload: {json.dumps(vars(w))}", file=sys.stderr, flush=True)
-    lines = run_systems(w, [s for s in args.systems.split(",") if s], timeout_s=args.timeout,
-                        dmp_sharding=args.dmp_sharding, runtime=runtime, emit=emit)
+    print(f"workload: {json.dumps(vars(w))}, repeat: {args.repeat}", file=sys.stderr, flush=True)
+    lines = run_rounds(w, [s for s in args.systems.split(",") if s], repeat=args.repeat, progress=progress,
+                       timeout_s=args.timeout, dmp_sharding=args.dmp_sharding, runtime=runtime)
+    for line in lines:
+        print(json.dumps(line), flush=True)
     print(ratio_table(lines), file=sys.stderr, flush=True)
     bad = [l["system"] for l in lines if "error" in l or not all(
         math.isfinite(l[k]) for k in ("first_loss", "final_loss"))]

@@ -15,7 +15,7 @@ from benchmarks.systems import SYSTEMS
 from tests.support.cli import run_hybrid
 
 TINY = ["--tables", "2", "--rows", "200", "--dim", "8", "--bottom-mlp", "16,8", "--top-mlp", "16,1",
-        "--batch", "16", "--warmup", "1", "--steps", "3"]
+        "--batch", "16", "--warmup", "1", "--steps", "3", "--repeat", "1"]
 
 
 def _lines(stdout: str) -> list[dict]:
@@ -33,6 +33,7 @@ def test_every_system_trains_the_same_model_on_the_same_batches():
         assert math.isfinite(l["first_loss"]) and math.isfinite(l["final_loss"]), l
         assert l["samples_per_s"] > 0 and l["median_step_s"] > 0, l
         assert all(p["peak_rss_mb"] > 0 for p in l["processes"].values()), l
+        assert l["runs_samples_per_s"] == [l["samples_per_s"]], l
     first = lines["local"]["first_loss"]
     for name, l in lines.items():  # same initial weights, same first batch
         assert l["first_loss"] == pytest.approx(first, rel=1e-6), (name, l["first_loss"], first)

@@ -1,0 +1,43 @@
+"""The benchmark's repeat logic (``python -m benchmarks.run --repeat N``), without processes: runs go
+round-robin over the systems and each system reports its median run."""
+
+import pytest
+
+from benchmarks import run as bench
+
+
+def _line(system: str, sps: float) -> dict:
+    return {"system": system, "samples_per_s": sps, "final_loss": 0.5}
+
+
+def test_median_run_is_the_middle_run_and_lists_every_run():
+    runs = [_line("a", 30.0), _line("a", 10.0), _line("a", 20.0)]
+    got = bench.median_run(runs)
+    assert got["samples_per_s"] == 20.0
+    assert got["runs_samples_per_s"] == [30.0, 10.0, 20.0]  # in run order
+    assert bench.median_run([_line("a", 30.0), _line("a", 10.0)])["samples_per_s"] == 10.0  # lower middle
+
+
+def test_a_failed_run_makes_the_system_report_the_failure():
+    got = bench.median_run([_line("a", 30.0), {"system": "a", "error": "boom"}])
+    assert got == {"system": "a", "error": "boom"}
+
+
+def test_rounds_alternate_the_systems(monkeypatch):
+    order = []
+
+    def fake_run_systems(w, systems, **kwargs):
+        order.append(systems[0])
+        return [_line(systems[0], float(len(order)))]
+
+    monkeypatch.setattr(bench, "run_systems", fake_run_systems)
+    lines = bench.run_rounds(None, ["x", "y"], repeat=3, timeout_s=1.0)
+    assert order == ["x", "y", "x", "y", "x", "y"]
+    assert [l["runs_samples_per_s"] for l in lines] == [[1.0, 3.0, 5.0], [2.0, 4.0, 6.0]]
+    assert [l["samples_per_s"] for l in lines] == [3.0, 4.0]
+
+
+def test_repeat_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--repeat", "0"])
+    assert "--repeat: got 0" in capsys.readouterr().err
