@@ -12,6 +12,11 @@ on the root (``fqn == ""``).
 One difference from ``DistributedDataParallel(module)``: the reducer is built over the module's
 parameters only, so buffers (e.g. BatchNorm running statistics) are not broadcast from rank 0
 before each forward; each trainer keeps its own.
+
+Several ddp modules of a plan with equal options share one reducer (:func:`merge_groups`,
+:func:`apply_ddp_merged`): ``replicate`` on their common ancestor with the other branches in
+``ignored_modules``. On CPU each gloo allreduce costs about 1.3 ms whatever its size, so a DLRM's
+two small MLPs in one bucket save a millisecond per step.
 """
 
 from __future__ import annotations
