@@ -5,10 +5,45 @@ The main entry points::
     model = hybrid.compose(model, plan, role=role)      # on each trainer
     with hybrid.step(model, optimizer) as s:            # one training step
         s.backward(loss_fn(model(dense, sparse), labels))
+
+Both are imported on first use: ``import hybrid`` (and the ``hybrid`` command's launcher, which
+only starts torchrun) does not pay for torchrec's import, several seconds on a small machine.
 """
 
-from hybrid.autograd import step
-from hybrid.compose import compose
+from __future__ import annotations
+
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybrid.autograd import step
+    from hybrid.compose import compose
 
 __all__ = ["compose", "step"]
 __version__ = "0.1.0"
+
+_LAZY = {"compose": "hybrid.compose", "step": "hybrid.autograd"}
+
+
+class _Package(types.ModuleType):
+    """``hybrid.compose`` and ``hybrid.step`` are the functions, imported on first use. Importing
+    the submodule ``hybrid.compose`` would otherwise rebind the package's ``compose`` to that
+    module; it stays in ``sys.modules["hybrid.compose"]`` instead."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in _LAZY:
+            raise AttributeError(f"module 'hybrid' has no attribute {name!r}")
+        import importlib
+
+        fn = getattr(importlib.import_module(_LAZY[name]), name)
+        super().__setattr__(name, fn)
+        return fn
+
+
+sys.modules[__name__].__class__ = _Package
