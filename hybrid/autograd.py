@@ -236,8 +236,10 @@ class _Owed:
                 else:
                     steps.append((step, [(dest.ids, dest.counts, g)]))
             if not self.since:
+                # Nothing was owed: the flusher waits without a deadline; give it one. (Otherwise
+                # it already waits for the older deadline, which still holds.)
                 self.since = time.monotonic()
-            self.cond.notify_all()
+                self.cond.notify_all()
 
     def take(self, owner: Any, server: int) -> list[tuple[int, list]]:
         """What ``owner`` owes ``server``, as ``[(step, [(ids, counts, grad), ...]), ...]``."""

@@ -98,9 +98,9 @@ def merge_groups(model: nn.Module, members: list[tuple[str, Any]]) -> list[tuple
 def _path_modules(fqns: list[str], root: str) -> set[str]:
     """Modules from ``root`` down to each of ``fqns``, ``root`` included, ``fqns`` excluded."""
     path = set()
+    depth = len(root.split(".")) if root else 0
     for f in fqns:
         parts = f.split(".") if f else []
-        depth = len(root.split(".")) if root else 0
         for k in range(depth, len(parts)):
             path.add(".".join(parts[:k]))
     return path - set(fqns)
@@ -129,12 +129,8 @@ def apply_ddp_merged(model: nn.Module, root: str, fqns: list[str], *, mesh: Devi
     if len(fqns) == 1 and root == fqns[0]:
         apply_ddp(model, root, mesh=mesh, options=options)
         return
-    params = [p for f in fqns for p in model.get_submodule(f).parameters()]
-    if not any(p.requires_grad for p in params):
-        warn_once(f"ddp on {', '.join(fqns)}: no parameter requires a gradient, nothing to synchronize; left as is")
+    if not _has_gradients(", ".join(fqns), [p for f in fqns for p in model.get_submodule(f).parameters()]):
         return
-    if any(p.is_meta for p in params):
-        raise ValueError(f"ddp on {', '.join(fqns)}: parameters are still on the meta device; materialize them first")
     path = _path_modules(fqns, root)
     ignored = []
     for p in path:
@@ -190,14 +186,20 @@ def apply_ddp(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any) -> 
     trainer now (a collective: every trainer must call it). Gradients of a plain
     ``loss.backward()`` are then averaged over the trainers.
     """
-    module = model.get_submodule(fqn)
     name = fqn or "<root>"
-    if not any(p.requires_grad for p in module.parameters()):
+    if _has_gradients(name, list(model.get_submodule(fqn).parameters())):
+        _replicate(model, fqn, mesh=mesh, options=options, ignored_modules=[], what=name)
+
+
+def _has_gradients(name: str, params: list[nn.Parameter]) -> bool:
+    """Whether DDP over ``params`` has anything to synchronize (warns once if not); refuses
+    parameters still on the meta device."""
+    if not any(p.requires_grad for p in params):
         warn_once(f"ddp on {name}: no parameter requires a gradient, nothing to synchronize; left as is")
-        return
-    if any(p.is_meta for p in module.parameters()):
+        return False
+    if any(p.is_meta for p in params):
         raise ValueError(f"ddp on {name}: parameters are still on the meta device; materialize them first")
-    _replicate(model, fqn, mesh=mesh, options=options, ignored_modules=[], what=name)
+    return True
 
 
 def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ignored_modules: list[nn.Module],

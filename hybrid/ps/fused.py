@@ -51,7 +51,7 @@ class FusedRoute:
     weights: torch.Tensor | None
     """Per-sample weights (weighted collections)."""
     grad_bags: torch.Tensor
-    """Backward: the bag of every id, ids grouped by unique row (in ``torch.unique`` order)."""
+    """Backward: the bag of every id, ids grouped by unique row (rows ascending)."""
     grad_offsets: torch.Tensor
     """Backward: where each unique row's group starts in ``grad_bags`` (``include_last_offset``)."""
     grad_scale: torch.Tensor | None
@@ -215,7 +215,10 @@ def _sort(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     n = keys.numel()
     bits = max(n - 1, 1).bit_length()
-    if keys.device.type != "cpu" or n == 0 or int(keys.min()) < 0 or int(keys.max()).bit_length() + bits > 62:
+    if keys.device.type != "cpu" or n == 0:
+        return torch.sort(keys, stable=True)
+    lo, hi = torch.aminmax(keys)
+    if int(lo) < 0 or int(hi).bit_length() + bits > 62:
         return torch.sort(keys, stable=True)
     packed = np.sort((keys << bits).add_(torch.arange(n)).numpy())
     packed = torch.from_numpy(packed)

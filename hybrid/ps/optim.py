@@ -170,7 +170,7 @@ def _all_finite(t: torch.Tensor) -> bool:
 def ascending_per_table(ids: torch.Tensor, counts: list[int]) -> bool:
     """Whether ``ids`` (one chunk per table, ``counts`` long) is strictly ascending within every
     chunk, which proves each chunk free of repeats. A trainer's deduplicated lookup is (its ids
-    come out of ``torch.unique``); one vectorized test over all chunks, whatever their number."""
+    come out of a sort); one vectorized test over all chunks, whatever their number."""
     if ids.numel() < 2:
         return True
     up = ids[1:] > ids[:-1]
