@@ -41,3 +41,23 @@ def test_repeat_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--repeat", "0"])
     assert "--repeat: got 0" in capsys.readouterr().err
+
+
+def test_ratios_pair_the_runs_of_one_round():
+    # Round 2 ran while the machine was slow: both systems lost half their speed. Round by round
+    # "a" is 1.2x, 1.2x and 0.9x "b"; the ratio of the medians (20 / 20 = 1.0x) would hide that.
+    a = {**_line("a", 20.0), "runs_samples_per_s": [24.0, 12.0, 18.0]}
+    b = {**_line("b", 20.0), "runs_samples_per_s": [20.0, 10.0, 20.0]}
+    assert bench.round_ratios(a, b) == pytest.approx([1.2, 1.2, 0.9])
+    assert bench.paired_ratio(a, b) == pytest.approx(1.2)
+    # A single run (or lines without per-run numbers) is the plain ratio.
+    assert bench.paired_ratio(_line("a", 30.0), _line("b", 20.0)) == pytest.approx(1.5)
+
+
+def test_targets_show_every_rounds_ratio():
+    sync = {**_line("hybrid_sync", 10.0), "first_loss": 0.7, "median_step_s": 0.01,
+            "runs_samples_per_s": [9.0, 10.0, 11.0]}
+    dmp = {**_line("torchrec_dmp", 10.0), "first_loss": 0.7, "median_step_s": 0.01,
+           "runs_samples_per_s": [10.0, 10.0, 10.0]}
+    table = bench.ratio_table([sync, dmp])
+    assert "hybrid_sync >= 1x torchrec_dmp: 1.00x  met  (rounds: 0.90, 1.00, 1.10)" in table
