@@ -49,6 +49,7 @@ class ServerCounters:
     bytes_in: int = 0
     bytes_out: int = 0
     updates_applied: int = 0
+    """Updates finished: sync, one per step (every trainer's gradients in); async, one per push."""
     wait_s: float = 0.0
     """Time lookups spent waiting for the slowest trainer's update."""
     max_lag: int = 0
@@ -123,6 +124,12 @@ class CollectionShard:
         self.fault: str | None = None
         self.lock = threading.RLock()
         self.anchor = torch.zeros((), requires_grad=True)
+        # Plain SGD adds each contribution on its own (:meth:`_apply`), so a sync step need not
+        # wait for the last trainer to start: each push is added as it arrives, and only the
+        # last one's addition stays between the step's end and the next lookups. Lookups still
+        # wait for the whole step (``complete_through``), so they read what single-process
+        # training reads; only the order of the additions follows arrival, as it did before.
+        self.eager = all(t.optim.accumulates for t in self.tables)
         self.counters = ServerCounters()
 
     # -- reading rows -------------------------------------------------------------------------
@@ -183,12 +190,15 @@ class CollectionShard:
             with self.lock:
                 if self.failed is not None:
                     raise RuntimeError(f"{self.cid} on ps{self.server} failed earlier") from self.failed
-                if self.staleness == 0:
+                last = self.arrived.get(step, 0) + 1 == self.num_trainers
+                if self.staleness == 0 and not self.eager:
                     self.pending[step].extend(parts)
-                    if self.arrived.get(step, 0) + 1 == self.num_trainers:
+                    if last:
                         self._apply(self.pending.pop(step))
                 else:
                     self._apply(parts)
+                if self.staleness or last:
+                    self.counters.updates_applied += 1
                 self.arrived[step] += 1
                 while self.arrived.get(self.complete_through + 1, 0) == self.num_trainers:
                     self.arrived.pop(self.complete_through + 1)
@@ -212,7 +222,6 @@ class CollectionShard:
                 for table, i, g in zip(self.tables, ids.split(counts), self._split(grad, counts)):
                     if i.numel():
                         table.optim.accumulate(table.weight, i, g, self.scale, distinct=distinct)
-            self.counters.updates_applied += 1
             return
         per_table: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in self.tables]
         for ids, counts, grad in contributions:
@@ -240,7 +249,6 @@ class CollectionShard:
         computed = [(table, rows, table.optim.compute(table.weight, rows, g)) for table, rows, g in updates]
         for table, rows, (w, state) in computed:
             table.optim.commit(table.weight, rows, w, state)
-        self.counters.updates_applied += 1
 
 
 class ParameterServer:
