@@ -1,0 +1,65 @@
+"""When a server applies a sync step's gradients (a ``CollectionShard`` built in this process, no
+RPC): plain SGD adds each trainer's push as it arrives, other optimizers wait for the step's
+last push and sum first; either way lookups of the next step wait for every trainer's."""
+from __future__ import annotations
+
+import torch
+
+from hybrid.ps.optim import SparseOptimSpec
+from hybrid.ps.server import CollectionShard
+from hybrid.ps.sharding import TableSpec, shard_tables
+
+TABLES = [TableSpec("a", 50, 4, ("fa",)), TableSpec("b", 30, 4, ("fb",))]
+
+
+def _shard(spec: SparseOptimSpec) -> CollectionShard:
+    layouts = shard_tables(TABLES, 1, "table_wise")
+    return CollectionShard(cid="ebc", server=0, layouts=layouts, optimizer=spec, num_trainers=2, staleness=0,
+                           gradient_scaling="mean", start_step=0)
+
+
+def _part(seed: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """A trainer's deduplicated push: ascending ids per table, one gradient row each (flat)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randperm(t.num_embeddings, generator=g)[:6].sort().values for t in TABLES]
+    grad = torch.randn(sum(6 * t.embedding_dim for t in TABLES), generator=g)
+    return torch.cat(ids), [6, 6], grad
+
+
+def _weights(shard: CollectionShard) -> list[torch.Tensor]:
+    return [t.weight.clone() for t in shard.tables]
+
+
+def test_sync_sgd_adds_each_push_as_it_arrives_and_lookups_wait_for_the_step():
+    shard = _shard(SparseOptimSpec(name="sgd", lr=0.1))
+    w0 = _weights(shard)
+    answered = []
+    shard.when_ready(0, answered.append)  # a lookup of step 1 (needs step 0 complete)
+
+    p0, p1 = _part(1), _part(2)
+    shard.push_parts(0, 0, [p0])
+    moved = _weights(shard)
+    assert any(not torch.equal(a, b) for a, b in zip(w0, moved)), "the first push was not added on arrival"
+    assert shard.complete_through == -1 and answered == [] and shard.counters.updates_applied == 0
+
+    shard.push_parts(1, 0, [p1])
+    assert shard.complete_through == 0 and answered == [None] and shard.counters.updates_applied == 1
+    # The same numbers as adding both pushes row by row, in arrival order, at the mean's scale.
+    for k, (t, w) in enumerate(zip(TABLES, w0)):
+        ref = w.clone()
+        for ids, counts, grad in (p0, p1):
+            rows = ids.split(counts)[k]
+            g = grad.split([n * s.embedding_dim for n, s in zip(counts, TABLES)])[k].view(-1, t.embedding_dim)
+            ref.index_add_(0, rows, g, alpha=-0.1 * 0.5)
+        assert torch.equal(shard.tables[k].weight, ref)
+
+
+def test_sync_adagrad_waits_for_the_last_push_and_sums_first():
+    shard = _shard(SparseOptimSpec(name="adagrad", lr=0.1))
+    w0 = _weights(shard)
+    shard.push_parts(0, 0, [_part(1)])
+    assert all(torch.equal(a, b) for a, b in zip(w0, _weights(shard))), "adagrad applied half a step"
+    assert shard.complete_through == -1
+    shard.push_parts(1, 0, [_part(2)])
+    assert any(not torch.equal(a, b) for a, b in zip(w0, _weights(shard)))
+    assert shard.complete_through == 0 and shard.counters.updates_applied == 1
