@@ -88,8 +88,9 @@ def median_run(runs: list[dict]) -> dict:
     failed = [r for r in runs if "error" in r]
     if failed:
         return failed[0]
-    ordered = sorted(runs, key=lambda r: r["samples_per_s"])
-    return {**ordered[(len(ordered) - 1) // 2], "runs_samples_per_s": [r["samples_per_s"] for r in runs]}
+    sps = [r["samples_per_s"] for r in runs]
+    mid = statistics.median_low(sps)
+    return {**next(r for r in runs if r["samples_per_s"] == mid), "runs_samples_per_s": sps}
 
 
 def run_rounds(w: Workload, systems: list[str], *, repeat: int, progress=None, **kwargs) -> list[dict]:
@@ -128,9 +129,9 @@ def run_systems(w: Workload, systems: list[str], *, timeout_s: float, dmp_shardi
 
 
 def round_ratios(line: dict, base: dict) -> list[float]:
-    """``line``'s samples/s over ``base``'s, round by round (runs of one round ran minutes apart
-    at most, so they share the machine's speed of the moment, which wanders by a third on a
-    shared 2-core machine)."""
+    """``line``'s samples/s over ``base``'s, round by round (the runs of one round are seconds to
+    a minute apart, so they share the machine's speed of the moment, which wanders by a third
+    on a shared 2-core machine)."""
     a = line.get("runs_samples_per_s", [line["samples_per_s"]])
     b = base.get("runs_samples_per_s", [base["samples_per_s"]])
     if len(a) != len(b):
@@ -142,8 +143,7 @@ def paired_ratio(line: dict, base: dict) -> float:
     """The median over rounds of :func:`round_ratios` (the lower middle for an even count): a
     slow spell of the machine slows both systems of a round, so it cancels here, where a ratio
     of the two medians would compare runs from different moments."""
-    r = sorted(round_ratios(line, base))
-    return r[(len(r) - 1) // 2]
+    return statistics.median_low(round_ratios(line, base))
 
 
 def ratio_table(lines: list[dict]) -> str:

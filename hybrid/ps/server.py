@@ -124,12 +124,13 @@ class CollectionShard:
         self.fault: str | None = None
         self.lock = threading.RLock()
         self.anchor = torch.zeros((), requires_grad=True)
-        # Plain SGD adds each contribution on its own (:meth:`_apply`), so a sync step need not
-        # wait for the last trainer to start: each push is added as it arrives, and only the
-        # last one's addition stays between the step's end and the next lookups. Lookups still
-        # wait for the whole step (``complete_through``), so they read what single-process
-        # training reads; only the order of the additions follows arrival, as it did before.
-        self.eager = all(t.optim.accumulates for t in self.tables)
+        # Plain SGD on every table: each contribution is added on its own (:meth:`_apply`), so a
+        # sync step need not wait for the last trainer to start: each push is added as it
+        # arrives, and only the last one's addition stays between the step's end and the next
+        # lookups. Lookups still wait for the whole step (``complete_through``), so they read
+        # what single-process training reads; only the order of the additions follows arrival,
+        # as it did before.
+        self.accumulates = all(t.optim.accumulates for t in self.tables)
         self.counters = ServerCounters()
 
     # -- reading rows -------------------------------------------------------------------------
@@ -191,7 +192,7 @@ class CollectionShard:
                 if self.failed is not None:
                     raise RuntimeError(f"{self.cid} on ps{self.server} failed earlier") from self.failed
                 last = self.arrived.get(step, 0) + 1 == self.num_trainers
-                if self.staleness == 0 and not self.eager:
+                if self.staleness == 0 and not self.accumulates:
                     self.pending[step].extend(parts)
                     if last:
                         self._apply(self.pending.pop(step))
@@ -214,7 +215,7 @@ class CollectionShard:
         """Sum the contributions per distinct row and run the optimizer on each table."""
         if self.fault == "update":
             raise RuntimeError(f"injected fault in the update of {self.cid} on ps{self.server}")
-        if all(t.optim.accumulates for t in self.tables):
+        if self.accumulates:
             # Plain SGD: add every contribution straight in (rows may repeat across trainers).
             check_finite([g for _, _, g in contributions], f"sgd update of {self.cid} on ps{self.server}")
             for ids, counts, grad in contributions:
