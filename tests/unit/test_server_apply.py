@@ -14,8 +14,11 @@ TABLES = [TableSpec("a", 50, 4, ("fa",)), TableSpec("b", 30, 4, ("fb",))]
 
 def _shard(spec: SparseOptimSpec) -> CollectionShard:
     layouts = shard_tables(TABLES, 1, "table_wise")
-    return CollectionShard(cid="ebc", server=0, layouts=layouts, optimizer=spec, num_trainers=2, staleness=0,
-                           gradient_scaling="mean", start_step=0)
+    shard = CollectionShard(cid="ebc", server=0, layouts=layouts, optimizer=spec, num_trainers=2, staleness=0,
+                            gradient_scaling="mean", start_step=0)
+    for t in shard.tables:  # as rpc_create does; the weights are torch.empty until then
+        t.init_uniform(7)
+    return shard
 
 
 def _part(seed: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
