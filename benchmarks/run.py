@@ -69,7 +69,8 @@ def summarize(system: str, w: Workload, reports: list[dict]) -> dict:
 
 
 def _per_step(c: dict, steps: int) -> dict:
-    """A server's counters over the timed window, per step (all trainers together)."""
+    """A server's counters over the timed window, per step (all trainers together), and the
+    memory its process holds in huge pages at the end."""
     return {
         "rpcs_per_step": (c["lookups"] + c["push_messages"]) / steps,
         "lookups_per_step": c["lookups"] / steps,
@@ -78,6 +79,7 @@ def _per_step(c: dict, steps: int) -> dict:
         "bytes_sent_per_step": c["bytes_out"] / steps,
         "unique_id_ratio": c["rows_served"] / c["ids_requested"] if c["ids_requested"] else 1.0,
         "wait_s_per_step": c["wait_s"] / steps,
+        "huge_page_mb": None if c.get("huge_page_bytes") is None else c["huge_page_bytes"] / 2**20,
     }
 
 
@@ -193,6 +195,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hybrid's TensorPipe channels, e.g. basic or cma,basic (default: RuntimeOptions')")
     p.add_argument("--rpc-threads", type=int, default=None,
                    help="hybrid's RPC worker threads per process (default: RuntimeOptions')")
+    p.add_argument("--huge-pages", choices=("on", "off"), default=None,
+                   help="hybrid's servers keep tables in transparent huge pages (default: RuntimeOptions', on)")
     Workload.add_arguments(p)
     args = p.parse_args(argv)
     if args.repeat < 1:
@@ -214,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         runtime["transports"] = args.transports.split(",")
     if args.channels:
         runtime["channels"] = args.channels.split(",")
+    if args.huge_pages is not None:
+        runtime["huge_pages"] = args.huge_pages == "on"
     if args.rpc_threads:
         runtime["num_worker_threads"] = args.rpc_threads
 

@@ -103,6 +103,8 @@ def _trainer(role, w: Workload, *, dense: str, staleness: int, options) -> dict:
     if role.index == 0:
         report["breakdown_s"] = {k: sum(getattr(x, k) for x in times) / len(times) for k in asdict(times[0])}
         report["server_stats"] = {n: _delta(stats["start"][n], stats["stop"][n]) for n in stats["stop"]}
+        for n, st in stats["stop"].items():  # a level, not a counter
+            report["server_stats"][n]["huge_page_bytes"] = st.get("huge_page_bytes")
     return report
 
 

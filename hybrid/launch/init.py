@@ -60,6 +60,10 @@ class RuntimeOptions:
         if self.gradient_push not in GRADIENT_PUSHES:
             raise PlanError(f"got {self.gradient_push!r}; expected one of {', '.join(GRADIENT_PUSHES)}",
                             category="bad_value", key="gradient_push")
+    huge_pages: bool = True
+    """Parameter servers keep tables and optimizer state in transparent huge pages (where the
+    kernel allows, see :mod:`hybrid.ps.memory`): fewer TLB misses on the scattered rows of every
+    lookup and update. The numbers trained are the same either way."""
     address: str = "127.0.0.1"
     """Address every listening socket binds to. Loopback by default; set to the node's own
     interface address for multi-node runs, on a trusted network only."""
@@ -168,6 +172,9 @@ def init_hybrid(
     ``file:///path`` for a file store (tests). Servers are not members of the trainers' group.
     """
     options = options or RuntimeOptions()
+    from hybrid.ps import memory
+
+    memory.configure(huge_pages=options.huge_pages)
     wait_for_everyone(role, init_method, options.startup_timeout_s)
     ifname = _ifname_for(options.address)
     if ifname:  # RPC (TensorPipe) and the trainers' gloo group listen on this interface only

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.ps.optim_spec import SPARSE_OPTIMIZERS
+from hybrid.ps.memory import table_tensor
 
 
 @dataclass(kw_only=True)
@@ -60,13 +61,13 @@ class RowSparseOptimizer:
         init = spec.initial_accumulator_value
         self.state: dict[str, torch.Tensor] = {}
         if spec.name == "adagrad":
-            self.state["sum"] = torch.full((rows, dim), init)
+            self.state["sum"] = table_tensor(rows, dim).fill_(init)
         elif spec.name == "rowwise_adagrad":
-            self.state["sum"] = torch.full((rows,), init)
+            self.state["sum"] = table_tensor(rows).fill_(init)
         elif spec.name == "adam":
-            self.state["exp_avg"] = torch.zeros(rows, dim)
-            self.state["exp_avg_sq"] = torch.zeros(rows, dim)
-            self.state["step"] = torch.zeros(rows)
+            self.state["exp_avg"] = table_tensor(rows, dim).zero_()
+            self.state["exp_avg_sq"] = table_tensor(rows, dim).zero_()
+            self.state["step"] = table_tensor(rows).zero_()
 
     @property
     def accumulates(self) -> bool:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed.rpc as rpc
 
+from hybrid.ps.memory import huge_page_bytes, table_tensor
 from hybrid.ps.optim import RowSparseOptimizer, SparseOptimSpec, ascending_per_table, check_finite
 from hybrid.ps.sharding import TableLayout
 
@@ -71,7 +72,7 @@ class TableShard:
         self.dim = layout.table.embedding_dim
         self.shard_pos = layout.servers.index(server)
         self.rows = layout.rows_on(server)
-        self.weight = torch.empty(self.rows, self.dim)
+        self.weight = table_tensor(self.rows, self.dim)  # huge pages: see hybrid.ps.memory
         self.optim = RowSparseOptimizer(spec, self.rows, self.dim)
 
     def init_uniform(self, seed: int) -> None:
@@ -341,6 +342,9 @@ def rpc_stats(cid: str) -> dict:
     shard = _collection(cid)
     d = shard.counters.as_dict()
     d["complete_through"] = shard.complete_through
+    held = huge_page_bytes()  # the whole process's, every collection's tables together
+    if held is not None:
+        d["huge_page_bytes"] = held
     return d
 
 
