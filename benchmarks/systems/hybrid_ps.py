@@ -20,8 +20,10 @@ from benchmarks.systems.common import train
 from benchmarks.workload import Data, Workload, build_dlrm, loss_fn
 
 
-def plan_dict(w: Workload, *, dense: str, staleness: int) -> dict:
-    """The plan: tables row-wise on every server, both MLPs under ``dense``."""
+def plan_dict(w: Workload, *, dense: str, staleness: int, comm_hook: str | None = None) -> dict:
+    """The plan: tables row-wise on every server, both MLPs under ``dense`` (a ddp
+    ``comm_hook`` other than the plan's default when given)."""
+    dense_opts = {"strategy": dense, **({"comm_hook": comm_hook} if comm_hook else {})}
     return {
         "world_size": w.trainers + w.servers,
         "topology": {"parameter_servers": w.servers},
@@ -30,15 +32,15 @@ def plan_dict(w: Workload, *, dense: str, staleness: int) -> dict:
                 "strategy": "parameter_server", "sharding": "row_wise",
                 "optimizer": {"name": "sgd", "lr": w.sparse_lr},
             },
-            "dense_arch": {"strategy": dense},
-            "over_arch": {"strategy": dense},
+            "dense_arch": dict(dense_opts),
+            "over_arch": dict(dense_opts),
         },
         "sync": {"staleness": staleness},
     }
 
 
 def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, staleness: int,
-          runtime: dict) -> dict:
+          runtime: dict, comm_hook: str | None = None) -> dict:
     from hybrid.launch.init import RuntimeOptions, init_hybrid, shutdown
     from hybrid.launch.roles import role_of
 
@@ -48,20 +50,20 @@ def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, st
     report, ok = None, False
     try:
         if role.is_trainer:
-            report = _trainer(role, w, dense=dense, staleness=staleness, options=options)
+            report = _trainer(role, w, dense=dense, staleness=staleness, options=options, comm_hook=comm_hook)
         ok = True
     finally:
         shutdown(role, graceful=ok, timeout_s=options.shutdown_timeout_s)
     return report if role.is_trainer else METER.report(role.name)
 
 
-def _trainer(role, w: Workload, *, dense: str, staleness: int, options) -> dict:
+def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hook: str | None = None) -> dict:
     import hybrid
     from hybrid.autograd import runtime, set_runtime
     from hybrid.plan import plan_from_dict
 
     model = build_dlrm(w)
-    hybrid.compose(model, plan_from_dict(plan_dict(w, dense=dense, staleness=staleness)), role=role,
+    hybrid.compose(model, plan_from_dict(plan_dict(w, dense=dense, staleness=staleness, comm_hook=comm_hook)), role=role,
                    runtime_options=options)
     ebc = model.sparse_arch.embedding_bag_collection
     optimizer = torch.optim.SGD([p for p in model.parameters()], lr=w.lr)
@@ -113,19 +115,23 @@ def _delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float)) and k in before}
 
 
-def _run(w: Workload, *, timeout_s: float, dense: str, staleness: int, runtime: dict | None) -> list[dict]:
+def _run(w: Workload, *, timeout_s: float, dense: str, staleness: int, runtime: dict | None,
+         comm_hook: str | None = None) -> list[dict]:
     return spawn(_rank, w.trainers + w.servers, timeout_s=timeout_s, threads=w.threads, w=w, dense=dense,
-                 staleness=staleness, runtime=dict(runtime or {}))
+                 staleness=staleness, runtime=dict(runtime or {}), comm_hook=comm_hook)
 
 
-def run_hybrid_sync(w: Workload, *, timeout_s: float, runtime: dict | None = None) -> list[dict]:
-    """Sync (staleness 0), dense under DDP. ``runtime``: :class:`RuntimeOptions` overrides."""
-    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=0, runtime=runtime)
+def run_hybrid_sync(w: Workload, *, timeout_s: float, runtime: dict | None = None,
+                    comm_hook: str | None = None) -> list[dict]:
+    """Sync (staleness 0), dense under DDP. ``runtime``: :class:`RuntimeOptions` overrides;
+    ``comm_hook``: the plan's ddp ``comm_hook`` (default: the plan's default)."""
+    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=0, runtime=runtime, comm_hook=comm_hook)
 
 
-def run_hybrid_async(w: Workload, *, timeout_s: float, runtime: dict | None = None) -> list[dict]:
+def run_hybrid_async(w: Workload, *, timeout_s: float, runtime: dict | None = None,
+                     comm_hook: str | None = None) -> list[dict]:
     """Async (staleness 1, prefetch of the next batch), dense under DDP."""
-    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=1, runtime=runtime)
+    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=1, runtime=runtime, comm_hook=comm_hook)
 
 
 def run_hybrid_sync_fsdp(w: Workload, *, timeout_s: float, runtime: dict | None = None) -> list[dict]:

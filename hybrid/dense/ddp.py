@@ -21,6 +21,8 @@ two small MLPs in one bucket save a millisecond per step.
 
 from __future__ import annotations
 
+import queue
+import threading
 from typing import Any
 
 import torch
@@ -31,7 +33,62 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hybrid.log import logger, warn_once
 
-COMM_HOOKS = ("none", "fp16", "bf16")
+COMM_HOOKS = ("auto", "none", "fp16", "bf16")
+
+
+class PairExchange:
+    """DDP's mean all-reduce of a bucket between exactly two gloo ranks, as one exchange: each
+    rank halves its bucket, sends it to the other and adds what it receives.
+
+    The result is bit for bit what DDP's own all-reduce gives (``a/2 + b/2``: one addition, the
+    same on both ranks because float addition is commutative), for a third of the CPU: gloo's
+    all-reduce of a DLRM's 57,000 dense gradients cost 1.1-1.3 ms of CPU per call between two
+    processes on 2 cores, the exchange 0.43-0.47 ms (microbenchmark). Gloo's point-to-point work
+    has no future, so the exchange runs on a thread of its own and completes the future DDP
+    waits for at the end of the backward; buckets go in DDP's order, the same on both ranks.
+    """
+
+    def __init__(self, group) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        self.peer = dist.get_global_rank(group, 1 - group.rank())
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    @staticmethod
+    def hook(state, bucket):  # noqa: ANN001, ANN205 - DDP checks the annotations it finds
+        fut = torch.futures.Future()
+        buf = bucket.buffer()
+        buf.div_(2)  # what DDP's own reducer does to each gradient before it sums
+        if state.thread is None:
+            state.thread = threading.Thread(target=state._run, name="ddp-pair-exchange", daemon=True)
+            state.thread.start()
+        state.jobs.put((buf, fut))
+        return fut
+
+    def _run(self) -> None:
+        import torch.distributed as dist
+
+        while True:
+            buf, fut = self.jobs.get()
+            try:
+                other = torch.empty_like(buf)
+                send = dist.isend(buf, self.peer, group=self.group)
+                recv = dist.irecv(other, self.peer, group=self.group)
+                recv.wait()
+                send.wait()
+                buf.add_(other)
+            except BaseException as e:  # noqa: BLE001 - raised by DDP in the backward
+                fut.set_exception(e)
+            else:
+                fut.set_result(buf)
+
+
+def _pair_exchange_applies(group, device_type: str) -> bool:
+    import torch.distributed as dist
+
+    return device_type == "cpu" and group.size() == 2 and dist.get_backend(group) == "gloo"
 
 
 def _bf16_compress_hook_any_backend(state, bucket):  # noqa: ANN001 - DDP refuses a hook whose bucket annotation is not GradBucket
@@ -177,7 +234,9 @@ def apply_ddp(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any) -> 
     """Make ``model.get_submodule(fqn)`` data parallel over ``mesh`` (the trainers), in place.
 
     Options (read by attribute): ``bucket_cap_mb``, ``static_graph``, ``gradient_as_bucket_view``,
-    ``find_unused_parameters`` (as ``DistributedDataParallel``'s), and ``comm_hook``: ``"none"``,
+    ``find_unused_parameters`` (as ``DistributedDataParallel``'s), and ``comm_hook``: ``"auto"``
+    (DDP's mean all-reduce; between exactly two gloo ranks done as one exchange,
+    :class:`PairExchange`, bit for bit the same), ``"none"`` (DDP's own all-reduce always),
     ``"fp16"`` or ``"bf16"`` (``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``:
     gradients are all-reduced in that dtype, divided by the world size first).
 
@@ -205,8 +264,13 @@ def _has_gradients(name: str, params: list[nn.Parameter]) -> bool:
 def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ignored_modules: list[nn.Module],
                what: str) -> None:
     module = model.get_submodule(fqn)
-    hook = None if options.comm_hook == "none" else _comm_hook(options.comm_hook, mesh.device_type)
     group = mesh.get_group()
+    state, hook = group, None
+    if options.comm_hook == "auto":
+        if _pair_exchange_applies(group, mesh.device_type):
+            state, hook = PairExchange(group), PairExchange.hook
+    elif options.comm_hook != "none":
+        hook = _comm_hook(options.comm_hook, mesh.device_type)
     replicate(
         module,
         ignored_modules=ignored_modules,
@@ -217,7 +281,7 @@ def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ig
         find_unused_parameters=options.find_unused_parameters,
     )
     if hook is not None:
-        module.register_comm_hook(group, hook)
+        module.register_comm_hook(state, hook)
     # replicate() builds its DistributedDataParallel lazily, in the first forward; build it now so
     # that the broadcast from rank 0 and DDP's cross-rank shape check happen here, at compose time.
     replicate.state(module).lazy_init()
@@ -225,5 +289,6 @@ def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ig
         "applied ddp to %s (bucket_cap_mb=%g, static_graph=%s, gradient_as_bucket_view=%s, "
         "find_unused_parameters=%s, comm_hook=%s, %d trainers)",
         what, options.bucket_cap_mb, options.static_graph, options.gradient_as_bucket_view,
-        options.find_unused_parameters, options.comm_hook, mesh.size(),
+        options.find_unused_parameters,
+        "auto (pair exchange)" if isinstance(state, PairExchange) else options.comm_hook, mesh.size(),
     )

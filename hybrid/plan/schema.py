@@ -105,8 +105,10 @@ class DDPOptions:
     """Gradients are views into the all-reduce buckets (saves one gradient-sized copy)."""
     find_unused_parameters: bool = False
     """Search the graph for parameters that got no gradient (costs a graph walk each step)."""
-    comm_hook: Literal["none", "fp16", "bf16"] = "none"
-    """Compress gradients to this dtype for the all-reduce."""
+    comm_hook: Literal["auto", "none", "fp16", "bf16"] = "auto"
+    """``auto``: DDP's mean all-reduce, done between exactly two gloo (CPU) trainers as one
+    send/recv exchange (bit for bit the same, a third of gloo's all-reduce CPU); ``none``: DDP's
+    own all-reduce always; ``fp16``/``bf16``: compress gradients to this dtype for the all-reduce."""
     merge: bool = True
     """Share one ``DistributedDataParallel`` (one set of allreduce buckets, applied on their
     common ancestor) with the plan's other ddp modules that have the same options, as TorchRec's

@@ -273,12 +273,12 @@ def test_mixed_precision_tracks_float32():
     assert losses[("bfloat16", "float32")] != losses[("float32", "float32")]  # bf16 really computed
 
 
-def _comm_hooks(rank: int, world_size: int, *, steps: int):
+def _comm_hooks(rank: int, world_size: int, *, steps: int, hooks=("none", "auto", "fp16", "bf16")):
     from torch.distributed._composable import replicate
 
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
-    for hook in ("none", "fp16", "bf16"):
+    for hook in hooks:
         model = apply_plan(build(), [("", "ddp", DDPOpts(comm_hook=hook))], mesh)
         registered = [h.__name__ for h, _ in replicate.state(model)._ddp._comm_hooks]
         losses = train(model, "sgd", rank=rank, world_size=world_size, steps=steps)
@@ -294,6 +294,10 @@ HOOK_TOLERANCE = {"fp16": 1e-3, "bf16": 1e-2}
 def test_ddp_comm_hooks_are_registered_and_track_uncompressed_training():
     out = run_distributed(_comm_hooks, 2, timeout=60, steps=10)[0]
     assert out["none"][0] == []
+    # auto, two gloo ranks: the pair exchange, bit for bit DDP's own all-reduce.
+    assert out["auto"][0] == ["hook"]
+    assert out["auto"][1] == out["none"][1]
+    assert all(torch.equal(v, out["none"][2][k]) for k, v in out["auto"][2].items())
     assert out["fp16"][0] == ["fp16_compress_hook"]
     assert out["bf16"][0] == ["_bf16_compress_hook_any_backend"]
     _, ref_losses, ref_state = out["none"]
@@ -303,6 +307,12 @@ def test_ddp_comm_hooks_are_registered_and_track_uncompressed_training():
         for k, v in state.items():
             torch.testing.assert_close(v, ref_state[k], atol=tol, rtol=0, msg=lambda m: f"{hook} {k}: {m}")
         assert any(not torch.equal(v, ref_state[k]) for k, v in state.items())  # the hook did something
+
+
+def test_ddp_auto_hook_leaves_three_trainers_to_ddp_s_own_all_reduce():
+    for out in run_distributed(_comm_hooks, 3, timeout=60, steps=2, hooks=("auto", "none")):
+        assert out["auto"][0] == []  # no hook registered: gloo's all-reduce
+        assert out["auto"][1] == out["none"][1]
 
 
 def _merged(rank: int, world_size: int):

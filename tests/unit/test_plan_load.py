@@ -218,7 +218,7 @@ LOAD_ERRORS = [
     ({"modules": {"d": {"strategy": "local", "x": 1}}}, "unknown_key", r"modules\.d\.x: unknown option 'x' for strategy local; local options: none"),
     ({"modules": {"d": {"strategy": "ddp", "bucket_cap_mb": "big"}}}, "bad_value", r"modules\.d\.bucket_cap_mb: got 'big'; expected a number"),
     ({"modules": {"d": {"strategy": "ddp", "bucket_cap_mb": 0}}}, "bad_value", r"modules\.d\.bucket_cap_mb: got 0\.0; expected a size in MiB > 0"),
-    ({"modules": {"d": {"strategy": "ddp", "comm_hook": "int8"}}}, "bad_value", r"modules\.d\.comm_hook: got 'int8'; expected one of 'none', 'fp16', 'bf16'"),
+    ({"modules": {"d": {"strategy": "ddp", "comm_hook": "int8"}}}, "bad_value", r"modules\.d\.comm_hook: got 'int8'; expected one of 'auto', 'none', 'fp16', 'bf16'"),
     ({"modules": {"d": {"strategy": "ddp", "static_graph": "maybe"}}}, "bad_value", r"modules\.d\.static_graph: got 'maybe'; expected true or false"),
     ({"modules": {"d": {"strategy": "fsdp", "mixed_precision": {"param_dtype": "bf16"}}}}, "bad_value",
      r"modules\.d\.mixed_precision\.param_dtype: got 'bf16' \(did you mean 'bfloat16'\?\); expected one of 'float32', 'bfloat16', 'float16'"),
