@@ -26,6 +26,7 @@ import threading
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import replicate
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -49,8 +50,6 @@ class PairExchange:
     """
 
     def __init__(self, group) -> None:
-        import torch.distributed as dist
-
         self.group = group
         self.peer = dist.get_global_rank(group, 1 - group.rank())
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -68,8 +67,6 @@ class PairExchange:
         return fut
 
     def _run(self) -> None:
-        import torch.distributed as dist
-
         while True:
             buf, fut = self.jobs.get()
             try:
@@ -86,8 +83,6 @@ class PairExchange:
 
 
 def _pair_exchange_applies(group, device_type: str) -> bool:
-    import torch.distributed as dist
-
     return device_type == "cpu" and group.size() == 2 and dist.get_backend(group) == "gloo"
 
 

@@ -12,6 +12,8 @@ runtime options) they are plain ``torch.empty`` tensors: the numbers are the sam
 
 from __future__ import annotations
 
+import functools
+import math
 import mmap
 import os
 
@@ -27,25 +29,29 @@ def configure(*, huge_pages: bool) -> None:
     _ENABLED = huge_pages
 
 
-def huge_pages_available() -> bool:
-    """Whether this process can ask for transparent huge pages at all."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
+@functools.cache
+def thp_mode() -> str | None:
+    """The kernel's transparent-huge-page mode (``always``, ``madvise`` or ``never``), or None
+    where it does not say. Read once per process."""
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            mode = f.read()
+            text = f.read()
     except OSError:
-        return False
-    return "[never]" not in mode
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
+
+
+def huge_pages_available() -> bool:
+    """Whether this process can ask for transparent huge pages at all."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and thp_mode() in ("always", "madvise")
 
 
 def table_tensor(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An uninitialized CPU tensor of ``shape`` for table rows or per-row optimizer state: in
     huge pages when it spans at least one and they are enabled and available, else ``torch.empty``."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
     if not _ENABLED or nbytes < HUGE_PAGE or not huge_pages_available():
         return torch.empty(shape, dtype=dtype)
     # One extra huge page of slack so the tensor can start on a 2 MiB boundary. The mapping is

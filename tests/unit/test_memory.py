@@ -65,15 +65,7 @@ def test_optimizer_state_is_allocated_the_same_way_and_initialized():
         assert opt.state["sum"].data_ptr() % memory.HUGE_PAGE == 0
 
 
-def _thp_mode() -> str:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "unknown"
-
-
-@pytest.mark.skipif(_thp_mode() != "madvise", reason="only under 'madvise' does an un-asked mapping stay out")
+@pytest.mark.skipif(memory.thp_mode() != "madvise", reason="only under 'madvise' does an un-asked mapping stay out")
 def test_switched_off_or_small_tables_are_plain_torch_empty():
     small = memory.table_tensor(10, 4).zero_()
     assert small.shape == (10, 4)
