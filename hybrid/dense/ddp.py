@@ -229,7 +229,8 @@ def apply_ddp(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any) -> 
     """Make ``model.get_submodule(fqn)`` data parallel over ``mesh`` (the trainers), in place.
 
     Options (read by attribute): ``bucket_cap_mb``, ``static_graph``, ``gradient_as_bucket_view``,
-    ``find_unused_parameters`` (as ``DistributedDataParallel``'s), and ``comm_hook``: ``"auto"``
+    ``find_unused_parameters`` (as ``DistributedDataParallel``'s), ``broadcast_buffers`` (a bool
+    as DDP's, or ``"auto"``: :func:`broadcasts_buffers`), and ``comm_hook``: ``"auto"``
     (DDP's mean all-reduce; between exactly two gloo ranks done as one exchange,
     :class:`PairExchange`, bit for bit the same), ``"none"`` (DDP's own all-reduce always),
     ``"fp16"`` or ``"bf16"`` (``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``:
@@ -256,9 +257,41 @@ def _has_gradients(name: str, params: list[nn.Parameter]) -> bool:
     return True
 
 
+def broadcasts_buffers(module: nn.Module, ignored_modules: list[nn.Module], setting: bool | str) -> bool:
+    """Whether DDP on ``module`` (minus ``ignored_modules``) broadcasts buffers before each
+    forward: ``setting`` when a bool; for ``"auto"``, whether it holds a floating-point buffer.
+    An integer buffer is an index table or a counter that every trainer keeps alike; a float one
+    may be a running statistic, which only the broadcast keeps equal across trainers."""
+    if isinstance(setting, bool):
+        return setting
+    return any(b.is_floating_point() or b.is_complex() for b in _own_buffers(module, ignored_modules))
+
+
+def _own_buffers(module: nn.Module, ignored_modules: list[nn.Module]) -> list[torch.Tensor]:
+    skip = {id(b) for m in ignored_modules for b in m.buffers()}
+    return [b for b in module.buffers() if id(b) not in skip]
+
+
+def _sync_buffers_from_rank0(module: nn.Module, ignored_modules: list[nn.Module], group) -> None:
+    """What ``DistributedDataParallel(broadcast_buffers=True)`` does and composable ``replicate``
+    does not (its DDP holds the parameters only): rank 0's buffers go to every trainer now and
+    before each forward of ``module``. The buffers are looked up at each forward, since a module
+    may reassign them."""
+
+    def sync(*_args) -> None:
+        buffers = _own_buffers(module, ignored_modules)
+        if buffers:
+            with torch.no_grad():
+                dist._broadcast_coalesced(group, buffers, 256 * 2**20, 0)
+
+    sync()
+    module.register_forward_pre_hook(sync)
+
+
 def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ignored_modules: list[nn.Module],
                what: str) -> None:
     module = model.get_submodule(fqn)
+    broadcast = broadcasts_buffers(module, ignored_modules, options.broadcast_buffers)
     group = mesh.get_group()
     state, hook = group, None
     if options.comm_hook == "auto":
@@ -280,10 +313,12 @@ def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ig
     # replicate() builds its DistributedDataParallel lazily, in the first forward; build it now so
     # that the broadcast from rank 0 and DDP's cross-rank shape check happen here, at compose time.
     replicate.state(module).lazy_init()
+    if broadcast:
+        _sync_buffers_from_rank0(module, ignored_modules, group)
     logger.info(
         "applied ddp to %s (bucket_cap_mb=%g, static_graph=%s, gradient_as_bucket_view=%s, "
-        "find_unused_parameters=%s, comm_hook=%s, %d trainers)",
+        "find_unused_parameters=%s, broadcast_buffers=%s%s, comm_hook=%s, %d trainers)",
         what, options.bucket_cap_mb, options.static_graph, options.gradient_as_bucket_view,
-        options.find_unused_parameters,
+        options.find_unused_parameters, broadcast, " (auto)" if options.broadcast_buffers == "auto" else "",
         "auto (pair exchange)" if isinstance(state, PairExchange) else options.comm_hook, mesh.size(),
     )

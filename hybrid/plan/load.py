@@ -275,6 +275,8 @@ def _describe(hint: Any) -> str:
     if origin is Literal:
         return one_of(args)
     if origin in (typing.Union, types.UnionType):
+        if set(args) == {bool, str}:
+            return "true, false or 'auto'"  # DDPOptions.broadcast_buffers: the only string is 'auto'
         described = [_describe(a) for a in args if a is not type(None)]
         if str in args and any(typing.get_origin(a) is list for a in args):
             # PSOptions.servers: the only string allowed is the keyword 'all'.

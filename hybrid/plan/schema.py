@@ -105,6 +105,13 @@ class DDPOptions:
     """Gradients are views into the all-reduce buckets (saves one gradient-sized copy)."""
     find_unused_parameters: bool = False
     """Search the graph for parameters that got no gradient (costs a graph walk each step)."""
+    broadcast_buffers: bool | str = "auto"
+    """Broadcast rank 0's buffers to every trainer before each forward, as DDP does by default
+    (one collective per step, so that running statistics such as BatchNorm's agree; hybrid does
+    it itself, since composable ``replicate`` syncs no buffers).
+    ``auto``: only when the module holds a floating-point buffer; integer buffers (index tables
+    such as DLRM's ``triu_indices``, BatchNorm's ``num_batches_tracked``, which every trainer
+    counts alike) are left alone, as TorchRec's DistributedModelParallel leaves all of them."""
     comm_hook: Literal["auto", "none", "fp16", "bf16"] = "auto"
     """``auto``: DDP's mean all-reduce, done between exactly two gloo (CPU) trainers as one
     send/recv exchange (bit for bit the same, a third of gloo's all-reduce CPU); ``none``: DDP's
@@ -117,6 +124,8 @@ class DDPOptions:
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:
             raise _bad("bucket_cap_mb", self.bucket_cap_mb, "a size in MiB > 0")
+        if not isinstance(self.broadcast_buffers, bool) and self.broadcast_buffers != "auto":
+            raise _bad("broadcast_buffers", self.broadcast_buffers, "true, false or 'auto'")
 
 
 @dataclass(kw_only=True)

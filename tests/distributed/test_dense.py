@@ -46,6 +46,7 @@ class DDPOpts:
     static_graph: bool = False
     gradient_as_bucket_view: bool = False
     find_unused_parameters: bool = False
+    broadcast_buffers: bool | str = "auto"
     comm_hook: str = "none"
 
 
@@ -313,6 +314,52 @@ def test_ddp_auto_hook_leaves_three_trainers_to_ddp_s_own_all_reduce():
     for out in run_distributed(_comm_hooks, 3, timeout=60, steps=2, hooks=("auto", "none")):
         assert out["auto"][0] == []  # no hook registered: gloo's all-reduce
         assert out["auto"][1] == out["none"][1]
+
+
+class Indexed(nn.Module):
+    """Mixed behind a fixed feature permutation held as an integer buffer (like DLRM's
+    ``triu_indices``), with an optional BatchNorm (float running statistics) in front, and an
+    integer counter buffer that each trainer bumps differently."""
+
+    def __init__(self, norm: bool) -> None:
+        super().__init__()
+        self.register_buffer("order", torch.arange(7, -1, -1))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+        self.norm = nn.BatchNorm1d(8) if norm else nn.Identity()
+        self.mixed = build()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mixed(self.norm(x[:, self.order]))
+
+
+def _buffers(rank: int, world_size: int):
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for norm in (False, True):
+        for setting in ("auto", True, False):
+            torch.manual_seed(0)
+            model = apply_plan(Indexed(norm), [("", "ddp", DDPOpts(broadcast_buffers=setting))], mesh)
+            losses = train(model, "sgd", rank=rank, world_size=world_size, steps=3)
+            model.seen.fill_(10 + rank)
+            model.eval()
+            model(torch.randn(2, 8))  # a broadcast comes before a forward; eval keeps the stats
+            stats = model.norm.running_mean.clone() if norm else None
+            out[(norm, setting)] = (model.seen.item(), losses, stats)
+    return out
+
+
+def test_ddp_broadcasts_buffers_only_where_a_float_buffer_needs_it():
+    """Composable ``replicate`` never syncs buffers; hybrid does what DDP's ``broadcast_buffers``
+    does, by default ('auto') only for modules with a floating-point buffer."""
+    r0, r1 = run_distributed(_buffers, 2, timeout=60)
+    # Integer buffers only: 'auto' and false leave each trainer's own counter; true takes rank 0's.
+    assert [r1[(False, s)][0] for s in ("auto", True, False)] == [11, 10, 11]
+    assert r0[(False, "auto")][1] == r0[(False, True)][1] == r1[(False, "auto")][1]
+    # With a BatchNorm, 'auto' broadcasts: every trainer holds rank 0's running statistics.
+    assert [r1[(True, s)][0] for s in ("auto", True, False)] == [10, 10, 11]
+    assert torch.equal(r0[(True, "auto")][2], r1[(True, "auto")][2])
+    assert torch.equal(r0[(True, True)][2], r1[(True, True)][2])
+    assert not torch.equal(r0[(True, False)][2], r1[(True, False)][2])  # each trainer's own data
 
 
 def _merged(rank: int, world_size: int):

@@ -66,7 +66,7 @@ def test_every_option_reads_with_its_type(tmp_path):
             activation_checkpointing: true
             wrap: [Linear, Perceptron]
           b: {strategy: ddp, bucket_cap_mb: 5, static_graph: true, gradient_as_bucket_view: true,
-              find_unused_parameters: true, comm_hook: bf16}
+              find_unused_parameters: true, broadcast_buffers: false, comm_hook: bf16}
           c:
             strategy: parameter_server
             sharding: table_wise
@@ -82,7 +82,8 @@ def test_every_option_reads_with_its_type(tmp_path):
         wrap=["Linear", "Perceptron"],
     )
     assert plan.modules["b"].options == DDPOptions(
-        bucket_cap_mb=5.0, static_graph=True, gradient_as_bucket_view=True, find_unused_parameters=True, comm_hook="bf16"
+        bucket_cap_mb=5.0, static_graph=True, gradient_as_bucket_view=True, find_unused_parameters=True,
+        broadcast_buffers=False, comm_hook="bf16"
     )
     c = plan.modules["c"].options
     assert (c.sharding, c.servers, c.id_policy) == ("table_wise", [1, 0], "modulo")
@@ -219,6 +220,9 @@ LOAD_ERRORS = [
     ({"modules": {"d": {"strategy": "ddp", "bucket_cap_mb": "big"}}}, "bad_value", r"modules\.d\.bucket_cap_mb: got 'big'; expected a number"),
     ({"modules": {"d": {"strategy": "ddp", "bucket_cap_mb": 0}}}, "bad_value", r"modules\.d\.bucket_cap_mb: got 0\.0; expected a size in MiB > 0"),
     ({"modules": {"d": {"strategy": "ddp", "comm_hook": "int8"}}}, "bad_value", r"modules\.d\.comm_hook: got 'int8'; expected one of 'auto', 'none', 'fp16', 'bf16'"),
+    ({"modules": {"d": {"strategy": "ddp", "broadcast_buffers": "sometimes"}}}, "bad_value",
+     r"modules\.d\.broadcast_buffers: got 'sometimes'; expected true, false or 'auto'"),
+    ({"modules": {"d": {"strategy": "ddp", "broadcast_buffers": 1}}}, "bad_value", r"modules\.d\.broadcast_buffers: got 1; expected true, false or 'auto'"),
     ({"modules": {"d": {"strategy": "ddp", "static_graph": "maybe"}}}, "bad_value", r"modules\.d\.static_graph: got 'maybe'; expected true or false"),
     ({"modules": {"d": {"strategy": "fsdp", "mixed_precision": {"param_dtype": "bf16"}}}}, "bad_value",
      r"modules\.d\.mixed_precision\.param_dtype: got 'bf16' \(did you mean 'bfloat16'\?\); expected one of 'float32', 'bfloat16', 'float16'"),

@@ -92,7 +92,7 @@ def test_format_plan_table():
         "model": "dlrm",
         "modules": {
             EBC: PS_RULE,
-            "dense_arch": {"strategy": "ddp", "bucket_cap_mb": 10, "comm_hook": "bf16"},
+            "dense_arch": {"strategy": "ddp", "bucket_cap_mb": 10, "broadcast_buffers": False, "comm_hook": "bf16"},
             "over_arch": {"strategy": "fsdp", "mixed_precision": {"param_dtype": "bfloat16"}, "wrap": ["Linear"]},
             "*": DDP,
         },
@@ -108,7 +108,7 @@ def test_format_plan_table():
     row = {ln.split()[0]: ln for ln in lines[3:6]}
     assert "parameter_server  row_wise rowwise_adagrad lr=0.05" in row[EBC]
     assert row[EBC].split()[-5:] == ["3,200", "0", "B", "14.1", "KiB"]  # 400 rows x (8 + 1) x 4 B
-    assert "bucket=10MB bf16-hook" in row["dense_arch"]
+    assert "bucket=10MB no-buffer-sync bf16-hook" in row["dense_arch"]
     assert row["dense_arch"].split()[-4:] == ["360", "4.2", "KiB", "-"]
     assert "reshard bf16/fp32 wrap=Linear" in row["over_arch"]
     total = lines[7].split()
