@@ -10,8 +10,9 @@ unlike ``DistributedDataParallel(module)``, nothing gets a ``module.`` prefix: `
 on the root (``fqn == ""``).
 
 One difference from ``DistributedDataParallel(module)``: the reducer is built over the module's
-parameters only, so buffers (e.g. BatchNorm running statistics) are not broadcast from rank 0
-before each forward; each trainer keeps its own.
+parameters only, so ``replicate`` broadcasts no buffers (e.g. BatchNorm running statistics);
+hybrid does it itself, before each forward, where ``broadcast_buffers`` asks for it
+(:func:`broadcasts_buffers`).
 
 Several ddp modules of a plan with equal options share one reducer (:func:`merge_groups`,
 :func:`apply_ddp_merged`): ``replicate`` on their common ancestor with the other branches in
@@ -47,13 +48,21 @@ class PairExchange:
     processes on 2 cores, the exchange 0.43-0.47 ms (microbenchmark). Gloo's point-to-point work
     has no future, so the exchange runs on a thread of its own and completes the future DDP
     waits for at the end of the backward; buckets go in DDP's order, the same on both ranks.
+
+    When both trainers run on one host, the exchange skips gloo: each writes its half into shared
+    memory the other maps and rings the other's FIFO (:class:`hybrid.dense.pair_shm.SharedPair`).
+    Building that is a collective, at compose time; ``capacity`` is the bytes of the gradients
+    DDP reduces (0: gloo's exchange).
     """
 
-    def __init__(self, group) -> None:
+    def __init__(self, group, capacity: int = 0) -> None:
+        from hybrid.dense.pair_shm import SharedPair
+
         self.group = group
         self.peer = dist.get_global_rank(group, 1 - group.rank())
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
+        self.shared = SharedPair.open(group, capacity, f"trainer{1 - group.rank()} (global rank {self.peer})")
 
     @staticmethod
     def hook(state, bucket):  # noqa: ANN001, ANN205 - DDP checks the annotations it finds
@@ -70,12 +79,15 @@ class PairExchange:
         while True:
             buf, fut = self.jobs.get()
             try:
-                other = torch.empty_like(buf)
-                send = dist.isend(buf, self.peer, group=self.group)
-                recv = dist.irecv(other, self.peer, group=self.group)
-                recv.wait()
-                send.wait()
-                buf.add_(other)
+                if self.shared is not None:
+                    self.shared.exchange(buf)
+                else:
+                    other = torch.empty_like(buf)
+                    send = dist.isend(buf, self.peer, group=self.group)
+                    recv = dist.irecv(other, self.peer, group=self.group)
+                    recv.wait()
+                    send.wait()
+                    buf.add_(other)
             except BaseException as e:  # noqa: BLE001 - raised by DDP in the backward
                 fut.set_exception(e)
             else:
@@ -292,11 +304,14 @@ def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ig
                what: str) -> None:
     module = model.get_submodule(fqn)
     broadcast = broadcasts_buffers(module, ignored_modules, options.broadcast_buffers)
+    ignored_params = {id(p) for m in ignored_modules for p in m.parameters()}
     group = mesh.get_group()
     state, hook = group, None
     if options.comm_hook == "auto":
         if _pair_exchange_applies(group, mesh.device_type):
-            state, hook = PairExchange(group), PairExchange.hook
+            nbytes = sum(p.numel() * p.element_size() for p in module.parameters()
+                         if p.requires_grad and id(p) not in ignored_params)
+            state, hook = PairExchange(group, nbytes), PairExchange.hook
     elif options.comm_hook != "none":
         hook = _comm_hook(options.comm_hook, mesh.device_type)
     replicate(
@@ -320,5 +335,6 @@ def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ig
         "find_unused_parameters=%s, broadcast_buffers=%s%s, comm_hook=%s, %d trainers)",
         what, options.bucket_cap_mb, options.static_graph, options.gradient_as_bucket_view,
         options.find_unused_parameters, broadcast, " (auto)" if options.broadcast_buffers == "auto" else "",
-        "auto (pair exchange)" if isinstance(state, PairExchange) else options.comm_hook, mesh.size(),
+        (f"auto (pair exchange{', shared memory' if state.shared else ''})" if isinstance(state, PairExchange)
+         else options.comm_hook), mesh.size(),
     )
