@@ -1,8 +1,9 @@
 """A same-host channel between the two trainers of :class:`hybrid.dense.ddp.PairExchange`.
 
 Between two gloo ranks, a point-to-point exchange goes through gloo's TCP pair on the loopback
-and its event-loop thread: about 1.1-1.3 ms of CPU per exchange of a DLRM's 57,000 dense
-gradients (both ranks' threads together). When both trainers run on one host, each of them
+and its event-loop thread: a DLRM dense step (57,000 gradients, batch 256) cost 6.34-6.60 ms of
+CPU per trainer with it against 5.90-6.03 ms with this channel (microbenchmark, both with all
+threads counted). When both trainers run on one host, each of them
 instead writes its half-bucket into a shared-memory *outbox* the other maps, and rings the other
 one's *doorbell*, a FIFO: one byte written, one byte read. The data crosses memory once and
 the kernel sees two small syscalls per exchange.
