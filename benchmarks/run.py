@@ -202,6 +202,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "trainers; none: gloo's all-reduce)")
     p.add_argument("--huge-pages", choices=("on", "off"), default=None,
                    help="hybrid's servers keep tables in transparent huge pages (default: RuntimeOptions', on)")
+    p.add_argument("--native-kernels", choices=("auto", "on", "off"), default=None,
+                   help="hybrid's native kernels for id routing and the servers' row reads and SGD "
+                        "(default: RuntimeOptions', auto)")
     Workload.add_arguments(p)
     args = p.parse_args(argv)
     if args.repeat < 1:
@@ -225,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         runtime["channels"] = args.channels.split(",")
     if args.huge_pages is not None:
         runtime["huge_pages"] = args.huge_pages == "on"
+    if args.native_kernels is not None:
+        runtime["native_kernels"] = args.native_kernels
     if args.rpc_threads:
         runtime["num_worker_threads"] = args.rpc_threads
 

@@ -60,10 +60,21 @@ class RuntimeOptions:
         if self.gradient_push not in GRADIENT_PUSHES:
             raise PlanError(f"got {self.gradient_push!r}; expected one of {', '.join(GRADIENT_PUSHES)}",
                             category="bad_value", key="gradient_push")
+        from hybrid.ps.native import MODES
+
+        if self.native_kernels not in MODES:
+            raise PlanError(f"got {self.native_kernels!r}; expected one of {', '.join(MODES)}",
+                            category="bad_value", key="native_kernels")
     huge_pages: bool = True
     """Parameter servers keep tables and optimizer state in transparent huge pages (where the
     kernel allows, see :mod:`hybrid.ps.memory`): fewer TLB misses on the scattered rows of every
     lookup and update. The numbers trained are the same either way."""
+    native_kernels: str = "auto"
+    """The sparse path's per-step loops (the trainer's id routing, the servers' row reads and SGD
+    updates) in native code compiled on first use (:mod:`hybrid.ps.native`): ``auto`` where a C
+    compiler builds them, else the torch code with one warning; ``on`` requires them (start-up
+    fails naming the compiler's error); ``off`` never builds them. The numbers trained are the
+    same either way."""
     address: str = "127.0.0.1"
     """Address every listening socket binds to. Loopback by default; set to the node's own
     interface address for multi-node runs, on a trusted network only."""
@@ -172,9 +183,10 @@ def init_hybrid(
     ``file:///path`` for a file store (tests). Servers are not members of the trainers' group.
     """
     options = options or RuntimeOptions()
-    from hybrid.ps import memory
+    from hybrid.ps import memory, native
 
     memory.configure(huge_pages=options.huge_pages)
+    native.configure(mode=options.native_kernels)
     wait_for_everyone(role, init_method, options.startup_timeout_s)
     ifname = _ifname_for(options.address)
     if ifname:  # RPC (TensorPipe) and the trainers' gloo group listen on this interface only

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from hybrid.ps import native
 from hybrid.ps.sharding import TableLayout, TableSpec
 
 
@@ -128,6 +129,13 @@ class FusedPlan:
             values = values[:total]
             weights = weights[:total] if weights is not None else None
         ids = values.to(torch.int64)
+        kernels = native.lib() if total and ids.device.type == "cpu" else None
+        if kernels is not None and (weights is None or weights.dtype == torch.float32):
+            route = self._route_native(kernels, ids, lengths, weights, counts, b)
+            if route is None:  # an id outside its table: the policy decides, then route again
+                route = self._route_native(kernels, fix_ids(ids, counts), lengths, weights, counts, b)
+            if route is not None:
+                return route
         per_table = torch.zeros(len(self.tables), dtype=torch.int64).index_add_(
             0, self.feature_table, torch.tensor(counts, dtype=torch.int64))
         base = torch.repeat_interleave(self.row_base[:-1], per_table, output_size=total)
@@ -196,6 +204,39 @@ class FusedPlan:
                           grad_bags=grad_bags, grad_offsets=grad_offsets, grad_scale=grad_scale,
                           grad_order=grad_order, mode=self.mode, batch_size=b)
 
+    def _route_native(self, kernels, ids: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None,
+                      counts: list[int], b: int) -> FusedRoute | None:
+        """:meth:`route` in one call of the native kernel ``hy_route`` (same outputs; the
+        backward's groups come in the replies' row order, so no ``grad_order``); ``None`` if an
+        id lies outside its table."""
+        n, nf = ids.numel(), len(counts)
+        ntab, nsrv = len(self.tables), len(self.servers)
+        ids, lengths = ids.contiguous(), lengths.contiguous()
+        i64 = dict(dtype=torch.int64)
+        req, idx, grad_bags = torch.empty(n, **i64), torch.empty(n, **i64), torch.empty(n, **i64)
+        per, raw, bad = torch.empty(nsrv * ntab, **i64), torch.empty(nsrv, **i64), torch.empty(1, **i64)
+        offsets, grad_offsets = torch.empty(nf * b + 1, **i64), torch.empty(n + 1, **i64)
+        w = weights.contiguous() if weights is not None else None
+        weights_sm = torch.empty(n) if w is not None else None
+        grad_scale = torch.empty(n) if w is not None or self.mode == "mean" else None
+        ptr = _ptr
+        nu = kernels.hy_route(
+            n, ptr(ids), nf, b, ptr(lengths), ptr(self.feature_table), ntab, ptr(self.row_base), ptr(self.shards),
+            ptr(self.server_rank), self.server_rank.shape[1], nsrv, ptr(w), ptr(req), ptr(per), ptr(raw), ptr(idx),
+            ptr(offsets), ptr(weights_sm), ptr(grad_bags), ptr(grad_offsets), ptr(grad_scale), ptr(bad))
+        if nu == native.BAD_ID:
+            return None
+        if nu < 0:
+            raise RuntimeError(f"native route failed (code {nu}) on a batch of {n} ids")
+        per_rows = per.view(nsrv, ntab).tolist()
+        raw = raw.tolist()
+        chunks = req[:nu].split([sum(r) for r in per_rows])
+        requests = {s: (chunks[r], [per_rows[r][ti] for ti in self.held[s]]) for r, s in enumerate(self.servers)}
+        return FusedRoute(requests=requests, n_raw={s: raw[r] for r, s in enumerate(self.servers)}, idx=idx,
+                          offsets=offsets, weights=weights_sm, grad_bags=grad_bags,
+                          grad_offsets=grad_offsets[: nu + 1], grad_scale=grad_scale, grad_order=None,
+                          mode=self.mode, batch_size=b)
+
     def pool(self, route: FusedRoute, rows: dict[int, torch.Tensor]) -> torch.Tensor:
         """The collection's pooled values ``[batch, features * dim]`` from the servers' replies."""
         d = self.dim
@@ -203,6 +244,10 @@ class FusedPlan:
         table_rows = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = _PooledRows.apply(table_rows, route)
         return out.view(route.batch_size, -1)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _sort(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

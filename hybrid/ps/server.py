@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed.rpc as rpc
 
+from hybrid.ps import native
 from hybrid.ps.memory import huge_page_bytes, table_tensor
 from hybrid.ps.optim import RowSparseOptimizer, SparseOptimSpec, ascending_per_table, check_finite
 from hybrid.ps.sharding import TableLayout
@@ -133,6 +134,13 @@ class CollectionShard:
         # as it did before.
         self.accumulates = all(t.optim.accumulates for t in self.tables)
         self.counters = ServerCounters()
+        # For the native kernels (hybrid.ps.native): every table's address, width and rows. The
+        # weight tensors are written in place for the shard's whole life, never replaced.
+        self._native_ok = all(t.weight.dtype == torch.float32 and t.weight.is_contiguous()
+                              and t.weight.device.type == "cpu" for t in self.tables)
+        self._addr = torch.tensor([t.weight.data_ptr() for t in self.tables], dtype=torch.int64)
+        self._dims = torch.tensor([t.dim for t in self.tables], dtype=torch.int64)
+        self._nrows = torch.tensor([t.rows for t in self.tables], dtype=torch.int64)
 
     # -- reading rows -------------------------------------------------------------------------
     def _split(self, flat: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
@@ -142,13 +150,34 @@ class CollectionShard:
     def gather(self, ids: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows of ``ids`` (one chunk per table held here, ``counts`` long), flat."""
         out = torch.empty(sum(n * t.dim for n, t in zip(counts, self.tables)))
+        kernels = self._kernels(ids)
         with self.lock:
-            # Straight into the reply: no per-table temporaries and no concatenation copy.
-            for t, i, o in zip(self.tables, ids.split(counts), self._split(out, counts)):
-                torch.index_select(t.weight, 0, i, out=o)
+            if kernels is not None:
+                cnt, bad = torch.tensor(counts, dtype=torch.int64), torch.empty(1, dtype=torch.int64)
+                code = kernels.hy_gather(out.data_ptr(), len(self.tables), self._addr.data_ptr(), self._dims.data_ptr(),
+                                         self._nrows.data_ptr(), cnt.data_ptr(), ids.data_ptr(), bad.data_ptr())
+                if code:
+                    raise self._bad_id(ids, counts, int(bad), "lookup")
+            else:
+                # Straight into the reply: no per-table temporaries and no concatenation copy.
+                for t, i, o in zip(self.tables, ids.split(counts), self._split(out, counts)):
+                    torch.index_select(t.weight, 0, i, out=o)
         self.counters.rows_served += int(ids.numel())
         self.counters.bytes_out += out.numel() * out.element_size()
         return out
+
+    def _kernels(self, ids: torch.Tensor):
+        """The native kernels where they apply to this shard and these ids, else ``None``."""
+        if not self._native_ok or ids.dtype != torch.int64 or not ids.is_contiguous():
+            return None
+        return native.lib()
+
+    def _bad_id(self, ids: torch.Tensor, counts: list[int], pos: int, what: str) -> IndexError:
+        ends = torch.tensor(counts).cumsum(0)
+        k = int((ends <= pos).sum())
+        t = self.tables[k]
+        return IndexError(f"{what} of {self.cid} on ps{self.server}: row {int(ids[pos])} is outside this server's "
+                          f"{t.rows} rows of table {t.name!r}; nothing was changed")
 
     def when_ready(self, needed: int, fn: Callable[[BaseException | None], None]) -> None:
         """Run ``fn(None)`` once steps through ``needed`` are applied (``fn(err)`` on failure)."""
@@ -218,7 +247,12 @@ class CollectionShard:
             raise RuntimeError(f"injected fault in the update of {self.cid} on ps{self.server}")
         if self.accumulates:
             # Plain SGD: add every contribution straight in (rows may repeat across trainers).
-            check_finite([g for _, _, g in contributions], f"sgd update of {self.cid} on ps{self.server}")
+            what = f"sgd update of {self.cid} on ps{self.server}"
+            kernels = self._kernels(contributions[0][0]) if len(contributions) == 1 else None
+            if kernels is not None and contributions[0][2].dtype == torch.float32:
+                self._sgd_native(kernels, *contributions[0], what)
+                return
+            check_finite([g for _, _, g in contributions], what)
             for ids, counts, grad in contributions:
                 distinct = ascending_per_table(ids, counts)
                 for table, i, g in zip(self.tables, ids.split(counts), self._split(grad, counts)):
@@ -251,6 +285,21 @@ class CollectionShard:
         computed = [(table, rows, table.optim.compute(table.weight, rows, g)) for table, rows, g in updates]
         for table, rows, (w, state) in computed:
             table.optim.commit(table.weight, rows, w, state)
+
+
+    def _sgd_native(self, kernels, ids: torch.Tensor, counts: list[int], grad: torch.Tensor, what: str) -> None:
+        """One trainer's SGD contribution in one native call (checked whole before any write)."""
+        grad = grad.contiguous()
+        cnt, bad = torch.tensor(counts, dtype=torch.int64), torch.empty(1, dtype=torch.int64)
+        alpha = -self.tables[0].optim.spec.lr * self.scale
+        code = kernels.hy_sgd(len(self.tables), self._addr.data_ptr(), self._dims.data_ptr(), self._nrows.data_ptr(),
+                              cnt.data_ptr(), ids.data_ptr(), grad.data_ptr(), alpha, bad.data_ptr())
+        if code == native.BAD_ID:
+            raise self._bad_id(ids, counts, int(bad), "gradient push")
+        if code == native.NOT_FINITE:
+            check_finite(self._split(grad, counts), what)  # raises, naming the rows
+        if code:
+            raise RuntimeError(f"{what}: native kernel failed (code {code})")
 
 
 class ParameterServer:
