@@ -73,7 +73,10 @@ class PairExchange:
             state.thread = threading.Thread(target=state._run, name="ddp-pair-exchange", daemon=True)
             state.thread.start()
         state.jobs.put((buf, fut))
-        return fut
+        # DDP's reducer reads the future's value in C++, where an exception set from Python is a
+        # value like any other ("Unable to cast ... to Tensor"); a callback that raises marks the
+        # future it returns failed, with the exchange's own message.
+        return fut.then(_value)
 
     def _run(self) -> None:
         while True:
@@ -92,6 +95,10 @@ class PairExchange:
                 fut.set_exception(e)
             else:
                 fut.set_result(buf)
+
+
+def _value(fut: torch.futures.Future) -> torch.Tensor:
+    return fut.wait()
 
 
 def _pair_exchange_applies(group, device_type: str) -> bool:

@@ -355,6 +355,30 @@ def test_shared_pair_names_a_silent_or_dead_peer():
     assert "trainer1" in dead and "closed its end" in dead and dead_s < 1.0
 
 
+def _ddp_peer_lost(rank: int, world_size: int):
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = apply_plan(build(), [("", "ddp", DDPOpts(comm_hook="auto"))], mesh)
+    # Two steps: DDP's second forward rebuilds its buckets (a broadcast); no collective after.
+    train(model, "sgd", rank=rank, world_size=world_size, steps=2)
+    if rank == 1:
+        from torch.distributed._composable import replicate
+
+        replicate.state(model)._ddp._comm_hooks[0][1].shared.close()  # as a process that died
+        return None
+    x, y = data(1, world_size * B)
+    try:
+        F.mse_loss(model(x[:B]), y[:B]).backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ddp_backward_fails_with_the_exchange_s_message_when_the_other_trainer_is_gone():
+    message = run_distributed(_ddp_peer_lost, 2, timeout=60)[0]
+    assert "trainer1" in message and "closed its end" in message, message
+    assert "Unable to cast" not in message, message
+
+
 class Indexed(nn.Module):
     """Mixed behind a fixed feature permutation held as an integer buffer (like DLRM's
     ``triu_indices``), with an optional BatchNorm (float running statistics) in front, and an
