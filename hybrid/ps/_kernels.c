@@ -314,3 +314,158 @@ int64_t hy_sgd(int64_t ntab, const int64_t *tables, const int64_t *dims, const i
     sgd_libm(ntab, tables, dims, counts, ids, grad, alpha);
     return 0;
 }
+
+/* Sum the gradient rows of repeated ids (several trainers' contributions to one table): rows
+ * ascending, each row's gradients added in their order of arrival, then times scale -- what
+ * torch's zeros().index_add_(inverse, grads).mul_(scale) gives. Returns the number of rows. */
+int64_t hy_sum_rows(int64_t n, const int64_t *ids, const float *grads, int64_t d, float scale,
+                    int64_t nrows, int64_t *rows_out, float *sum_out, int64_t *bad) {
+    for (int64_t i = 0; i < n; i++)
+        if ((uint64_t)ids[i] >= (uint64_t)nrows) {
+            *bad = i;
+            return HY_BAD_ID;
+        }
+    if (n == 0) return 0;
+    int pos_bits = bit_length((uint64_t)(n > 1 ? n - 1 : 1));
+    int key_bits = bit_length((uint64_t)(nrows > 0 ? nrows - 1 : 0));
+    if (pos_bits + key_bits > 63) return HY_TOO_WIDE;
+    uint64_t *packed = malloc((size_t)n * 2 * sizeof(uint64_t));
+    if (!packed) return HY_NO_MEMORY;
+    for (int64_t i = 0; i < n; i++) packed[i] = ((uint64_t)ids[i] << pos_bits) | (uint64_t)i;
+    radix_sort(packed, packed + n, n, pos_bits, pos_bits + key_bits);
+    uint64_t mask = (1ull << pos_bits) - 1;
+    int64_t nu = -1;
+    uint64_t prev = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t r = packed[i] >> pos_bits;
+        const float *g = grads + (int64_t)(packed[i] & mask) * d;
+        if (i == 0 || r != prev) {
+            nu++;
+            rows_out[nu] = (int64_t)r;
+            memcpy(sum_out + nu * d, g, (size_t)d * sizeof(float));
+            prev = r;
+        } else {
+            float *s = sum_out + nu * d;
+            for (int64_t j = 0; j < d; j++) s[j] += g[j];
+        }
+    }
+    nu++;
+    free(packed);
+    if (scale != 1.0f)
+        for (int64_t i = 0; i < nu * d; i++) sum_out[i] *= scale;
+    return nu;
+}
+
+#define OPT_ADAGRAD 1
+#define OPT_ROWWISE_ADAGRAD 2
+#define OPT_ADAM 3
+#define ADAM_CACHE 512
+
+/* New values of n distinct rows of one table and of their optimizer state, into out_* (n rows
+ * each); the table and state are only read. The arithmetic follows hybrid.ps.optim's torch code
+ * step by step (to float32 rounding, not bit for bit: torch's reductions and fused kernels
+ * round in their own order). g is the summed gradient, multiplied by gscale first. Returns 0,
+ * HY_BAD_ID, or HY_NOT_FINITE when a new weight is not finite (the caller then writes nothing). */
+int64_t hy_opt_compute(int64_t kind, int64_t n, int64_t d, int64_t nrows,
+                       const int64_t *restrict rows, const float *restrict grads, float gscale,
+                       const float *restrict w, const float *restrict s1,
+                       const float *restrict s2, const float *restrict s3, double lr, double eps,
+                       double wd, double beta1, double beta2, float *restrict out_w,
+                       float *restrict out_s1, float *restrict out_s2, float *restrict out_s3,
+                       int64_t *restrict bad) {
+    for (int64_t i = 0; i < n; i++)
+        if ((uint64_t)rows[i] >= (uint64_t)nrows) {
+            *bad = i;
+            return HY_BAD_ID;
+        }
+    const float flr = (float)lr, feps = (float)eps, fwd = (float)wd;
+    uint32_t nonfinite = 0;
+    /* Adam's bias corrections depend on a row's step count only: each count's are computed once
+     * per call (two pow() per row otherwise, most of the update's time). */
+    float cache_k[ADAM_CACHE], cache_step[ADAM_CACHE], cache_bc2[ADAM_CACHE];
+    if (kind == OPT_ADAM) memset(cache_k, 0, sizeof(cache_k));
+    float g[1024];
+    float *gbuf = d <= 1024 ? g : malloc((size_t)d * sizeof(float));
+    if (!gbuf) return HY_NO_MEMORY;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        if (i + PREFETCH_AHEAD < n) {
+            int64_t ahead = rows[i + PREFETCH_AHEAD];
+            __builtin_prefetch(w + ahead * d);
+            if (kind == OPT_ROWWISE_ADAGRAD) {
+                __builtin_prefetch(s1 + ahead);
+            } else {
+                __builtin_prefetch(s1 + ahead * d);
+                if (kind == OPT_ADAM) {
+                    __builtin_prefetch(s2 + ahead * d);
+                    __builtin_prefetch(s3 + ahead);
+                }
+            }
+        }
+        const float *wr = w + r * d;
+        float *ow = out_w + i * d;
+        for (int64_t j = 0; j < d; j++) {
+            float gj = grads[i * d + j];
+            if (gscale != 1.0f) gj *= gscale;
+            if (wd != 0.0) gj = fmaf(fwd, wr[j], gj);
+            gbuf[j] = gj;
+        }
+        if (kind == OPT_ADAGRAD) {
+            const float *ar = s1 + r * d;
+            float *oa = out_s1 + i * d;
+            for (int64_t j = 0; j < d; j++) {
+                float acc = ar[j] + gbuf[j] * gbuf[j];
+                oa[j] = acc;
+                ow[j] = wr[j] + (-flr) * (gbuf[j] / (sqrtf(acc) + feps));
+            }
+        } else if (kind == OPT_ROWWISE_ADAGRAD) {
+            float sq = 0.0f;
+            for (int64_t j = 0; j < d; j++) sq += gbuf[j] * gbuf[j];
+            float acc = s1[r] + sq / (float)d;
+            out_s1[i] = acc;
+            float denom = sqrtf(acc) + feps;
+            for (int64_t j = 0; j < d; j++) ow[j] = wr[j] + (-flr) * (gbuf[j] / denom);
+        } else { /* OPT_ADAM, bias corrections in double as torch.optim.Adam */
+            float k = s3[r] + 1.0f;
+            out_s3[i] = k;
+            float step_size, bc2;
+            if (k >= 1.0f && k <= (float)ADAM_CACHE && cache_k[(int)k - 1] == k) {
+                step_size = cache_step[(int)k - 1];
+                bc2 = cache_bc2[(int)k - 1];
+            } else {
+                step_size = (float)(lr / (1.0 - pow(beta1, (double)k)));
+                bc2 = (float)sqrt(1.0 - pow(beta2, (double)k));
+                if (k >= 1.0f && k <= (float)ADAM_CACHE && k == (float)(int)k) {
+                    cache_k[(int)k - 1] = k;
+                    cache_step[(int)k - 1] = step_size;
+                    cache_bc2[(int)k - 1] = bc2;
+                }
+            }
+            const float *mr = s1 + r * d, *vr = s2 + r * d;
+            float *om = out_s1 + i * d, *ov = out_s2 + i * d;
+            float w1 = (float)(1.0 - beta1), fb2 = (float)beta2, w2 = (float)(1.0 - beta2);
+            for (int64_t j = 0; j < d; j++) {
+                float m = mr[j] + w1 * (gbuf[j] - mr[j]);
+                float v = vr[j] * fb2 + w2 * gbuf[j] * gbuf[j];
+                om[j] = m;
+                ov[j] = v;
+                ow[j] = wr[j] - step_size * (m / (sqrtf(v) / bc2 + feps));
+            }
+        }
+        for (int64_t j = 0; j < d; j++) {
+            uint32_t u;
+            memcpy(&u, ow + j, sizeof(u));
+            nonfinite |= ((u & 0x7f800000u) == 0x7f800000u);
+        }
+    }
+    if (gbuf != g) free(gbuf);
+    return nonfinite ? HY_NOT_FINITE : 0;
+}
+
+/* dst[rows[i]] = src[i] (rows of width d), rows already checked. */
+void hy_scatter_rows(float *dst, int64_t d, const int64_t *rows, int64_t n, const float *src) {
+    for (int64_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) __builtin_prefetch(dst + rows[i + PREFETCH_AHEAD] * d, 1);
+        memcpy(dst + rows[i] * d, src + i * d, (size_t)d * sizeof(float));
+    }
+}

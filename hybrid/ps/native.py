@@ -13,6 +13,9 @@ its own pass over the data; ``_kernels.c`` does each in one call for all tables:
 - ``hy_sgd``: ``w[r] = fma(-lr, g, w[r])`` row by row in order, after checking every id and
   every gradient (nothing is written if one is bad) -- the rounding of torch's ``add_(g,
   alpha=-lr)``, so the weights are the same.
+- ``hy_sum_rows``, ``hy_opt_compute``, ``hy_scatter_rows``: adagrad, rowwise_adagrad and adam
+  -- contributions summed per row (bit for bit ``index_add_``), every table's new rows and state
+  computed and checked before any is written; equal to the torch code to float32 rounding.
 
 The C file is plain C (no Python or torch headers) compiled with the system's C compiler
 (``$CC``, else ``cc``) into a private cache directory (``$HYBRID_CACHE_DIR``, else
@@ -39,7 +42,7 @@ from hybrid.log import warn_once
 
 MODES = ("auto", "on", "off")
 SOURCE = Path(__file__).with_name("_kernels.c")
-FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-std=c11", "-fno-math-errno", "-fPIC", "-shared"]  # sqrt stays exact; vectorizable
 
 BAD_ID, NO_MEMORY, TOO_WIDE, NOT_FINITE = -1, -2, -3, -4
 
@@ -140,4 +143,15 @@ def _declare(so: ctypes.CDLL) -> ctypes.CDLL:
     so.hy_gather.restype = i64
     so.hy_sgd.argtypes = [i64, p, p, p, p, p, p, f32, p]
     so.hy_sgd.restype = i64
+    so.hy_sum_rows.argtypes = [i64, p, p, i64, f32, i64, p, p, p]
+    so.hy_sum_rows.restype = i64
+    f64 = ctypes.c_double
+    so.hy_opt_compute.argtypes = [i64, i64, i64, i64, p, p, f32, p, p, p, p, f64, f64, f64, f64, f64, p, p, p, p, p]
+    so.hy_opt_compute.restype = i64
+    so.hy_scatter_rows.argtypes = [p, i64, p, i64, p]
+    so.hy_scatter_rows.restype = None
     return so
+
+
+OPTIMIZERS = {"adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
+"""Optimizers ``hy_opt_compute`` implements (plain SGD has ``hy_sgd``), by its kind number."""

@@ -264,6 +264,11 @@ class CollectionShard:
             for k, (i, g) in enumerate(zip(ids.split(counts), self._split(grad, counts))):
                 per_table[k][0].append(i)
                 per_table[k][1].append(g)
+        kernels = self._kernels(contributions[0][0]) if contributions else None
+        if (kernels is not None and self.tables and self.tables[0].optim.spec.name in native.OPTIMIZERS
+                and all(g.dtype == torch.float32 for _, _, g in contributions)):
+            self._apply_native(kernels, per_table)
+            return
         updates = []
         for table, (ids_l, grads_l) in zip(self.tables, per_table):
             ids = torch.cat(ids_l)
@@ -286,6 +291,61 @@ class CollectionShard:
         for table, rows, (w, state) in computed:
             table.optim.commit(table.weight, rows, w, state)
 
+
+    def _apply_native(self, kernels, per_table: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
+        """:meth:`_apply` for adagrad, rowwise_adagrad and adam through the native kernels: each
+        table's contributions summed per distinct row (``hy_sum_rows``), every table's new rows
+        computed (``hy_opt_compute``) before any is written (``hy_scatter_rows``)."""
+        spec = self.tables[0].optim.spec
+        kind = native.OPTIMIZERS[spec.name]
+        bad = torch.empty(1, dtype=torch.int64)
+        computed = []
+        for table, (ids_l, grads_l) in zip(self.tables, per_table):
+            d = table.dim
+            if len(ids_l) == 1:
+                rows, summed, gscale = ids_l[0].contiguous(), grads_l[0].contiguous(), self.scale
+            else:
+                ids, grads = torch.cat(ids_l), torch.cat(grads_l)
+                rows, summed = torch.empty_like(ids), torch.empty_like(grads)
+                nu = kernels.hy_sum_rows(ids.numel(), ids.data_ptr(), grads.data_ptr(), d, self.scale, table.rows,
+                                         rows.data_ptr(), summed.data_ptr(), bad.data_ptr())
+                if nu < 0:
+                    raise self._native_error(nu, ids, bad, table, "gradient push")
+                rows, summed, gscale = rows[:nu], summed[:nu], 1.0
+            n = rows.numel()
+            if n == 0:
+                continue
+            st = table.optim.state
+            s1 = st.get("sum", st.get("exp_avg"))
+            s2, s3 = st.get("exp_avg_sq"), st.get("step")
+            new_w = torch.empty(n, d)
+            new = {k: torch.empty((n, *v.shape[1:]), dtype=v.dtype) for k, v in st.items()}
+            o1 = new.get("sum", new.get("exp_avg"))
+            o2, o3 = new.get("exp_avg_sq"), new.get("step")
+            ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+            code = kernels.hy_opt_compute(
+                kind, n, d, table.rows, rows.data_ptr(), summed.data_ptr(), gscale, table.weight.data_ptr(),
+                ptr(s1), ptr(s2), ptr(s3), spec.lr, spec.eps, spec.weight_decay, spec.beta1, spec.beta2,
+                new_w.data_ptr(), ptr(o1), ptr(o2), ptr(o3), bad.data_ptr())
+            if code == native.NOT_FINITE:
+                raise FloatingPointError(
+                    f"{spec.name} update produced non-finite weights for {int((~torch.isfinite(new_w)).any(1).sum())} "
+                    "rows; nothing was applied")
+            if code:
+                raise self._native_error(code, rows, bad, table, "gradient push")
+            computed.append((table, rows, new_w, new))
+        for table, rows, new_w, new in computed:
+            kernels.hy_scatter_rows(table.weight.data_ptr(), table.dim, rows.data_ptr(), rows.numel(), new_w.data_ptr())
+            for k, v in new.items():
+                width = v[0].numel() if v.dim() > 1 else 1
+                kernels.hy_scatter_rows(table.optim.state[k].data_ptr(), width, rows.data_ptr(), rows.numel(),
+                                        v.data_ptr())
+
+    def _native_error(self, code: int, ids: torch.Tensor, bad: torch.Tensor, table, what: str) -> Exception:
+        if code == native.BAD_ID:
+            return IndexError(f"{what} of {self.cid} on ps{self.server}: row {int(ids[int(bad)])} is outside this "
+                              f"server's {table.rows} rows of table {table.name!r}; nothing was changed")
+        return RuntimeError(f"{what} of {self.cid} on ps{self.server}: native kernel failed (code {code})")
 
     def _sgd_native(self, kernels, ids: torch.Tensor, counts: list[int], grad: torch.Tensor, what: str) -> None:
         """One trainer's SGD contribution in one native call (checked whole before any write)."""

@@ -195,3 +195,67 @@ def test_runtime_option_names_a_bad_mode():
 
     with pytest.raises(PlanError, match="native_kernels.*'fast'.*auto, on, off"):
         RuntimeOptions(native_kernels="fast")
+
+
+def _run_optimizer(mode: str, name: str, weight_decay: float, trainers: int, steps: int = 4):
+    """A shard trained ``steps`` sync steps by ``trainers`` overlapping pushes per step."""
+    native.configure(mode=mode)
+    shard = CollectionShard(cid="ebc", server=0, layouts=shard_tables(TABLES, 1, "table_wise"),
+                            optimizer=SparseOptimSpec(name=name, lr=0.05, weight_decay=weight_decay),
+                            num_trainers=trainers, staleness=0, gradient_scaling="mean", start_step=0)
+    for t in shard.tables:
+        t.init_uniform(3)
+    g = torch.Generator().manual_seed(11)
+    for step in range(steps):
+        for trainer in range(trainers):
+            ids, counts = _ids(g, True)
+            grad = torch.randn(sum(n * t.embedding_dim for n, t in zip(counts, TABLES)), generator=g)
+            shard.push_parts(trainer, step, [(ids, counts, grad)])
+    return [t.weight.clone() for t in shard.tables], [{k: v.clone() for k, v in t.optim.state.items()}
+                                                      for t in shard.tables]
+
+
+@pytest.mark.parametrize("name", ["adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("weight_decay,trainers", [(0.0, 1), (0.0, 2), (0.01, 2)])
+def test_native_optimizers_equal_torch_to_float32_rounding(name, weight_decay, trainers, kernels_mode):
+    (w_on, s_on), (w_off, s_off) = (_run_optimizer(m, name, weight_decay, trainers) for m in ("on", "off"))
+    for a, b in zip(w_on, w_off):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(s_on, s_off):
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name} state {k}: {m}")
+    assert any(not torch.equal(a, b) for a, b in zip(w_on, _run_optimizer("off", name, weight_decay, trainers,
+                                                                            steps=0)[0])), "nothing was trained"
+
+
+def test_native_sum_of_repeated_rows_equals_index_add_bit_for_bit():
+    lib = native.lib()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 97, (500,), generator=g)
+    grads = torch.randn(500, 8, generator=g)
+    rows, summed, bad = torch.empty_like(ids), torch.empty_like(grads), torch.empty(1, dtype=torch.int64)
+    nu = lib.hy_sum_rows(500, ids.data_ptr(), grads.data_ptr(), 8, 0.5, 97, rows.data_ptr(), summed.data_ptr(),
+                         bad.data_ptr())
+    uniq, inverse = torch.unique(ids, return_inverse=True)
+    ref = torch.zeros(uniq.numel(), 8).index_add_(0, inverse, grads).mul_(0.5)
+    assert nu == uniq.numel() and torch.equal(rows[:nu], uniq) and torch.equal(summed[:nu], ref)
+
+
+@pytest.mark.parametrize("name", ["adagrad", "rowwise_adagrad", "adam"])
+def test_native_optimizer_refuses_a_nonfinite_update_and_writes_nothing(name, kernels_mode):
+    native.configure(mode="on")
+    shard = CollectionShard(cid="ebc", server=0, layouts=shard_tables(TABLES, 1, "table_wise"),
+                            optimizer=SparseOptimSpec(name=name, lr=0.05), num_trainers=1, staleness=0,
+                            gradient_scaling="mean", start_step=0)
+    for t in shard.tables:
+        t.init_uniform(3)
+    before = [(t.weight.clone(), {k: v.clone() for k, v in t.optim.state.items()}) for t in shard.tables]
+    g = torch.Generator().manual_seed(4)
+    ids, counts = _ids(g, True)
+    grad = torch.randn(sum(n * t.embedding_dim for n, t in zip(counts, TABLES)), generator=g)
+    grad[-1] = float("inf")  # the last table's last row: the first tables' updates must not land either
+    with pytest.raises(FloatingPointError, match=f"{name} update produced non-finite weights for 1 rows; nothing"):
+        shard.push_parts(0, 0, [(ids, counts, grad)])
+    for (w, st), t in zip(before, shard.tables):
+        assert torch.equal(w, t.weight) and all(torch.equal(v, t.optim.state[k]) for k, v in st.items())
