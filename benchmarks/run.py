@@ -205,6 +205,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--native-kernels", choices=("auto", "on", "off"), default=None,
                    help="hybrid's native kernels for id routing and the servers' row reads and SGD "
                         "(default: RuntimeOptions', auto)")
+    p.add_argument("--ps-channel", choices=("auto", "rpc"), default=None,
+                   help="hybrid's lookups to a server on the same host: auto (shared memory) or rpc "
+                        "(default: RuntimeOptions')")
     Workload.add_arguments(p)
     args = p.parse_args(argv)
     if args.repeat < 1:
@@ -228,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         runtime["channels"] = args.channels.split(",")
     if args.huge_pages is not None:
         runtime["huge_pages"] = args.huge_pages == "on"
+    if args.ps_channel is not None:
+        runtime["ps_channel"] = args.ps_channel
     if args.native_kernels is not None:
         runtime["native_kernels"] = args.native_kernels
     if args.rpc_threads:

@@ -60,11 +60,14 @@ class RuntimeOptions:
         if self.gradient_push not in GRADIENT_PUSHES:
             raise PlanError(f"got {self.gradient_push!r}; expected one of {', '.join(GRADIENT_PUSHES)}",
                             category="bad_value", key="gradient_push")
-        from hybrid.ps.native import MODES
+        from hybrid.ps import channel, native
 
-        if self.native_kernels not in MODES:
-            raise PlanError(f"got {self.native_kernels!r}; expected one of {', '.join(MODES)}",
+        if self.native_kernels not in native.MODES:
+            raise PlanError(f"got {self.native_kernels!r}; expected one of {', '.join(native.MODES)}",
                             category="bad_value", key="native_kernels")
+        if self.ps_channel not in channel.MODES:
+            raise PlanError(f"got {self.ps_channel!r}; expected one of {', '.join(channel.MODES)}",
+                            category="bad_value", key="ps_channel")
     huge_pages: bool = True
     """Parameter servers keep tables and optimizer state in transparent huge pages (where the
     kernel allows, see :mod:`hybrid.ps.memory`): fewer TLB misses on the scattered rows of every
@@ -75,6 +78,11 @@ class RuntimeOptions:
     compiler builds them, else the torch code with one warning; ``on`` requires them (start-up
     fails naming the compiler's error); ``off`` never builds them. The numbers trained are the
     same either way."""
+    ps_channel: str = "auto"
+    """How a trainer's lookups (and the gradient pushes riding on them) reach a parameter server
+    on the same host: ``auto`` through a shared-memory channel (:mod:`hybrid.ps.channel`: files
+    in ``/dev/shm`` and a FIFO doorbell, no TensorPipe threads, no pickling), RPC to servers on
+    other hosts; ``rpc``: always RPC. Only with ``gradient_push: rpc``."""
     address: str = "127.0.0.1"
     """Address every listening socket binds to. Loopback by default; set to the node's own
     interface address for multi-node runs, on a trusted network only."""
@@ -183,10 +191,11 @@ def init_hybrid(
     ``file:///path`` for a file store (tests). Servers are not members of the trainers' group.
     """
     options = options or RuntimeOptions()
-    from hybrid.ps import memory, native
+    from hybrid.ps import channel, memory, native
 
     memory.configure(huge_pages=options.huge_pages)
     native.configure(mode=options.native_kernels)
+    channel.configure(mode=options.ps_channel)
     wait_for_everyone(role, init_method, options.startup_timeout_s)
     ifname = _ifname_for(options.address)
     if ifname:  # RPC (TensorPipe) and the trainers' gloo group listen on this interface only

@@ -21,6 +21,8 @@ from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from hybrid import autograd as bridge
+from hybrid.log import warn_once
+from hybrid.ps import channel
 from hybrid.ps import server as srv
 from hybrid.ps.fused import FusedPlan, FusedRoute
 from hybrid.ps.optim import SparseOptimSpec
@@ -165,6 +167,7 @@ class RemoteEmbeddingBagCollection(nn.Module):
         # Tables of one dimension and pooling (the usual case) take the fast path of one
         # deduplication and one pooling kernel for all of them; others go table by table.
         self._fused = FusedPlan.build(tables, layouts, self.servers, self.feature_order, is_weighted=is_weighted)
+        self._channels: dict[int, channel.TrainerEnd | None] = {}
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -406,16 +409,24 @@ class RemoteEmbeddingBagCollection(nn.Module):
         owed = bridge.runtime().owed  # None under dist_autograd
 
         def send(_ctx_id: int | None) -> dict[int, torch.futures.Future]:
-            # rpc mode: each lookup carries the gradients this trainer still owes that server.
-            return {
-                s: rpc.rpc_async(
-                    self.server_names[s], srv.rpc_lookup,
-                    args=(self.cid, self.trainer, rstep.step, ids, counts, route.n_raw[s],
-                          owed.take(self, s) if owed is not None else None),
-                    timeout=self.timeout_s,
-                )
-                for s, (ids, counts) in route.requests.items()
-            }
+            # rpc mode: each lookup carries the gradients this trainer still owes that server,
+            # through the shared-memory channel where there is one (runtime.ps_channel).
+            futures = {}
+            for s, (ids, counts) in route.requests.items():
+                pushes = owed.take(self, s) if owed is not None else None
+                fut = None
+                if pushes is not None and channel.mode() != "rpc":
+                    end = self._channel(s)
+                    if end is not None:
+                        fut = end.send(*channel.encode_lookup(rstep.step, route.n_raw[s], ids, counts, pushes))
+                if fut is None:
+                    fut = rpc.rpc_async(
+                        self.server_names[s], srv.rpc_lookup,
+                        args=(self.cid, self.trainer, rstep.step, ids, counts, route.n_raw[s], pushes),
+                        timeout=self.timeout_s,
+                    )
+                futures[s] = fut
+            return futures
 
         def sender() -> dict[int, torch.futures.Future]:
             futures = rstep.call(send).result(timeout=self.timeout_s)
@@ -429,6 +440,19 @@ class RemoteEmbeddingBagCollection(nn.Module):
             pending = _Pending(route, sender(), kjt, self.server_names, self)
         rstep.inflight.append(pending)
         return pending
+
+    def _channel(self, s: int) -> channel.TrainerEnd | None:
+        """The shared-memory channel to server ``s``, opened on first use; ``None`` where there
+        is none (another host, or it could not be set up: then RPC, with one warning)."""
+        if s not in self._channels:
+            try:
+                self._channels[s] = channel.TrainerEnd.open(self.server_names[s], self.cid, self.trainer,
+                                                            self.timeout_s)
+            except Exception as e:  # noqa: BLE001 - RPC still works; say why once
+                warn_once(f"{self.cid}: no shared-memory channel to {self.server_names[s]}, lookups go over "
+                          f"RPC: {e}")
+                self._channels[s] = None
+        return self._channels[s]
 
     def push_to(self, server: int, steps: list[tuple[int, list]]) -> torch.futures.Future:
         """Send server ``server`` this trainer's row gradients on their own (``rpc`` push):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed.rpc as rpc
 
-from hybrid.ps import native
+from hybrid.ps import channel, native
 from hybrid.ps.memory import huge_page_bytes, table_tensor
 from hybrid.ps.optim import RowSparseOptimizer, SparseOptimSpec, ascending_per_table, check_finite
 from hybrid.ps.sharding import TableLayout
@@ -45,6 +45,8 @@ class ServerCounters:
     """Gradient pushes received (one per trainer per step that looked up here)."""
     push_messages: int = 0
     """Gradient pushes that came in a message of their own (the rest rode on a lookup)."""
+    channel_lookups: int = 0
+    """Lookups that came through a shared-memory channel rather than RPC (:mod:`hybrid.ps.channel`)."""
     rows_served: int = 0
     ids_requested: int = 0
     """Ids before the trainers' deduplication; ``rows_served / ids_requested`` is the unique ratio."""
@@ -134,6 +136,7 @@ class CollectionShard:
         # as it did before.
         self.accumulates = all(t.optim.accumulates for t in self.tables)
         self.counters = ServerCounters()
+        self.channels: dict[int, channel.ServerEnd] = {}
         # For the native kernels (hybrid.ps.native): every table's address, width and rows. The
         # weight tensors are written in place for the shard's whole life, never replaced.
         self._native_ok = all(t.weight.dtype == torch.float32 and t.weight.is_contiguous()
@@ -147,9 +150,12 @@ class CollectionShard:
         sizes = [n * t.dim for n, t in zip(counts, self.tables)]
         return [c.view(n, t.dim) for c, n, t in zip(flat.split(sizes), counts, self.tables)]
 
-    def gather(self, ids: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows of ``ids`` (one chunk per table held here, ``counts`` long), flat."""
-        out = torch.empty(sum(n * t.dim for n, t in zip(counts, self.tables)))
+    def gather(self, ids: torch.Tensor, counts: list[int], out: Callable[[int], torch.Tensor] | None = None,
+               ) -> torch.Tensor:
+        """Rows of ``ids`` (one chunk per table held here, ``counts`` long), flat; into ``out(n)``
+        (``n`` floats) where given, else a fresh tensor."""
+        numel = sum(n * t.dim for n, t in zip(counts, self.tables))
+        out = torch.empty(numel) if out is None else out(numel)
         kernels = self._kernels(ids)
         with self.lock:
             if kernels is not None:
@@ -471,8 +477,25 @@ def rpc_lookup(cid: str, trainer: int, step: int, ids: torch.Tensor, counts: lis
     distributed autograd and their gradient comes back through ``_Lookup.backward``. Otherwise
     (``rpc`` push) the rows are plain, and ``pushes`` carries the gradients this trainer owed
     (``[(step, [(ids, counts, grad), ...]), ...]``), applied before anything is looked up."""
-    shard = _collection(cid)
     fut: torch.futures.Future = torch.futures.Future()
+
+    def done(rows: torch.Tensor | None, err: BaseException | None = None) -> None:
+        if err is not None:
+            fut.set_exception(err)
+        else:
+            fut.set_result(rows)
+
+    _lookup(_collection(cid), trainer, step, ids, counts, n_raw, pushes, done)
+    return fut
+
+
+def _lookup(shard: CollectionShard, trainer: int, step: int, ids: torch.Tensor, counts: list[int], n_raw: int,
+            pushes: list[tuple[int, list]] | None, done: Callable, out: Callable[[int], torch.Tensor] | None = None,
+            ) -> None:
+    """A lookup, however it came (RPC or a shared-memory channel): apply the ``pushes`` it
+    carries, then, once the step may read, ``done(rows)`` or ``done(None, error)``. ``out(n)``
+    gives where to gather ``n`` floats of rows (a channel's reply), if not a fresh tensor."""
+    cid = shard.cid
     plain = pushes is not None
     shard.counters.lookups += 1
     if pushes:
@@ -480,15 +503,15 @@ def rpc_lookup(cid: str, trainer: int, step: int, ids: torch.Tensor, counts: lis
             for pstep, parts in pushes:
                 shard.push_parts(trainer, pstep, parts)
         except BaseException as e:  # noqa: BLE001 - the lookup fails with the push's error
-            fut.set_exception(RuntimeError(f"ps{shard.server}: gradient push of {cid} failed: {e}"))
-            return fut
+            done(None, RuntimeError(f"ps{shard.server}: gradient push of {cid} failed: {e}"))
+            return
     shard.counters.ids_requested += n_raw
     shard.counters.bytes_in += ids.numel() * ids.element_size()
     needed = step - 1 - shard.staleness
 
     def answer(err: BaseException | None) -> None:
         if err is not None:
-            fut.set_exception(RuntimeError(f"ps{shard.server}: collection {cid} failed: {err!r}"))
+            done(None, RuntimeError(f"ps{shard.server}: collection {cid} failed: {err!r}"))
             return
         try:
             lag = step - 1 - shard.complete_through
@@ -497,16 +520,42 @@ def rpc_lookup(cid: str, trainer: int, step: int, ids: torch.Tensor, counts: lis
                 shard.counters.lags.append(lag)
             # May run on a backward thread (the one that completed the step): grad mode is off there.
             if plain:
-                rows = shard.gather(ids, counts)
+                rows = shard.gather(ids, counts, out=out)
             else:
                 with torch.enable_grad():
                     rows = _Lookup.apply(shard.anchor, shard, trainer, step, ids, counts)
-            fut.set_result(rows)
         except BaseException as e:  # noqa: BLE001 - handed to the trainer
-            fut.set_exception(e)
+            done(None, e)
+            return
+        done(rows)
 
     shard.when_ready(needed, answer)
-    return fut
+
+
+def rpc_open_channel(cid: str, trainer: int, host: str, path: str, capacity: int) -> bool:
+    """Serve ``trainer``'s lookups of ``cid`` through the shared-memory channel the trainer set up
+    in ``path`` (:mod:`hybrid.ps.channel`); ``False`` when the trainer is on another host."""
+    if host != channel.host_id():
+        return False
+    shard = _collection(cid)
+    directory = channel.ServerEnd.check_directory(path)
+    # Gradients are read in place from the channel, except where a sync step keeps them until
+    # its last trainer's arrive: the next request would overwrite them.
+    keep = shard.staleness == 0 and not shard.accumulates
+
+    def handler(ints: list[int], tensors: list[torch.Tensor], reply: Callable) -> None:
+        step, n_raw, ids, counts, pushes = channel.decode_lookup(ints, tensors)
+        shard.counters.channel_lookups += 1
+        if keep:
+            pushes = [(ps, [(i.clone(), c, g.clone()) for i, c, g in parts]) for ps, parts in pushes]
+        _lookup(shard, trainer, step, ids, counts, n_raw, pushes, reply, out=end.rows_buffer)
+
+    end = channel.ServerEnd(directory, capacity, f"hybrid-ps-channel-t{trainer}", handler)
+    old = shard.channels.pop(trainer, None)
+    if old is not None:
+        old.close()
+    shard.channels[trainer] = end
+    return True
 
 
 def rpc_push(cid: str, trainer: int, steps: list[tuple[int, list]]) -> None:
