@@ -72,7 +72,8 @@ def _per_step(c: dict, steps: int) -> dict:
     """A server's counters over the timed window, per step (all trainers together), and the
     memory its process holds in huge pages at the end."""
     return {
-        "rpcs_per_step": (c["lookups"] + c["push_messages"]) / steps,
+        "rpcs_per_step": (c["lookups"] - c.get("channel_lookups", 0) + c["push_messages"]) / steps,
+        "channel_messages_per_step": c.get("channel_lookups", 0) / steps,
         "lookups_per_step": c["lookups"] / steps,
         "gradient_pushes_per_step": c["gradients"] / steps,
         "bytes_recv_per_step": c["bytes_in"] / steps,

@@ -49,7 +49,7 @@ MAGIC = 0x48594252  # "HYBR"
 LOOKUP, ROWS, ERROR = 1, 2, 3
 _HEADER = struct.Struct("<qqqqq")  # magic, seq, kind, number of ints, number of tensors
 _ALIGN = 64
-_DTYPES = {0: torch.int64, 1: torch.float32}
+_DTYPES = {0: torch.int64, 1: torch.float32, 2: torch.uint8}
 _CODES = {v: k for k, v in _DTYPES.items()}
 
 DEFAULT_CAPACITY = 64 << 20
@@ -322,7 +322,10 @@ class ServerEnd:
                 kind, ints, tensors = _read_frame(self.req, seq)
                 self.handler(ints, tensors, lambda rows, err=None, seq=seq: self.reply(seq, rows, err))
             except BaseException as e:  # noqa: BLE001 - the trainer gets it as the lookup's error
-                self.reply(seq, None, e)
+                try:
+                    self.reply(seq, None, e)
+                except BaseException:  # noqa: BLE001 - keep serving; the trainer's wait times out
+                    pass
 
     def rows_buffer(self, numel: int) -> torch.Tensor:
         """Where the reply's ``numel`` floats of rows go, so that they are gathered in place (a

@@ -31,10 +31,13 @@ def _loss(values: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return ((values @ c) ** 2).mean() + values.sum(1).mean()
 
 
-def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=False):
+def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=False, lookups="auto"):
+    from hybrid.ps import channel
+
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
         return None
+    channel.configure(mode=lookups)
     t_n, me = role.num_trainers, role.index
     tables = test_tables()
     c = torch.linspace(-1, 1, sum(t.embedding_dim * len(t.feature_names) for t in tables))
@@ -104,13 +107,16 @@ def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=Fals
 
 
 @pytest.mark.parametrize(
-    "num_servers,sharding,push,prefetch",
-    [(1, "row_wise", "rpc", False), (2, "table_wise", "rpc", False), (2, "row_wise", "rpc", True),
-     (2, "row_wise", "dist_autograd", False)],
+    "num_servers,sharding,push,prefetch,lookups",
+    [(1, "row_wise", "rpc", False, "auto"), (2, "table_wise", "rpc", False, "auto"),
+     (2, "row_wise", "rpc", True, "auto"), (2, "row_wise", "rpc", True, "rpc"),
+     (2, "row_wise", "dist_autograd", False, "auto")],
 )
-def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sharding, push, prefetch):
+def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sharding, push, prefetch, lookups):
+    """``lookups``: ``runtime.ps_channel`` -- auto, through shared memory (every server is on
+    this host); rpc, over TensorPipe; under the dist_autograd push always RPC."""
     out = run_distributed(_train, 2 + num_servers, setup="hybrid", num_servers=num_servers, timeout=180,
-                          sharding=sharding, push=push, prefetch=prefetch)
+                          sharding=sharding, push=push, prefetch=prefetch, lookups=lookups)
     stats = out[0]
     for name in OPTIMIZERS:
         per_server = stats[name]
@@ -125,6 +131,8 @@ def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sh
             else:
                 assert st["push_messages"] == STEPS * 2, (server, st)
             assert st["updates_applied"] == STEPS, (server, st)
+            via_channel = push == "rpc" and lookups == "auto"
+            assert st["channel_lookups"] == (STEPS * 2 if via_channel else 0), (server, st)
             assert st["complete_through"] == STEPS - 1
             # Only deduplicated rows cross the wire: never anything table-sized.
             assert st["rows_served"] <= st["ids_requested"]
