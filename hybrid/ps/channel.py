@@ -172,7 +172,7 @@ class TrainerEnd:
         self.server_name = server_name
         self.timeout_s = timeout_s
         self.seq = 0
-        self.busy = False
+        self.outstanding: ChannelFuture | None = None
         self.closed = False
         self.req = torch.from_file(str(directory / "req"), shared=True, size=capacity, dtype=torch.uint8)
         self.rep = torch.from_file(str(directory / "rep"), shared=True, size=capacity, dtype=torch.uint8)
@@ -213,50 +213,64 @@ class TrainerEnd:
             shutil.rmtree(directory, ignore_errors=True)
 
     def send(self, ints: list[int], tensors: list[torch.Tensor]) -> ChannelFuture | None:
-        """Send a lookup; ``None`` (nothing sent) while the previous one is unanswered or when it
-        does not fit: the caller sends it over RPC."""
-        if self.busy or self.closed:
+        """Send a lookup; ``None`` (nothing sent) while the previous one is unanswered, when it
+        does not fit, or once the channel is broken: the caller sends it over RPC."""
+        if self.closed or (self.outstanding is not None and not self._collect(block=False)):
             return None
         seq = self.seq + 1
         if not _write_frame(self.req, seq, LOOKUP, ints, tensors):
             return None
-        self.seq, self.busy = seq, True
         try:
             os.write(self.bell_out, b"\1")
-        except OSError as e:
-            self.busy = False
-            raise ChannelError(f"parameter server {self.server_name} closed the shared-memory channel: "
-                               f"EOF ({e})") from None
-        return ChannelFuture(self, seq)
+        except OSError:
+            self.closed = True  # the server is gone: RPC says so, naming it
+            return None
+        self.seq = seq
+        self.outstanding = ChannelFuture(self)
+        return self.outstanding
 
-    def _wait(self, seq: int) -> torch.Tensor:
-        deadline = time.monotonic() + self.timeout_s
-        try:
-            while True:
-                try:
-                    got = os.read(self.bell_in, 1)
-                except BlockingIOError:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise ChannelError(f"parameter server {self.server_name} did not answer within "
-                                           f"runtime.rpc_timeout_s: timeout ({self.timeout_s * 1000:.0f} ms)") from None
-                    select.select([self.bell_in], [], [], left)
-                    continue
-                if not got:
-                    raise ChannelError(f"parameter server {self.server_name} closed the shared-memory channel: EOF")
+    def _collect(self, block: bool) -> bool:
+        """Complete the outstanding request's future from its reply (rows or error); without
+        ``block``, ``False`` if the reply is not there yet. A request whose future nobody waits
+        for (a prefetch discarded for another batch) is collected by the next :meth:`send`."""
+        fut, deadline = self.outstanding, time.monotonic() + self.timeout_s
+        while True:
+            try:
+                got = os.read(self.bell_in, 1)
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if not block:
+                    return False
+                if left <= 0:
+                    fut.error = ChannelError(f"parameter server {self.server_name} did not answer within "
+                                             f"runtime.rpc_timeout_s: timeout ({self.timeout_s * 1000:.0f} ms)")
+                    self.closed = True
+                    break
+                select.select([self.bell_in], [], [], left)
+                continue
+            if not got:
+                fut.error = ChannelError(f"parameter server {self.server_name} closed the shared-memory channel: EOF")
+                self.closed = True
                 break
-            kind, _, tensors = _read_frame(self.rep, seq)
+            try:
+                kind, _, tensors = _read_frame(self.rep, self.seq)
+            except ChannelError as e:
+                fut.error, self.closed = e, True
+                break
             if kind == ERROR:
-                raise RuntimeError(bytes(tensors[0].numpy()).decode("utf-8", "replace"))
-            return tensors[0].clone()
-        except ChannelError:
-            self.closed = True
-            raise
-        finally:
-            self.busy = False
+                fut.error = RuntimeError(bytes(tensors[0].numpy()).decode("utf-8", "replace"))
+            else:
+                fut.result = tensors[0].clone()
+            break
+        fut.done = True
+        self.outstanding = None
+        return True
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit os may be gone; the kernel closes them
+            pass
 
     def close(self) -> None:
         """Close this end; the server's thread for it sees end-of-file and stops."""
@@ -268,13 +282,17 @@ class TrainerEnd:
 class ChannelFuture:
     """The reply to one request, as ``wait()`` (what ``_Pending`` asks of an RPC future)."""
 
-    def __init__(self, end: TrainerEnd, seq: int) -> None:
-        self.end, self.seq = end, seq
+    def __init__(self, end: TrainerEnd) -> None:
+        self.end = end
+        self.done = False
         self.result: torch.Tensor | None = None
+        self.error: BaseException | None = None
 
     def wait(self) -> torch.Tensor:
-        if self.result is None:
-            self.result = self.end._wait(self.seq)
+        if not self.done:
+            self.end._collect(block=True)
+        if self.error is not None:
+            raise self.error
         return self.result
 
 

@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,28 @@ def test_a_lookup_and_its_pushes_cross_intact_and_rows_come_back():
     trainer.close()
 
 
+def test_a_request_nobody_waits_for_is_collected_by_the_next_send():
+    release = threading.Event()
+
+    def handler(ints, tensors, reply):
+        _, _, ids, _, _ = channel.decode_lookup(ints, tensors)
+        rows = ids.to(torch.float32)
+        threading.Thread(target=lambda: (release.wait(5), reply(rows))).start()
+
+    trainer, _ = _pair(handler)
+    abandoned = trainer.send(*_lookup([7, 8, 9]))  # e.g. a prefetch discarded for another batch
+    assert trainer.send(*_lookup([1, 2, 3])) is None, "its reply is not in yet: this one goes over RPC"
+    release.set()
+    deadline = time.monotonic() + 5
+    fut = None
+    while fut is None and time.monotonic() < deadline:
+        fut = trainer.send(*_lookup([1, 2, 3]))
+    assert fut is not None, "the channel stayed taken by a reply nobody waited for"
+    assert abandoned.wait().tolist() == [7.0, 8.0, 9.0]  # and the late waiter still gets its rows
+    assert fut.wait().tolist() == [1.0, 2.0, 3.0]
+    trainer.close()
+
+
 def test_rows_gathered_in_place_and_a_reply_from_another_thread():
     def handler(ints, tensors, reply):
         _, _, ids, _, _ = channel.decode_lookup(ints, tensors)
@@ -99,7 +122,7 @@ def test_a_silent_server_is_named_after_the_timeout_and_a_closed_one_at_once():
 def test_a_request_too_big_for_the_mapping_is_left_to_rpc():
     trainer, _ = _pair(lambda ints, tensors, reply: reply(torch.zeros(1)), capacity=4096)
     assert trainer.send(*_lookup(list(range(1000)), counts=(1000,))) is None
-    assert not trainer.busy
+    assert trainer.outstanding is None
     assert trainer.send(*_lookup([1, 2, 3])).wait().tolist() == [0.0]
     trainer.close()
 
