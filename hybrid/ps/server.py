@@ -128,12 +128,11 @@ class CollectionShard:
         self.fault: str | None = None
         self.lock = threading.RLock()
         self.anchor = torch.zeros((), requires_grad=True)
-        # Plain SGD on every table: each contribution is added on its own (:meth:`_apply`), so a
-        # sync step need not wait for the last trainer to start: each push is added as it
-        # arrives, and only the last one's addition stays between the step's end and the next
-        # lookups. Lookups still wait for the whole step (``complete_through``), so they read
-        # what single-process training reads; only the order of the additions follows arrival,
-        # as it did before.
+        # Plain SGD on every table: each contribution is added straight in, duplicates and all
+        # (:meth:`_apply`). In sync mode still only once every trainer's push of the step is in:
+        # a push applied on arrival would be read by another trainer's lookup of the same step
+        # that reaches the server after it (at the first step, whose lookups carry no push, or
+        # behind a slow trainer), which single-process training never reads.
         self.accumulates = all(t.optim.accumulates for t in self.tables)
         self.counters = ServerCounters()
         self.channels: dict[int, channel.ServerEnd] = {}
@@ -217,10 +216,12 @@ class CollectionShard:
         self.push_parts(trainer, step, [(ids, counts, grad)], inline=False)
 
     def push_parts(self, trainer: int, step: int, parts: list[tuple[torch.Tensor, list[int], torch.Tensor]],
-                   *, inline: bool = True) -> None:
+                   *, inline: bool = True, borrowed: bool = False) -> None:
         """One trainer's gradients for ``step``, one ``(ids, counts, grad)`` per lookup it made;
         applies when the step is due (sync: every trainer's arrived). ``inline``: lookups this
-        completes are answered on this thread (an RPC thread) rather than handed to another."""
+        completes are answered on this thread (an RPC thread) rather than handed to another.
+        ``borrowed``: the tensors are the caller's only for this call (a shared-memory channel's
+        request): copied if the step keeps them for later."""
         self.counters.gradients += 1
         self.counters.bytes_in += sum(g.numel() * g.element_size() for _, _, g in parts)
         try:
@@ -228,7 +229,9 @@ class CollectionShard:
                 if self.failed is not None:
                     raise RuntimeError(f"{self.cid} on ps{self.server} failed earlier") from self.failed
                 last = self.arrived.get(step, 0) + 1 == self.num_trainers
-                if self.staleness == 0 and not self.accumulates:
+                if self.staleness == 0:
+                    if borrowed and not last:
+                        parts = [(i.clone(), c, g.clone()) for i, c, g in parts]
                     self.pending[step].extend(parts)
                     if last:
                         self._apply(self.pending.pop(step))
@@ -254,9 +257,11 @@ class CollectionShard:
         if self.accumulates:
             # Plain SGD: add every contribution straight in (rows may repeat across trainers).
             what = f"sgd update of {self.cid} on ps{self.server}"
-            kernels = self._kernels(contributions[0][0]) if len(contributions) == 1 else None
-            if kernels is not None and contributions[0][2].dtype == torch.float32:
-                self._sgd_native(kernels, *contributions[0], what)
+            if len(contributions) > 1:  # each native call checks its own; none may land if one is bad
+                check_finite([g for _, _, g in contributions], what)
+            if all(self._kernels(i) is not None and g.dtype == torch.float32 for i, _, g in contributions):
+                for ids, counts, grad in contributions:
+                    self._sgd_native(native.lib(), ids, counts, grad, what)
                 return
             check_finite([g for _, _, g in contributions], what)
             for ids, counts, grad in contributions:
@@ -491,7 +496,7 @@ def rpc_lookup(cid: str, trainer: int, step: int, ids: torch.Tensor, counts: lis
 
 def _lookup(shard: CollectionShard, trainer: int, step: int, ids: torch.Tensor, counts: list[int], n_raw: int,
             pushes: list[tuple[int, list]] | None, done: Callable, out: Callable[[int], torch.Tensor] | None = None,
-            ) -> None:
+            borrowed: bool = False) -> None:
     """A lookup, however it came (RPC or a shared-memory channel): apply the ``pushes`` it
     carries, then, once the step may read, ``done(rows)`` or ``done(None, error)``. ``out(n)``
     gives where to gather ``n`` floats of rows (a channel's reply), if not a fresh tensor."""
@@ -501,7 +506,7 @@ def _lookup(shard: CollectionShard, trainer: int, step: int, ids: torch.Tensor, 
     if pushes:
         try:
             for pstep, parts in pushes:
-                shard.push_parts(trainer, pstep, parts)
+                shard.push_parts(trainer, pstep, parts, borrowed=borrowed)
         except BaseException as e:  # noqa: BLE001 - the lookup fails with the push's error
             done(None, RuntimeError(f"ps{shard.server}: gradient push of {cid} failed: {e}"))
             return
@@ -539,16 +544,12 @@ def rpc_open_channel(cid: str, trainer: int, host: str, path: str, capacity: int
         return False
     shard = _collection(cid)
     directory = channel.ServerEnd.check_directory(path)
-    # Gradients are read in place from the channel, except where a sync step keeps them until
-    # its last trainer's arrive: the next request would overwrite them.
-    keep = shard.staleness == 0 and not shard.accumulates
-
     def handler(ints: list[int], tensors: list[torch.Tensor], reply: Callable) -> None:
+        # Gradients are read in place from the channel (borrowed: the next request overwrites
+        # them), and copied only where a sync step keeps them for its last trainer's push.
         step, n_raw, ids, counts, pushes = channel.decode_lookup(ints, tensors)
         shard.counters.channel_lookups += 1
-        if keep:
-            pushes = [(ps, [(i.clone(), c, g.clone()) for i, c, g in parts]) for ps, parts in pushes]
-        _lookup(shard, trainer, step, ids, counts, n_raw, pushes, reply, out=end.rows_buffer)
+        _lookup(shard, trainer, step, ids, counts, n_raw, pushes, reply, out=end.rows_buffer, borrowed=True)
 
     end = channel.ServerEnd(directory, capacity, f"hybrid-ps-channel-t{trainer}", handler)
     old = shard.channels.pop(trainer, None)

@@ -100,23 +100,27 @@ def _ids(g: torch.Generator, distinct: bool) -> tuple[torch.Tensor, list[int]]:
 @pytest.mark.parametrize("distinct", [True, False])
 def test_native_rows_and_sgd_equal_torch_bit_for_bit(distinct, kernels_mode):
     g = torch.Generator().manual_seed(5)
-    ids, counts = _ids(g, distinct)
-    grad = torch.randn(sum(n * t.embedding_dim for n, t in zip(counts, TABLES)), generator=g)
+    parts = []
+    for _ in range(2):  # one push per trainer, the step applied once both are in
+        ids, counts = _ids(g, distinct)
+        parts.append((ids, counts, torch.randn(sum(n * t.embedding_dim for n, t in zip(counts, TABLES)), generator=g)))
     results = {}
     for mode in ("on", "off"):
         native.configure(mode=mode)
         shard = _shard(num_trainers=2)
-        rows = shard.gather(ids, counts)
-        shard.push_parts(0, 0, [(ids, counts, grad)])
+        rows = shard.gather(parts[0][0], parts[0][1])
+        for trainer, part in enumerate(parts):
+            shard.push_parts(trainer, 0, [part])
         results[mode] = (rows, [t.weight.clone() for t in shard.tables])
     assert torch.equal(results["on"][0], results["off"][0])
     for a, b in zip(results["on"][1], results["off"][1]):
         assert torch.equal(a, b)
     # and it is the SGD of the mean of two trainers' gradients, rows added in order
     ref = _shard(num_trainers=2)
-    for k, (t, i) in enumerate(zip(ref.tables, ids.split(counts))):
-        gk = grad.split([n * s.embedding_dim for n, s in zip(counts, TABLES)])[k].view(-1, t.dim)
-        t.weight.index_add_(0, i, gk, alpha=-0.1 * 0.5)
+    for k, t in enumerate(ref.tables):
+        for ids, counts, grad in parts:
+            gk = grad.split([n * s.embedding_dim for n, s in zip(counts, TABLES)])[k].view(-1, t.dim)
+            t.weight.index_add_(0, ids.split(counts)[k], gk, alpha=-0.1 * 0.5)
         assert torch.equal(results["on"][1][k], t.weight)
 
 

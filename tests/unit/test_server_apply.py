@@ -1,6 +1,7 @@
 """When a server applies a sync step's gradients (a ``CollectionShard`` built in this process, no
-RPC): plain SGD adds each trainer's push as it arrives, other optimizers wait for the step's
-last push and sum first; either way lookups of the next step wait for every trainer's."""
+RPC): once every trainer's push of the step is in -- plain SGD adding each push in arrival order,
+the other optimizers summing first -- so that no lookup of the step reads part of its update;
+lookups of the next step wait for the whole step."""
 from __future__ import annotations
 
 import torch
@@ -33,7 +34,7 @@ def _weights(shard: CollectionShard) -> list[torch.Tensor]:
     return [t.weight.clone() for t in shard.tables]
 
 
-def test_sync_sgd_adds_each_push_as_it_arrives_and_lookups_wait_for_the_step():
+def test_sync_sgd_applies_a_step_once_every_push_is_in_and_a_late_lookup_reads_the_step_before():
     shard = _shard(SparseOptimSpec(name="sgd", lr=0.1))
     w0 = _weights(shard)
     answered = []
@@ -41,8 +42,13 @@ def test_sync_sgd_adds_each_push_as_it_arrives_and_lookups_wait_for_the_step():
 
     p0, p1 = _part(1), _part(2)
     shard.push_parts(0, 0, [p0])
-    moved = _weights(shard)
-    assert any(not torch.equal(a, b) for a, b in zip(w0, moved)), "the first push was not added on arrival"
+    # Trainer 1's lookup of step 0 may reach the server after trainer 0's push of step 0 (the
+    # first step's lookups carry no push; a slow trainer): it must read the tables before step 0.
+    ids, counts, _ = p1
+    late = shard.gather(ids, counts)
+    want = torch.cat([w[i].reshape(-1) for w, i in zip(w0, ids.split(counts))])
+    assert torch.equal(late, want), "a lookup of step 0 read part of step 0's update"
+    assert all(torch.equal(a, b) for a, b in zip(w0, _weights(shard)))
     assert shard.complete_through == -1 and answered == [] and shard.counters.updates_applied == 0
 
     shard.push_parts(1, 0, [p1])
