@@ -320,11 +320,11 @@ int64_t hy_sgd(int64_t ntab, const int64_t *tables, const int64_t *dims, const i
  * torch's zeros().index_add_(inverse, grads).mul_(scale) gives. Returns the number of rows. */
 int64_t hy_sum_rows(int64_t n, const int64_t *ids, const float *grads, int64_t d, float scale,
                     int64_t nrows, int64_t *rows_out, float *sum_out, int64_t *bad) {
-    for (int64_t i = 0; i < n; i++)
-        if ((uint64_t)ids[i] >= (uint64_t)nrows) {
-            *bad = i;
-            return HY_BAD_ID;
-        }
+    int64_t p = first_bad_id(1, &nrows, &n, ids);
+    if (p >= 0) {
+        *bad = p;
+        return HY_BAD_ID;
+    }
     if (n == 0) return 0;
     int pos_bits = bit_length((uint64_t)(n > 1 ? n - 1 : 1));
     int key_bits = bit_length((uint64_t)(nrows > 0 ? nrows - 1 : 0));
@@ -373,11 +373,11 @@ int64_t hy_opt_compute(int64_t kind, int64_t n, int64_t d, int64_t nrows,
                        double wd, double beta1, double beta2, float *restrict out_w,
                        float *restrict out_s1, float *restrict out_s2, float *restrict out_s3,
                        int64_t *restrict bad) {
-    for (int64_t i = 0; i < n; i++)
-        if ((uint64_t)rows[i] >= (uint64_t)nrows) {
-            *bad = i;
-            return HY_BAD_ID;
-        }
+    int64_t p = first_bad_id(1, &nrows, &n, rows);
+    if (p >= 0) {
+        *bad = p;
+        return HY_BAD_ID;
+    }
     const float flr = (float)lr, feps = (float)eps, fwd = (float)wd;
     uint32_t nonfinite = 0;
     /* Adam's bias corrections depend on a row's step count only: each count's are computed once

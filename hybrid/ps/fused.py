@@ -219,7 +219,7 @@ class FusedPlan:
         w = weights.contiguous() if weights is not None else None
         weights_sm = torch.empty(n) if w is not None else None
         grad_scale = torch.empty(n) if w is not None or self.mode == "mean" else None
-        ptr = _ptr
+        ptr = native.ptr
         nu = kernels.hy_route(
             n, ptr(ids), nf, b, ptr(lengths), ptr(self.feature_table), ntab, ptr(self.row_base), ptr(self.shards),
             ptr(self.server_rank), self.server_rank.shape[1], nsrv, ptr(w), ptr(req), ptr(per), ptr(raw), ptr(idx),
@@ -244,10 +244,6 @@ class FusedPlan:
         table_rows = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = _PooledRows.apply(table_rows, route)
         return out.view(route.batch_size, -1)
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def _sort(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

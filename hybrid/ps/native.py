@@ -91,6 +91,11 @@ def lib() -> ctypes.CDLL | None:
     return _lib
 
 
+def ptr(t) -> int | None:
+    """A tensor's address for a kernel argument (``None``: a NULL pointer)."""
+    return None if t is None else t.data_ptr()
+
+
 def cache_dir() -> Path:
     """Where built kernels are kept: private to this user (created ``0700``, refused otherwise)."""
     root = os.environ.get("HYBRID_CACHE_DIR")

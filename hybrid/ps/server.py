@@ -178,11 +178,13 @@ class CollectionShard:
         return native.lib()
 
     def _bad_id(self, ids: torch.Tensor, counts: list[int], pos: int, what: str) -> IndexError:
-        ends = torch.tensor(counts).cumsum(0)
-        k = int((ends <= pos).sum())
-        t = self.tables[k]
-        return IndexError(f"{what} of {self.cid} on ps{self.server}: row {int(ids[pos])} is outside this server's "
-                          f"{t.rows} rows of table {t.name!r}; nothing was changed")
+        """The error for ``ids[pos]``, a row outside its table (the chunk ``pos`` falls in)."""
+        k = int((torch.tensor(counts).cumsum(0) <= pos).sum())
+        return self._outside(self.tables[k], int(ids[pos]), what)
+
+    def _outside(self, table: TableShard, row: int, what: str) -> IndexError:
+        return IndexError(f"{what} of {self.cid} on ps{self.server}: row {row} is outside this server's "
+                          f"{table.rows} rows of table {table.name!r}; nothing was changed")
 
     def when_ready(self, needed: int, fn: Callable[[BaseException | None], None]) -> None:
         """Run ``fn(None)`` once steps through ``needed`` are applied (``fn(err)`` on failure)."""
@@ -257,13 +259,15 @@ class CollectionShard:
         if self.accumulates:
             # Plain SGD: add every contribution straight in (rows may repeat across trainers).
             what = f"sgd update of {self.cid} on ps{self.server}"
-            if len(contributions) > 1:  # each native call checks its own; none may land if one is bad
+            kernels = native.lib() if all(self._kernels(i) is not None and g.dtype == torch.float32
+                                          for i, _, g in contributions) else None
+            # A native call checks its own contribution; with several, none may land if one is bad.
+            if kernels is None or len(contributions) > 1:
                 check_finite([g for _, _, g in contributions], what)
-            if all(self._kernels(i) is not None and g.dtype == torch.float32 for i, _, g in contributions):
+            if kernels is not None:
                 for ids, counts, grad in contributions:
-                    self._sgd_native(native.lib(), ids, counts, grad, what)
+                    self._sgd_native(kernels, ids, counts, grad, what)
                 return
-            check_finite([g for _, _, g in contributions], what)
             for ids, counts, grad in contributions:
                 distinct = ascending_per_table(ids, counts)
                 for table, i, g in zip(self.tables, ids.split(counts), self._split(grad, counts)):
@@ -302,7 +306,6 @@ class CollectionShard:
         for table, rows, (w, state) in computed:
             table.optim.commit(table.weight, rows, w, state)
 
-
     def _apply_native(self, kernels, per_table: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
         """:meth:`_apply` for adagrad, rowwise_adagrad and adam through the native kernels: each
         table's contributions summed per distinct row (``hy_sum_rows``), every table's new rows
@@ -333,7 +336,7 @@ class CollectionShard:
             new = {k: torch.empty((n, *v.shape[1:]), dtype=v.dtype) for k, v in st.items()}
             o1 = new.get("sum", new.get("exp_avg"))
             o2, o3 = new.get("exp_avg_sq"), new.get("step")
-            ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+            ptr = native.ptr
             code = kernels.hy_opt_compute(
                 kind, n, d, table.rows, rows.data_ptr(), summed.data_ptr(), gscale, table.weight.data_ptr(),
                 ptr(s1), ptr(s2), ptr(s3), spec.lr, spec.eps, spec.weight_decay, spec.beta1, spec.beta2,
@@ -354,8 +357,7 @@ class CollectionShard:
 
     def _native_error(self, code: int, ids: torch.Tensor, bad: torch.Tensor, table, what: str) -> Exception:
         if code == native.BAD_ID:
-            return IndexError(f"{what} of {self.cid} on ps{self.server}: row {int(ids[int(bad)])} is outside this "
-                              f"server's {table.rows} rows of table {table.name!r}; nothing was changed")
+            return self._outside(table, int(ids[int(bad)]), what)
         return RuntimeError(f"{what} of {self.cid} on ps{self.server}: native kernel failed (code {code})")
 
     def _sgd_native(self, kernels, ids: torch.Tensor, counts: list[int], grad: torch.Tensor, what: str) -> None:
@@ -544,6 +546,7 @@ def rpc_open_channel(cid: str, trainer: int, host: str, path: str, capacity: int
         return False
     shard = _collection(cid)
     directory = channel.ServerEnd.check_directory(path)
+
     def handler(ints: list[int], tensors: list[torch.Tensor], reply: Callable) -> None:
         # Gradients are read in place from the channel (borrowed: the next request overwrites
         # them), and copied only where a sync step keeps them for its last trainer's push.
