@@ -17,13 +17,13 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hybrid.autograd import step
+    from hybrid.ps.client.pipeline import step
     from hybrid.compose import compose
 
 __all__ = ["compose", "step"]
 __version__ = "0.1.0"
 
-_LAZY = {"compose": "hybrid.compose", "step": "hybrid.autograd"}
+_LAZY = {"compose": "hybrid.compose", "step": "hybrid.ps.client.pipeline"}
 
 
 class _Package(types.ModuleType):

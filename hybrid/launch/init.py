@@ -11,12 +11,12 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from hybrid.autograd import GRADIENT_PUSHES
 from hybrid.launch.roles import Role
 from hybrid.log import logger
 
@@ -47,45 +47,32 @@ class RuntimeOptions:
     ptrace is restricted."""
     num_worker_threads: int = 8
     """RPC worker threads per process."""
-    gradient_push: str = "rpc"
-    """How the embedding rows' gradients reach the servers. ``rpc`` (default): one plain RPC per
-    server carrying the row gradients, sent along with the trainer's next lookup of that server
-    (or on its own when no lookup follows soon); one message per server per step instead of
-    four. ``dist_autograd``: ``torch.distributed.autograd`` carries them (a context per step and
-    ``dist_autograd.backward``), as in PyTorch's RPC tutorials. Both train the same numbers."""
-
-    def __post_init__(self) -> None:
-        from hybrid.plan.errors import PlanError
-
-        if self.gradient_push not in GRADIENT_PUSHES:
-            raise PlanError(f"got {self.gradient_push!r}; expected one of {', '.join(GRADIENT_PUSHES)}",
-                            category="bad_value", key="gradient_push")
-        from hybrid.ps import channel, native
-
-        if self.native_kernels not in native.MODES:
-            raise PlanError(f"got {self.native_kernels!r}; expected one of {', '.join(native.MODES)}",
-                            category="bad_value", key="native_kernels")
-        if self.ps_channel not in channel.MODES:
-            raise PlanError(f"got {self.ps_channel!r}; expected one of {', '.join(channel.MODES)}",
-                            category="bad_value", key="ps_channel")
+    gradient_push: Literal["rpc", "dist_autograd"] = "rpc"
+    """How the embedding rows' gradients reach the servers. ``rpc`` (default): they ride on the
+    trainer's next message to each server (in sync mode, the next step's prefetched lookup, sent
+    the moment they are complete): one message per server per step. ``dist_autograd``:
+    ``torch.distributed.autograd`` carries them (a context per step and ``dist_autograd.backward``),
+    as in PyTorch's RPC tutorials. Both train the same numbers."""
+    ps_transport: Literal["auto", "rpc"] = "auto"
+    """How step messages reach a parameter server (:mod:`hybrid.ps.transport`): ``auto`` through
+    shared memory to a server on the trainer's own host (files in ``/dev/shm`` and a FIFO
+    doorbell: no TensorPipe threads, no pickling) and RPC to the others; ``rpc``: always RPC.
+    ``dist_autograd`` always uses RPC."""
     huge_pages: bool = True
     """Parameter servers keep tables and optimizer state in transparent huge pages (where the
-    kernel allows, see :mod:`hybrid.ps.memory`): fewer TLB misses on the scattered rows of every
-    lookup and update. The numbers trained are the same either way."""
-    native_kernels: str = "auto"
-    """The sparse path's per-step loops (the trainer's id routing, the servers' row reads and SGD
-    updates) in native code compiled on first use (:mod:`hybrid.ps.native`): ``auto`` where a C
-    compiler builds them, else the torch code with one warning; ``on`` requires them (start-up
-    fails naming the compiler's error); ``off`` never builds them. The numbers trained are the
-    same either way."""
-    ps_channel: str = "auto"
-    """How a trainer's lookups (and the gradient pushes riding on them) reach a parameter server
-    on the same host: ``auto`` through a shared-memory channel (:mod:`hybrid.ps.channel`: files
-    in ``/dev/shm`` and a FIFO doorbell, no TensorPipe threads, no pickling), RPC to servers on
-    other hosts; ``rpc``: always RPC. Only with ``gradient_push: rpc``."""
+    kernel allows, see :mod:`hybrid.ps.server.memory`): fewer TLB misses on the scattered rows of
+    every lookup and update. The numbers trained are the same either way."""
     address: str = "127.0.0.1"
     """Address every listening socket binds to. Loopback by default; set to the node's own
     interface address for multi-node runs, on a trusted network only."""
+
+    def __post_init__(self) -> None:
+        from hybrid.errors import PlanError, one_of
+
+        for key, choices in (("gradient_push", ("rpc", "dist_autograd")), ("ps_transport", ("auto", "rpc"))):
+            if getattr(self, key) not in choices:
+                raise PlanError(f"got {getattr(self, key)!r}; expected {one_of(choices)}", category="bad_value",
+                                key=key)
 
 
 def _loopback_ifname() -> str | None:
@@ -191,11 +178,10 @@ def init_hybrid(
     ``file:///path`` for a file store (tests). Servers are not members of the trainers' group.
     """
     options = options or RuntimeOptions()
-    from hybrid.ps import channel, memory, native
+    if not role.is_trainer:
+        from hybrid.ps.server import service
 
-    memory.configure(huge_pages=options.huge_pages)
-    native.configure(mode=options.native_kernels)
-    channel.configure(mode=options.ps_channel)
+        service.start(role.index, service.ServerOptions(huge_pages=options.huge_pages))
     wait_for_everyone(role, init_method, options.startup_timeout_s)
     ifname = _ifname_for(options.address)
     if ifname:  # RPC (TensorPipe) and the trainers' gloo group listen on this interface only

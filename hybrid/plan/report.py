@@ -25,8 +25,8 @@ from torch import nn
 from hybrid.log import logger
 from hybrid.plan.errors import PlanError, one_of
 from hybrid.plan.match import ResolvedModule, ResolvedPlan
-from hybrid.ps.optim_spec import state_floats_per_row
-from hybrid.ps.sharding import TableSpec, shard_tables, table_specs
+from hybrid.ps.config import TableSpec, state_floats_per_row, table_specs
+from hybrid.ps.sharding import shard_tables
 
 DENSE_OPTIMIZER_STATE = {"sgd": 0, "adagrad": 1, "adam": 2}
 """Dense optimizer -> state tensors kept per parameter (plain SGD keeps none)."""

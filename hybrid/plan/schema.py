@@ -15,12 +15,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from hybrid.plan.errors import Category, PlanError, did_you_mean, one_of
-from hybrid.ps.optim_spec import SPARSE_OPTIMIZERS
+from hybrid.ps.config import OptimizerSpec as SparseOptimizer
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-SparseOptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
-# The servers implement exactly these; the Literal above is what omegaconf validates against.
-assert get_args(SparseOptimizerName) == SPARSE_OPTIMIZERS, "schema and optim_spec disagree"
 
 DEFAULT_RULE = "*"
 """The ``modules`` key of the default rule (quote it in YAML: ``"*":``)."""
@@ -126,46 +123,6 @@ class DDPOptions:
             raise _bad("bucket_cap_mb", self.bucket_cap_mb, "a size in MiB > 0")
         if not isinstance(self.broadcast_buffers, bool) and self.broadcast_buffers != "auto":
             raise _bad("broadcast_buffers", self.broadcast_buffers, "true, false or 'auto'")
-
-
-@dataclass(kw_only=True)
-class SparseOptimizer:
-    """The row-sparse optimizer that the servers apply to the rows a step touched."""
-
-    name: SparseOptimizerName
-    """Which optimizer: ``sgd``, ``adagrad``, ``rowwise_adagrad`` (one accumulator per row, as
-    FBGEMM) or ``adam``."""
-    lr: float = 0.01
-    """Learning rate."""
-    eps: float = 1e-8
-    """Added to the denominator (adagrad, rowwise_adagrad, adam)."""
-    beta1: float = 0.9
-    """Adam's first-moment decay."""
-    beta2: float = 0.999
-    """Adam's second-moment decay."""
-    weight_decay: float = 0.0
-    """L2 penalty added to the gradient of touched rows."""
-    initial_accumulator_value: float = 0.0
-    """Starting value of adagrad's accumulators."""
-
-    def __post_init__(self) -> None:
-        if self.name not in SPARSE_OPTIMIZERS:
-            detail = (
-                f"unknown sparse optimizer {self.name!r}"
-                f"{did_you_mean(self.name, SPARSE_OPTIMIZERS)}; "
-                f"the servers implement {one_of(SPARSE_OPTIMIZERS)}"
-            )
-            raise PlanError(detail, category="unknown_optimizer", key="name")
-        for name, ok, expected in (
-            ("lr", self.lr > 0, "a learning rate > 0"),
-            ("eps", self.eps > 0, "a value > 0"),
-            ("beta1", 0 <= self.beta1 < 1, "a value in [0, 1)"),
-            ("beta2", 0 <= self.beta2 < 1, "a value in [0, 1)"),
-            ("weight_decay", self.weight_decay >= 0, "a value >= 0"),
-            ("initial_accumulator_value", self.initial_accumulator_value >= 0, "a value >= 0"),
-        ):
-            if not ok:
-                raise _bad(name, getattr(self, name), expected)
 
 
 @dataclass(kw_only=True)

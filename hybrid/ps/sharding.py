@@ -15,43 +15,9 @@ from typing import Literal
 
 import torch
 
+from hybrid.ps.config import TableSpec
+
 Sharding = Literal["table_wise", "row_wise"]
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    """What a server needs to know about one table (built from a torchrec EmbeddingBagConfig)."""
-
-    name: str
-    num_embeddings: int
-    embedding_dim: int
-    feature_names: tuple[str, ...]
-    pooling: Literal["sum", "mean"] = "sum"
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_embeddings * self.embedding_dim * 4
-
-
-def table_specs(configs) -> list[TableSpec]:
-    """TableSpecs from torchrec ``EmbeddingBagConfig``s (in the collection's order)."""
-    from torchrec.modules.embedding_configs import PoolingType
-
-    out = []
-    for c in configs:
-        pooling = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}.get(c.pooling)
-        if pooling is None:
-            raise ValueError(f"table {c.name!r}: pooling {c.pooling} is not supported (sum, mean)")
-        out.append(
-            TableSpec(
-                name=c.name,
-                num_embeddings=c.num_embeddings,
-                embedding_dim=c.embedding_dim,
-                feature_names=tuple(c.feature_names or [c.name]),
-                pooling=pooling,
-            )
-        )
-    return out
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ pages to a mapping that asks for them (``madvise(MADV_HUGEPAGE)``, honoured when
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``, the usual
 default), so tables and their optimizer state live in anonymous mappings of their own, aligned to
 2 MiB, that ask. Elsewhere (no ``madvise``, small tensors, huge pages switched off in the
-runtime options) they are plain ``torch.empty`` tensors: the numbers are the same either way.
+server options) they are plain ``torch.empty`` tensors: the numbers are the same either way.
 """
 
 from __future__ import annotations
@@ -20,13 +20,6 @@ import os
 import torch
 
 HUGE_PAGE = 2 << 20
-_ENABLED = True
-
-
-def configure(*, huge_pages: bool) -> None:
-    """Process-wide: back tables created from now on by huge pages (``RuntimeOptions.huge_pages``)."""
-    global _ENABLED
-    _ENABLED = huge_pages
 
 
 @functools.cache
@@ -47,12 +40,13 @@ def huge_pages_available() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and thp_mode() in ("always", "madvise")
 
 
-def table_tensor(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def table_tensor(*shape: int, dtype: torch.dtype = torch.float32, huge_pages: bool = True) -> torch.Tensor:
     """An uninitialized CPU tensor of ``shape`` for table rows or per-row optimizer state: in
-    huge pages when it spans at least one and they are enabled and available, else ``torch.empty``."""
+    huge pages when ``huge_pages`` asks, it spans at least one and they are available, else
+    ``torch.empty``."""
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
-    if not _ENABLED or nbytes < HUGE_PAGE or not huge_pages_available():
+    if not huge_pages or nbytes < HUGE_PAGE or not huge_pages_available():
         return torch.empty(shape, dtype=dtype)
     # One extra huge page of slack so the tensor can start on a 2 MiB boundary. The mapping is
     # private and anonymous (zero pages until written); the tensor holds the only reference.

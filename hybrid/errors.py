@@ -1,0 +1,83 @@
+"""The one error class for plan mistakes, with a category (as torchrec's ``PlannerError``).
+
+Every message names the plan key (``modules.dense_arch.bucket_cap_mb``), the bad value and
+what is allowed or how to fix it. Where the plan came from a file, ``where`` says which file and
+line (``conf/plans/dlrm.yaml:14``) or which command-line override set the value.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from typing import Literal, get_args
+
+Category = Literal[
+    "yaml_syntax",  # the file is not valid YAML (or has a duplicate key)
+    "unsafe_yaml",  # a tag such as !!python/object that would construct objects
+    "io",  # the plan file cannot be read
+    "bad_override",  # a command-line override that is not key=value
+    "unknown_key",  # a key the schema does not know
+    "bad_value",  # a value of the wrong type or out of range, or a missing required value
+    "unknown_optimizer",  # a sparse optimizer name that the servers do not implement
+    "unknown_module",  # a module path or glob that matches no module of the model
+    "unknown_model",  # a model name that is not in recsys_examples.MODELS
+    "conflicting_rules",  # two equally specific rules give one module different settings
+    "not_an_embedding",  # parameter_server on a module that holds no embedding tables
+    "unsupported_table",  # an embedding table the servers cannot serve (e.g. max pooling)
+    "fsdp_under_ddp",  # an fsdp rule inside a ddp-ruled module
+    "ddp_under_fsdp",  # a ddp rule inside an fsdp-ruled module
+    "nested_rules",  # any other rule inside a ruled module (only fsdp may nest in fsdp)
+    "no_parameters",  # a rule on a module without parameters
+    "own_parameters",  # a module's own parameters would be left without a rule
+    "no_rule",  # a module with parameters that no rule covers and there is no "*" rule
+    "topology",  # process counts or server indices that do not fit
+]
+CATEGORIES: tuple[str, ...] = get_args(Category)
+
+
+class PlanError(ValueError):
+    """A mistake in a plan, its overrides, or its fit to a model and a world size.
+
+    ``category`` says which kind of mistake (see :data:`Category`), ``key`` is the plan key
+    path it concerns (``""`` for the whole plan), ``detail`` the explanation, and ``where`` the
+    file position or override it came from, when known.
+    """
+
+    def __init__(self, detail: str, *, category: Category, key: str = "", where: str = "") -> None:
+        assert category in CATEGORIES, f"unknown PlanError category {category!r}"
+        self.detail = detail
+        self.category = category
+        self.key = key
+        self.where = where
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        return ": ".join(p for p in (self.where, self.key, self.detail) if p)
+
+    def under(self, prefix: str) -> PlanError:
+        """The same error with ``prefix`` put in front of its key path."""
+        key = join_key(prefix, self.key)
+        return PlanError(self.detail, category=self.category, key=key, where=self.where)
+
+    def at(self, where: str) -> PlanError:
+        """The same error located at ``where`` (``file:line``, an override) unless already so."""
+        where = self.where or where
+        return PlanError(self.detail, category=self.category, key=self.key, where=where)
+
+
+def join_key(*parts: str) -> str:
+    """``join_key("modules", "dense_arch", "")`` -> ``"modules.dense_arch"``."""
+    return ".".join(p for p in parts if p)
+
+
+def did_you_mean(word: str, choices: Iterable[str], n: int = 3) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices``, or ``""``."""
+    close = difflib.get_close_matches(word, list(choices), n=n, cutoff=0.6)
+    if not close:
+        return ""
+    return " (did you mean " + " or ".join(repr(c) for c in close) + "?)"
+
+
+def one_of(choices: Iterable[object]) -> str:
+    """``one of 'a', 'b', 'c'`` for a message."""
+    return "one of " + ", ".join(repr(c) for c in choices)

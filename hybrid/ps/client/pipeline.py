@@ -1,0 +1,550 @@
+"""A trainer's steps of one composed model: lookups, prefetches and gradient pushes in order.
+
+:class:`StepPipeline` is the one object that owns "prefetch the next step, push the previous
+one". Each step (``with hybrid.step(model, optimizer) as s``):
+
+1. the remote collections' lookups go out -- or were prefetched during the step before -- as one
+   message per server (:class:`hybrid.ps.protocol.StepMessage`, every collection's part in it);
+2. the rows enter the dense graph as detached leaves, so the dense forward and ``loss.backward()``
+   run locally (DDP's allreduce and FSDP2's reduce-scatter fire as usual) and, once every leaf
+   has its gradient, each holds exactly what its server needs;
+3. those gradients go back by the model's :class:`GradientPush`: by default they are *owed* to
+   each server and ride on the next message to it; in sync mode (``staleness`` 0) that is the
+   next step's prefetched lookup, sent the moment the gradients are complete, so a sync step is
+   one message per server; without a prefetch they go at once on their own. With
+   ``gradient_push: dist_autograd`` the lookups run in a per-step distributed-autograd context
+   and ``dist_autograd.backward`` delivers the gradients, as in PyTorch's RPC tutorials;
+4. the dense optimizer steps.
+
+A server answers a lookup of step ``t`` once the trainers' pushes through step ``t - 1 - k``
+(staleness ``k``) are applied, so prefetching never reads rows a sync step should not see.
+Whatever is owed is sent before anything that reads the tables outside a step (evaluation,
+``state_dict``, checkpoints: :meth:`StepPipeline.flush`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hybrid.ps.protocol import Part, Push, Rows, StepMessage
+from hybrid.ps.transport import ReplyFuture, Transport
+
+if TYPE_CHECKING:
+    from hybrid.ps.client.collection import RemoteCollection
+    from hybrid.ps.client.routing import RoutedBatch
+
+GRADIENT_PUSHES = ("rpc", "dist_autograd")
+"""How row gradients reach the servers (``runtime.gradient_push``)."""
+
+
+class ServerError(RuntimeError):
+    """A parameter server failed, died or did not answer in time; the message names it."""
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent in each part of one step (for the training loop's breakdown)."""
+
+    lookup: float = 0.0
+    """Waiting for rows from the servers (includes waiting for slower trainers in sync mode)."""
+    dense: float = 0.0
+    """Local forward and backward of the dense part (and pooling)."""
+    push: float = 0.0
+    """Handing gradients to the servers (waited for where the pipeline must flush)."""
+    optimizer: float = 0.0
+
+
+@dataclass
+class Lookup:
+    """One collection's lookup of one step: routed, then sent, then its rows consumed."""
+
+    collection: RemoteCollection
+    routed: RoutedBatch
+    kjt: Any
+    step: int
+    futures: dict[int, tuple[ReplyFuture, int]] | None = None
+    """Server -> (the message's reply future, this lookup's part in it), once sent."""
+
+    def wait(self, timeout_s: float) -> dict[int, torch.Tensor]:
+        out = {}
+        for s, (fut, part) in self.futures.items():
+            name = self.collection.server_names[s]
+            try:
+                out[s] = fut.wait()[part]
+            except Exception as e:  # noqa: BLE001 - every failure of a peer gets its name
+                raise _server_error("lookup", name, e) from e
+        return out
+
+
+def _server_error(what: str, name: str, e: BaseException) -> ServerError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    hint = " (it died or closed the connection)" if any(w in first for w in ("EOF", "pipe", "ECONNRE")) else ""
+    return ServerError(f"{what} on parameter server {name} failed{hint}: {first}")
+
+
+@dataclass
+class Received:
+    """Rows one lookup got from one server in the current step, and where their gradient goes."""
+
+    collection: RemoteCollection
+    server: int
+    rows: Rows
+    remote: torch.Tensor
+    local: torch.Tensor
+
+
+@dataclass
+class StepState:
+    """The remote half of one training step."""
+
+    step: int
+    received: list[Received] = field(default_factory=list)
+    prefetched: dict[int, Lookup] = field(default_factory=dict)
+    """id(collection) -> its lookup of this step, sent or deferred ahead of the forward."""
+    deferred: list[Lookup] = field(default_factory=list)
+    """Lookups routed ahead, to be sent with the previous step's gradient push (sync)."""
+    inflight: list[Lookup] = field(default_factory=list)
+    """Lookups sent for this step whose rows the model has not consumed yet."""
+    times: StepTimes = field(default_factory=StepTimes)
+    sent: bool = False
+    in_backward: bool = False
+    ready: int = 0
+    pushed: bool = False
+    context: Any = None
+    """``dist_autograd``: the thread holding this step's context."""
+
+
+class GradientPush:
+    """How a step's row gradients reach the servers: the interface of both implementations."""
+
+    autograd = False
+    """Lookups are recorded by distributed autograd."""
+
+    def start(self, pipeline: StepPipeline, state: StepState) -> None:
+        """A step is opened (before anything of it is sent)."""
+
+    def call(self, state: StepState, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` (which sends this step's messages) where the step's sends must run."""
+        return fn()
+
+    def take(self, server: int) -> list[tuple[RemoteCollection, Push]]:
+        """Gradients owed to ``server`` that the message about to go there should carry."""
+        return []
+
+    def push(self, pipeline: StepPipeline, state: StepState) -> None:
+        """The step's received rows all have their gradients: deliver them."""
+        raise NotImplementedError
+
+    def before_step(self, pipeline: StepPipeline) -> None:
+        """A new step begins: raise the failure of an earlier delivery, if any."""
+        raise NotImplementedError
+
+    def wait(self, pipeline: StepPipeline) -> None:
+        """Block until every gradient handed over so far reached its server; raise its error."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class RidingPush(GradientPush):
+    """``gradient_push: rpc``: gradients are owed to their server and ride on the next message
+    to it; in sync mode they leave at once (with the next step's deferred lookups)."""
+
+    def __init__(self) -> None:
+        self.owed: dict[int, list[tuple[RemoteCollection, Push]]] = {}
+        self.sent: list[tuple[str, ReplyFuture]] = []
+
+    def take(self, server: int) -> list[tuple[RemoteCollection, Push]]:
+        return self.owed.pop(server, [])
+
+    def push(self, pipeline: StepPipeline, state: StepState) -> None:
+        for r in state.received:
+            grad = r.local.grad if r.local.grad is not None else torch.zeros_like(r.local)
+            self.owed.setdefault(r.server, []).append((r.collection, Push(state.step, r.rows, grad.reshape(-1))))
+        state.received = []
+        nxt = pipeline.open_steps.get(state.step + 1)
+        deferred = nxt.deferred if nxt is not None else []
+        if nxt is not None:
+            nxt.deferred = []
+        if deferred:
+            pipeline.send(nxt, deferred)  # the next step's lookups carry this push
+        if pipeline.staleness == 0:
+            self.send_owed(pipeline)
+
+    def send_owed(self, pipeline: StepPipeline) -> None:
+        """Send what is owed on messages of its own (what no lookup is about to carry)."""
+        for server in list(self.owed):
+            parts, _ = pipeline.parts_for(server, [], self.take(server))
+            msg = StepMessage(trainer=pipeline.trainer, parts=parts)
+            self.sent.append((pipeline.server_names[server], pipeline.transports[server].send(msg)))
+
+    def wait(self, pipeline: StepPipeline) -> None:
+        self.send_owed(pipeline)
+        self.reap(wait=True)
+
+    def before_step(self, pipeline: StepPipeline) -> None:
+        self.reap(wait=False)
+
+    def reap(self, wait: bool) -> None:
+        """Drop finished sends, raising the first failure; with ``wait``, wait for all."""
+        sent, self.sent = self.sent, []
+        for name, fut in sent:
+            if not wait and not _done(fut):
+                self.sent.append((name, fut))
+                continue
+            try:
+                fut.wait()
+            except Exception as e:  # noqa: BLE001
+                raise _server_error("gradient push", name, e) from e
+
+
+def _done(fut: ReplyFuture) -> bool:
+    done = getattr(fut, "done", None)
+    return done() if callable(done) else bool(done)
+
+
+_RELEASE = object()
+
+
+class _ContextThread:
+    """Holds one step's distributed-autograd context on a thread of its own and runs that step's
+    calls inside it until released. DDP writes gradients into a current context instead of
+    ``.grad`` and FSDP2 inside one never syncs, so the training thread never has one."""
+
+    def __init__(self, step: int) -> None:
+        self.calls: queue.Queue = queue.Queue()
+        self.broken: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"hybrid-ctx-{step}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import torch.distributed.autograd as dist_autograd
+
+        try:
+            with dist_autograd.context() as ctx_id:
+                while True:
+                    fn, fut = self.calls.get()
+                    if fn is _RELEASE:
+                        fut.set_result(None)
+                        return
+                    try:
+                        fut.set_result(fn(ctx_id))
+                    except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+                        fut.set_exception(e)
+        except BaseException as e:  # noqa: BLE001
+            self.broken = e
+            while not self.calls.empty():
+                _, fut = self.calls.get_nowait()
+                if not fut.done():
+                    fut.set_exception(e)
+
+    def run(self, fn: Callable[[int], Any]) -> Future:
+        fut: Future = Future()
+        if self.broken is not None:
+            fut.set_exception(self.broken)
+        else:
+            self.calls.put((fn, fut))
+        return fut
+
+    def release(self) -> Future:
+        return self.run(_RELEASE)  # type: ignore[arg-type]
+
+
+class DistAutogradPush(GradientPush):
+    """``gradient_push: dist_autograd``: each step's lookups run in a distributed-autograd
+    context and ``dist_autograd.backward(ctx, [sum((rows * grad).sum())])`` delivers exactly the
+    received rows' gradients to the servers' recorded lookups."""
+
+    autograd = True
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.last: Future | None = None
+
+    def start(self, pipeline: StepPipeline, state: StepState) -> None:
+        if state.context is None:
+            state.context = _ContextThread(state.step)
+
+    def call(self, state: StepState, fn: Callable[[], Any]) -> Any:
+        return state.context.run(lambda _ctx: fn()).result(timeout=self.timeout_s)
+
+    def push(self, pipeline: StepPipeline, state: StepState) -> None:
+        import torch.distributed.autograd as dist_autograd
+
+        received, state.received = state.received, []
+
+        def backward(ctx_id: int) -> None:
+            if received:
+                roots = [(r.remote * (r.local.grad if r.local.grad is not None else torch.zeros_like(r.local))).sum()
+                         for r in received]
+                dist_autograd.backward(ctx_id, [torch.stack(roots).sum()])
+
+        self.last = state.context.run(backward)
+        state.context.release()
+
+    def wait(self, pipeline: StepPipeline) -> None:
+        if self.last is not None:
+            last, self.last = self.last, None
+            last.result(timeout=self.timeout_s)
+
+    def before_step(self, pipeline: StepPipeline) -> None:
+        self.wait(pipeline)
+
+
+class StepPipeline:
+    """One composed model's steps on one trainer (see the module docstring)."""
+
+    def __init__(self, *, trainer: int, transports: dict[int, Transport], server_names: list[str],
+                 push: GradientPush, staleness: int, timeout_s: float, start_step: int = 0) -> None:
+        self.trainer = trainer
+        self.transports = transports
+        self.server_names = server_names
+        self.push_strategy = push
+        self.staleness = staleness
+        self.timeout_s = timeout_s
+        self.next_step = start_step
+        self.open_steps: dict[int, StepState] = {}
+        self.current: StepState | None = None
+        self.last_times: StepTimes | None = None
+        self.collections: list[RemoteCollection] = []
+
+    # -- steps ----------------------------------------------------------------------------------
+    def _state(self, step: int) -> StepState:
+        state = self.open_steps.get(step)
+        if state is None:
+            state = self.open_steps[step] = StepState(step)
+            self.push_strategy.start(self, state)
+        return state
+
+    def begin(self) -> StepState:
+        """Open the next step and make it current."""
+        if self.current is not None:
+            raise RuntimeError(f"step {self.current.step} is still open: finish it (s.backward(loss)) before the next")
+        self.push_strategy.before_step(self)
+        self.current = self._state(self.next_step)
+        return self.current
+
+    def end(self, backward_done: bool) -> None:
+        """Close the current step. A step that ends without its backward (an exception) but did
+        send lookups still pushes zeros for every row it received, so the other trainers are not
+        left waiting for this one; a step that sent nothing is not counted."""
+        state, self.current = self.current, None
+        if state is None:
+            return
+        self.last_times = state.times
+        if not backward_done and not state.sent:
+            self.open_steps.pop(state.step, None)
+            if state.context is not None:
+                state.context.release()
+            return
+        self.next_step = state.step + 1
+        if not backward_done:
+            for lookup in state.inflight:
+                for s, rows in lookup.wait(self.timeout_s).items():
+                    self._receive(state, lookup, s, rows)
+            state.inflight.clear()
+            self.gradients_ready(state)
+        self.open_steps.pop(state.step, None)
+
+    def gradients_ready(self, state: StepState) -> None:
+        """Every row received in ``state`` has its gradient (or never will): deliver them."""
+        if state.pushed:
+            return
+        state.pushed = True
+        self.push_strategy.push(self, state)
+
+    def _grad_hook(self, state: StepState) -> Callable[[torch.Tensor], None]:
+        def hook(_leaf: torch.Tensor) -> None:
+            # Only the step's own backward pushes early; any other leaves the push to its end.
+            if state.in_backward:
+                state.ready += 1
+                if state.ready == len(state.received):
+                    self.gradients_ready(state)
+        return hook
+
+    # -- lookups --------------------------------------------------------------------------------
+    def parts_for(self, server: int, lookups: list[Lookup], owed: list[tuple[RemoteCollection, Push]]
+                  ) -> tuple[list[Part], dict[int, int]]:
+        """The parts of one message to ``server`` -- each lookup's, with what is owed to it --
+        and the part of each collection (by ``id``)."""
+        parts: dict[int, Part] = {}
+        for lk in lookups:
+            c = lk.collection
+            parts[id(c)] = Part(collection=c.handle, step=lk.step, lookup=lk.routed.requests[server],
+                                num_raw=lk.routed.num_raw[server])
+        for c, push in owed:
+            part = parts.get(id(c))
+            if part is None:
+                part = parts[id(c)] = Part(collection=c.handle)
+            part.pushes.append(push)
+        return list(parts.values()), {key: k for k, key in enumerate(parts)}
+
+    def send(self, state: StepState, lookups: list[Lookup]) -> None:
+        """Send ``lookups`` (of step ``state.step``), one message per server, carrying what is
+        owed to that server."""
+        servers = sorted({s for lk in lookups for s in lk.routed.requests})
+
+        def go() -> None:
+            for s in servers:
+                mine = [lk for lk in lookups if s in lk.routed.requests]
+                parts, index = self.parts_for(s, mine, self.push_strategy.take(s))
+                fut = self.transports[s].send(StepMessage(trainer=self.trainer, parts=parts,
+                                                          autograd=self.push_strategy.autograd))
+                for lk in mine:
+                    if lk.futures is None:
+                        lk.futures = {}
+                    lk.futures[s] = (fut, index[id(lk.collection)])
+
+        self.push_strategy.call(state, go)
+        state.sent = True
+        state.inflight.extend(lk for lk in lookups if lk not in state.inflight)
+
+    def lookup(self, collection: RemoteCollection, kjt) -> tuple[RoutedBatch, dict[int, torch.Tensor]]:
+        """The current step's rows of ``collection`` for ``kjt`` (prefetched ones if it is the
+        batch that was prefetched), as leaves of the dense graph."""
+        state = self.current
+        t0 = time.perf_counter()
+        lk = state.prefetched.pop(id(collection), None)
+        if lk is not None and lk.kjt is not kjt:
+            lk = None  # another batch than the one prefetched: its rows are discarded
+        if lk is None:
+            lk = Lookup(collection, collection.route(kjt), kjt, state.step)
+            self.send(state, [lk])
+        elif lk.futures is None:  # deferred, and the previous step has not pushed
+            if lk in state.deferred:
+                state.deferred.remove(lk)
+            self.send(state, [lk])
+        rows = lk.wait(self.timeout_s)
+        if lk in state.inflight:
+            state.inflight.remove(lk)
+        out = {s: self._receive(state, lk, s, r) for s, r in rows.items()}
+        state.times.lookup += time.perf_counter() - t0
+        return lk.routed, out
+
+    def _receive(self, state: StepState, lk: Lookup, server: int, remote: torch.Tensor) -> torch.Tensor:
+        local = remote.detach().requires_grad_(True)
+        state.received.append(Received(lk.collection, server, lk.routed.requests[server], remote, local))
+        local.register_post_accumulate_grad_hook(self._grad_hook(state))
+        return local
+
+    def prefetch(self, kjt, ahead: int = 1) -> None:
+        """Route the batch of the step ``ahead`` steps on (for every collection whose features
+        ``kjt`` holds) and ask for its rows: at once where the step may already read them
+        (staleness >= ``ahead``, or no step open), else together with this step's gradient push."""
+        base = self.next_step if self.current is None else self.current.step
+        state = self._state(base + ahead)
+        lookups = []
+        for c in self.collections:
+            if not c.accepts(kjt) or id(c) in state.prefetched:
+                continue
+            lk = Lookup(c, c.route(kjt), kjt, state.step)
+            state.prefetched[id(c)] = lk
+            lookups.append(lk)
+        if not lookups:
+            return
+        defer = (not self.push_strategy.autograd and self.current is not None and ahead == 1
+                 and self.staleness == 0 and not self.current.pushed)
+        if defer:
+            state.deferred.extend(lookups)
+        else:
+            self.send(state, lookups)
+
+    def finished_step(self) -> int:
+        """The last step whose gradients this trainer delivered (sent), after sending what is owed."""
+        self.flush()
+        return (self.current.step if self.current is not None else self.next_step) - 1
+
+    def flush(self) -> None:
+        """Send whatever gradients are owed and wait until they reached the servers."""
+        t0 = time.perf_counter()
+        self.push_strategy.wait(self)
+        if self.last_times is not None:
+            self.last_times.push += time.perf_counter() - t0
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            for state in self.open_steps.values():
+                if state.context is not None:
+                    state.context.release()
+            self.open_steps.clear()
+            for t in self.transports.values():
+                t.close()
+
+
+class StepHandle:
+    """What ``with hybrid.step(...) as s`` gives the training loop."""
+
+    def __init__(self, pipeline: StepPipeline | None, state: StepState | None, optimizer) -> None:
+        self._pipeline, self._state, self._optimizer = pipeline, state, optimizer
+        self.backward_done = False
+        self._t0 = time.perf_counter()
+
+    @property
+    def step(self) -> int | None:
+        return None if self._state is None else self._state.step
+
+    @property
+    def times(self) -> StepTimes:
+        return self._state.times if self._state is not None else StepTimes()
+
+    def prefetch(self, kjt) -> None:
+        """Ask now for the rows the next step's batch (its sparse features ``kjt``) will need."""
+        if self._pipeline is not None:
+            self._pipeline.prefetch(kjt)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Local backward (dense hooks fire), push to the servers, then the dense optimizer."""
+        if self.backward_done:
+            raise RuntimeError("s.backward(loss) was already called in this step")
+        state = self._state
+        if state is not None:
+            state.in_backward, state.ready = True, 0
+        try:
+            loss.backward()
+        finally:
+            if state is not None:
+                state.in_backward = False
+        t1 = time.perf_counter()
+        if state is not None:
+            state.times.dense += t1 - self._t0 - state.times.lookup
+            self._pipeline.gradients_ready(state)
+        if self._optimizer is not None:
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
+        if state is not None:
+            state.times.optimizer += time.perf_counter() - t1
+        self.backward_done = True
+
+
+def pipeline_of(model: torch.nn.Module | None) -> StepPipeline | None:
+    """The pipeline ``hybrid.compose`` attached to ``model`` (``None`` for a plain model)."""
+    return getattr(model, "_hybrid_pipeline", None) if model is not None else None
+
+
+@contextmanager
+def step(model: torch.nn.Module | None = None, optimizer=None) -> Iterator[StepHandle]:
+    """One training step of a composed ``model``; see the module docstring.
+
+    ``optimizer`` is the dense optimizer (stepped and zeroed by ``s.backward``). Works for a
+    plain model too (plain local training), so the same loop serves both.
+    """
+    pipeline = pipeline_of(model)
+    state = pipeline.begin() if pipeline is not None else None
+    handle = StepHandle(pipeline, state, optimizer)
+    try:
+        yield handle
+    finally:
+        if pipeline is not None:
+            pipeline.end(handle.backward_done)

@@ -1,0 +1,234 @@
+"""Splitting a batch's ids over the servers, and putting the servers' rows back in order.
+
+A collection's tables are grouped by (embedding dimension, pooling); each group is routed by one
+call of :func:`hybrid.ops.route`: every table's ids offset into one row space and deduplicated
+by a single sort, each unique row assigned to its server (cyclic row-wise: ``row % shards`` and
+``row // shards``; table-wise is the one-shard case), and every id mapped to its row in the
+servers' replies. The groups' requests to one server travel together (:class:`Rows` lists the
+tables), so a server gets one request per collection whatever the mix of tables. In the usual
+case (DLRM: one dimension, one pooling) there is one group.
+
+Pooling (:class:`PooledRows`) is one ``embedding_bag`` over every bag of a group, bags ordered
+sample by sample so that its output is already the ``KeyedTensor`` layout; its backward is one
+more ``embedding_bag`` -- the bags' gradients as the table, one bag per reply row listing the
+bags its ids fell in -- with no id-sized copy and no second sort.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from hybrid import ops
+from hybrid.ps.config import CollectionConfig, TableSpec
+from hybrid.ps.protocol import Rows
+
+
+class BadIdError(ValueError):
+    """An id outside its table under ``id_policy: error``; nothing was sent or changed."""
+
+
+class BadBatchError(ValueError):
+    """A ``KeyedJaggedTensor`` whose lengths, values and weights disagree; nothing was sent."""
+
+
+def check_kjt(kjt: KeyedJaggedTensor, where: str = "") -> None:
+    """Refuse a batch whose parts disagree, naming what disagrees (torch would fail deep inside
+    a kernel, or silently ignore ids past the last bag)."""
+    keys, lengths, values = kjt.keys(), kjt.lengths(), kjt.values()
+    prefix = f"{where}: " if where else ""
+    if lengths.numel() % max(len(keys), 1):
+        raise BadBatchError(f"{prefix}{lengths.numel()} lengths for {len(keys)} features: expected a multiple of "
+                            f"{len(keys)} (one length per feature and sample)")
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise BadBatchError(f"{prefix}a negative bag length ({int(lengths.min())}) in feature "
+                            f"{keys[int((lengths < 0).nonzero()[0]) // max(kjt.stride(), 1)]!r}")
+    total = int(lengths.sum())
+    if total != values.numel():
+        raise BadBatchError(f"{prefix}the lengths add up to {total} ids but the batch holds {values.numel()} values; "
+                            f"lengths/offsets and values disagree")
+    weights = kjt.weights_or_none()
+    if weights is not None and weights.numel() != values.numel():
+        raise BadBatchError(f"{prefix}{weights.numel()} per-sample weights for {values.numel()} ids")
+
+
+class TableGroup:
+    """Tables of one collection that share their dimension and pooling, with the constant
+    inputs of :func:`hybrid.ops.route` for them."""
+
+    def __init__(self, config: CollectionConfig, tables: list[int]) -> None:
+        self.tables = tables
+        specs = [config.tables[i] for i in tables]
+        self.specs = specs
+        self.dim = specs[0].embedding_dim
+        self.pooling = specs[0].pooling
+        self.features = [f for t in specs for f in t.feature_names]
+        nrows = torch.tensor([t.num_embeddings for t in specs], dtype=torch.int64)
+        self.row_base = torch.cat([nrows.new_zeros(1), nrows.cumsum(0)])
+        layouts = [config.layouts[i] for i in tables]
+        self.shards = torch.tensor([lay.num_shards for lay in layouts], dtype=torch.int64)
+        rank = {s: r for r, s in enumerate(config.servers)}
+        width = max(lay.num_shards for lay in layouts)
+        self.server_rank = torch.tensor(
+            [[rank[lay.servers[k]] if k < lay.num_shards else -1 for k in range(width)] for lay in layouts],
+            dtype=torch.int64)
+        self.feature_table = torch.tensor([k for k, t in enumerate(specs) for _ in t.feature_names],
+                                          dtype=torch.int64)
+
+
+@dataclass
+class RoutedBatch:
+    """One batch of one collection, routed: what to ask each server, and how to pool the replies."""
+
+    requests: dict[int, Rows]
+    """Server -> the rows to ask it for (every group's, tables listed)."""
+    num_raw: dict[int, int]
+    """Server -> ids before deduplication."""
+    routes: list[ops.Route]
+    """Per group."""
+    splits: dict[int, list[int]]
+    """Server -> floats of its reply that belong to each group, in group order."""
+    batch_size: int
+
+
+class Router:
+    """Routes a collection's batches and pools the replies (trainer side)."""
+
+    def __init__(self, config: CollectionConfig) -> None:
+        self.config = config
+        self.servers = list(config.servers)
+        by_kind: dict[tuple[int, str], list[int]] = {}
+        for i, t in enumerate(config.tables):
+            by_kind.setdefault((t.embedding_dim, t.pooling), []).append(i)
+        self.groups = [TableGroup(config, idx) for idx in by_kind.values()]
+        self.feature_order = [f for t in config.tables for f in t.feature_names]
+        self.table_of_feature = {f: t for t in config.tables for f in t.feature_names}
+        self.embedding_names = [f for f in self.feature_order]
+        self.length_per_key = [t.embedding_dim for t in config.tables for _ in t.feature_names]
+        # Columns of the groups' outputs, concatenated in group order, in collection feature order.
+        where, col = {}, 0
+        for g in self.groups:
+            for f in g.features:
+                where[f] = (col, g.dim)
+                col += g.dim
+        perm = [c for f in self.feature_order for c in range(where[f][0], where[f][0] + where[f][1])]
+        self.columns = None if perm == list(range(col)) else torch.tensor(perm, dtype=torch.int64)
+
+    # -- forward --------------------------------------------------------------------------------
+    def route(self, kjt: KeyedJaggedTensor, *, where: str) -> RoutedBatch:
+        check_kjt(kjt, where=where)
+        missing = [f for f in self.feature_order if f not in kjt.keys()]
+        if missing:
+            raise ValueError(f"{where}: the input KeyedJaggedTensor lacks features {missing}; it has {kjt.keys()}")
+        b = kjt.stride()
+        routes = [self._route_group(g, kjt, b) for g in self.groups]
+        requests, num_raw, splits = {}, {}, {}
+        for r, s in enumerate(self.servers):
+            tables, counts, ids, split = [], [], [], []
+            raw = 0
+            for g, route in zip(self.groups, routes):
+                per = route.per[r].tolist()
+                start = int(route.per[:r].sum())
+                ids.append(route.requests_ids[start : start + sum(per)])
+                for k, n in enumerate(per):
+                    if n:
+                        tables.append(g.tables[k])
+                        counts.append(n)
+                split.append(sum(per) * g.dim)
+                raw += int(route.raw[r])
+            requests[s] = Rows(tables, counts, ids[0] if len(ids) == 1 else torch.cat(ids))
+            num_raw[s], splits[s] = raw, split
+        return RoutedBatch(requests=requests, num_raw=num_raw, routes=routes, splits=splits, batch_size=b)
+
+    def _route_group(self, g: TableGroup, kjt: KeyedJaggedTensor, b: int) -> ops.Route:
+        values, lengths, weights = _features(kjt, g.features, weighted=self.config.weighted)
+        args = (g.feature_table, g.row_base, g.shards, g.server_rank)
+        kw = dict(num_servers=len(self.servers), batch_size=b, weights=weights, mean=g.pooling == "mean")
+        try:
+            return ops.route(values, lengths, *args, **kw)
+        except ops.RowOutOfRange:
+            values = self._fix_ids(g, values, lengths, b)
+            return ops.route(values, lengths, *args, **kw)
+
+    def _fix_ids(self, g: TableGroup, values: torch.Tensor, lengths: torch.Tensor, b: int) -> torch.Tensor:
+        """The group's ids under ``id_policy`` once some id is outside its table: wrapped
+        (``modulo``), or a :class:`BadIdError` naming the feature (``error``)."""
+        counts = lengths.view(len(g.features), b).sum(1).tolist()
+        fixed = []
+        for f, v in zip(g.features, values.split(counts)):
+            t = self.table_of_feature[f]
+            fixed.append(self._check_ids(v, f, t))
+        return torch.cat(fixed) if fixed else values
+
+    def _check_ids(self, v: torch.Tensor, feature: str, t: TableSpec) -> torch.Tensor:
+        if v.numel() == 0:
+            return v
+        if int(v.min()) >= 0 and int(v.max()) < t.num_embeddings:
+            return v
+        if self.config.id_policy == "modulo":
+            return torch.remainder(v, t.num_embeddings)
+        bad_mask = (v < 0) | (v >= t.num_embeddings)
+        bad = v[bad_mask]
+        shown = ", ".join(str(int(x)) for x in bad[:5]) + (", ..." if bad.numel() > 5 else "")
+        raise BadIdError(
+            f"feature {feature!r}: {bad.numel()} id(s) outside table {t.name!r} of {t.num_embeddings} "
+            f"rows [0, {t.num_embeddings}): {shown} (first at position {int(bad_mask.nonzero()[0])} of the "
+            f"feature's ids); nothing was sent. Fix the data, or set the plan's id_policy: modulo "
+            f"to take ids modulo the table size"
+        )
+
+    def pool(self, routed: RoutedBatch, rows: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The collection's pooled values ``[batch, sum of feature dims]`` (collection feature
+        order) from each server's reply."""
+        outs = []
+        parts = {s: rows[s].split(routed.splits[s]) for s in self.servers}
+        for k, (g, route) in enumerate(zip(self.groups, routed.routes)):
+            chunks = [parts[s][k].view(-1, g.dim) for s in self.servers]
+            table_rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            outs.append(PooledRows.apply(table_rows, route, g.pooling).view(routed.batch_size, -1))
+        values = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return values if self.columns is None else values.index_select(1, self.columns)
+
+
+def _features(kjt: KeyedJaggedTensor, features: list[str], *, weighted: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Ids, lengths (feature-major) and weights of ``features``, in that order."""
+    keys = kjt.keys()
+    lpk = kjt.length_per_key()
+    if keys == features:
+        total = sum(lpk)
+        values, lengths = kjt.values()[:total], kjt.lengths()
+        weights = kjt.weights()[:total] if weighted else None
+    else:
+        index = {k: i for i, k in enumerate(keys)}
+        pos = [index[f] for f in features]
+        vals = kjt.values().split(lpk + [kjt.values().numel() - sum(lpk)])
+        values = torch.cat([vals[p] for p in pos])
+        lengths = kjt.lengths().view(len(keys), -1)[pos].reshape(-1)
+        weights = None
+        if weighted:
+            ws = kjt.weights().split(lpk + [kjt.weights().numel() - sum(lpk)])
+            weights = torch.cat([ws[p] for p in pos])
+    return values.to(torch.int64), lengths.to(torch.int64), weights
+
+
+class PooledRows(torch.autograd.Function):
+    """``embedding_bag`` forward; backward: one ``embedding_bag`` of the bags' gradients, a
+    "bag" per reply row (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, rows, route, mode):  # noqa: D401
+        ctx.route = route
+        return F.embedding_bag(route.idx, rows, route.offsets, mode=mode, per_sample_weights=route.weights,
+                               include_last_offset=True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        r = ctx.route
+        # A strided gradient would take a slow path; the bags' gradients are the "table".
+        rows_grad = F.embedding_bag(r.grad_bags, grad.contiguous(), r.grad_offsets, mode="sum",
+                                    per_sample_weights=r.grad_scale, include_last_offset=True)
+        return rows_grad, None, None

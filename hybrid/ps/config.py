@@ -1,0 +1,162 @@
+"""The typed configuration of a remote embedding collection, shared by trainers and servers.
+
+A trainer builds one :class:`CollectionConfig` per ``parameter_server`` module when it composes
+the model and sends it to every server that holds part of it; the server builds its shard from
+the same object. Nothing else about a collection travels: both ends derive the table layout,
+the optimizer and the step semantics from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hybrid.errors import PlanError, did_you_mean, one_of
+
+SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+"""The row-sparse optimizers the servers implement."""
+
+SparseOptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
+Pooling = Literal["sum", "mean"]
+
+
+def state_floats_per_row(name: str, dim: int) -> int:
+    """float32 values of optimizer state kept per table row."""
+    return {
+        "sgd": 0,
+        "adagrad": dim,  # one accumulator per element
+        "rowwise_adagrad": 1,  # one accumulator per row, as FBGEMM
+        "adam": 2 * dim + 1,  # exp_avg, exp_avg_sq and the row's own step count
+    }[name]
+
+
+def _bad(key: str, value: object, expected: str) -> PlanError:
+    return PlanError(f"got {value!r}; expected {expected}", category="bad_value", key=key)
+
+
+@dataclass(kw_only=True)
+class OptimizerSpec:
+    """The row-sparse optimizer that the servers apply to the rows a step touched (the plan's
+    ``optimizer`` mapping of a ``parameter_server`` module)."""
+
+    name: SparseOptimizerName
+    """Which optimizer: ``sgd``, ``adagrad``, ``rowwise_adagrad`` (one accumulator per row, as
+    FBGEMM) or ``adam`` (lazy: touched rows only, each with its own step count)."""
+    lr: float = 0.01
+    """Learning rate."""
+    eps: float = 1e-8
+    """Added to the denominator (adagrad, rowwise_adagrad, adam)."""
+    beta1: float = 0.9
+    """Adam's first-moment decay."""
+    beta2: float = 0.999
+    """Adam's second-moment decay."""
+    weight_decay: float = 0.0
+    """L2 penalty added to the gradient of touched rows."""
+    initial_accumulator_value: float = 0.0
+    """Starting value of adagrad's accumulators."""
+
+    def __post_init__(self) -> None:
+        if self.name not in SPARSE_OPTIMIZERS:
+            detail = (f"unknown sparse optimizer {self.name!r}{did_you_mean(self.name, SPARSE_OPTIMIZERS)}; "
+                      f"the servers implement {one_of(SPARSE_OPTIMIZERS)}")
+            raise PlanError(detail, category="unknown_optimizer", key="name")
+        for name, ok, expected in (
+            ("lr", self.lr > 0, "a learning rate > 0"),
+            ("eps", self.eps > 0, "a value > 0"),
+            ("beta1", 0 <= self.beta1 < 1, "a value in [0, 1)"),
+            ("beta2", 0 <= self.beta2 < 1, "a value in [0, 1)"),
+            ("weight_decay", self.weight_decay >= 0, "a value >= 0"),
+            ("initial_accumulator_value", self.initial_accumulator_value >= 0, "a value >= 0"),
+        ):
+            if not ok:
+                raise _bad(name, getattr(self, name), expected)
+
+    @property
+    def accumulates(self) -> bool:
+        """Plain SGD without weight decay: the update is linear in the gradient, so a server adds
+        each trainer's contribution straight into the weights, repeated rows and all."""
+        return self.name == "sgd" and not self.weight_decay
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table as both ends see it."""
+
+    name: str
+    """The table's name (``EmbeddingBagConfig.name``)."""
+    num_embeddings: int
+    """Rows."""
+    embedding_dim: int
+    """Columns."""
+    feature_names: tuple[str, ...]
+    """Features looked up in this table, in the collection's order."""
+    pooling: Pooling = "sum"
+    """How a bag of rows becomes one vector on the trainer."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_embeddings * self.embedding_dim * 4
+
+
+def table_specs(configs) -> list[TableSpec]:
+    """TableSpecs from torchrec ``EmbeddingBagConfig``s (in the collection's order)."""
+    from torchrec.modules.embedding_configs import PoolingType
+
+    out = []
+    for c in configs:
+        pooling = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}.get(c.pooling)
+        if pooling is None:
+            raise ValueError(f"table {c.name!r}: pooling {c.pooling} is not supported on a parameter server "
+                             f"(sum, mean)")
+        out.append(TableSpec(name=c.name, num_embeddings=c.num_embeddings, embedding_dim=c.embedding_dim,
+                             feature_names=tuple(c.feature_names or [c.name]), pooling=pooling))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectionConfig:
+    """Everything trainers and servers must agree on about one remote collection."""
+
+    cid: str
+    """Unique name of the collection in the job (the module path, namespaced by ``compose``)."""
+    tables: tuple[TableSpec, ...]
+    """The tables, in the collection's order."""
+    layouts: tuple  # tuple[TableLayout, ...]; typed loosely to keep this module import-light
+    """Where each table's rows live (:mod:`hybrid.ps.sharding`), one per table."""
+    optimizer: OptimizerSpec
+    """The servers' sparse optimizer."""
+    num_trainers: int
+    """Trainers whose gradients make up one step (sync mode waits for all of them)."""
+    staleness: int = 0
+    """0: sync; k >= 1: a lookup of step t waits only for steps through t - 1 - k."""
+    gradient_scaling: Literal["mean", "sum"] = "mean"
+    """``mean``: each trainer's gradient is scaled by 1 / num_trainers, as DDP averages."""
+    id_policy: Literal["error", "modulo"] = "error"
+    """An id outside its table: ``error`` refuses the batch, ``modulo`` wraps it."""
+    init_seed: int = 0
+    """Seed of the tables' initial values (see :mod:`hybrid.ps.init`)."""
+    weighted: bool = False
+    """The collection takes per-sample weights (``is_weighted``)."""
+    servers: tuple[int, ...] = field(default=())
+    """Servers holding at least one table, ascending (derived from ``layouts`` when empty)."""
+
+    def __post_init__(self) -> None:
+        if not self.servers:
+            object.__setattr__(self, "servers", tuple(sorted({s for lay in self.layouts for s in lay.servers})))
+
+    @property
+    def scale(self) -> float:
+        """What a server multiplies each trainer's gradient by."""
+        return 1.0 / self.num_trainers if self.gradient_scaling == "mean" else 1.0
+
+    def held(self, server: int) -> list[int]:
+        """Indices of the tables with rows on ``server``, in collection order."""
+        return [i for i, lay in enumerate(self.layouts) if server in lay.servers]
+
+
+def collection_handle(cid: str) -> int:
+    """The integer that names collection ``cid`` in step messages: the same on every process,
+    computed, never negotiated (a server refuses two collections with one handle)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(cid.encode(), digest_size=7).digest(), "little")

@@ -1,0 +1,172 @@
+"""The messages between trainers and parameter servers: their one definition, and their encoding.
+
+The hot path of a training step is one :class:`StepMessage` per trainer and server: for each
+remote collection with something to say, one :class:`Part` carrying the gradients the trainer
+owes for rows it looked up earlier (:class:`Push`) and the rows it wants now (:class:`Rows`).
+The server applies the pushes, then answers once the step may read: one tensor of rows per part
+(empty for a part without a lookup), in the order of the part's tables and ids.
+
+Every transport (:mod:`hybrid.ps.transport`) carries a message as a :class:`Frame`: a flat list
+of integers and a list of tensors, so the layout below is the whole wire format, versioned by
+:data:`VERSION`::
+
+    ints:    VERSION, trainer, flags, n_parts, then per part:
+             collection, step, num_raw, has_lookup, [lookup tables], n_pushes, [per push: step, tables]
+             where [tables] is: n, table index x n, count x n
+    tensors: per part: lookup ids (if any), then per push: ids, grad
+
+A message decoded from a transport's buffers may be a view into memory the transport reuses
+for the next message: whoever keeps a tensor beyond handling the message copies it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+VERSION = 1
+"""Bumped whenever the layout changes; a server refuses a message of another version."""
+
+FLAG_AUTOGRAD = 1
+"""The lookups are recorded by distributed autograd (``gradient_push: dist_autograd``); the
+gradients come back through ``dist_autograd.backward``, not as pushes."""
+
+
+class ProtocolError(RuntimeError):
+    """A message that does not decode: another version, or damaged."""
+
+
+@dataclass
+class Rows:
+    """Rows of several tables of one collection on one server."""
+
+    tables: list[int]
+    """Indices of the tables (into the collection's tables), in message order."""
+    counts: list[int]
+    """Ids per table."""
+    ids: torch.Tensor
+    """int64 row ids local to the server's shard, the tables' chunks concatenated."""
+
+    def __post_init__(self) -> None:
+        if len(self.tables) != len(self.counts):
+            raise ProtocolError(f"{len(self.tables)} tables but {len(self.counts)} counts")
+
+
+@dataclass
+class Push:
+    """A trainer's gradient for the rows it received in one lookup of step ``step``."""
+
+    step: int
+    rows: Rows
+    grad: torch.Tensor
+    """Flat: one gradient row per id, table by table, rows of each table's width."""
+
+
+@dataclass
+class Part:
+    """One collection's share of a message."""
+
+    collection: int
+    """The collection's handle on the receiving server (returned when it was created there)."""
+    step: int = -1
+    """The training step the lookup is for."""
+    lookup: Rows | None = None
+    """Rows wanted (None: the part only pushes)."""
+    num_raw: int = 0
+    """Ids the trainer's batch held for this server before deduplication (for the counters)."""
+    pushes: list[Push] = field(default_factory=list)
+    """Gradients owed, applied before the lookup is answered."""
+
+
+@dataclass
+class StepMessage:
+    """Everything one trainer sends one server at once."""
+
+    trainer: int
+    parts: list[Part]
+    autograd: bool = False
+    """See :data:`FLAG_AUTOGRAD`."""
+
+
+@dataclass
+class Frame:
+    """A message as transports carry it."""
+
+    ints: list[int]
+    tensors: list[torch.Tensor]
+
+
+def _tables(ints: list[int], rows: Rows) -> None:
+    ints.append(len(rows.tables))
+    ints.extend(rows.tables)
+    ints.extend(rows.counts)
+
+
+def encode(msg: StepMessage) -> Frame:
+    """The frame of ``msg`` (tensors are referenced, not copied)."""
+    ints = [VERSION, msg.trainer, FLAG_AUTOGRAD if msg.autograd else 0, len(msg.parts)]
+    tensors: list[torch.Tensor] = []
+    for p in msg.parts:
+        ints += [p.collection, p.step, p.num_raw, int(p.lookup is not None)]
+        if p.lookup is not None:
+            _tables(ints, p.lookup)
+            tensors.append(p.lookup.ids)
+        ints.append(len(p.pushes))
+        for push in p.pushes:
+            ints.append(push.step)
+            _tables(ints, push.rows)
+            tensors += [push.rows.ids, push.grad]
+    return Frame(ints, tensors)
+
+
+class _Reader:
+    def __init__(self, frame: Frame) -> None:
+        self.ints, self.tensors = frame.ints, frame.tensors
+        self.i = self.t = 0
+
+    def int(self) -> int:
+        if self.i >= len(self.ints):
+            raise ProtocolError("message ends early (integers)")
+        self.i += 1
+        return self.ints[self.i - 1]
+
+    def tensor(self) -> torch.Tensor:
+        if self.t >= len(self.tensors):
+            raise ProtocolError("message ends early (tensors)")
+        self.t += 1
+        return self.tensors[self.t - 1]
+
+    def rows(self) -> Rows:
+        n = self.int()
+        if n < 0 or self.i + 2 * n > len(self.ints):
+            raise ProtocolError(f"a table list of {n} entries does not fit the message")
+        tables, counts = self.ints[self.i : self.i + n], self.ints[self.i + n : self.i + 2 * n]
+        self.i += 2 * n
+        ids = self.tensor()
+        if ids.dtype != torch.int64 or ids.dim() != 1 or ids.numel() != sum(counts):
+            raise ProtocolError(f"ids of {ids.numel()} {ids.dtype} for counts summing to {sum(counts)}")
+        return Rows(tables, counts, ids)
+
+
+def decode(frame: Frame) -> StepMessage:
+    """The message in ``frame``; :class:`ProtocolError` when it is not one of this version."""
+    r = _Reader(frame)
+    version = r.int()
+    if version != VERSION:
+        raise ProtocolError(f"message of protocol version {version}; this server speaks version {VERSION} "
+                            f"(trainers and servers must run the same hybrid)")
+    trainer, flags, n_parts = r.int(), r.int(), r.int()
+    parts = []
+    for _ in range(n_parts):
+        part = Part(collection=r.int(), step=r.int(), num_raw=r.int())
+        if r.int():
+            part.lookup = r.rows()
+        for _ in range(r.int()):
+            step = r.int()
+            rows = r.rows()
+            part.pushes.append(Push(step, rows, r.tensor()))
+        parts.append(part)
+    if r.i != len(r.ints) or r.t != len(r.tensors):
+        raise ProtocolError("trailing data after the message")
+    return StepMessage(trainer=trainer, parts=parts, autograd=bool(flags & FLAG_AUTOGRAD))

@@ -1,0 +1,63 @@
+"""Row-sparse optimizers: the per-row state a server keeps and the update of the rows a step touched.
+
+Semantics (``g`` is the step's summed, scaled gradient of one row):
+
+- ``sgd``: ``w -= lr * (g + wd * w)``.
+- ``adagrad`` (as ``torch.optim.Adagrad``): ``s += g*g``; ``w -= lr * g / (sqrt(s) + eps)``.
+- ``rowwise_adagrad`` (as FBGEMM's): ``s_row += mean(g*g)``; ``w -= lr * g / (sqrt(s_row) + eps)``.
+- ``adam`` (lazy): only touched rows move, each with its own step count ``k`` for the bias
+  corrections: ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g*g``;
+  ``w -= lr / (1 - b1^k) * m / (sqrt(v) / sqrt(1 - b2^k) + eps)`` (torch.optim.Adam's formula).
+
+Weight decay is lazy too (touched rows only). The arithmetic is :mod:`hybrid.ops`'
+(``optimizer_rows``, ``sgd_rows_``); this module owns the state and the two-phase update --
+every table's new rows are computed and checked (:meth:`RowSparseOptimizer.compute`) before any
+is written (:meth:`RowSparseOptimizer.commit`), so a failure leaves weights and state as they were.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid import ops
+from hybrid.ps.config import OptimizerSpec
+from hybrid.ps.server.memory import table_tensor
+
+
+class RowSparseOptimizer:
+    """Optimizer state for one table shard and the update of a set of its rows."""
+
+    def __init__(self, spec: OptimizerSpec, rows: int, dim: int, *, huge_pages: bool = True) -> None:
+        self.spec = spec
+        init = spec.initial_accumulator_value
+        self.state: dict[str, torch.Tensor] = {}
+
+        def tensor(*shape: int) -> torch.Tensor:
+            return table_tensor(*shape, huge_pages=huge_pages)
+
+        if spec.name == "adagrad":
+            self.state["sum"] = tensor(rows, dim).fill_(init)
+        elif spec.name == "rowwise_adagrad":
+            self.state["sum"] = tensor(rows).fill_(init)
+        elif spec.name == "adam":
+            self.state["exp_avg"] = tensor(rows, dim).zero_()
+            self.state["exp_avg_sq"] = tensor(rows, dim).zero_()
+            self.state["step"] = tensor(rows).zero_()
+
+    def compute(self, weight: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, grad_scale: float = 1.0,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The new values of ``weight[rows]`` and of the state's rows (``rows`` distinct, one
+        gradient row each, times ``grad_scale``); changes nothing. Raises :class:`hybrid.ops.NonFinite`
+        when a new weight is not finite."""
+        s = self.spec
+        return ops.optimizer_rows(s.name, rows, grad, grad_scale=grad_scale, weight=weight, state=self.state,
+                                  lr=s.lr, eps=s.eps, weight_decay=s.weight_decay, beta1=s.beta1, beta2=s.beta2)
+
+    def commit(self, weight: torch.Tensor, rows: torch.Tensor, w: torch.Tensor,
+               new_state: dict[str, torch.Tensor]) -> None:
+        """Write what :meth:`compute` returned."""
+        if rows.numel() == 0:
+            return
+        ops.scatter_rows_(weight, rows, w)
+        for k, v in new_state.items():
+            ops.scatter_rows_(self.state[k], rows, v)

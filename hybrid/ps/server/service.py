@@ -1,0 +1,302 @@
+"""A parameter-server process: its collections, and the entry points trainers call.
+
+:func:`start` makes this process a server (``hybrid.launch`` calls it on server ranks). Trainers
+then reach it through the module-level ``rpc_*`` functions (RPC runs them here) and, for the
+step's messages, through whatever transport they chose (:mod:`hybrid.ps.transport`), which ends
+in :meth:`ParameterServer.handle_step` either way.
+
+One step message (:class:`hybrid.ps.protocol.StepMessage`): for each part, the pushes it carries
+are applied (or kept until the step's last trainer's is in), then the part's lookup is answered
+once the step may read; the reply -- one tensor of rows per part -- goes back when every part's
+rows are gathered. A lookup that must wait is a callback, completed by whoever completes the
+step it waits for; answers that a distributed-autograd backward completes are handed to
+:attr:`ParameterServer.answers` (a lookup recorded from the engine's thread would make a graph
+there).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed.rpc as rpc
+
+from hybrid.ps import protocol
+from hybrid.ps.config import CollectionConfig, collection_handle
+from hybrid.ps.protocol import Frame, Part, Rows, StepMessage
+from hybrid.ps.server.memory import huge_page_bytes
+from hybrid.ps.server.shard import CollectionShard
+
+Reply = Callable[[list[torch.Tensor] | None, BaseException | None], None]
+"""Where a step message's answer goes: ``reply(rows_per_part, None)`` or ``reply(None, error)``."""
+Buffers = Callable[[list[int]], list[torch.Tensor]]
+"""Given each part's reply size (floats), where to gather the rows (a transport's own memory)."""
+
+
+@dataclass(kw_only=True)
+class ServerOptions:
+    """How a server keeps its tables (from the training config's ``runtime`` section)."""
+
+    huge_pages: bool = True
+    """Tables and optimizer state in transparent huge pages (:mod:`hybrid.ps.server.memory`)."""
+
+
+class _Lookup(torch.autograd.Function):
+    """Rows out in forward; their gradient goes to the shard's step bookkeeping in backward
+    (``gradient_push: dist_autograd``). Its input is a per-shard anchor leaf, so distributed
+    autograd records the exchange without the table being a graph leaf."""
+
+    @staticmethod
+    def forward(ctx, anchor, server, shard, trainer, step, rows):  # noqa: D401
+        ctx.server, ctx.shard, ctx.trainer, ctx.step, ctx.rows = server, shard, trainer, step, rows
+        return shard.gather(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.shard.counters.push_messages += 1
+        ctx.server.push(ctx.shard, ctx.trainer, ctx.step, [(ctx.rows, grad.contiguous())], inline=False)
+        return None, None, None, None, None, None
+
+
+class ParameterServer:
+    """Everything one server process holds: its collections, by handle."""
+
+    def __init__(self, index: int, options: ServerOptions) -> None:
+        self.index = index
+        self.options = options
+        self.collections: dict[int, CollectionShard] = {}
+        self.anchor = torch.zeros((), requires_grad=True)
+        self.lock = threading.Lock()
+        # Answers to lookups completed on a distributed-autograd engine thread, in order.
+        self.answers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybrid-ps-answer")
+
+    def create(self, config: CollectionConfig, *, start_step: int, init: str) -> int:
+        """Create (or replace) this server's shard of ``config``; returns its handle."""
+        shard = CollectionShard(config, self.index, start_step=start_step, huge_pages=self.options.huge_pages)
+        for t in shard.tables:
+            if init == "seed":
+                t.initialize(config.init_seed)
+            else:
+                t.weight.zero_()
+        handle = collection_handle(config.cid)
+        with self.lock:
+            old = self.collections.get(handle)
+            if old is not None and old.cid != config.cid:
+                raise ValueError(f"ps{self.index}: collections {old.cid!r} and {config.cid!r} share handle {handle}; "
+                                 f"rename one (compose(..., name=...))")
+            self.collections[handle] = shard
+        return handle
+
+    def shard(self, handle: int | str) -> CollectionShard:
+        key = collection_handle(handle) if isinstance(handle, str) else handle
+        try:
+            return self.collections[key]
+        except KeyError:
+            raise KeyError(f"ps{self.index} holds no collection {handle!r}") from None
+
+    # -- the step's messages ----------------------------------------------------------------------
+    def push(self, shard: CollectionShard, trainer: int, step: int, parts, *, inline: bool = True) -> None:
+        """Apply (or keep) one trainer's gradients, then answer the lookups that were waiting for
+        them (here, or on :attr:`answers` when ``inline`` is false)."""
+        try:
+            shard.push(trainer, step, parts)
+        finally:
+            for fn, err in shard.ready_waiters():
+                if inline:
+                    fn(err)
+                else:
+                    self.answers.submit(fn, err)
+
+    def handle_step(self, msg: StepMessage, reply: Reply, buffers: Buffers | None = None, *,
+                    via_channel: bool = False) -> None:
+        """Apply the message's pushes, then answer its lookups once each may read."""
+        try:
+            shards = [self.shard(p.collection) for p in msg.parts]
+            for part, shard in zip(msg.parts, shards):
+                if part.lookup is None and part.pushes:
+                    shard.counters.push_messages += 1
+                by_step: dict[int, list] = {}
+                for push in part.pushes:
+                    by_step.setdefault(push.step, []).append((push.rows, push.grad))
+                for step, parts in by_step.items():
+                    self.push(shard, msg.trainer, step, parts)
+            sizes = [shard.numel(p.lookup) if p.lookup is not None else 0 for p, shard in zip(msg.parts, shards)]
+            out = buffers(sizes) if buffers is not None else [torch.empty(n) for n in sizes]
+        except BaseException as e:  # noqa: BLE001 - the trainer gets it as the message's error
+            reply(None, RuntimeError(f"ps{self.index}: {e}"))
+            return
+        _Answer(self, msg, shards, out, reply, via_channel).start()
+
+    def read(self, handle: int, after_step: int, rows: Rows, done: Reply) -> None:
+        """Rows without gradient (evaluation), once steps through ``after_step`` are applied."""
+        shard = self.shard(handle)
+
+        def answer(err: BaseException | None) -> None:
+            if err is not None:
+                done(None, RuntimeError(f"ps{self.index}: collection {shard.cid} failed: {err!r}"))
+                return
+            try:
+                done([shard.gather(rows)], None)
+            except BaseException as e:  # noqa: BLE001
+                done(None, e)
+
+        shard.when_ready(after_step, answer)
+
+
+class _Answer:
+    """The lookups of one step message, answered together once each part's step may read."""
+
+    def __init__(self, server: ParameterServer, msg: StepMessage, shards: list[CollectionShard],
+                 out: list[torch.Tensor], reply: Reply, via_channel: bool) -> None:
+        self.server, self.msg, self.shards, self.out, self.reply = server, msg, shards, out, reply
+        self.via_channel = via_channel
+        self.lock = threading.Lock()
+        self.left = sum(p.lookup is not None for p in msg.parts)
+        self.failed = False
+
+    def start(self) -> None:
+        if self.left == 0:
+            self.reply(self.out, None)
+            return
+        for i, (part, shard) in enumerate(zip(self.msg.parts, self.shards)):
+            if part.lookup is None:
+                continue
+            shard.counters.lookups += 1
+            shard.counters.channel_lookups += int(self.via_channel)
+            shard.counters.ids_requested += part.num_raw
+            shard.counters.bytes_in += part.lookup.ids.numel() * 8
+            shard.when_ready(part.step - 1 - shard.staleness,
+                             lambda err, i=i, part=part, shard=shard: self._one(i, part, shard, err))
+
+    def _one(self, i: int, part: Part, shard: CollectionShard, err: BaseException | None) -> None:
+        try:
+            if err is not None:
+                raise RuntimeError(f"collection {shard.cid} failed: {err!r}")
+            lag = part.step - 1 - shard.complete_through
+            shard.counters.max_lag = max(shard.counters.max_lag, lag)
+            if len(shard.counters.lags) < 10_000:
+                shard.counters.lags.append(lag)
+            if self.msg.autograd:
+                with torch.enable_grad():  # may run on a backward thread, where grad mode is off
+                    self.out[i] = _Lookup.apply(self.server.anchor, self.server, shard, self.msg.trainer, part.step,
+                                                _owned(part.lookup))
+            else:
+                shard.gather(part.lookup, out=self.out[i])
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer
+            with self.lock:
+                first, self.failed = not self.failed, True
+            if first:
+                self.reply(None, RuntimeError(f"ps{self.server.index}: {e}"))
+            return
+        with self.lock:
+            self.left -= 1
+            done = self.left == 0 and not self.failed
+        if done:
+            self.reply(self.out, None)
+
+
+def _owned(rows: Rows) -> Rows:
+    return Rows(list(rows.tables), list(rows.counts), rows.ids.clone())
+
+
+# -- this process's server, and the RPC entry points ------------------------------------------------
+
+_SERVER: ParameterServer | None = None
+
+
+def start(index: int, options: ServerOptions) -> ParameterServer:
+    """Make this process parameter server ``ps<index>``."""
+    global _SERVER
+    _SERVER = ParameterServer(index, options)
+    return _SERVER
+
+
+def server() -> ParameterServer:
+    if _SERVER is None:
+        raise RuntimeError(f"{rpc.get_worker_info().name} is not a parameter server")
+    return _SERVER
+
+
+def _future_reply() -> tuple[torch.futures.Future, Reply]:
+    fut: torch.futures.Future = torch.futures.Future()
+
+    def reply(rows, err) -> None:
+        if err is not None:
+            fut.set_exception(err)
+        else:
+            fut.set_result(rows)
+
+    return fut, reply
+
+
+def rpc_create(config: CollectionConfig, start_step: int, init: str) -> int:
+    return server().create(config, start_step=start_step, init=init)
+
+
+@rpc.functions.async_execution
+def rpc_step(ints: list[int], tensors: list[torch.Tensor]) -> torch.futures.Future:
+    """A step message over RPC (:mod:`hybrid.ps.protocol`); answers one tensor per part."""
+    fut, reply = _future_reply()
+    try:
+        msg = protocol.decode(Frame(ints, tensors))
+    except protocol.ProtocolError as e:
+        reply(None, e)
+        return fut
+    server().handle_step(msg, reply)
+    return fut
+
+
+@rpc.functions.async_execution
+def rpc_read(handle: int, after_step: int, tables: list[int], counts: list[int], ids: torch.Tensor):
+    fut, reply = _future_reply()
+    server().read(handle, after_step, Rows(tables, counts, ids), reply)
+    return fut.then(lambda f: f.value()[0])
+
+
+def rpc_write_rows(handle: int, table: str, start: int, rows: torch.Tensor) -> None:
+    """Overwrite local rows ``[start, start + len(rows))`` of ``table`` (initial load, restore)."""
+    shard = server().shard(handle)
+    t = shard.table(table)
+    with shard.lock:
+        t.weight[start : start + rows.shape[0]] = rows
+
+
+def rpc_write_state(handle: int, table: str, state: dict[str, torch.Tensor]) -> None:
+    """Replace a table shard's optimizer state (restore)."""
+    shard = server().shard(handle)
+    t = shard.table(table)
+    with shard.lock:
+        for k, v in state.items():
+            t.optim.state[k].copy_(v)
+
+
+@rpc.functions.async_execution
+def rpc_read_shard(handle: int, table: str, after_step: int = -1):
+    """A copy of this server's rows of ``table`` and their optimizer state, once every trainer's
+    updates through ``after_step`` are applied."""
+    shard = server().shard(handle)
+    t = shard.table(table)
+    fut: torch.futures.Future = torch.futures.Future()
+
+    def answer(err: BaseException | None) -> None:
+        if err is not None:
+            fut.set_exception(RuntimeError(f"ps{shard.server}: collection {shard.cid} failed: {err!r}"))
+            return
+        with shard.lock:
+            fut.set_result((t.weight.clone(), {k: v.clone() for k, v in t.optim.state.items()}))
+
+    shard.when_ready(after_step, answer)
+    return fut
+
+
+def rpc_stats(handle: int) -> dict:
+    shard = server().shard(handle)
+    d = shard.counters.as_dict()
+    d["complete_through"] = shard.complete_through
+    held = huge_page_bytes()  # the whole process's, every collection's tables together
+    if held is not None:
+        d["huge_page_bytes"] = held
+    return d

@@ -1,0 +1,258 @@
+"""One server's part of one remote collection: its table shards, their optimizer, and step state.
+
+Step bookkeeping (sync, ``staleness`` 0): a step's gradients are applied once every trainer's
+push of that step is in -- never one push on its own, since another trainer's lookup of the same
+step may still be on its way and must read the tables as they were before the step -- and a
+lookup of step ``t`` is answered once steps through ``t - 1`` are applied. Async
+(``staleness`` k): each push is applied on arrival and a lookup of step ``t`` waits for steps
+through ``t - 1 - k``. Waiting lookups are callbacks (:meth:`CollectionShard.when_ready`): no
+thread ever blocks on a step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hybrid import ops
+from hybrid.ps.config import CollectionConfig
+from hybrid.ps.init import initial_rows
+from hybrid.ps.protocol import Rows
+from hybrid.ps.server.memory import table_tensor
+from hybrid.ps.server.optim import RowSparseOptimizer
+from hybrid.ps.sharding import TableLayout
+
+
+@dataclass
+class ServerCounters:
+    """What a server counts per collection; trainers read them with ``stats()``."""
+
+    lookups: int = 0
+    gradients: int = 0
+    """Gradient pushes received (one per trainer per step that looked up here)."""
+    push_messages: int = 0
+    """Gradient pushes that came in a message without a lookup of this collection."""
+    channel_lookups: int = 0
+    """Lookups that came through a same-host shared-memory transport rather than RPC."""
+    rows_served: int = 0
+    ids_requested: int = 0
+    """Ids before the trainers' deduplication; ``rows_served / ids_requested`` is the unique ratio."""
+    bytes_in: int = 0
+    bytes_out: int = 0
+    updates_applied: int = 0
+    """Updates finished: sync, one per step (every trainer's gradients in); async, one per push."""
+    wait_s: float = 0.0
+    """Time lookups spent waiting for the slowest trainer's update."""
+    max_lag: int = 0
+    """Largest number of earlier steps not yet fully applied when a lookup was answered."""
+    lags: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "lags"}
+        d["unique_ratio"] = self.rows_served / self.ids_requested if self.ids_requested else 1.0
+        return d
+
+
+class TableShard:
+    """This server's rows of one table, with their optimizer state."""
+
+    def __init__(self, layout: TableLayout, server: int, config: CollectionConfig, *, huge_pages: bool) -> None:
+        self.layout = layout
+        self.name = layout.table.name
+        self.dim = layout.table.embedding_dim
+        self.shard_pos = layout.servers.index(server)
+        self.rows = layout.rows_on(server)
+        self.weight = table_tensor(self.rows, self.dim, huge_pages=huge_pages)  # see server.memory
+        self.optim = RowSparseOptimizer(config.optimizer, self.rows, self.dim, huge_pages=huge_pages)
+
+    def global_ids(self, local: torch.Tensor) -> torch.Tensor:
+        return self.layout.global_ids(self.shard_pos, local)
+
+    def initialize(self, seed: int) -> None:
+        """Each row's layout-independent initial value (:mod:`hybrid.ps.init`)."""
+        t = self.layout.table
+        step = max(1, (64 << 20) // (4 * max(self.dim, 1)))
+        for start in range(0, self.rows, step):
+            local = torch.arange(start, min(start + step, self.rows), dtype=torch.int64)
+            initial_rows(t.name, t.num_embeddings, self.dim, self.global_ids(local), seed=seed,
+                         out=self.weight[start : start + local.numel()])
+
+
+Contribution = tuple[Rows, torch.Tensor]
+"""One trainer's gradient for the rows of one lookup: the rows and the flat gradient."""
+
+
+class CollectionShard:
+    """The tables of one remote collection that live on this server, and their step state."""
+
+    def __init__(self, config: CollectionConfig, server: int, *, start_step: int, huge_pages: bool = True) -> None:
+        self.config = config
+        self.cid = config.cid
+        self.server = server
+        self.held = config.held(server)
+        self.tables = [TableShard(config.layouts[i], server, config, huge_pages=huge_pages) for i in self.held]
+        self.by_index = dict(zip(self.held, self.tables))
+        self.num_trainers = config.num_trainers
+        self.staleness = config.staleness
+        self.scale = config.scale
+        self.accumulates = config.optimizer.accumulates
+        self.complete_through = start_step - 1
+        self.arrived: dict[int, int] = defaultdict(int)
+        self.pending: dict[int, list[Contribution]] = defaultdict(list)
+        self.waiters: list[tuple[int, float, Callable[[BaseException | None], None]]] = []
+        self.failed: BaseException | None = None
+        self.lock = threading.RLock()
+        self.counters = ServerCounters()
+
+    # -- rows -----------------------------------------------------------------------------------
+    def shards_of(self, rows: Rows) -> list[TableShard]:
+        try:
+            return [self.by_index[i] for i in rows.tables]
+        except KeyError as e:
+            raise IndexError(f"{self.cid} on ps{self.server}: table {e.args[0]} is not held here "
+                             f"(this server holds {[t.name for t in self.tables]})") from None
+
+    def numel(self, rows: Rows) -> int:
+        """Floats of the rows ``rows`` asks for."""
+        return sum(n * t.dim for n, t in zip(rows.counts, self.shards_of(rows)))
+
+    def gather(self, rows: Rows, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows asked for, flat (into ``out`` where given)."""
+        shards = self.shards_of(rows)
+        with self.lock:
+            try:
+                got = ops.gather_rows([t.weight for t in shards], rows.ids, rows.counts, out=out)
+            except ops.RowOutOfRange as e:
+                raise self._outside(shards[e.table], e.row, "lookup") from None
+        self.counters.rows_served += int(rows.ids.numel())
+        self.counters.bytes_out += got.numel() * got.element_size()
+        return got
+
+    def _outside(self, table: TableShard, row: int, what: str) -> IndexError:
+        return IndexError(f"{what} of {self.cid} on ps{self.server}: row {row} is outside this server's "
+                          f"{table.rows} rows of table {table.name!r}; nothing was changed")
+
+    # -- steps ----------------------------------------------------------------------------------
+    def when_ready(self, needed: int, fn: Callable[[BaseException | None], None]) -> bool:
+        """Run ``fn(None)`` once steps through ``needed`` are applied (``fn(err)`` on failure).
+        Returns whether it ran now; otherwise whoever completes the step runs it."""
+        with self.lock:
+            if self.failed is None and self.complete_through < needed:
+                self.waiters.append((needed, time.monotonic(), fn))
+                return False
+            err = self.failed
+        fn(err)
+        return True
+
+    def ready_waiters(self) -> list[tuple[Callable[[BaseException | None], None], BaseException | None]]:
+        """Remove and return the waiters whose step is now complete (or all, after a failure)."""
+        with self.lock:
+            ready = [w for w in self.waiters if self.failed or w[0] <= self.complete_through]
+            self.waiters = [w for w in self.waiters if w not in ready]
+            err = self.failed
+        now = time.monotonic()
+        for _, since, _ in ready:
+            self.counters.wait_s += now - since
+        return [(fn, err) for _, _, fn in ready]
+
+    def push(self, trainer: int, step: int, parts: list[Contribution], *, keeps_copy: bool = True) -> None:
+        """One trainer's gradients for ``step``, one contribution per lookup it made of this
+        collection in that step; applied when the step is due (sync: every trainer's arrived).
+        ``keeps_copy``: the tensors may be reused by the transport after this call, so a push
+        kept for later is copied. Call :meth:`ready_waiters` afterwards."""
+        self.counters.gradients += 1
+        self.counters.bytes_in += sum(g.numel() * g.element_size() for _, g in parts)
+        try:
+            with self.lock:
+                if self.failed is not None:
+                    raise RuntimeError(f"{self.cid} on ps{self.server} failed earlier") from self.failed
+                last = self.arrived.get(step, 0) + 1 == self.num_trainers
+                if self.staleness == 0:
+                    if keeps_copy and not last:
+                        parts = [(Rows(r.tables, r.counts, r.ids.clone()), g.clone()) for r, g in parts]
+                    self.pending[step].extend(parts)
+                    if last:
+                        self.apply(self.pending.pop(step))
+                else:
+                    self.apply(parts)
+                if self.staleness or last:
+                    self.counters.updates_applied += 1
+                self.arrived[step] += 1
+                while self.arrived.get(self.complete_through + 1, 0) == self.num_trainers:
+                    self.arrived.pop(self.complete_through + 1)
+                    self.complete_through += 1
+        except BaseException as e:
+            with self.lock:
+                self.failed = e
+            raise
+
+    def apply(self, contributions: list[Contribution]) -> None:
+        """Apply the trainers' contributions of one step (or one async push): all or nothing."""
+        if self.accumulates:
+            self._accumulate(contributions)
+            return
+        per_table: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for rows, grad in contributions:
+            shards = self.shards_of(rows)
+            sizes = [n * t.dim for n, t in zip(rows.counts, shards)]
+            for index, t, ids, g, n in zip(rows.tables, shards, rows.ids.split(rows.counts), grad.split(sizes),
+                                          rows.counts):
+                entry = per_table.setdefault(index, ([], []))
+                entry[0].append(ids)
+                entry[1].append(g.view(n, t.dim))
+        computed = []
+        for index, (ids_l, grads_l) in per_table.items():
+            table = self.by_index[index]
+            try:
+                if len(ids_l) == 1:
+                    rows, summed, gscale = ids_l[0], grads_l[0], self.scale  # distinct: the trainer deduplicated
+                else:
+                    rows, summed = ops.sum_rows(torch.cat(ids_l), torch.cat(grads_l), scale=self.scale,
+                                                num_rows=table.rows)
+                    gscale = 1.0
+                if rows.numel():
+                    computed.append((table, rows, *table.optim.compute(table.weight, rows, summed, gscale)))
+            except ops.RowOutOfRange as e:
+                raise self._outside(table, e.row, "gradient push") from None
+            except ops.NonFinite as e:
+                raise FloatingPointError(f"{self._what()}: {e}") from None
+        for table, rows, w, state in computed:
+            table.optim.commit(table.weight, rows, w, state)
+
+    def _what(self) -> str:
+        return f"{self.config.optimizer.name} update of {self.cid} on ps{self.server}"
+
+    def _accumulate(self, contributions: list[Contribution]) -> None:
+        """Plain SGD: each contribution added straight into the weights, in arrival order (rows
+        may repeat across trainers); every contribution is checked before the first is added."""
+        alpha = -self.config.optimizer.lr * self.scale
+        if len(contributions) > 1:
+            for rows, grad in contributions:
+                shards = self.shards_of(rows)
+                for k, (t, ids) in enumerate(zip(shards, rows.ids.split(rows.counts))):
+                    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t.rows):
+                        bad = ids[(ids < 0) | (ids >= t.rows)][0]
+                        raise self._outside(t, int(bad), "gradient push")
+                if grad.numel() and not bool(torch.isfinite(grad.sum())) and not bool(torch.isfinite(grad).all()):
+                    raise FloatingPointError(f"{self._what()}: non-finite gradients; nothing was applied")
+        for rows, grad in contributions:
+            shards = self.shards_of(rows)
+            try:
+                ops.sgd_rows_([t.weight for t in shards], rows.ids, rows.counts, grad, alpha=alpha)
+            except ops.RowOutOfRange as e:
+                raise self._outside(shards[e.table], e.row, "gradient push") from None
+            except ops.NonFinite as e:
+                raise FloatingPointError(f"{self._what()}: {e}") from None
+
+    # -- whole shards (creation, checkpoints) ---------------------------------------------------
+    def table(self, name: str) -> TableShard:
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise KeyError(f"ps{self.server} holds no table {name!r} of {self.cid} (it holds "
+                       f"{[t.name for t in self.tables]})")
