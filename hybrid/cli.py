@@ -189,15 +189,20 @@ def _add_export_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", metavar="CKPT",
                    help="a checkpoint directory (runs/ckpt/step_00000400) or a checkpoint root (its newest)")
     p.add_argument("out", metavar="OUT", help="the .pt file to write")
+    p.add_argument("--key-file", default="", metavar="FILE",
+                   help="the key the checkpoint's manifest was signed with (default: $HYBRID_CHECKPOINT_KEY, "
+                        "if set); a manifest that does not verify is refused")
     p.set_defaults(handler=_export_main)
 
 
 def _export_main(args: argparse.Namespace) -> int:
     from hybrid.checkpoint import Checkpoint, CheckpointError, export
+    from hybrid.checkpoint.files import checkpoint_key
 
     try:
-        ckpt = Checkpoint(args.checkpoint)
-        state = export(ckpt.path, args.out)
+        key = checkpoint_key(args.key_file)
+        ckpt = Checkpoint(args.checkpoint, key=key)
+        state = export(ckpt.path, args.out, key=key)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -18,8 +18,10 @@ file is checked against the manifest first. A failure on any trainer is raised o
 
 from __future__ import annotations
 
+import ast
 import os
 import random
+import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,6 +59,22 @@ def _agree(err: str | None, what: str) -> None:
     if bad:
         r, e = bad[0]
         raise CheckpointError(f"{what} failed on trainer{r}: {e}")
+
+
+def _remote_message(e: BaseException) -> str:
+    """The message of an exception raised on an RPC peer. RPC re-raises it with the text
+    ``On WorkerInfo(...):``, then the remote exception's ``repr`` (``Class('message')``), then the
+    remote traceback."""
+    lines = str(e).strip().splitlines()
+    for k, line in enumerate(lines[:-1]):
+        if "On WorkerInfo(" in line:
+            m = re.fullmatch(r"\w+\((.*)\)", lines[k + 1].strip())
+            if m:
+                try:
+                    return str(ast.literal_eval(m.group(1)))
+                except (ValueError, SyntaxError):
+                    return m.group(1)
+    return lines[0] if lines else type(e).__name__
 
 
 def _describe(e: BaseException) -> str:
@@ -159,11 +177,13 @@ def restore_rng(st: dict[str, Any]) -> None:
 
 
 def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         keep: int = 3, train_state: dict[str, Any] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Path:
+         keep: int = 3, train_state: dict[str, Any] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+         key: bytes | None = None) -> Path:
     """Write the checkpoint of ``step`` under ``root`` (every trainer calls); returns its directory.
 
     ``train_state`` is plain JSON data the training loop wants back on resume (data position,
     counters); it goes into the manifest (trainer 0's) and into each trainer's own file.
+    ``key`` signs the manifest (default: :func:`hybrid.checkpoint.files.checkpoint_key`).
     """
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
@@ -198,8 +218,10 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
         own.parent.mkdir(parents=True, exist_ok=True)
         F.save_tensors({"rng": capture_rng(), "train": train_state or {}}, own)
         mine.append(F.entry_for(ckpt, own))
-    except Exception as e:  # noqa: BLE001 - shared with every trainer below
-        err = _describe(e)
+    except BaseException as e:  # noqa: BLE001 - shared with every trainer below; DCP's CheckpointException is a BaseException
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        err = _describe(F.unwrap_dcp_error(e))
     _agree(err, f"saving step {step}")  # every dense file exists once all got here
     dense_files = sorted(p for p in (ckpt / "dense").rglob("*") if p.is_file())
     mine += [F.entry_for(ckpt, p) for i, p in enumerate(dense_files) if i % world == rank]
@@ -218,7 +240,7 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
                 ckpt, step=step, files=[e for part in entries for e in part] + table_files,
                 world={"trainers": world, "servers": remotes[0][1].num_servers if remotes else 0},
                 train=train_state or {}, dense={"dir": "dense", "optimizer": optimizer is not None},
-                collections=collections, keys=keys,
+                collections=collections, keys=keys, key=key,
             )
             removed = F.prune(ckpt.parent, keep, current=ckpt)
             newer = [p.name for s, p in F.checkpoints(ckpt.parent) if s > step]
@@ -267,9 +289,10 @@ def _wait_servers(futures, remotes) -> list[dict[str, Any]]:
 class Checkpoint:
     """A complete checkpoint, opened: its manifest read (cheap); :meth:`restore` loads it."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, key: bytes | None = None) -> None:
+        """``key``: the manifest's signing key (default: :func:`hybrid.checkpoint.files.checkpoint_key`)."""
         self.path = F.resolve(path).resolve()
-        self.manifest = F.read_manifest(self.path)
+        self.manifest = F.read_manifest(self.path, key=key)
 
     @property
     def step(self) -> int:
@@ -294,12 +317,14 @@ class Checkpoint:
         """Load everything into the composed ``model`` (every trainer calls, before training)."""
         rank, world = _rank_world()
         what = f"restoring {self.path}"
-        err = None
+        err, rng_state = None, None
         try:
             dense = sorted(rel for rel in self.manifest["files"] if rel.startswith("dense/"))
             for i, rel in enumerate(dense):
                 if i % world == rank:
                     F.verify(self.path, F.manifest_entry(self.manifest, rel))
+            if rng:
+                rng_state = self._read_rng(rank)
         except Exception as e:  # noqa: BLE001
             err = _describe(e)
         _agree(err, what)
@@ -321,12 +346,13 @@ class Checkpoint:
             if rt.current is not None:
                 raise CheckpointError(f"restore during step {rt.current.step}: restore before training")
             rt.next_step = self.step
-        if rng:
-            self._restore_rng(rank)
+        if rng_state is not None:
+            restore_rng(rng_state)
         logger.info("restored %s", self)
 
     def _load_dense(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         from torch.distributed.checkpoint import load as dcp_load
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import (
             set_model_state_dict,
             set_optimizer_state_dict,
@@ -336,10 +362,14 @@ class Checkpoint:
         if optimizer is not None and not with_optim:
             logger.warning("%s holds no dense optimizer state; the optimizer starts fresh", self.path)
         state = _dense_state(model, optimizer if with_optim else None)
+        F.load_dcp_metadata(self.path / "dense" / ".metadata")  # refused here, by name, before DCP reads it
         try:
             dcp_load(state, storage_reader=F.safe_dcp_reader(self.path / "dense"),
-                     no_dist=not dist.is_initialized())
-        except Exception as e:
+                     planner=F.safe_load_planner(), no_dist=not dist.is_initialized())
+        except (Exception, CheckpointException) as e:  # DCP's exception is no Exception
+            inner = F.unwrap_dcp_error(e)
+            if isinstance(inner, CheckpointError):
+                raise CheckpointError(f"{self.path / 'dense'}: {inner}") from None
             raise CheckpointError(f"the dense state in {self.path / 'dense'} does not fit the model "
                                   f"({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})") from None
         with dense_only(model):
@@ -363,20 +393,19 @@ class Checkpoint:
             try:
                 fut.wait()
             except Exception as e:  # noqa: BLE001
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise CheckpointError(f"parameter server {coll.server_names[s]} could not load {coll.cid}: "
-                                      f"{first}") from None
+                                      f"{_remote_message(e)}") from None
 
-    def _restore_rng(self, rank: int) -> None:
+    def _read_rng(self, rank: int) -> dict[str, Any] | None:
         rel = f"trainers/trainer{rank}.pt"
         if rel not in self.manifest["files"]:
             logger.info("%s was saved by %s trainers; trainer%d keeps its own RNG states", self.path,
                         self.world.get("trainers"), rank)
-            return
-        restore_rng(F.load_tensors(self.path, F.manifest_entry(self.manifest, rel))["rng"])
+            return None
+        return F.load_tensors(self.path, F.manifest_entry(self.manifest, rel))["rng"]
 
 
-def find_resume(resume: str, root: str) -> Checkpoint | None:
+def find_resume(resume: str, root: str, *, key: bytes | None = None) -> Checkpoint | None:
     """The checkpoint named by a training config's ``checkpoint.resume`` (``latest`` or a path)."""
     if not resume:
         return None
@@ -387,5 +416,5 @@ def find_resume(resume: str, root: str) -> Checkpoint | None:
         if newest is None:
             logger.info("checkpoint.resume=latest: no complete checkpoint under %s; starting at step 0", root)
             return None
-        return Checkpoint(newest)
-    return Checkpoint(os.path.expanduser(resume))
+        return Checkpoint(newest, key=key)
+    return Checkpoint(os.path.expanduser(resume), key=key)

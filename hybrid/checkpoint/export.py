@@ -20,7 +20,7 @@ from hybrid.checkpoint.files import CheckpointError, FileEntry
 
 def dense_state_dict(ckpt: str | Path, manifest: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The dense model's full state dict (no optimizer), read in this process."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     ckpt = Path(ckpt)
@@ -29,8 +29,15 @@ def dense_state_dict(ckpt: str | Path, manifest: dict[str, Any] | None = None) -
         if rel.startswith("dense/"):
             F.verify(ckpt, F.manifest_entry(manifest, rel))
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=F.safe_dcp_reader(ckpt / "dense"),
-                     planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    F.load_dcp_metadata(ckpt / "dense" / ".metadata")  # refused here, by name, before DCP reads it
+    try:
+        _load_state_dict(state, storage_reader=F.safe_dcp_reader(ckpt / "dense"),
+                         planner=F.safe_load_planner(keys={"model"}), no_dist=True)
+    except (Exception, CheckpointException) as e:  # DCP's exception is no Exception
+        inner = F.unwrap_dcp_error(e)
+        if isinstance(inner, CheckpointError):
+            raise CheckpointError(f"{ckpt / 'dense'}: {inner}") from None
+        raise
     return dict(state.get("model", {}))
 
 
@@ -56,11 +63,12 @@ def load_tables(ckpt: str | Path, manifest: dict[str, Any] | None = None
     return out
 
 
-def export(ckpt: str | Path, out: str | Path | None = None) -> dict[str, torch.Tensor]:
+def export(ckpt: str | Path, out: str | Path | None = None, *, key: bytes | None = None) -> dict[str, torch.Tensor]:
     """The plain state dict of checkpoint ``ckpt`` (a ``step_N`` directory or a root: its newest);
-    written to ``out`` (atomically) when given."""
+    written to ``out`` (atomically) when given. ``key`` verifies the manifest's signature
+    (default: :func:`hybrid.checkpoint.files.checkpoint_key`)."""
     path = F.resolve(ckpt)
-    manifest = F.read_manifest(path)
+    manifest = F.read_manifest(path, key=key)
     state = dense_state_dict(path, manifest)
     for key, (weight, _) in load_tables(path, manifest).items():
         if key in state:

@@ -6,12 +6,18 @@ names every other file with its size and SHA-256. Every reader checks a file aga
 manifest before it opens it, and opens it without running pickled code: ``torch.load`` with
 ``weights_only=True`` for our files, and a restricted unpickler (DCP's own metadata classes,
 ``torch.Size``, dtypes, nothing else) for ``torch.distributed.checkpoint``'s ``.metadata``,
-which DCP itself would read with plain ``pickle``.
+which DCP itself would read with plain ``pickle``, and a DCP load planner that reads DCP's byte
+items with ``weights_only=True`` (DCP's own planner unpickles them with ``weights_only=False``).
+
+With a key (:func:`checkpoint_key`) the manifest also carries an HMAC-SHA256 of its content: the
+checksums then protect against a deliberate change too, since rewriting the manifest to match
+changed files needs the key.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
 import json
 import os
@@ -29,6 +35,7 @@ import torch
 FORMAT = "hybrid-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
+KEY_ENV = "HYBRID_CHECKPOINT_KEY"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 _CHUNK = 1 << 20
 
@@ -96,8 +103,33 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def write_manifest(ckpt: str | Path, *, step: int, files: Iterable[FileEntry], **sections: Any) -> None:
-    """Write ``manifest.json`` (last, atomically). ``sections`` are further plain-JSON sections."""
+def checkpoint_key(key_file: str | Path = "") -> bytes | None:
+    """The key that signs and verifies manifests: the bytes of ``key_file`` when given, else
+    ``$HYBRID_CHECKPOINT_KEY``, else ``None`` (manifests are neither signed nor verified)."""
+    if key_file:
+        try:
+            key = Path(key_file).expanduser().read_bytes().strip()
+        except OSError as e:
+            raise CheckpointError(f"checkpoint key file {key_file}: cannot read it ({e.strerror or e})") from None
+        if not key:
+            raise CheckpointError(f"checkpoint key file {key_file} is empty")
+        return key
+    env = os.environ.get(KEY_ENV, "")
+    return env.encode() if env else None
+
+
+def _signature(doc: dict[str, Any], key: bytes) -> str:
+    body = {k: v for k, v in doc.items() if k != "signature"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+
+def write_manifest(ckpt: str | Path, *, step: int, files: Iterable[FileEntry], key: bytes | None = None,
+                   **sections: Any) -> None:
+    """Write ``manifest.json`` (last, atomically). ``sections`` are further plain-JSON sections.
+
+    Signed with ``key`` (default: :func:`checkpoint_key`) when there is one.
+    """
     ckpt = Path(ckpt)
     for d in sorted({p for p in ckpt.rglob("*") if p.is_dir()} | {ckpt}, key=lambda p: -len(p.parts)):
         fsync_dir(d)  # every file's directory entry is durable before the manifest names it
@@ -106,11 +138,34 @@ def write_manifest(ckpt: str | Path, *, step: int, files: Iterable[FileEntry], *
         **sections,
         "files": {e.path: e.as_json() for e in sorted(files, key=lambda e: e.path)},
     }
+    key = key if key is not None else checkpoint_key()
+    if key:
+        doc["signature"] = {"alg": "hmac-sha256", "digest": _signature(doc, key)}
     atomic_write_text(ckpt / MANIFEST, json.dumps(doc, indent=1, sort_keys=False) + "\n")
 
 
-def read_manifest(ckpt: str | Path) -> dict[str, Any]:
-    """The manifest of checkpoint directory ``ckpt``; :class:`CheckpointError` when it has none."""
+def read_manifest(ckpt: str | Path, *, key: bytes | None = None) -> dict[str, Any]:
+    """The manifest of checkpoint directory ``ckpt``; :class:`CheckpointError` when it has none.
+
+    With ``key`` (default: :func:`checkpoint_key`) the manifest must carry a signature made with
+    that key; one that is missing or does not verify is refused.
+    """
+    doc = _read_unverified(ckpt)
+    key = key if key is not None else checkpoint_key()
+    if key:
+        path = Path(ckpt) / MANIFEST
+        sig = doc.get("signature")
+        if not isinstance(sig, dict) or sig.get("alg") != "hmac-sha256" or not isinstance(sig.get("digest"), str):
+            raise CheckpointError(f"{path}: not signed, and a checkpoint key is set (checkpoint.key_file or "
+                                  f"${KEY_ENV}); refusing an unsigned checkpoint")
+        if not hmac.compare_digest(sig["digest"], _signature(doc, key)):
+            raise CheckpointError(f"{path}: the signature does not verify with the checkpoint key: the manifest "
+                                  f"was changed by someone without the key, or it was signed with another key; "
+                                  f"refusing it")
+    return doc
+
+
+def _read_unverified(ckpt: str | Path) -> dict[str, Any]:
     path = Path(ckpt) / MANIFEST
     if not path.is_file():
         why = "it does not exist" if not Path(ckpt).exists() else (
@@ -158,7 +213,7 @@ def load_tensors(ckpt: str | Path, entry: FileEntry, *, mmap: bool = False) -> A
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = str(e).strip().split(". ")[0].splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: holds more than tensors and plain data (pickled objects); refusing to "
                               f"load it with weights_only=True ({first})") from None
 
@@ -200,8 +255,8 @@ def load_dcp_metadata(path: str | Path) -> Any:
 def safe_dcp_reader(path: str | Path):
     """A ``FileSystemReader`` whose ``.metadata`` goes through :class:`_MetadataUnpickler`.
 
-    Its tensor and byte items are read by DCP itself: raw tensor bytes, and ``torch.load(...,
-    weights_only=True)`` for the rest.
+    Its tensor items are raw tensor bytes; its byte items are only read safely through the
+    planner of :func:`safe_load_planner`.
     """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -217,6 +272,46 @@ def safe_dcp_reader(path: str | Path):
     return _SafeReader(str(path))
 
 
+def safe_load_planner(*, keys: set[str] | None = None):
+    """A DCP load planner that reads byte items (non-tensor values: an optimizer's ``lr``, a step
+    counter) with ``torch.load(weights_only=True)``; a byte item holding anything else is refused.
+
+    ``keys``: load every item under these top-level keys into an empty state dict (DCP's
+    ``_EmptyStateDictLoadPlanner``); ``None``: load into the given state dict.
+    """
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - pickled code, or bytes that are no torch file at all
+            first = str(e).strip().split(". ")[0].splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"checkpoint item {fqn!r} holds more than tensors and plain data; refusing to "
+                                  f"load it with weights_only=True ({first})") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+    base = DefaultLoadPlanner if keys is None else _EmptyStateDictLoadPlanner
+    planner = type("SafeLoadPlanner", (base,), {"load_bytes": load_bytes})
+    return planner() if keys is None else planner(keys=keys)
+
+
+def unwrap_dcp_error(e: BaseException) -> BaseException:
+    """The :class:`CheckpointError` inside DCP's ``CheckpointException`` (which wraps what each rank
+    raised), or ``e`` itself."""
+    if isinstance(e, CheckpointError):
+        return e
+    for failure in (getattr(e, "failures", None) or {}).values():
+        inner = unwrap_dcp_error(failure[0] if isinstance(failure, tuple) else failure)
+        if isinstance(inner, CheckpointError):
+            return inner
+    return e
+
+
 # -- finding and pruning ---------------------------------------------------------------------------
 
 
@@ -230,7 +325,8 @@ def checkpoints(root: str | Path) -> list[tuple[int, Path]]:
         m = STEP_DIR.match(d.name)
         if m and d.is_dir() and (d / MANIFEST).is_file():
             try:
-                out.append((int(read_manifest(d)["step"]), d))
+                # listing only: the one picked is verified (signature included) when it is opened
+                out.append((int(_read_unverified(d)["step"]), d))
             except CheckpointError:
                 continue
     return sorted(out)

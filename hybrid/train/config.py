@@ -86,6 +86,9 @@ class CheckpointOptions:
     """Keep the newest this many complete checkpoints."""
     resume: str = ""
     """``latest`` (the newest complete checkpoint under ``dir``, if any) or a checkpoint path."""
+    key_file: str = ""
+    """A file holding the key that signs manifests on save and verifies them on resume (an
+    HMAC-SHA256); empty: ``$HYBRID_CHECKPOINT_KEY`` if set, else manifests are not signed."""
 
     def __post_init__(self) -> None:
         _check("every", self.every, self.every >= 0, "an integer >= 0")

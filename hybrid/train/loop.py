@@ -108,13 +108,19 @@ def run_process(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, 
     except Exception as e:  # noqa: BLE001
         logger.error("%s could not join the job: %s", role.name, e)
         return EXIT_FAILED
-    ok = False
+    from hybrid.checkpoint import CheckpointError
+
+    ok, code = False, EXIT_FAILED
     try:
         if role.is_trainer:
             Trainer(role, plan, cfg, resolved).run()
         else:
             serve(role, heartbeat_s=options.heartbeat_s, timeout_s=options.rpc_timeout_s)
         ok = True
+    except CheckpointError as e:  # the same on every trainer (each read it, or restore agreed on it)
+        code = EXIT_USAGE
+        if role.is_trainer and role.index == 0:
+            print(f"error: {e}", file=sys.stderr)
     except PeerFailure as e:
         logger.error("%s", e)
     except NonFiniteBatch as e:
@@ -126,16 +132,17 @@ def run_process(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, 
     if not ok:
         # A failed process does not wait for its peers (they may be the reason); exiting makes
         # torchrun stop the others, and servers notice a missing trainer within a heartbeat.
-        try:
-            gone = unreachable_peers(role)
-        except Exception:  # noqa: BLE001 - the RPC agent itself may be down
-            gone = []
-        if gone:
-            logger.error("%s: peers not answering: %s", role.name, ", ".join(gone))
-        logger.error("%s exits with code %d", role.name, EXIT_FAILED)
+        if code != EXIT_USAGE:
+            try:
+                gone = unreachable_peers(role)
+            except Exception:  # noqa: BLE001 - the RPC agent itself may be down
+                gone = []
+            if gone:
+                logger.error("%s: peers not answering: %s", role.name, ", ".join(gone))
+            logger.error("%s exits with code %d", role.name, code)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_FAILED)
+        os._exit(code)
     shutdown(role, graceful=True, timeout_s=options.shutdown_timeout_s)
     return EXIT_OK
 
@@ -193,6 +200,7 @@ class Trainer:
         self.schema = schema_of(model, task_name)
         # Checkpoint to resume from (hybrid.checkpoint), found before composing: its step numbers
         # the trainers' runtime and the servers' step bookkeeping, and its tables replace the init.
+        self._ckpt_key = self._checkpoint_key()
         self.resume = self._find_resume()
         self.start_step = self.resume.step if self.resume is not None else 0
         self.model = hybrid.compose(model, resolve(plan, model, world_size=role.world_size), role=role,
@@ -331,11 +339,16 @@ class Trainer:
         self.finish(train_time=train_time, total=total, last_loss=last_loss, stats=stats)
 
     # -- checkpoints (hybrid.checkpoint) ---------------------------------------------------------
+    def _checkpoint_key(self) -> bytes | None:
+        from hybrid.checkpoint.files import checkpoint_key
+
+        return checkpoint_key(self.cfg.checkpoint.key_file)
+
     def _find_resume(self):
         from hybrid.checkpoint import find_resume
 
         ck = self.cfg.checkpoint
-        return find_resume(ck.resume, ck.dir)
+        return find_resume(ck.resume, ck.dir, key=self._ckpt_key)
 
     def _restore(self, ckpt) -> None:
         """Model, optimizers, tables (by the servers), step numbering, RNG, data position."""
@@ -365,7 +378,7 @@ class Trainer:
         data = [epoch, index] if nxt is not None else [epoch, index + 1]
         ck = self.cfg.checkpoint
         save(ck.dir, self.step, self.model, self.optimizer, keep=ck.keep,
-             train_state={"data": data, "skipped": self.skipped})
+             train_state={"data": data, "skipped": self.skipped}, key=self._ckpt_key)
         self._last_saved = self.step
 
     def _progress(self):

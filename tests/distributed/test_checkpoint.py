@@ -6,6 +6,9 @@ row-wise, DLRM with DDP bottom and FSDP top, sync, float32, a tiny model):
 - **straight**: 20 steps, one checkpoint at the end;
 - **crashed**: the same 20 steps with a checkpoint every 10, and server ps1 SIGKILLs itself while
   writing its shards of step 20 (the test hook of :mod:`hybrid.checkpoint.server_io`);
+- **tampered**: a copy of straight's checkpoint with pickled code planted in one file (the
+  manifest fixed to match): resume and export refuse it (exit 2, one line), the code never runs;
+  with the key straight was signed with, a rewritten manifest is refused;
 - **resumed**: new processes, ``checkpoint.resume=latest`` in the crashed run's directory: it
   must pick step 10 and train steps 11..20 -- losses and every parameter equal to straight's.
 
@@ -32,9 +35,10 @@ from hybrid.checkpoint import (
     read_manifest,
     verify,
 )
-from hybrid.checkpoint.files import FileEntry
+from hybrid.checkpoint.files import KEY_ENV, MANIFEST, FileEntry
 from hybrid.checkpoint.server_io import KILL_ENV
 from tests.harness import run_distributed
+from tests.support import tamper
 from tests.support.cli import REPO, run_hybrid
 
 STEPS = 20
@@ -46,6 +50,7 @@ TINY = ["model.num_embeddings=60", "model.features=[C1,C2,C3,C4]", "model.embedd
 TWO_BY_TWO = "plan.topology.parameter_servers=2"
 EBC = "sparse_arch.embedding_bag_collection"
 LAUNCH_TIMEOUT = 300
+KEY = "test-signing-key"
 pytestmark = pytest.mark.slow  # about 2.5 minutes on 2 idle cores (8 process groups started)
 
 
@@ -62,7 +67,7 @@ def _losses(out: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("straight")
-    res = _train(root / "out", f"checkpoint.dir={root / 'ckpt'}")
+    res = _train(root / "out", f"checkpoint.dir={root / 'ckpt'}", env={KEY_ENV: KEY})  # a signed checkpoint
     assert res.returncode == 0, res.output
     return root
 
@@ -205,3 +210,74 @@ def test_export_loads_into_the_plain_model_and_predicts_the_same(straight, tmp_p
     with torch.no_grad():
         pred = plain(dense, sparse).reshape(-1)
     torch.testing.assert_close(pred, got["pred"], rtol=1e-6, atol=1e-6)
+
+
+def _plant(ckpt: Path, kind: str, marker: Path) -> None:
+    """Pickled code in one file of checkpoint ``ckpt`` (sizes and checksums fixed to match)."""
+    if kind == "dcp_byte_item":
+        tamper.dcp_item(ckpt / "dense", "optim.param_groups.0.lr", marker)
+    elif kind == "dcp_tensor_as_bytes":
+        tamper.dcp_item(ckpt / "dense", _a_dense_weight(ckpt), marker)
+    elif kind == "dcp_metadata":
+        tamper.dcp_metadata(ckpt / "dense", marker)
+    elif kind == "table_shard":
+        tamper.torch_file(sorted(ckpt.glob("tables/*/*/shard0-of-2.pt"))[0], marker)
+    elif kind == "trainer_state":
+        tamper.torch_file(ckpt / "trainers" / "trainer1.pt", marker)
+    tamper.refresh_manifest(ckpt)
+
+
+def _a_dense_weight(ckpt: Path) -> str:
+    from hybrid.checkpoint.files import load_dcp_metadata
+
+    names = sorted(k for k in load_dcp_metadata(ckpt / "dense" / ".metadata").state_dict_metadata
+                   if k.startswith("model.") and k.endswith("weight"))
+    return names[0]
+
+
+def _error_lines(res) -> list[str]:
+    return [line for line in (res.stdout + res.stderr).splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("kind", ["dcp_byte_item", "dcp_tensor_as_bytes", "dcp_metadata", "table_shard",
+                                  "trainer_state"])
+def test_planted_code_never_runs_on_resume_or_export(straight, tmp_path, kind):
+    root = tmp_path / "ckpt"
+    shutil.copytree(straight / "ckpt", root)
+    ckpt = latest(root)
+    marker = tmp_path / "pwned"
+    _plant(ckpt, kind, marker)
+    res = _train(tmp_path / "out", f"checkpoint.dir={root}", "checkpoint.resume=latest")
+    assert res.returncode != 0, res.output
+    errors = _error_lines(res)
+    assert len(errors) == 1 and ("weights_only=True" in errors[0] or "not allowed" in errors[0]), res.output
+    exported = run_hybrid(["export", str(root), str(tmp_path / "model.pt")], timeout=120)
+    if kind in ("dcp_tensor_as_bytes", "dcp_metadata", "table_shard"):  # what export reads
+        assert exported.returncode == 2 and len(_error_lines(exported)) == 1, exported.output
+        assert "Traceback" not in exported.output, exported.output
+    else:
+        assert exported.returncode == 0, exported.output
+    assert not marker.exists(), res.output
+
+
+def test_with_the_key_a_rewritten_manifest_is_refused(straight, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(straight / "ckpt", root)
+    ckpt = latest(root)
+    assert "signature" in json.loads((ckpt / MANIFEST).read_text())
+    ok = run_hybrid(["export", str(root), str(tmp_path / "a.pt")], timeout=120, env={KEY_ENV: KEY})
+    assert ok.returncode == 0, ok.output
+    shard = sorted(ckpt.glob("tables/*/*/shard0-of-2.pt"))[0]
+    data = torch.load(shard, weights_only=True)
+    data["weight"] = torch.zeros_like(data["weight"])  # tensors only: nothing but the key can tell
+    torch.save(data, shard)
+    tamper.refresh_manifest(ckpt)
+    for env in ({KEY_ENV: KEY}, {KEY_ENV: "another-key"}):
+        res = run_hybrid(["export", str(root), str(tmp_path / "b.pt")], timeout=120, env=env)
+        assert res.returncode == 2 and "does not verify" in res.stderr, res.output
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY)
+    res = _train(tmp_path / "out", f"checkpoint.dir={root}", "checkpoint.resume=latest",
+                 f"checkpoint.key_file={key_file}")
+    assert res.returncode != 0, res.output
+    assert len(_error_lines(res)) == 1 and "does not verify" in _error_lines(res)[0], res.output

@@ -24,6 +24,7 @@ from hybrid.checkpoint.server_io import _fill, _write_shards, shard_file
 from hybrid.ps.optim import SparseOptimSpec
 from hybrid.ps.server import CollectionShard
 from hybrid.ps.sharding import TableSpec, shard_tables
+from tests.support import tamper
 
 TABLES = [TableSpec("a", 23, 4, ("fa",)), TableSpec("b", 7, 3, ("fb",)), TableSpec("c", 2, 5, ("fc",))]
 CID = "sparse_arch.ebc"
@@ -152,23 +153,13 @@ def test_a_truncated_file_is_refused(tmp_path):
         load_tables(ckpt)
 
 
-class _Payload:
-    """Pickles to a call of ``os.system``: what a malicious shard file would hold."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_a_pickle_payload_in_a_shard_is_refused_even_with_a_matching_checksum(tmp_path):
     spec = SparseOptimSpec(name="rowwise_adagrad")
     ckpt = _save(tmp_path / "c", "row_wise", 2, spec, _full(spec))
     path, table = _one_shard(ckpt)
     marker = tmp_path / "pwned"
     good = torch.load(path, weights_only=True)
-    torch.save({**good, "info": _Payload(marker)}, path)
+    torch.save({**good, "info": tamper.Payload(marker)}, path)
     manifest = json.loads((ckpt / F.MANIFEST).read_text())  # the attacker fixes the manifest too
     rel = table["files"][0]["path"]
     manifest["files"][rel] = F.entry_for(ckpt, path).as_json()
@@ -194,7 +185,7 @@ def test_dcp_metadata_is_read_without_plain_pickle(tmp_path):
     dcp.load(target, storage_reader=F.safe_dcp_reader(tmp_path / "dense"), no_dist=True)
     assert torch.equal(target["model"]["w"], state["model"]["w"])
     marker = tmp_path / "pwned"
-    (tmp_path / "dense" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    (tmp_path / "dense" / ".metadata").write_bytes(pickle.dumps(tamper.Payload(marker)))
     with pytest.raises(CheckpointError, match="posix.system is not allowed|system is not allowed"):
         F.load_dcp_metadata(tmp_path / "dense" / ".metadata")
     assert not marker.exists()
@@ -240,3 +231,99 @@ def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
     restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True))
     got = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(want[0], got[0]) and want[1:] == got[1:]
+
+
+def _dense_checkpoint(root: Path) -> dict:
+    """A DCP ``dense`` directory like the trainers write: model tensors and optimizer byte items."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {"w": torch.randn(3, 2)},
+             "optim": {"param_groups": [{"lr": 0.1, "params": ["w"], "betas": (0.9, 0.99)}]}}
+    dcp.save(state, checkpoint_id=str(root / "dense"), no_dist=True)
+    return state
+
+
+def _load_dense(root: Path, planner) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    target = {"model": {"w": torch.empty(3, 2)}, "optim": {"param_groups": [{"lr": 0.0, "params": ["w"],
+                                                                              "betas": (0.0, 0.0)}]}}
+    dcp.load(target, storage_reader=F.safe_dcp_reader(root / "dense"), planner=planner, no_dist=True)
+    return target
+
+
+def test_dcp_byte_items_load_as_plain_data(tmp_path):
+    state = _dense_checkpoint(tmp_path)
+    got = _load_dense(tmp_path, F.safe_load_planner())
+    assert torch.equal(got["model"]["w"], state["model"]["w"])
+    assert got["optim"]["param_groups"][0]["lr"] == 0.1 and got["optim"]["param_groups"][0]["betas"] == (0.9, 0.99)
+
+
+@pytest.mark.parametrize("fqn", ["optim.param_groups.0.lr", "model.w"])
+def test_a_payload_in_a_dcp_item_runs_under_dcp_but_not_under_hybrid(tmp_path, fqn):
+    """``model.w``: a tensor re-declared as a byte item. DCP's own planner runs the payload (the
+    tampering works); hybrid's refuses the item and runs nothing."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    _dense_checkpoint(tmp_path)
+    marker = tmp_path / "pwned"
+    tamper.dcp_item(tmp_path / "dense", fqn, marker)
+    with pytest.raises(BaseException) as caught:  # DCP wraps it in its CheckpointException (a BaseException)
+        _load_dense(tmp_path, F.safe_load_planner())
+    inner = F.unwrap_dcp_error(caught.value)
+    assert isinstance(inner, CheckpointError) and fqn in str(inner) and "weights_only=True" in str(inner), caught.value
+    assert not marker.exists()
+    try:
+        _load_dense(tmp_path, DefaultLoadPlanner())
+    except BaseException:  # noqa: BLE001 - the payload's return value is no optimizer value
+        pass
+    assert marker.exists(), "the tampered item did not reach DCP's unpickler: this test would prove nothing"
+
+
+def _signed(tmp_path: Path, key: bytes | None) -> Path:
+    ckpt = tmp_path / "step_00000001"
+    ckpt.mkdir()
+    F.save_tensors({"x": torch.ones(2)}, ckpt / "a.pt")
+    F.write_manifest(ckpt, step=1, files=[F.entry_for(ckpt, ckpt / "a.pt")], key=key)
+    return ckpt
+
+
+def test_a_signed_manifest_verifies_with_its_key_only(tmp_path, monkeypatch):
+    monkeypatch.delenv(F.KEY_ENV, raising=False)
+    ckpt = _signed(tmp_path, b"secret")
+    assert F.read_manifest(ckpt, key=b"secret")["step"] == 1
+    assert F.read_manifest(ckpt)["step"] == 1  # no key: not verified (docs/security.md says so)
+    with pytest.raises(CheckpointError, match="does not verify"):
+        F.read_manifest(ckpt, key=b"other")
+    monkeypatch.setenv(F.KEY_ENV, "other")
+    with pytest.raises(CheckpointError, match="does not verify"):
+        Checkpoint(ckpt)
+
+
+def test_a_manifest_rewritten_without_the_key_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv(F.KEY_ENV, raising=False)
+    ckpt = _signed(tmp_path, b"secret")
+    F.save_tensors({"x": torch.zeros(2)}, ckpt / "a.pt")  # the attacker changes a file ...
+    tamper.refresh_manifest(ckpt)  # ... and fixes its size and checksum in the manifest
+    F.read_manifest(ckpt)  # without a key, the manifest is only checked for accidents
+    with pytest.raises(CheckpointError, match="does not verify"):
+        F.read_manifest(ckpt, key=b"secret")
+    doc = json.loads((ckpt / F.MANIFEST).read_text())
+    del doc["signature"]  # removing the signature does not help either
+    (ckpt / F.MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match="not signed"):
+        F.read_manifest(ckpt, key=b"secret")
+
+
+def test_the_key_comes_from_the_key_file_or_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(F.KEY_ENV, "from-env")
+    assert F.checkpoint_key() == b"from-env"
+    (tmp_path / "key").write_text("from-file\n")
+    assert F.checkpoint_key(tmp_path / "key") == b"from-file"
+    with pytest.raises(CheckpointError, match="cannot read"):
+        F.checkpoint_key(tmp_path / "missing")
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(CheckpointError, match="is empty"):
+        F.checkpoint_key(tmp_path / "empty")
+    monkeypatch.delenv(F.KEY_ENV)
+    assert F.checkpoint_key() is None
