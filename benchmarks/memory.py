@@ -60,8 +60,8 @@ def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, st
 
 def _trainer(role, w: Workload, *, dense: str, steps: int, options) -> dict:
     import hybrid
-    from hybrid.autograd import set_runtime
     from hybrid.plan import plan_from_dict
+    from hybrid.ps.client import pipeline_of
 
     # Built whole, then composed (DLRM's interaction indices cannot be built on meta): peak RSS
     # includes one full copy of the dense model at construction; the counted bytes do not.
@@ -77,7 +77,7 @@ def _trainer(role, w: Workload, *, dense: str, steps: int, options) -> dict:
         out["grad_bytes"] = sum(_local_bytes(p.grad) for p in params)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    set_runtime(None)
+    pipeline_of(model).close()
     out["param_bytes"] = sum(_local_bytes(p) for p in params)
     out["optim_bytes"] = sum(_local_bytes(v) for st in optimizer.state.values() for v in st.values()
                              if isinstance(v, torch.Tensor))

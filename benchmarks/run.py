@@ -111,7 +111,7 @@ def run_rounds(w: Workload, systems: list[str], *, repeat: int, progress=None, *
 
 
 def run_systems(w: Workload, systems: list[str], *, timeout_s: float, dmp_sharding: str = "table_wise",
-                runtime: dict | None = None, ddp_comm_hook: str | None = None) -> list[dict]:
+                runtime: dict | None = None) -> list[dict]:
     """Run ``systems`` one after another; returns their JSON lines (``{"system", "error"}`` for
     a system that failed)."""
     lines = []
@@ -121,8 +121,6 @@ def run_systems(w: Workload, systems: list[str], *, timeout_s: float, dmp_shardi
             kwargs["sharding"] = dmp_sharding
         if name.startswith("hybrid") and runtime:
             kwargs["runtime"] = runtime
-        if name in ("hybrid_sync", "hybrid_async") and ddp_comm_hook:
-            kwargs["comm_hook"] = ddp_comm_hook
         t0 = time.perf_counter()
         try:
             line = summarize(name, w, SYSTEMS[name](w, **kwargs))
@@ -198,16 +196,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hybrid's TensorPipe channels, e.g. basic or cma,basic (default: RuntimeOptions')")
     p.add_argument("--rpc-threads", type=int, default=None,
                    help="hybrid's RPC worker threads per process (default: RuntimeOptions')")
-    p.add_argument("--ddp-comm-hook", choices=("auto", "none"), default=None,
-                   help="hybrid's plan ddp comm_hook (default: the plan's, auto: a pair exchange between 2 gloo "
-                        "trainers; none: gloo's all-reduce)")
     p.add_argument("--huge-pages", choices=("on", "off"), default=None,
                    help="hybrid's servers keep tables in transparent huge pages (default: RuntimeOptions', on)")
-    p.add_argument("--native-kernels", choices=("auto", "on", "off"), default=None,
-                   help="hybrid's native kernels for id routing and the servers' row reads and SGD "
-                        "(default: RuntimeOptions', auto)")
-    p.add_argument("--ps-channel", choices=("auto", "rpc"), default=None,
-                   help="hybrid's lookups to a server on the same host: auto (shared memory) or rpc "
+    p.add_argument("--ps-transport", choices=("auto", "rpc"), default=None,
+                   help="hybrid's step messages to a server on the same host: auto (shared memory) or rpc "
                         "(default: RuntimeOptions')")
     Workload.add_arguments(p)
     args = p.parse_args(argv)
@@ -232,10 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         runtime["channels"] = args.channels.split(",")
     if args.huge_pages is not None:
         runtime["huge_pages"] = args.huge_pages == "on"
-    if args.ps_channel is not None:
-        runtime["ps_channel"] = args.ps_channel
-    if args.native_kernels is not None:
-        runtime["native_kernels"] = args.native_kernels
+    if args.ps_transport is not None:
+        runtime["ps_transport"] = args.ps_transport
     if args.rpc_threads:
         runtime["num_worker_threads"] = args.rpc_threads
 
@@ -249,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     w = args.workload
     print(f"workload: {json.dumps(vars(w))}, repeat: {args.repeat}", file=sys.stderr, flush=True)
     lines = run_rounds(w, [s for s in args.systems.split(",") if s], repeat=args.repeat, progress=progress,
-                       timeout_s=args.timeout, dmp_sharding=args.dmp_sharding, runtime=runtime,
-                       ddp_comm_hook=args.ddp_comm_hook)
+                       timeout_s=args.timeout, dmp_sharding=args.dmp_sharding, runtime=runtime)
     for line in lines:
         print(json.dumps(line), flush=True)
     print(ratio_table(lines), file=sys.stderr, flush=True)

@@ -9,7 +9,9 @@ A thin orchestrator, in a fixed order:
 4. anything still on the meta device is materialized and initialized (``reset_parameters``);
 5. ``ddp`` and ``local`` modules are applied (DDP needs real tensors); ddp modules with equal
    options share one DDP (:func:`hybrid.dense.ddp.merge_groups`);
-6. the per-process remote runtime (step numbering, distributed-autograd contexts) is set up.
+
+The model gets its :class:`~hybrid.ps.client.StepPipeline` (step numbering, prefetch, gradient
+push), which ``hybrid.step(model, optimizer)`` drives.
 
 The strategies themselves live in :mod:`hybrid.dense` (one ``apply_*`` per strategy, looked up in
 ``DENSE_STRATEGIES``) and :mod:`hybrid.ps.client`. State-dict keys of the result equal the plain
@@ -25,12 +27,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from hybrid import autograd as bridge
 from hybrid.launch.init import RuntimeOptions, device_type
 from hybrid.launch.roles import Role
 from hybrid.log import logger
 from hybrid.plan import Plan, ResolvedModule, ResolvedPlan, log_plan, resolve
-from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection
+from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection, StepPipeline, make_pipeline
 
 
 def _parent(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -42,50 +43,57 @@ def _parent(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
 
 def _apply_parameter_server(
     model: nn.Module, entry: ResolvedModule, *, resolved: ResolvedPlan, role: Role, name: str,
-    timeout_s: float, init_tables: str, start_step: int = 0,
+    pipeline: StepPipeline, timeout_s: float, init_tables: str, start_step: int,
 ) -> RemoteEmbeddingBagCollection:
     """Swap the module at ``entry.fqn`` for its remote stand-in; trainer 0 creates the tables."""
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     opts = entry.options
     module = model.get_submodule(entry.fqn)
-    kwargs = dict(
-        cid=f"{name}/{entry.fqn}" if name else entry.fqn,
-        num_servers=resolved.num_servers,
-        sharding=opts.sharding,
-        servers=opts.server_list(resolved.num_servers),
-        optimizer=opts.optimizer,
-        id_policy=opts.id_policy,
-        trainer=role.index,
-        num_trainers=role.num_trainers,
-        staleness=resolved.plan.sync.staleness,
-        gradient_scaling=resolved.plan.sync.gradient_scaling,
-        timeout_s=timeout_s,
-    )
+    cid = f"{name}/{entry.fqn}" if name else entry.fqn
     if isinstance(module, EmbeddingBagCollection):
-        remote = RemoteEmbeddingBagCollection.from_collection(module, **kwargs)
-        coll = remote
+        local, bag = module, None
     elif isinstance(module, nn.EmbeddingBag):
-        remote = RemoteEmbeddingBag.from_module(module, **kwargs)
-        coll = remote.collection
+        local, bag = RemoteEmbeddingBag.as_collection(module, cid=cid), module
     else:
         raise NotImplementedError(
             f"modules.{entry.rule_key}: parameter_server for {type(module).__name__} at "
             f"{entry.fqn!r} is not implemented yet (EmbeddingBagCollection and nn.EmbeddingBag are)"
         )
+    config = RemoteEmbeddingBagCollection.config_from(
+        local, cid=cid, num_servers=resolved.num_servers, sharding=opts.sharding,
+        servers=opts.server_list(resolved.num_servers), optimizer=opts.optimizer, num_trainers=role.num_trainers,
+        staleness=resolved.plan.sync.staleness, gradient_scaling=resolved.plan.sync.gradient_scaling,
+        id_policy=opts.id_policy)
+    coll = RemoteEmbeddingBagCollection(config, pipeline=pipeline, server_names=pipeline.server_names,
+                                        timeout_s=timeout_s)
+    remote: nn.Module = coll if bag is None else RemoteEmbeddingBag(coll, include_last_offset=bag.include_last_offset)
     if role.index == 0:
-        init_from = module if init_tables == "module" else None
         # The servers' step bookkeeping starts where the trainers' numbering does (a resumed run).
-        remote.create_on_servers(init_from, start_step=start_step)
+        coll.create_on_servers(init="zeros" if init_tables == "module" else "seed", start_step=start_step)
+        if init_tables == "module":
+            coll.write_tables(_local_weights(module, entry.fqn, config))
     parent, attr = _parent(model, entry.fqn)
     setattr(parent, attr, remote)
-    sharding = opts.sharding
     logger.info(
         "applied parameter_server to %s: %d tables %s on %s, optimizer %s lr=%g",
-        entry.fqn, len(coll.tables), sharding, ",".join(coll.server_names[s] for s in coll.servers),
+        entry.fqn, len(coll.tables), opts.sharding, ",".join(coll.server_names[s] for s in coll.servers),
         opts.optimizer.name, opts.optimizer.lr,
     )
     return coll
+
+
+def _local_weights(module: nn.Module, fqn: str, config) -> dict[str, torch.Tensor]:
+    """The tables of a local collection (or bag), by table name, to copy onto the servers."""
+    if isinstance(module, nn.EmbeddingBag):
+        weights = {config.tables[0].name: module.weight}
+    else:
+        weights = {name: bag.weight for name, bag in module.embedding_bags.items()}
+    meta = sorted(n for n, w in weights.items() if w.is_meta)
+    if meta:
+        raise ValueError(f"{fqn}: table {meta[0]} is on the meta device, so there is nothing to copy to the servers; "
+                         f"compose with init_tables='server' (each server initializes its rows)")
+    return {n: w.detach() for n, w in weights.items()}
 
 
 def _materialize(model: nn.Module, device: torch.device) -> None:
@@ -157,8 +165,9 @@ def compose(
     """Turn a plain model into the hybrid model on this trainer; returns the same object.
 
     ``init_tables="module"`` copies the model's embedding weights to the servers (the hybrid run
-    starts exactly where the plain one would); ``"server"`` lets each server initialize its
-    shards (use it for tables built on meta). ``name`` namespaces the tables on the servers
+    starts exactly where the plain one would), streamed in bounded chunks; ``"server"`` lets each
+    server initialize its shards (use it for tables built on meta). ``start_step`` numbers the
+    first step (a resumed run's). ``name`` namespaces the tables on the servers
     when one job composes several models.
     """
     from hybrid.dense import DENSE_STRATEGIES
@@ -172,11 +181,13 @@ def compose(
         log_plan(resolved, model)
     device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
     mesh = init_device_mesh(device_type(), (role.num_trainers,))
-    rt = bridge.runtime()  # an existing runtime keeps its numbering (start_step applies to a new one)
-    first_step = rt.next_step if rt is not None else start_step
+    pipeline = make_pipeline(trainer=role.index, num_servers=resolved.num_servers,
+                             staleness=resolved.plan.sync.staleness, gradient_push=options.gradient_push,
+                             transport=options.ps_transport, timeout_s=options.rpc_timeout_s, start_step=start_step)
+    object.__setattr__(model, "_hybrid_pipeline", pipeline)  # hybrid.step(model) finds it; not a submodule
     for entry in resolved.by_strategy("parameter_server"):
-        _apply_parameter_server(model, entry, resolved=resolved, role=role, name=name,
-                                timeout_s=options.rpc_timeout_s, init_tables=init_tables, start_step=first_step)
+        _apply_parameter_server(model, entry, resolved=resolved, role=role, name=name, pipeline=pipeline,
+                                timeout_s=options.rpc_timeout_s, init_tables=init_tables, start_step=start_step)
     dist.barrier()  # tables exist on the servers before any trainer looks up
     order = resolved.apply_order()
     for entry in order:
@@ -197,8 +208,4 @@ def compose(
     for entry in order:
         if entry.strategy in ("ddp", "fsdp"):
             _guard_dense(model.get_submodule(entry.fqn), entry.fqn)
-    if bridge.runtime() is None:
-        bridge.set_runtime(bridge.RemoteRuntime(trainer=role.index, start_step=start_step,
-                                                timeout_s=options.rpc_timeout_s,
-                                                gradient_push=options.gradient_push))
     return model

@@ -5,7 +5,7 @@ averaged), the bottom and top MLPs under DDP (``hybrid_sync``, ``hybrid_async``)
 (``hybrid_sync_fsdp``); ``hybrid_async`` runs with staleness 1 and prefetches the next batch's
 rows while the current step computes. Every step is ``with hybrid.step(model, optimizer)``, as
 in the training loop. Besides the common report, trainer 0 returns the per-step breakdown
-(:class:`hybrid.autograd.StepTimes`) and the servers' counters over the timed window.
+(:class:`hybrid.ps.client.StepTimes`) and the servers' counters over the timed window.
 """
 
 from __future__ import annotations
@@ -59,13 +59,14 @@ def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, st
 
 def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hook: str | None = None) -> dict:
     import hybrid
-    from hybrid.autograd import runtime, set_runtime
     from hybrid.plan import plan_from_dict
+    from hybrid.ps.client import pipeline_of
 
     model = build_dlrm(w)
     hybrid.compose(model, plan_from_dict(plan_dict(w, dense=dense, staleness=staleness, comm_hook=comm_hook)), role=role,
                    runtime_options=options)
     ebc = model.sparse_arch.embedding_bag_collection
+    pipeline = pipeline_of(model)
     optimizer = torch.optim.SGD([p for p in model.parameters()], lr=w.lr)
     batches = Data(w).batches(trainer=role.index)
     for b in batches:
@@ -76,11 +77,11 @@ def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hoo
         with hybrid.step(model, optimizer) as s:
             logits = model(b.dense, b.kjt())
             if t + 1 < len(batches):
-                ebc.prefetch(batches[t + 1].kjt())
+                s.prefetch(batches[t + 1].kjt())
             loss = loss_fn(logits, b.labels)
             s.backward(loss)
         if t >= w.warmup:
-            times.append(runtime().last_times)
+            times.append(pipeline.last_times)
         return loss
 
     def start() -> None:
@@ -89,18 +90,18 @@ def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hoo
             mark_servers(ebc.server_names, "start")
 
     def stop() -> None:
-        runtime().wait_pushed()
+        pipeline.flush()
         dist.barrier()
         if role.index == 0:
             mark_servers(ebc.server_names, "stop")
             stats["stop"] = ebc.stats()
 
     def sync() -> None:
-        runtime().wait_pushed()  # the window's counters start with nothing owed
+        pipeline.flush()  # the window's counters start with nothing owed
         dist.barrier()
 
     report = train(w, batches, step, name=role.name, sync=sync, on_start=start, on_stop=stop)
-    set_runtime(None)
+    pipeline.close()
     report["samples_per_step"] = w.batch
     if role.index == 0:
         report["breakdown_s"] = {k: sum(getattr(x, k) for x in times) / len(times) for k in asdict(times[0])}

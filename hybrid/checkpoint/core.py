@@ -19,6 +19,7 @@ file is checked against the manifest first. A failure on any trainer is raised o
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import random
 import re
@@ -32,12 +33,11 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch import nn
 
-from hybrid import autograd as bridge
 from hybrid.checkpoint import files as F
 from hybrid.checkpoint import server_io
 from hybrid.checkpoint.files import CheckpointError, FileEntry
 from hybrid.log import logger
-from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection
+from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection, pipeline_of
 
 DEFAULT_TIMEOUT_S = 1800.0
 
@@ -189,10 +189,8 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
     from torch.distributed.checkpoint import save as dcp_save
 
     rank, world = _rank_world()
-    rt = bridge.runtime()
-    if rt is not None:
-        rt.wait_pushed()
-    after_step = (rt.next_step if rt is not None else step) - 1
+    pipeline = pipeline_of(model)
+    after_step = pipeline.finished_step() if pipeline is not None else step - 1  # sends what is owed
     ckpt = F.step_dir(Path(root).resolve(), step)
     err = None
     if rank == 0:
@@ -238,7 +236,7 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
                            for c in collections for t in c["tables"] for f in t["files"]]
             F.write_manifest(
                 ckpt, step=step, files=[e for part in entries for e in part] + table_files,
-                world={"trainers": world, "servers": remotes[0][1].num_servers if remotes else 0},
+                world={"trainers": world, "servers": len(remotes[0][1].server_names) if remotes else 0},
                 train=train_state or {}, dense={"dir": "dense", "optimizer": optimizer is not None},
                 collections=collections, keys=keys, key=key,
             )
@@ -277,9 +275,9 @@ def _wait_servers(futures, remotes) -> list[dict[str, Any]]:
                 raise CheckpointError(f"{coll.cid}: the servers wrote no {missing[0]}")
             tables.append({"name": t.name, "key": keys[t.name], "num_embeddings": t.num_embeddings,
                            "embedding_dim": t.embedding_dim, "sharding": lay.sharding, "num_shards": lay.num_shards,
-                           "servers": list(lay.servers), "optimizer": coll.optimizer.name,
+                           "servers": list(lay.servers), "optimizer": coll.config.optimizer.name,
                            "files": [written[coll.cid][n] for n in names]})
-        out.append({"cid": coll.cid, "fqn": fqn, "optimizer": vars(coll.optimizer), "tables": tables})
+        out.append({"cid": coll.cid, "fqn": fqn, "optimizer": dataclasses.asdict(coll.config.optimizer), "tables": tables})
     return out
 
 
@@ -341,11 +339,11 @@ class Checkpoint:
             except Exception as e:  # noqa: BLE001
                 err = _describe(e)
         _agree(err, what)  # no trainer looks up before every table is loaded
-        rt = bridge.runtime()
-        if rt is not None:
-            if rt.current is not None:
-                raise CheckpointError(f"restore during step {rt.current.step}: restore before training")
-            rt.next_step = self.step
+        pipeline = pipeline_of(model)
+        if pipeline is not None:
+            if pipeline.current is not None:
+                raise CheckpointError(f"restore during step {pipeline.current.step}: restore before training")
+            pipeline.next_step = self.step
         if rng_state is not None:
             restore_rng(rng_state)
         logger.info("restored %s", self)

@@ -10,16 +10,10 @@ Shard ``k`` of a row-wise table holds global rows ``k, k+S, k+2S, ...`` (the cyc
 :mod:`hybrid.ps.sharding`); a table-wise table has one shard holding every row. Loading maps
 each row this server holds now to the saved shard and local row that has it, so a checkpoint
 written with S servers, row-wise or table-wise, loads into any other layout (reshard).
-
-Test hook: ``HYBRID_TEST_CHECKPOINT_KILL=<worker>:<step>`` (e.g. ``ps1:20``) makes that server
-SIGKILL itself while writing its shards of the checkpoint of that step, after one whole file
-and half of the next: a crash mid-save, for the tests.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -28,10 +22,10 @@ from urllib.parse import quote
 import torch
 import torch.distributed.rpc as rpc
 
-from hybrid.checkpoint.files import FileEntry, dumps_plain, entry_for, load_tensors, save_tensors
-from hybrid.ps.server import TableShard, _collection
+from hybrid.checkpoint.files import FileEntry, entry_for, load_tensors, save_tensors
+from hybrid.ps.server.service import server
+from hybrid.ps.server.shard import TableShard
 
-KILL_ENV = "HYBRID_TEST_CHECKPOINT_KILL"
 # Writes run here, not on an RPC thread nor on the thread that completed the step (which may be
 # the distributed-autograd engine's or the one answering lookups).
 _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybrid-ckpt-write")
@@ -46,30 +40,14 @@ def _worker() -> str:
     return rpc.get_worker_info().name
 
 
-def _kill_point(step: int) -> bool:
-    spec = os.environ.get(KILL_ENV, "")
-    if not spec:
-        return False
-    who, _, at = spec.partition(":")
-    return who == _worker() and at == str(step)
-
-
 def _write_shards(shard, ckpt: Path, step: int) -> list[dict[str, Any]]:
     out = []
-    kill = _kill_point(step)
     with shard.lock:  # no update can interleave with the copy to disk
-        for i, t in enumerate(shard.tables):
+        for t in shard.tables:
             rel = shard_file(shard.cid, t.name, t.shard_pos, t.layout.num_shards)
             path = ckpt / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             payload = {"weight": t.weight, "state": dict(t.optim.state), "info": _info(shard.cid, t, step)}
-            if kill and (i == 1 or len(shard.tables) == 1):
-                data = dumps_plain(payload)
-                with open(path, "wb") as f:
-                    f.write(data[: len(data) // 2])
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.kill(os.getpid(), signal.SIGKILL)
             save_tensors(payload, path)
             e = entry_for(ckpt, path)
             out.append({"path": e.path, "size": e.size, "sha256": e.sha256})
@@ -88,7 +66,7 @@ def rpc_save_collection(cid: str, ckpt: str, step: int, after_step: int):
     """Write this server's shards of ``cid`` into ``ckpt`` (the checkpoint of training step
     ``step``) once every trainer's updates through ``after_step`` are applied; answers the
     manifest entries (path, size, sha256) of the files it wrote."""
-    shard = _collection(cid)
+    shard = server().shard(cid)
     fut: torch.futures.Future = torch.futures.Future()
 
     def write() -> None:
@@ -111,7 +89,7 @@ def rpc_load_collection(cid: str, ckpt: str, step: int, saved: list[dict[str, An
     """Fill this server's shards of ``cid`` from the saved tables ``saved`` (the manifest's
     entries of this collection, with their file entries), then continue step bookkeeping from
     ``step``: lookups of step ``step`` are answered at once. Returns the rows loaded."""
-    shard = _collection(cid)
+    shard = server().shard(cid)
     by_name = {s["name"]: s for s in saved}
     loaded = 0
     with shard.lock:

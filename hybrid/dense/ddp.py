@@ -22,8 +22,6 @@ two small MLPs in one bucket save a millisecond per step.
 
 from __future__ import annotations
 
-import queue
-import threading
 from typing import Any
 
 import torch
@@ -35,74 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hybrid.log import logger, warn_once
 
-COMM_HOOKS = ("auto", "none", "fp16", "bf16")
-
-
-class PairExchange:
-    """DDP's mean all-reduce of a bucket between exactly two gloo ranks, as one exchange: each
-    rank halves its bucket, sends it to the other and adds what it receives.
-
-    The result is bit for bit what DDP's own all-reduce gives (``a/2 + b/2``: one addition, the
-    same on both ranks because float addition is commutative), for a third of the CPU: gloo's
-    all-reduce of a DLRM's 57,000 dense gradients cost 1.1-1.3 ms of CPU per call between two
-    processes on 2 cores, the exchange 0.43-0.47 ms (microbenchmark). Gloo's point-to-point work
-    has no future, so the exchange runs on a thread of its own and completes the future DDP
-    waits for at the end of the backward; buckets go in DDP's order, the same on both ranks.
-
-    When both trainers run on one host, the exchange skips gloo: each writes its half into shared
-    memory the other maps and rings the other's FIFO (:class:`hybrid.dense.pair_shm.SharedPair`).
-    Building that is a collective, at compose time; ``capacity`` is the bytes of the gradients
-    DDP reduces (0: gloo's exchange).
-    """
-
-    def __init__(self, group, capacity: int = 0) -> None:
-        from hybrid.dense.pair_shm import SharedPair
-
-        self.group = group
-        self.peer = dist.get_global_rank(group, 1 - group.rank())
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread: threading.Thread | None = None
-        self.shared = SharedPair.open(group, capacity, f"trainer{1 - group.rank()} (global rank {self.peer})")
-
-    @staticmethod
-    def hook(state, bucket):  # noqa: ANN001, ANN205 - DDP checks the annotations it finds
-        fut = torch.futures.Future()
-        buf = bucket.buffer()
-        buf.div_(2)  # what DDP's own reducer does to each gradient before it sums
-        if state.thread is None:
-            state.thread = threading.Thread(target=state._run, name="ddp-pair-exchange", daemon=True)
-            state.thread.start()
-        state.jobs.put((buf, fut))
-        # DDP's reducer reads the future's value in C++, where an exception set from Python is a
-        # value like any other ("Unable to cast ... to Tensor"); a callback that raises marks the
-        # future it returns failed, with the exchange's own message.
-        return fut.then(_value)
-
-    def _run(self) -> None:
-        while True:
-            buf, fut = self.jobs.get()
-            try:
-                if self.shared is not None:
-                    self.shared.exchange(buf)
-                else:
-                    other = torch.empty_like(buf)
-                    send = dist.isend(buf, self.peer, group=self.group)
-                    recv = dist.irecv(other, self.peer, group=self.group)
-                    recv.wait()
-                    send.wait()
-                    buf.add_(other)
-            except BaseException as e:  # noqa: BLE001 - raised by DDP in the backward
-                fut.set_exception(e)
-            else:
-                fut.set_result(buf)
-
-
-def _value(fut: torch.futures.Future) -> torch.Tensor:
-    return fut.wait()
-
-
-def _pair_exchange_applies(group, device_type: str) -> bool:
-    return device_type == "cpu" and group.size() == 2 and dist.get_backend(group) == "gloo"
+COMM_HOOKS = ("none", "fp16", "bf16")
 
 
 def _bf16_compress_hook_any_backend(state, bucket):  # noqa: ANN001 - DDP refuses a hook whose bucket annotation is not GradBucket
@@ -249,10 +180,8 @@ def apply_ddp(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any) -> 
 
     Options (read by attribute): ``bucket_cap_mb``, ``static_graph``, ``gradient_as_bucket_view``,
     ``find_unused_parameters`` (as ``DistributedDataParallel``'s), ``broadcast_buffers`` (a bool
-    as DDP's, or ``"auto"``: :func:`broadcasts_buffers`), and ``comm_hook``: ``"auto"``
-    (DDP's mean all-reduce; between exactly two gloo ranks done as one exchange,
-    :class:`PairExchange`, bit for bit the same), ``"none"`` (DDP's own all-reduce always),
-    ``"fp16"`` or ``"bf16"`` (``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``:
+    as DDP's, or ``"auto"``: :func:`broadcasts_buffers`), and ``comm_hook``: ``"none"`` (DDP's
+    own mean all-reduce), ``"fp16"`` or ``"bf16"`` (``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``:
     gradients are all-reduced in that dtype, divided by the world size first).
 
     The module's parameters must be materialized on the mesh's device. As the
@@ -311,16 +240,8 @@ def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ig
                what: str) -> None:
     module = model.get_submodule(fqn)
     broadcast = broadcasts_buffers(module, ignored_modules, options.broadcast_buffers)
-    ignored_params = {id(p) for m in ignored_modules for p in m.parameters()}
     group = mesh.get_group()
-    state, hook = group, None
-    if options.comm_hook == "auto":
-        if _pair_exchange_applies(group, mesh.device_type):
-            nbytes = sum(p.numel() * p.element_size() for p in module.parameters()
-                         if p.requires_grad and id(p) not in ignored_params)
-            state, hook = PairExchange(group, nbytes), PairExchange.hook
-    elif options.comm_hook != "none":
-        hook = _comm_hook(options.comm_hook, mesh.device_type)
+    hook = _comm_hook(options.comm_hook, mesh.device_type) if options.comm_hook != "none" else None
     replicate(
         module,
         ignored_modules=ignored_modules,
@@ -331,7 +252,7 @@ def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ig
         find_unused_parameters=options.find_unused_parameters,
     )
     if hook is not None:
-        module.register_comm_hook(state, hook)
+        module.register_comm_hook(group, hook)
     # replicate() builds its DistributedDataParallel lazily, in the first forward; build it now so
     # that the broadcast from rank 0 and DDP's cross-rank shape check happen here, at compose time.
     replicate.state(module).lazy_init()
@@ -342,6 +263,5 @@ def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ig
         "find_unused_parameters=%s, broadcast_buffers=%s%s, comm_hook=%s, %d trainers)",
         what, options.bucket_cap_mb, options.static_graph, options.gradient_as_bucket_view,
         options.find_unused_parameters, broadcast, " (auto)" if options.broadcast_buffers == "auto" else "",
-        (f"auto (pair exchange{', shared memory' if state.shared else ''})" if isinstance(state, PairExchange)
-         else options.comm_hook), mesh.size(),
+        options.comm_hook, mesh.size(),
     )

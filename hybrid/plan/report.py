@@ -145,7 +145,7 @@ def summarize_options(e: ResolvedModule) -> str:
         parts += ["grad-view"] * o.gradient_as_bucket_view
         parts += ["find-unused"] * o.find_unused_parameters
         parts += [] if o.broadcast_buffers == "auto" else [("" if o.broadcast_buffers else "no-") + "buffer-sync"]
-        parts += [] if o.comm_hook in ("none", "auto") else [f"{o.comm_hook}-hook"]
+        parts += [] if o.comm_hook == "none" else [f"{o.comm_hook}-hook"]
         parts += [] if o.merge else ["unmerged"]
     elif e.strategy == "local":
         parts = ["replicated, no sync"]

@@ -109,10 +109,9 @@ class DDPOptions:
     ``auto``: only when the module holds a floating-point buffer; integer buffers (index tables
     such as DLRM's ``triu_indices``, BatchNorm's ``num_batches_tracked``, which every trainer
     counts alike) are left alone, as TorchRec's DistributedModelParallel leaves all of them."""
-    comm_hook: Literal["auto", "none", "fp16", "bf16"] = "auto"
-    """``auto``: DDP's mean all-reduce, done between exactly two gloo (CPU) trainers as one
-    send/recv exchange (bit for bit the same, a third of gloo's all-reduce CPU); ``none``: DDP's
-    own all-reduce always; ``fp16``/``bf16``: compress gradients to this dtype for the all-reduce."""
+    comm_hook: Literal["none", "fp16", "bf16"] = "none"
+    """``none``: DDP's own mean all-reduce; ``fp16``/``bf16``: compress gradients to this dtype for
+    the all-reduce (``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``)."""
     merge: bool = True
     """Share one ``DistributedDataParallel`` (one set of allreduce buckets, applied on their
     common ancestor) with the plan's other ddp modules that have the same options, as TorchRec's

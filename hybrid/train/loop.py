@@ -27,13 +27,12 @@ import torch.distributed as dist
 from torch import nn
 
 import hybrid
-from hybrid import autograd as bridge
 from hybrid.launch.init import init_hybrid, shutdown
 from hybrid.launch.roles import Role, role_of
 from hybrid.launch.serve import PeerFailure, release_servers, serve, unreachable_peers
 from hybrid.log import init_logging, logger
 from hybrid.plan import Plan, PlanError, ResolvedPlan, load_plan, resolve, summarize
-from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection
+from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection, pipeline_of
 from hybrid.train import metrics as M
 from hybrid.train.config import RunConfig, config_dict, load_config
 from hybrid.train.report import MetricsWriter, fmt, plot_curves, table
@@ -127,8 +126,6 @@ def run_process(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, 
         logger.error("%s", e)
     except Exception as e:  # noqa: BLE001
         logger.error("%s failed: %s\n%s", role.name, e, traceback.format_exc())
-    if ok and bridge.runtime() is not None:
-        bridge.set_runtime(None)  # closes the context threads
     if not ok:
         # A failed process does not wait for its peers (they may be the reason); exiting makes
         # torchrun stop the others, and servers notice a missing trainer within a heartbeat.
@@ -296,8 +293,7 @@ class Trainer:
                 if nxt is not None:
                     # The next step's rows travel while this one computes (sync: they are read
                     # once this step is applied, and asked for with this step's gradient push).
-                    for r in self.remotes:
-                        r.prefetch(nxt.sparse)
+                    s.prefetch(nxt.sparse)
                 loss = self.task.loss(outputs, batch)
                 s.backward(loss)
             wall = time.perf_counter() - t0
@@ -328,9 +324,9 @@ class Trainer:
                 self._save(nxt)
         if bar is not None:
             bar.close()
-        rt = bridge.runtime()
-        if rt is not None:
-            rt.wait_pushed()
+        pipeline = pipeline_of(self.model)
+        if pipeline is not None:
+            pipeline.flush()
         self._evaluate()
         if self.cfg.checkpoint.dir and self._last_saved != self.step:
             self._save(nxt)  # nxt: None, or the first batch when a resumed run had no step left
@@ -447,7 +443,11 @@ class Trainer:
         return out
 
     def finish(self, *, train_time: float, total: float, last_loss: float, stats: dict[str, dict]) -> None:
-        """Barrier, release the servers (trainer 0), then the summary and the files."""
+        """Close the step pipeline, barrier, release the servers (trainer 0), then the summary and
+        the files."""
+        pipeline = pipeline_of(self.model)
+        if pipeline is not None:
+            pipeline.close()
         dist.barrier()
         if self.rank0:
             release_servers(self.role, self.cfg.runtime.rpc_timeout_s)
