@@ -10,10 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hybrid.autograd import RemoteRuntime, set_runtime, step
 from hybrid.launch.roles import role_of
-from hybrid.ps.client import BadIdError, RemoteEmbeddingBagCollection
-from tests.harness import DistributedTestError, run_distributed
+from hybrid.ps.client import BadIdError, RemoteEmbeddingBagCollection, make_pipeline, step
+from tests.harness import run_distributed
 from tests.support.sparse import (
     ReferenceSparseOptimizer,
     global_batch,
@@ -31,45 +30,47 @@ def _loss(values: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return ((values @ c) ** 2).mean() + values.sum(1).mean()
 
 
-def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=False, lookups="auto"):
-    from hybrid.ps import channel
+def remote_of(ebc, pipeline, *, cid, num_servers, sharding="row_wise", optimizer, num_trainers=1, trainer=0,
+              **options) -> RemoteEmbeddingBagCollection:
+    """A remote stand-in for ``ebc`` on ``pipeline``; trainer 0 creates it with ``ebc``'s weights."""
+    config = RemoteEmbeddingBagCollection.config_from(ebc, cid=cid, num_servers=num_servers, sharding=sharding,
+                                                      optimizer=optimizer, num_trainers=num_trainers, **options)
+    remote = RemoteEmbeddingBagCollection(config, pipeline=pipeline, server_names=pipeline.server_names)
+    if trainer == 0:
+        remote.create_on_servers(init="zeros")
+        remote.write_tables({n: b.weight.detach() for n, b in ebc.embedding_bags.items()})
+    return remote
 
+
+def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=False, lookups="auto"):
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
         return None
-    channel.configure(mode=lookups)
     t_n, me = role.num_trainers, role.index
+    pipeline = make_pipeline(trainer=me, num_servers=num_servers, staleness=0, gradient_push=push, transport=lookups)
     tables = test_tables()
     c = torch.linspace(-1, 1, sum(t.embedding_dim * len(t.feature_names) for t in tables))
     remotes, refs = {}, {}
     for name, lr in OPTIMIZERS.items():
         ebc = make_ebc(seed=0)
-        remote = RemoteEmbeddingBagCollection.from_collection(
-            ebc, cid=name, num_servers=num_servers, sharding=sharding,
-            optimizer={"name": name, "lr": lr}, trainer=me, num_trainers=t_n,
-        )
-        if me == 0:
-            remote.create_on_servers(init_from=ebc)
-        remotes[name] = remote
+        remotes[name] = remote_of(ebc, pipeline, cid=name, num_servers=num_servers, sharding=sharding,
+                                  optimizer={"name": name, "lr": lr}, trainer=me, num_trainers=t_n)
         ref = make_ebc(seed=0)
         refs[name] = (ref, {t.name: ReferenceSparseOptimizer(name, ref.embedding_bags[t.name].weight.data, lr=lr)
                             for t in tables})
     dist.barrier()
-    # A long flush delay: the reference's work between steps must not send a push on its own.
-    set_runtime(RemoteRuntime(trainer=me, gradient_push=push, flush_after_s=60.0))
     max_fwd_err = 0.0
     nxt = None
     for s in range(STEPS):
         data = global_batch(s, tables, t_n * BATCH)
         kjt = nxt if nxt is not None else kjt_slice(data, me * BATCH, (me + 1) * BATCH)
-        with step() as st:
+        with step(pipeline) as st:
             outs = {n: r(kjt) for n, r in remotes.items()}
             if prefetch and s + 1 < STEPS:
                 # Sync prefetch: the next rows are asked for with this step's push and read once
                 # every trainer's step is applied (checked by the next step's comparison).
                 nxt = kjt_slice(global_batch(s + 1, tables, t_n * BATCH), me * BATCH, (me + 1) * BATCH)
-                for r in remotes.values():
-                    r.prefetch(nxt)
+                st.prefetch(nxt)
             for n, out in outs.items():
                 local = refs[n][0](kjt).values()
                 torch.testing.assert_close(out.values(), local, rtol=1e-6, atol=1e-6)
@@ -84,9 +85,7 @@ def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=Fals
             _loss(ref(gkjt).values(), c).backward()
             for t in tables:
                 opts[t.name].step(ref.embedding_bags[t.name].weight.grad, touched[t.name])
-    from hybrid.autograd import runtime
-
-    runtime().wait_pushed()
+    pipeline.flush()
     dist.barrier()  # every trainer's last push is in, so the last step is applied everywhere
     result = {"max_fwd_err": max_fwd_err}
     if me == 0:
@@ -102,7 +101,7 @@ def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=Fals
             result[n] = remote.stats()
             # The tables did move: the comparison above is not trivially true.
             assert not torch.equal(weights["t0"], make_ebc(seed=0).embedding_bags["t0"].weight.data)
-    set_runtime(None)
+    pipeline.close()
     return result
 
 
@@ -113,7 +112,7 @@ def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=Fals
      (2, "row_wise", "dist_autograd", False, "auto")],
 )
 def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sharding, push, prefetch, lookups):
-    """``lookups``: ``runtime.ps_channel`` -- auto, through shared memory (every server is on
+    """``lookups``: ``runtime.ps_transport`` -- auto, through shared memory (every server is on
     this host); rpc, over TensorPipe; under the dist_autograd push always RPC."""
     out = run_distributed(_train, 2 + num_servers, setup="hybrid", num_servers=num_servers, timeout=180,
                           sharding=sharding, push=push, prefetch=prefetch, lookups=lookups)
@@ -121,14 +120,16 @@ def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sh
     for name in OPTIMIZERS:
         per_server = stats[name]
         for server, st in per_server.items():
-            # One lookup RPC per server per step per trainer, however many tables and features.
+            # One step message per server per step per trainer, however many tables and features.
             assert st["lookups"] == STEPS * 2, (server, st)
             assert st["gradients"] == STEPS * 2, (server, st)
-            if push == "rpc":
-                # Every push but each trainer's last rode on its next lookup (prefetch: the next
-                # step's lookup went out with it, in one message); the last was flushed.
+            if push == "rpc" and prefetch:
+                # Every push but each trainer's last went out with the next step's prefetched
+                # lookup, in one message; the last went alone.
                 assert st["push_messages"] == 2, (server, st)
             else:
+                # Sync without a prefetch: each push goes at once, alone, so the step is applied
+                # before the next lookup arrives (dist_autograd: the backward delivers each).
                 assert st["push_messages"] == STEPS * 2, (server, st)
             assert st["updates_applied"] == STEPS, (server, st)
             via_channel = push == "rpc" and lookups == "auto"
@@ -144,11 +145,8 @@ def _bad_ids(rank, world_size, *, policy):
     if not role.is_trainer:
         return None
     ebc = make_ebc(seed=0)
-    remote = RemoteEmbeddingBagCollection.from_collection(
-        ebc, cid="bad", num_servers=1, optimizer={"name": "sgd", "lr": 1.0}, id_policy=policy,
-    )
-    remote.create_on_servers(init_from=ebc)
-    set_runtime(RemoteRuntime(trainer=0))
+    pipeline = make_pipeline(trainer=0, num_servers=1, staleness=0)
+    remote = remote_of(ebc, pipeline, cid="bad", num_servers=1, optimizer={"name": "sgd", "lr": 1.0}, id_policy=policy)
     data = global_batch(0, test_tables(), 4)
     ln, ids, w = data["f0"]
     ids = ids.clone()
@@ -157,13 +155,14 @@ def _bad_ids(rank, world_size, *, policy):
     kjt = kjt_slice(data, 0, 4)
     before = remote.read_tables()
     err = None
-    with step() as st:
+    with step(pipeline) as st:
         try:
             out = remote(kjt)
             st.backward(out.values().sum())
         except BadIdError as e:
             err = str(e)
     after = remote.read_tables()
+    pipeline.close()
     if policy == "modulo":
         fixed = dict(data)
         fixed["f0"] = (ln, torch.remainder(ids, 50), w)
@@ -191,42 +190,51 @@ def test_bad_ids_modulo_policy_wraps_ids():
 
 def _raw_state(cid):
     """On a server: its tables and optimizer state as they are (no waiting, even after a failure)."""
-    from hybrid.ps import server as srv
+    from hybrid.ps.server.service import server
 
-    shard = srv._collection(cid)
+    shard = server().shard(cid)
     with shard.lock:
         return {t.name: (t.weight.clone(), {k: v.clone() for k, v in t.optim.state.items()}) for t in shard.tables}
+
+
+def _break_updates(cid):
+    """On a server: every later update of ``cid`` fails once its new rows are computed, before any
+    is written (what a failing optimizer kernel does)."""
+    from hybrid.ps.server.service import server
+
+    shard = server().shard(cid)
+
+    def commit(*_args, **_kwargs):
+        raise RuntimeError(f"injected fault in the update of {cid} on ps{shard.server}")
+
+    for t in shard.tables:
+        t.optim.commit = commit
 
 
 def _failing_update(rank, world_size, *, num_servers):
     import torch.distributed.rpc as rpc
 
-    from hybrid.autograd import runtime
-    from hybrid.ps import server as srv
-
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
         return None
     ebc = make_ebc(seed=0)
-    remote = RemoteEmbeddingBagCollection.from_collection(ebc, cid="faulty", num_servers=1,
-                                                          optimizer={"name": "adagrad", "lr": 0.5})
-    remote.create_on_servers(init_from=ebc)
-    set_runtime(RemoteRuntime(trainer=0))
+    pipeline = make_pipeline(trainer=0, num_servers=1, staleness=0)
+    remote = remote_of(ebc, pipeline, cid="faulty", num_servers=1, optimizer={"name": "adagrad", "lr": 0.5})
     kjt = kjt_slice(global_batch(0, test_tables(), 4), 0, 4)
-    with step() as st:  # one good step, so the optimizer state is not all zeros
+    with step(pipeline) as st:  # one good step, so the optimizer state is not all zeros
         st.backward(remote(kjt).values().sum())
-    runtime().wait_pushed()
+    pipeline.flush()
     before = rpc.rpc_sync("ps0", _raw_state, args=("faulty",))
-    rpc.rpc_sync("ps0", srv.rpc_set_fault, args=("faulty", "update"))
+    rpc.rpc_sync("ps0", _break_updates, args=("faulty",))
     err = None
     try:
-        with step() as st:
+        with step(pipeline) as st:
             st.backward(remote(kjt).values().sum())
-        runtime().wait_pushed()
+        pipeline.flush()
+        remote.read_tables()  # waits for the step: its failure comes back here at the latest
     except Exception as e:  # noqa: BLE001 - the point is what it says
         err = f"{type(e).__name__}: {e}"
     after = rpc.rpc_sync("ps0", _raw_state, args=("faulty",))
-    set_runtime(None)
     return err, before, after
 
 

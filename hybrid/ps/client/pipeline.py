@@ -528,14 +528,18 @@ class StepHandle:
         self.backward_done = True
 
 
-def pipeline_of(model: torch.nn.Module | None) -> StepPipeline | None:
-    """The pipeline ``hybrid.compose`` attached to ``model`` (``None`` for a plain model)."""
+def pipeline_of(model: torch.nn.Module | StepPipeline | None) -> StepPipeline | None:
+    """The pipeline ``hybrid.compose`` attached to ``model`` (``None`` for a plain model); a
+    pipeline itself (remote collections built by hand) is its own."""
+    if isinstance(model, StepPipeline):
+        return model
     return getattr(model, "_hybrid_pipeline", None) if model is not None else None
 
 
 @contextmanager
 def step(model: torch.nn.Module | None = None, optimizer=None) -> Iterator[StepHandle]:
-    """One training step of a composed ``model``; see the module docstring.
+    """One training step of a composed ``model`` (or of a :class:`StepPipeline`); see the module
+    docstring.
 
     ``optimizer`` is the dense optimizer (stepped and zeroed by ``s.backward``). Works for a
     plain model too (plain local training), so the same loop serves both.

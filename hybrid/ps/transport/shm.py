@@ -173,7 +173,11 @@ class ShmTransport(Transport):
             shutil.rmtree(directory, ignore_errors=True)
 
     def send(self, msg: StepMessage):
-        if self.closed or msg.autograd or (self.outstanding is not None and not self._collect(block=False)):
+        # One message at a time. An outstanding reply that carries rows may wait for a step this
+        # message completes (a prefetch), so this one goes over RPC instead; a push-only message's
+        # reply waits for nothing, so it is collected first.
+        if self.closed or msg.autograd or (
+                self.outstanding is not None and not self._collect(block=not self.outstanding.answers_rows)):
             return self.fallback.send(msg)
         seq = self.seq + 1
         if not _write_frame(self.req, seq, STEP, protocol.encode(msg)):
@@ -184,7 +188,7 @@ class ShmTransport(Transport):
             self.closed = True  # the server is gone: RPC says so, naming it
             return self.fallback.send(msg)
         self.seq = seq
-        self.outstanding = _ChannelFuture(self)
+        self.outstanding = _ChannelFuture(self, answers_rows=any(p.lookup is not None for p in msg.parts))
         return self.outstanding
 
     def _collect(self, block: bool) -> bool:
@@ -238,8 +242,9 @@ class ShmTransport(Transport):
 
 
 class _ChannelFuture:
-    def __init__(self, end: ShmTransport) -> None:
+    def __init__(self, end: ShmTransport, *, answers_rows: bool) -> None:
         self.end = end
+        self.answers_rows = answers_rows
         self.done = False
         self.result: list[torch.Tensor] | None = None
         self.error: BaseException | None = None
