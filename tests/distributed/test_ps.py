@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from hybrid.launch.roles import role_of
-from hybrid.ps.client import BadIdError, RemoteEmbeddingBagCollection, make_pipeline, step
+from hybrid.ps.client import BadIdError, make_pipeline, step
 from tests.harness import run_distributed
+from tests.support.remote import remote_of
 from tests.support.sparse import (
     ReferenceSparseOptimizer,
     global_batch,
@@ -28,18 +29,6 @@ STEPS, BATCH = 10, 6
 
 def _loss(values: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return ((values @ c) ** 2).mean() + values.sum(1).mean()
-
-
-def remote_of(ebc, pipeline, *, cid, num_servers, sharding="row_wise", optimizer, num_trainers=1, trainer=0,
-              **options) -> RemoteEmbeddingBagCollection:
-    """A remote stand-in for ``ebc`` on ``pipeline``; trainer 0 creates it with ``ebc``'s weights."""
-    config = RemoteEmbeddingBagCollection.config_from(ebc, cid=cid, num_servers=num_servers, sharding=sharding,
-                                                      optimizer=optimizer, num_trainers=num_trainers, **options)
-    remote = RemoteEmbeddingBagCollection(config, pipeline=pipeline, server_names=pipeline.server_names)
-    if trainer == 0:
-        remote.create_on_servers(init="zeros")
-        remote.write_tables({n: b.weight.detach() for n, b in ebc.embedding_bags.items()})
-    return remote
 
 
 def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=False, lookups="auto"):

@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybrid.autograd import RemoteRuntime, runtime, set_runtime, step
 from hybrid.launch.roles import role_of
-from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection
+from hybrid.ps.client import make_pipeline, step
 from tests.harness import run_distributed
+from tests.support.remote import remote_bag, remote_of
 from tests.support.sparse import global_batch, kjt_slice, make_ebc, test_tables
 
 B = 16
@@ -22,14 +22,10 @@ def _async(rank, world_size, *, num_servers):
         return None
     tables = test_tables()
     ebc = make_ebc(seed=0)
-    remote = RemoteEmbeddingBagCollection.from_collection(
-        ebc, cid="a", num_servers=num_servers, optimizer={"name": "adagrad", "lr": 0.3},
-        trainer=role.index, num_trainers=role.num_trainers, staleness=1,
-    )
-    if role.index == 0:
-        remote.create_on_servers(init_from=ebc)
+    pipeline = make_pipeline(trainer=role.index, num_servers=num_servers, staleness=1)
+    remote = remote_of(ebc, pipeline, cid="a", num_servers=num_servers, optimizer={"name": "adagrad", "lr": 0.3},
+                       trainer=role.index, num_trainers=role.num_trainers, staleness=1)
     dist.barrier()
-    set_runtime(RemoteRuntime(trainer=role.index))
     # A learnable task: the target is a fixed function of the ids.
     torch.manual_seed(1)
     teacher = {t.name: torch.randn(t.num_embeddings) for t in tables}
@@ -52,14 +48,14 @@ def _async(rank, world_size, *, num_servers):
     nxt = batch(0)
     for s in range(60):
         kjt, y = nxt
-        with step(optimizer=opt) as st:
+        with step(pipeline, optimizer=opt) as st:
             out = remote(kjt)
             nxt = batch(s + 1)
-            remote.prefetch(nxt[0])  # the next step's rows travel while this one computes
+            st.prefetch(nxt[0])  # the next step's rows travel while this one computes
             loss = ((head(out.values()).squeeze(1) - y) ** 2).mean()
             st.backward(loss)
         losses.append(loss.item())
-    runtime().wait_pushed()
+    pipeline.flush()
     dist.barrier()
     stats = None
     if role.index == 0:
@@ -68,7 +64,7 @@ def _async(rank, world_size, *, num_servers):
         deadline = time.monotonic() + 10
         while (stats := remote.stats())["ps0"]["lookups"] < 2 * 61 and time.monotonic() < deadline:
             time.sleep(0.05)
-    set_runtime(None)
+    pipeline.close()
     return losses, stats
 
 
@@ -86,12 +82,10 @@ def _weighted_and_bag(rank, world_size):
     if rank == 1:
         return None
     ebc = make_ebc(seed=3, weighted=True)
-    remote = RemoteEmbeddingBagCollection.from_collection(ebc, cid="w", num_servers=1,
-                                                          optimizer={"name": "sgd", "lr": 1.0})
-    remote.create_on_servers(init_from=ebc)
-    set_runtime(RemoteRuntime(trainer=0))
+    pipeline = make_pipeline(trainer=0, num_servers=1, staleness=0)
+    remote = remote_of(ebc, pipeline, cid="w", num_servers=1, optimizer={"name": "sgd", "lr": 1.0})
     kjt = kjt_slice(global_batch(0, test_tables(), 8, weighted=True), 0, 8)
-    with step() as st:
+    with step(pipeline) as st:
         out = remote(kjt)
         torch.testing.assert_close(out.values(), ebc(kjt).values())
         st.backward(out.values().pow(2).sum())
@@ -104,8 +98,7 @@ def _weighted_and_bag(rank, world_size):
     # A plain nn.EmbeddingBag, 2-D and offsets forms, with per-sample weights.
     torch.manual_seed(0)
     bag = nn.EmbeddingBag(20, 3, mode="sum")
-    rbag = RemoteEmbeddingBag.from_module(bag, cid="bag", num_servers=1, optimizer={"name": "sgd", "lr": 0.1})
-    rbag.create_on_servers(init_from=bag)
+    rbag = remote_bag(bag, pipeline, cid="bag", num_servers=1, optimizer={"name": "sgd", "lr": 0.1})
     x = torch.tensor([[1, 2, 3], [4, 4, 19]])
     psw = torch.rand(2, 3)
     with torch.no_grad():
@@ -115,7 +108,7 @@ def _weighted_and_bag(rank, world_size):
         torch.testing.assert_close(rbag(flat, offs), bag(flat, offs))
     assert list(rbag.state_dict()) == list(bag.state_dict()) == ["weight"]
     assert torch.equal(rbag.state_dict()["weight"], bag.weight.detach())
-    set_runtime(None)
+    pipeline.close()
     return True
 
 

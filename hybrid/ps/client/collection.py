@@ -83,11 +83,14 @@ class RemoteEmbeddingBagCollection(nn.Module):
                 raise _server_error(what, self.server_names[s], e) from e
         return out
 
-    def create_on_servers(self, *, init: str = "seed", start_step: int = 0) -> None:
+    def create_on_servers(self, *, init: str = "seed", start_step: int | None = None) -> None:
         """Create the shards on the servers (call on one trainer, then barrier the trainers):
         ``init="seed"`` fills each row with its layout-independent initial value
         (:mod:`hybrid.ps.init`, seeded by ``config.init_seed``), ``"zeros"`` with zeros (weights
-        written next)."""
+        written next). The servers count steps from ``start_step`` (default: the pipeline's next
+        step, so a collection added after some steps is read as of now)."""
+        if start_step is None:
+            start_step = self.pipeline.next_step
         futs = [(s, self._call(s, service.rpc_create, self.config, start_step, init)) for s in self.servers]
         self._wait(futs, f"creating {self.cid}")
 

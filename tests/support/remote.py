@@ -1,0 +1,32 @@
+"""Remote collections built by hand on a trainer, as ``hybrid.compose`` builds them from a plan."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection, StepPipeline
+
+
+def remote_of(ebc, pipeline: StepPipeline, *, cid: str, num_servers: int, sharding: str = "row_wise",
+              optimizer: dict, num_trainers: int = 1, trainer: int = 0, **options) -> RemoteEmbeddingBagCollection:
+    """A remote stand-in for ``ebc`` on ``pipeline``; trainer 0 creates it with ``ebc``'s weights
+    (the other trainers must wait for that, e.g. at a barrier, before they look up)."""
+    config = RemoteEmbeddingBagCollection.config_from(ebc, cid=cid, num_servers=num_servers, sharding=sharding,
+                                                      optimizer=optimizer, num_trainers=num_trainers, **options)
+    remote = RemoteEmbeddingBagCollection(config, pipeline=pipeline, server_names=pipeline.server_names)
+    if trainer == 0:
+        remote.create_on_servers(init="zeros")
+        remote.write_tables({n: b.weight.detach() for n, b in ebc.embedding_bags.items()})
+    return remote
+
+
+def remote_bag(bag: nn.EmbeddingBag, pipeline: StepPipeline, *, cid: str, num_servers: int, optimizer: dict,
+               **options) -> RemoteEmbeddingBag:
+    """A remote stand-in for a plain ``nn.EmbeddingBag``, created with its weight (one trainer)."""
+    local = RemoteEmbeddingBag.as_collection(bag, cid=cid)
+    config = RemoteEmbeddingBagCollection.config_from(local, cid=cid, num_servers=num_servers, optimizer=optimizer,
+                                                      num_trainers=1, **options)
+    coll = RemoteEmbeddingBagCollection(config, pipeline=pipeline, server_names=pipeline.server_names)
+    coll.create_on_servers(init="zeros")
+    coll.write_tables({config.tables[0].name: bag.weight.detach()})
+    return RemoteEmbeddingBag(coll, include_last_offset=bag.include_last_offset)
