@@ -5,7 +5,7 @@ row-wise, DLRM with DDP bottom and FSDP top, sync, float32, a tiny model):
 
 - **straight**: 20 steps, one checkpoint at the end;
 - **crashed**: the same 20 steps with a checkpoint every 10, and server ps1 SIGKILLs itself while
-  writing its shards of step 20 (the test hook of :mod:`hybrid.checkpoint.server_io`);
+  writing its shards of step 20 (injected by ``tests/support/inject/sitecustomize.py``);
 - **tampered**: a copy of straight's checkpoint with pickled code planted in one file (the
   manifest fixed to match): resume and export refuse it (exit 2, one line), the code never runs;
   with the key straight was signed with, a rewritten manifest is refused;
@@ -36,7 +36,6 @@ from hybrid.checkpoint import (
     verify,
 )
 from hybrid.checkpoint.files import KEY_ENV, MANIFEST, FileEntry
-from hybrid.checkpoint.server_io import KILL_ENV
 from tests.harness import run_distributed
 from tests.support import tamper
 from tests.support.cli import REPO, run_hybrid
@@ -50,6 +49,7 @@ TINY = ["model.num_embeddings=60", "model.features=[C1,C2,C3,C4]", "model.embedd
 TWO_BY_TWO = "plan.topology.parameter_servers=2"
 EBC = "sparse_arch.embedding_bag_collection"
 LAUNCH_TIMEOUT = 300
+KILL_ENV = {"HYBRID_TEST_CHECKPOINT_KILL": "ps1:20", "PYTHONPATH": f"{REPO / 'tests/support/inject'}:{REPO}"}
 KEY = "test-signing-key"
 pytestmark = pytest.mark.slow  # about 2.5 minutes on 2 idle cores (8 process groups started)
 
@@ -75,7 +75,7 @@ def straight(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def crashed(tmp_path_factory):
     root = tmp_path_factory.mktemp("crashed")
-    res = _train(root / "out", f"checkpoint.dir={root / 'ckpt'}", "checkpoint.every=10", env={KILL_ENV: "ps1:20"})
+    res = _train(root / "out", f"checkpoint.dir={root / 'ckpt'}", "checkpoint.every=10", env=KILL_ENV)
     return root, res
 
 
@@ -123,8 +123,8 @@ def _load_job(rank, world_size, *, num_servers, ckpt, overrides, out):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from hybrid import autograd as bridge
     from hybrid.checkpoint import dense_only
+    from hybrid.ps.client import pipeline_of
     from hybrid.launch.roles import role_of
     from hybrid.train.loop import Trainer, load_run, remote_collections
 
@@ -149,7 +149,7 @@ def _load_job(rank, world_size, *, num_servers, ckpt, overrides, out):
     return {
         "pred": pred, "dense": dense, "tables": {t: (weights[t], states[t]) for t in weights},
         "inputs": (batch.dense, batch.sparse.keys(), batch.sparse.values(), batch.sparse.lengths()),
-        "next_step": bridge.runtime().next_step,
+        "next_step": pipeline_of(trainer.model).next_step,
         "servers_at": {s: d["complete_through"] for s, d in coll.stats().items()},
         "layouts": {lay.sharding for lay in coll.layouts}, "trainers": role.num_trainers,
     }

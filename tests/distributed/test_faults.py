@@ -30,7 +30,7 @@ TINY = ["model.num_embeddings=200", "model.bottom_mlp=[8,16]", "model.top_mlp=[8
 
 def _die_at(method: str, after: int) -> None:
     """SIGKILL this process on the ``after``-th call of ``CollectionShard.<method>``."""
-    from hybrid.ps import server as srv
+    from hybrid.ps.server import shard as srv
 
     original = getattr(srv.CollectionShard, method)
     calls = [0]
@@ -46,7 +46,7 @@ def _die_at(method: str, after: int) -> None:
 
 
 def _sleep_at(method: str, after: int, seconds: float) -> None:
-    from hybrid.ps import server as srv
+    from hybrid.ps.server import shard as srv
 
     original = getattr(srv.CollectionShard, method)
     calls = [0]
@@ -117,7 +117,7 @@ def _assert_all_failed_naming(report: str, logs: dict[str, str], names: list[str
         assert peer in text, f"{name} does not name {peer}:\n{text}\n---\n{report}"
 
 
-@pytest.mark.parametrize("method", ["gather", "push_parts"], ids=["mid-forward", "mid-backward"])
+@pytest.mark.parametrize("method", ["gather", "push"], ids=["mid-forward", "mid-backward"])
 def test_server_killed_ends_every_process_naming_it(tmp_path, method):
     report, logs, elapsed = _run_fault(tmp_path, 4, 2, {"who": "ps0", "kind": "die", "method": method, "after": 6})
     assert elapsed < RPC_TIMEOUT + MARGIN, elapsed
@@ -196,7 +196,7 @@ def test_torchrun_restart_after_a_killed_server_resumes_from_the_last_checkpoint
     assert sorted(want) == list(range(1, 31))
 
     # Rank 2 is the server; its 50th gradient push (2 trainers a step) is in step 25.
-    env = {"HYBRID_TEST_FAULT": "2:push_parts:50", "PYTHONPATH": f"{REPO / 'tests/support/inject'}:{REPO}"}
+    env = {"HYBRID_TEST_FAULT": "2:push:50", "PYTHONPATH": f"{REPO / 'tests/support/inject'}:{REPO}"}
     t0 = time.monotonic()
     res = run_hybrid([*common, f"train.out_dir={failed}", f"checkpoint.dir={failed}/ckpt"], timeout=300, env=env)
     assert res.returncode == 0, res.output
