@@ -1,4 +1,4 @@
-"""Server tables in transparent huge pages (:mod:`hybrid.ps.memory`): the tensors behave as
+"""Server tables in transparent huge pages (:mod:`hybrid.ps.server.memory`): the tensors behave as
 ``torch.empty``'s, start on a 2 MiB boundary and sit in a mapping the kernel may back by huge
 pages; switched off, or small, they are plain tensors."""
 from __future__ import annotations
@@ -8,8 +8,9 @@ import gc
 import pytest
 import torch
 
-from hybrid.ps import memory
-from hybrid.ps.optim import RowSparseOptimizer, SparseOptimSpec
+from hybrid.ps.config import OptimizerSpec as SparseOptimSpec
+from hybrid.ps.server import memory
+from hybrid.ps.server.optim import RowSparseOptimizer
 
 
 def _mapping_flags(addr: int) -> dict[str, str]:
@@ -27,13 +28,6 @@ def _mapping_flags(addr: int) -> dict[str, str]:
                 key, _, value = line.partition(":")
                 fields[key] = value.strip()
     return fields
-
-
-@pytest.fixture(autouse=True)
-def _enabled():
-    memory.configure(huge_pages=True)
-    yield
-    memory.configure(huge_pages=True)
 
 
 def test_a_table_is_an_ordinary_writable_tensor_that_outlives_its_mapping_object():
@@ -69,9 +63,7 @@ def test_optimizer_state_is_allocated_the_same_way_and_initialized():
 def test_switched_off_or_small_tables_are_plain_torch_empty():
     small = memory.table_tensor(10, 4).zero_()
     assert small.shape == (10, 4)
-    memory.configure(huge_pages=False)
-    big = memory.table_tensor(100_000, 32).zero_()
+    big = memory.table_tensor(100_000, 32, huge_pages=False).zero_()
     assert big.shape == (100_000, 32)
     assert _mapping_flags(big.data_ptr()).get("THPeligible") == "0"
-    memory.configure(huge_pages=True)
     assert _mapping_flags(memory.table_tensor(100_000, 32).zero_().data_ptr()).get("THPeligible") == "1"

@@ -1,6 +1,6 @@
 """The trainer side of the parameter servers without processes: routing ids to servers and pooling
-their replies equals the local ``EmbeddingBagCollection`` -- outputs and table gradients -- on the
-fast path (one dimension, one pooling) and on the table-by-table path, for every layout."""
+their replies equals the local ``EmbeddingBagCollection`` -- outputs and table gradients -- with
+one table group (one dimension, one pooling) and several, for every layout."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hybrid.ps.client import BadIdError, RemoteEmbeddingBagCollection
-from hybrid.ps.fused import FusedRoute
+from hybrid.ps.client.routing import Router
 from tests.support.sparse import global_batch, kjt_slice
 from tests.support.sparse import test_tables as mixed_tables
 
@@ -22,87 +22,94 @@ def _same_dim_tables(pooling: PoolingType) -> list[EmbeddingBagConfig]:
     ]
 
 
-def _serve(remote: RemoteEmbeddingBagCollection, route, weights: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """What each server would answer: the requested rows of its held tables, flat, as leaves."""
+def _router(ebc, *, num_servers: int, sharding: str = "row_wise", id_policy: str = "error") -> Router:
+    config = RemoteEmbeddingBagCollection.config_from(ebc, cid="c", num_servers=num_servers, sharding=sharding,
+                                                      optimizer={"name": "sgd"}, num_trainers=1, id_policy=id_policy)
+    return Router(config)
+
+
+def _serve(router: Router, routed, weights: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """What each server would answer: the requested rows of its tables, flat, as leaves."""
     out = {}
-    for s, (ids, counts) in route.requests.items():
+    for s, req in routed.requests.items():
         parts = []
-        for ti, local in zip(remote.held[s], ids.split(counts)):
-            lay = remote.layouts[ti]
+        for ti, local in zip(req.tables, req.ids.split(req.counts)):
+            lay = router.config.layouts[ti]
             rows = lay.global_ids(lay.servers.index(s), local)
             parts.append(weights[lay.table.name][rows].reshape(-1))
-        out[s] = torch.cat(parts).requires_grad_(True)
+        out[s] = (torch.cat(parts) if parts else torch.zeros(0)).requires_grad_(True)
     return out
 
 
-def _table_grads(remote, route, rows: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _table_grads(router: Router, routed, rows: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The servers' row gradients scattered back into whole tables."""
-    grads = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim) for t in remote.tables}
-    for s, (ids, counts) in route.requests.items():
-        dims = [remote.tables[ti].embedding_dim for ti in remote.held[s]]
-        chunks = rows[s].grad.split([n * d for n, d in zip(counts, dims)])
-        for ti, local, g, d in zip(remote.held[s], ids.split(counts), chunks, dims):
-            lay = remote.layouts[ti]
+    tables = router.config.tables
+    grads = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim) for t in tables}
+    for s, req in routed.requests.items():
+        dims = [tables[ti].embedding_dim for ti in req.tables]
+        chunks = rows[s].grad.split([n * d for n, d in zip(req.counts, dims)])
+        for ti, local, g, d in zip(req.tables, req.ids.split(req.counts), chunks, dims):
+            lay = router.config.layouts[ti]
             grads[lay.table.name].index_add_(0, lay.global_ids(lay.servers.index(s), local), g.view(-1, d))
     return grads
 
 
-def _check(tables, *, weighted: bool, num_servers: int, sharding: str, fused: bool, key_order=None):
+def _check(tables, *, weighted: bool, num_servers: int, sharding: str, groups: int, key_order=None):
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted)
-    remote = RemoteEmbeddingBagCollection.from_collection(ebc, cid="c", num_servers=num_servers, sharding=sharding)
-    assert (remote._fused is not None) == fused
+    router = _router(ebc, num_servers=num_servers, sharding=sharding)
+    assert len(router.groups) == groups
     data = global_batch(3, tables, 6, weighted=weighted)
     kjt = kjt_slice(data, 0, 6, keys=key_order)
     weights = {n: b.weight.detach() for n, b in ebc.embedding_bags.items()}
-    route = remote._fused.route(kjt, fix_ids=remote._fix_ids) if fused else remote._route(kjt)
-    assert isinstance(route, FusedRoute) == fused
-    rows = _serve(remote, route, weights)
-    got = remote._pool(route, rows)
+    routed = router.route(kjt, where="c")
+    rows = _serve(router, routed, weights)
+    got = router.pool(routed, rows)
     want = ebc(kjt)
-    assert got.keys() == want.keys()
-    torch.testing.assert_close(got.values(), want.values(), rtol=1e-6, atol=1e-6)
+    assert router.embedding_names == want.keys()
+    torch.testing.assert_close(got, want.values(), rtol=1e-6, atol=1e-6)
     g = torch.randn_like(want.values())
-    (got.values() * g).sum().backward()
+    (got * g).sum().backward()
     (want.values() * g).sum().backward()
-    for name, grad in _table_grads(remote, route, rows).items():
+    for name, grad in _table_grads(router, routed, rows).items():
         torch.testing.assert_close(grad, ebc.embedding_bags[name].weight.grad, rtol=1e-5, atol=1e-6)
     # Every distinct row went out once, to the one server that holds it.
-    sent = sum(ids.numel() for ids, _ in route.requests.values())
+    sent = sum(req.ids.numel() for req in routed.requests.values())
     distinct = sum(torch.unique(torch.cat([kjt[f].values() for f in t.feature_names])).numel() for t in tables)
     assert sent == distinct
 
 
 @pytest.mark.parametrize("num_servers,sharding", [(1, "row_wise"), (3, "row_wise"), (2, "table_wise")])
 @pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
-def test_fast_path_equals_the_local_collection(num_servers, sharding, pooling):
-    _check(_same_dim_tables(pooling), weighted=False, num_servers=num_servers, sharding=sharding, fused=True)
+def test_one_group_equals_the_local_collection(num_servers, sharding, pooling):
+    _check(_same_dim_tables(pooling), weighted=False, num_servers=num_servers, sharding=sharding, groups=1)
 
 
 @pytest.mark.parametrize("num_servers,sharding", [(1, "row_wise"), (2, "row_wise")])
-def test_fast_path_weighted_and_in_another_key_order(num_servers, sharding):
+def test_weighted_and_in_another_key_order(num_servers, sharding):
     _check(_same_dim_tables(PoolingType.SUM), weighted=True, num_servers=num_servers, sharding=sharding,
-           fused=True, key_order=["f3", "f1", "f0", "f2"])
+           groups=1, key_order=["f3", "f1", "f0", "f2"])
 
 
 @pytest.mark.parametrize("num_servers,sharding", [(1, "row_wise"), (2, "row_wise"), (2, "table_wise")])
-def test_mixed_dimensions_go_table_by_table_and_equal_the_local_collection(num_servers, sharding):
-    _check(mixed_tables(), weighted=False, num_servers=num_servers, sharding=sharding, fused=False)
+def test_mixed_dimensions_go_group_by_group_and_equal_the_local_collection(num_servers, sharding):
+    tables = mixed_tables()
+    kinds = {(t.embedding_dim, t.pooling) for t in tables}
+    _check(tables, weighted=False, num_servers=num_servers, sharding=sharding, groups=len(kinds))
 
 
-def test_fast_path_applies_the_id_policy():
+def test_routing_applies_the_id_policy():
     tables = _same_dim_tables(PoolingType.SUM)
     ebc = EmbeddingBagCollection(tables=tables)
     kjt = KeyedJaggedTensor.from_lengths_sync(
         keys=["f0", "f1", "f2", "f3"], values=torch.tensor([1, 2, 3, 9]), lengths=torch.tensor([1, 1, 1, 1]),
     )
-    strict = RemoteEmbeddingBagCollection.from_collection(ebc, cid="c", num_servers=1)
+    strict = _router(ebc, num_servers=1)
     with pytest.raises(BadIdError, match="feature 'f3': 1 id\\(s\\) outside table 't2' of 7 rows"):
-        strict._fused.route(kjt, fix_ids=strict._fix_ids)
-    modulo = RemoteEmbeddingBagCollection.from_collection(ebc, cid="c", num_servers=1, id_policy="modulo")
-    route = modulo._fused.route(kjt, fix_ids=modulo._fix_ids)
-    ids, counts = route.requests[0]
-    assert counts == [1, 2, 1] and ids.tolist() == [1, 2, 3, 2]  # 9 % 7 == 2 in t2
+        strict.route(kjt, where="c")
+    modulo = _router(ebc, num_servers=1, id_policy="modulo")
+    req = modulo.route(kjt, where="c").requests[0]
+    assert req.counts == [1, 2, 1] and req.ids.tolist() == [1, 2, 3, 2]  # 9 % 7 == 2 in t2
 
 
 def _random_kjt(g: torch.Generator, tables, n: int, *, weighted: bool, bad: bool) -> KeyedJaggedTensor:
@@ -126,7 +133,7 @@ def _random_kjt(g: torch.Generator, tables, n: int, *, weighted: bool, bad: bool
 
 def test_seeded_fuzz_routing_and_pooling_equal_the_local_collection_or_refuse_bad_ids():
     """Random batches (empty bags, empty features, bad ids, weights, both pooling modes, 1-3
-    servers, both shardings, fast and table-by-table paths): the remote collection pools exactly
+    servers, both shardings, one table group and several): the remote collection pools exactly
     what the local one does and gives the rows the local one's gradients, or -- only for ids outside a table under id_policy=error -- raises
     BadIdError before anything is sent; under modulo it equals the local one on the wrapped ids."""
     g = torch.Generator().manual_seed(1234)
@@ -142,12 +149,11 @@ def test_seeded_fuzz_routing_and_pooling_equal_the_local_collection_or_refuse_ba
         kjt = _random_kjt(g, tables, 1 + case % 6, weighted=weighted, bad=bad)
         torch.manual_seed(case)
         ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted)
-        remote = RemoteEmbeddingBagCollection.from_collection(ebc, cid="c", num_servers=num_servers,
-                                                               sharding=sharding, id_policy=policy)
+        router = _router(ebc, num_servers=num_servers, sharding=sharding, id_policy=policy)
         table_of = {f: t for t in tables for f in t.feature_names}
         out_of_range = any(((kjt[f].values() < 0) | (kjt[f].values() >= table_of[f].num_embeddings)).any()
                            for f in kjt.keys())
-        route_fn = (lambda k: remote._fused.route(k, fix_ids=remote._fix_ids)) if remote._fused else remote._route
+        route_fn = lambda k: router.route(k, where="c")  # noqa: E731
         if out_of_range and policy == "error":
             with pytest.raises(BadIdError, match="outside table"):
                 route_fn(kjt)
@@ -163,17 +169,17 @@ def test_seeded_fuzz_routing_and_pooling_equal_the_local_collection_or_refuse_ba
             outcomes["equal"] += 1
         route = route_fn(kjt)
         weights = {n: b.weight.detach() for n, b in ebc.embedding_bags.items()}
-        rows = _serve(remote, route, weights)
-        got = remote._pool(route, rows)
+        rows = _serve(router, route, weights)
+        got = router.pool(route, rows)
         want = ebc(ref_kjt)
-        assert got.keys() == want.keys(), case
-        torch.testing.assert_close(got.values(), want.values(), rtol=1e-6, atol=1e-6,
+        assert router.embedding_names == want.keys(), case
+        torch.testing.assert_close(got, want.values(), rtol=1e-6, atol=1e-6,
                                    msg=lambda m: f"case {case}: {m}")
         # And the rows' gradients: the local collection's, row by row.
         gout = torch.randn(want.values().shape, generator=g)
-        (got.values() * gout).sum().backward()
+        (got * gout).sum().backward()
         (want.values() * gout).sum().backward()
-        for name, grad in _table_grads(remote, route, rows).items():
+        for name, grad in _table_grads(router, route, rows).items():
             want_grad = ebc.embedding_bags[name].weight.grad
             want_grad = torch.zeros_like(grad) if want_grad is None else want_grad
             torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6,
@@ -193,9 +199,8 @@ def test_a_batch_whose_lengths_and_values_disagree_is_refused_before_anything_is
 
     tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=50, feature_names=[f"f{i}"])
               for i in range(2)]
-    remote = RemoteEmbeddingBagCollection.from_collection(
-        EmbeddingBagCollection(tables=tables, is_weighted=weights is not None), cid="c", num_servers=1)
+    router = _router(EmbeddingBagCollection(tables=tables, is_weighted=weights is not None), num_servers=1)
     kjt = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor(values), lengths=torch.tensor(lengths),
                             weights=None if weights is None else torch.tensor(weights))
     with pytest.raises(BadBatchError, match=message):
-        remote._send(None, kjt)  # no RPC is initialized: the check must come first
+        router.route(kjt, where="c")  # routing comes before anything is sent

@@ -6,28 +6,36 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.ps.optim import SparseOptimSpec
-from hybrid.ps.server import CollectionShard
+from hybrid.ps.config import CollectionConfig, OptimizerSpec
+from hybrid.ps.protocol import Rows
+from hybrid.ps.server.shard import CollectionShard
 from hybrid.ps.sharding import TableSpec, shard_tables
 
 TABLES = [TableSpec("a", 50, 4, ("fa",)), TableSpec("b", 30, 4, ("fb",))]
 
 
-def _shard(spec: SparseOptimSpec) -> CollectionShard:
-    layouts = shard_tables(TABLES, 1, "table_wise")
-    shard = CollectionShard(cid="ebc", server=0, layouts=layouts, optimizer=spec, num_trainers=2, staleness=0,
-                            gradient_scaling="mean", start_step=0)
+def _shard(spec: OptimizerSpec) -> CollectionShard:
+    config = CollectionConfig(cid="ebc", tables=tuple(TABLES), layouts=tuple(shard_tables(TABLES, 1, "table_wise")),
+                              optimizer=spec, num_trainers=2, staleness=0, gradient_scaling="mean")
+    shard = CollectionShard(config, 0, start_step=0, huge_pages=False)
     for t in shard.tables:  # as rpc_create does; the weights are torch.empty until then
-        t.init_uniform(7)
+        t.initialize(7)
     return shard
 
 
-def _part(seed: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+def _part(seed: int) -> tuple[Rows, torch.Tensor]:
     """A trainer's deduplicated push: ascending ids per table, one gradient row each (flat)."""
     g = torch.Generator().manual_seed(seed)
     ids = [torch.randperm(t.num_embeddings, generator=g)[:6].sort().values for t in TABLES]
     grad = torch.randn(sum(6 * t.embedding_dim for t in TABLES), generator=g)
-    return torch.cat(ids), [6, 6], grad
+    return Rows([0, 1], [6, 6], torch.cat(ids)), grad
+
+
+def _push(shard: CollectionShard, trainer: int, step: int, parts) -> None:
+    """As the server does: the push, then the lookups it made answerable."""
+    shard.push(trainer, step, parts)
+    for fn, err in shard.ready_waiters():
+        fn(err)
 
 
 def _weights(shard: CollectionShard) -> list[torch.Tensor]:
@@ -35,28 +43,30 @@ def _weights(shard: CollectionShard) -> list[torch.Tensor]:
 
 
 def test_sync_sgd_applies_a_step_once_every_push_is_in_and_a_late_lookup_reads_the_step_before():
-    shard = _shard(SparseOptimSpec(name="sgd", lr=0.1))
+    shard = _shard(OptimizerSpec(name="sgd", lr=0.1))
     w0 = _weights(shard)
     answered = []
     shard.when_ready(0, answered.append)  # a lookup of step 1 (needs step 0 complete)
 
     p0, p1 = _part(1), _part(2)
-    shard.push_parts(0, 0, [p0])
+    _push(shard, 0, 0, [p0])
     # Trainer 1's lookup of step 0 may reach the server after trainer 0's push of step 0 (the
     # first step's lookups carry no push; a slow trainer): it must read the tables before step 0.
-    ids, counts, _ = p1
-    late = shard.gather(ids, counts)
+    rows, _ = p1
+    ids, counts = rows.ids, rows.counts
+    late = shard.gather(rows)
     want = torch.cat([w[i].reshape(-1) for w, i in zip(w0, ids.split(counts))])
     assert torch.equal(late, want), "a lookup of step 0 read part of step 0's update"
     assert all(torch.equal(a, b) for a, b in zip(w0, _weights(shard)))
     assert shard.complete_through == -1 and answered == [] and shard.counters.updates_applied == 0
 
-    shard.push_parts(1, 0, [p1])
+    _push(shard, 1, 0, [p1])
     assert shard.complete_through == 0 and answered == [None] and shard.counters.updates_applied == 1
     # The same numbers as adding both pushes row by row, in arrival order, at the mean's scale.
     for k, (t, w) in enumerate(zip(TABLES, w0)):
         ref = w.clone()
-        for ids, counts, grad in (p0, p1):
+        for part, grad in (p0, p1):
+            ids, counts = part.ids, part.counts
             rows = ids.split(counts)[k]
             g = grad.split([n * s.embedding_dim for n, s in zip(counts, TABLES)])[k].view(-1, t.embedding_dim)
             ref.index_add_(0, rows, g, alpha=-0.1 * 0.5)
@@ -64,11 +74,11 @@ def test_sync_sgd_applies_a_step_once_every_push_is_in_and_a_late_lookup_reads_t
 
 
 def test_sync_adagrad_waits_for_the_last_push_and_sums_first():
-    shard = _shard(SparseOptimSpec(name="adagrad", lr=0.1))
+    shard = _shard(OptimizerSpec(name="adagrad", lr=0.1))
     w0 = _weights(shard)
-    shard.push_parts(0, 0, [_part(1)])
+    _push(shard, 0, 0, [_part(1)])
     assert all(torch.equal(a, b) for a, b in zip(w0, _weights(shard))), "adagrad applied half a step"
     assert shard.complete_through == -1
-    shard.push_parts(1, 0, [_part(2)])
+    _push(shard, 1, 0, [_part(2)])
     assert any(not torch.equal(a, b) for a, b in zip(w0, _weights(shard)))
     assert shard.complete_through == 0 and shard.counters.updates_applied == 1

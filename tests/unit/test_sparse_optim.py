@@ -5,7 +5,9 @@ where lazy per-row step counts equal the global one)."""
 import pytest
 import torch
 
-from hybrid.ps.optim import RowSparseOptimizer, SparseOptimSpec, ascending_per_table
+from hybrid.errors import PlanError
+from hybrid.ps.config import OptimizerSpec as SparseOptimSpec
+from hybrid.ps.server.optim import RowSparseOptimizer
 from hybrid.ps.sharding import TableSpec, shard_tables
 from tests.support.sparse import ReferenceSparseOptimizer
 
@@ -42,60 +44,28 @@ def test_server_optimizer_matches_reference_on_touched_rows(name):
     w0 = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(1))
     ref = ReferenceSparseOptimizer(name, w0.clone(), lr=0.1)
     weight = w0.clone()
-    opt = RowSparseOptimizer(SparseOptimSpec(name=name, lr=0.1), ROWS, DIM)
+    opt = RowSparseOptimizer(SparseOptimSpec(name=name, lr=0.1), ROWS, DIM, huge_pages=False)
     for grad, touched in _grads(8, all_rows=False):
         rows = touched.nonzero().flatten()
-        opt.update(weight, rows, grad[rows])
+        opt.commit(weight, rows, *opt.compute(weight, rows, grad[rows]))
         ref.step(grad, touched)
     torch.testing.assert_close(weight, ref.w, rtol=1e-6, atol=1e-6)
     for k, v in ref.state.items():
         torch.testing.assert_close(opt.state[k], v, rtol=1e-6, atol=1e-6)
 
 
-def test_sgd_accumulate_distinct_rows_equals_index_add_bit_for_bit():
-    g = torch.Generator().manual_seed(2)
-    w0 = torch.randn(ROWS, DIM, generator=g)
-    opt = RowSparseOptimizer(SparseOptimSpec(name="sgd", lr=0.1), ROWS, DIM)
-    assert opt.accumulates
-    a, b = w0.clone(), w0.clone()
-    for _ in range(5):
-        rows = torch.randperm(ROWS, generator=g)[:7].sort().values
-        grad = torch.randn(7, DIM, generator=g)
-        opt.accumulate(a, rows, grad, 0.5, distinct=True)
-        b.index_add_(0, rows, grad, alpha=-0.1 * 0.5)
-    assert torch.equal(a, b)
-    # Repeated rows take index_add_, which adds every repeat.
-    c = w0.clone()
-    opt.accumulate(c, torch.tensor([3, 3]), torch.ones(2, DIM))
-    torch.testing.assert_close(c[3], w0[3] - 0.2)
-
-
-@pytest.mark.parametrize("ids,counts,expected", [
-    ([1, 2, 3, 0, 5, 9], [3, 3], True),     # each table's chunk ascending, down at the boundary
-    ([1, 2, 2, 0, 5, 9], [3, 3], False),    # a repeat in the first table
-    ([1, 2, 3, 0, 5, 5], [3, 3], False),    # a repeat in the last table
-    ([1, 2, 3, 0, 5, 9], [2, 4], False),    # goes down inside the second chunk
-    ([3, 0, 1], [0, 1, 2], True),           # empty chunks
-    ([3, 0, 0], [1, 0, 2], False),
-    ([7], [1], True),
-    ([], [0, 0], True),
-])
-def test_ascending_per_table_proves_chunks_free_of_repeats(ids, counts, expected):
-    assert ascending_per_table(torch.tensor(ids, dtype=torch.int64), counts) is expected
-
-
 def test_a_failing_update_changes_nothing():
     weight = torch.zeros(ROWS, DIM)
-    opt = RowSparseOptimizer(SparseOptimSpec(name="adagrad", lr=0.1), ROWS, DIM)
+    opt = RowSparseOptimizer(SparseOptimSpec(name="adagrad", lr=0.1), ROWS, DIM, huge_pages=False)
     rows = torch.tensor([1, 4])
-    with pytest.raises(FloatingPointError, match="non-finite"):
-        opt.update(weight, rows, torch.tensor([[1.0, 2.0, float("nan")], [1.0, 1.0, 1.0]]))
+    with pytest.raises(FloatingPointError, match="not finite|non-finite"):
+        opt.commit(weight, rows, *opt.compute(weight, rows, torch.tensor([[1.0, 2.0, float("nan")], [1.0, 1.0, 1.0]])))
     assert torch.equal(weight, torch.zeros(ROWS, DIM))
     assert torch.equal(opt.state["sum"], torch.zeros(ROWS, DIM))
 
 
 def test_unknown_optimizer_is_refused_with_the_known_names():
-    with pytest.raises(ValueError, match="'lamb' is unknown.*rowwise_adagrad"):
+    with pytest.raises(PlanError, match="unknown sparse optimizer 'lamb'.*rowwise_adagrad"):
         SparseOptimSpec(name="lamb")
 
 
