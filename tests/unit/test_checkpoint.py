@@ -21,8 +21,9 @@ from hybrid.checkpoint.core import Checkpoint, capture_rng, restore_rng
 from hybrid.checkpoint.export import load_tables
 from hybrid.checkpoint.files import CheckpointError
 from hybrid.checkpoint.server_io import _fill, _write_shards, shard_file
-from hybrid.ps.optim import SparseOptimSpec
-from hybrid.ps.server import CollectionShard
+from hybrid.ps.config import CollectionConfig
+from hybrid.ps.config import OptimizerSpec as SparseOptimSpec
+from hybrid.ps.server.shard import CollectionShard
 from hybrid.ps.sharding import TableSpec, shard_tables
 from tests.support import tamper
 
@@ -47,9 +48,9 @@ def _full(spec: SparseOptimSpec) -> dict[str, tuple[torch.Tensor, dict[str, torc
 
 
 def _servers(sharding: str, num_servers: int, spec: SparseOptimSpec) -> list[CollectionShard]:
-    layouts = shard_tables(TABLES, num_servers, sharding)
-    return [CollectionShard(cid=CID, server=s, layouts=layouts, optimizer=spec, num_trainers=1, staleness=0,
-                            gradient_scaling="mean", start_step=0) for s in range(num_servers)]
+    config = CollectionConfig(cid=CID, tables=tuple(TABLES), layouts=tuple(shard_tables(TABLES, num_servers, sharding)),
+                              optimizer=spec, num_trainers=1)
+    return [CollectionShard(config, s, start_step=0, huge_pages=False) for s in range(num_servers)]
 
 
 def _held(t) -> torch.Tensor:
