@@ -1,0 +1,141 @@
+"""The shared-memory transport's two ends in one process (real files in /dev/shm, real FIFOs, the
+server's real thread and a real :class:`ParameterServer` holding a collection; no RPC): step
+messages cross intact and are answered with the rows, errors and silence come back as errors
+naming the server, a dead end is noticed at once, and what cannot go through the channel goes to
+the fallback transport (RPC in a job)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybrid.ps.config import CollectionConfig, OptimizerSpec, collection_handle
+from hybrid.ps.protocol import Part, Push, Rows, StepMessage
+from hybrid.ps.server import service
+from hybrid.ps.sharding import TableSpec, shard_tables
+from hybrid.ps.transport import Transport
+from hybrid.ps.transport.shm import ChannelError, ShmTransport, _ServerEnd
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
+
+TABLES = (TableSpec("a", 20, 2, ("fa",)), TableSpec("b", 10, 2, ("fb",)))
+
+
+class _Recorder(Transport):
+    """The fallback: records what the channel handed over (RPC would send it)."""
+
+    server = "ps0"
+
+    def __init__(self) -> None:
+        self.sent: list[StepMessage] = []
+
+    def send(self, msg: StepMessage):
+        self.sent.append(msg)
+        return None
+
+
+@pytest.fixture
+def server():
+    srv = service.start(0, service.ServerOptions(huge_pages=False))
+    config = CollectionConfig(cid="c", tables=TABLES, layouts=tuple(shard_tables(list(TABLES), 1, "table_wise")),
+                              optimizer=OptimizerSpec(name="sgd", lr=1.0), num_trainers=1)
+    srv.create(config, start_step=0, init="zeros")
+    for t in srv.shard("c").tables:
+        t.weight.copy_(torch.arange(t.weight.numel(), dtype=torch.float32).view_as(t.weight))
+    return srv
+
+
+def _pair(capacity=1 << 16, timeout_s=5.0) -> tuple[ShmTransport, _ServerEnd, _Recorder]:
+    directory = Path(tempfile.mkdtemp(prefix="hybrid-ps-test-", dir="/dev/shm"))
+    for name in ("req", "rep"):
+        with open(directory / name, "wb") as f:
+            f.truncate(capacity)
+    for name in ("to_server", "to_trainer"):
+        os.mkfifo(directory / name, 0o600)
+    fallback = _Recorder()
+    trainer = ShmTransport("ps0", directory, capacity, fallback=fallback, timeout_s=timeout_s)  # reads first
+    end = _ServerEnd(_ServerEnd.check_directory(str(directory)), capacity, "test-channel")
+    trainer.bell_out = os.open(directory / "to_server", os.O_WRONLY | os.O_NONBLOCK)
+    shutil.rmtree(directory)  # both ends hold everything open
+    return trainer, end, fallback
+
+
+def _lookup(step: int, ids=(1, 3, 4), pushes=()) -> StepMessage:
+    rows = Rows([0, 1], [2, 1], torch.tensor(ids, dtype=torch.int64))
+    return StepMessage(trainer=0, parts=[Part(collection_handle("c"), step=step, lookup=rows, num_raw=5,
+                                              pushes=list(pushes))])
+
+
+def test_a_lookup_and_its_push_cross_intact_and_rows_come_back(server):
+    trainer, _, fallback = _pair()
+    got = trainer.send(_lookup(0)).wait()
+    # table a rows 1 and 3 (2 wide), table b row 4
+    assert got[0].tolist() == [2.0, 3.0, 6.0, 7.0, 8.0, 9.0]
+    grad = torch.ones(6)
+    push = Push(0, Rows([0, 1], [2, 1], torch.tensor([1, 3, 4])), grad)
+    got = trainer.send(_lookup(1, pushes=[push])).wait()  # step 0's push rides on step 1's lookup
+    assert got[0].tolist() == [1.0, 2.0, 5.0, 6.0, 7.0, 8.0]  # read after step 0 was applied (sgd, lr 1)
+    shard = server.shard("c")
+    assert shard.counters.channel_lookups == 2 and shard.counters.gradients == 1 and shard.complete_through == 0
+    assert fallback.sent == []
+    trainer.close()
+
+
+def test_a_second_message_while_rows_are_outstanding_goes_to_the_fallback(server):
+    trainer, _, fallback = _pair()
+    waiting = trainer.send(_lookup(5))  # step 5 waits for steps through 4: nobody answers it yet
+    msg = _lookup(0)
+    assert trainer.send(msg) is None and fallback.sent == [msg], "it could wait forever behind the first"
+    shard = server.shard("c")
+    with shard.lock:
+        shard.complete_through = 4  # as if steps 0-4 were applied
+    for fn, err in shard.ready_waiters():
+        fn(err)
+    assert waiting.wait()[0].numel() == 6
+    assert trainer.send(_lookup(5)).wait()[0].numel() == 6  # the channel is free again
+    trainer.close()
+
+
+def test_a_reply_nobody_waited_for_is_collected_by_the_next_send(server):
+    trainer, _, fallback = _pair()
+    abandoned = trainer.send(_lookup(0))  # e.g. a prefetch discarded for another batch
+    deadline = time.monotonic() + 5
+    fut = None
+    while fut is None and time.monotonic() < deadline:
+        fut = trainer.send(_lookup(0, ids=(0, 1, 2)))
+    assert fut is not None, "the channel stayed taken by a reply nobody waited for"
+    assert abandoned.wait()[0].tolist() == [2.0, 3.0, 6.0, 7.0, 8.0, 9.0]  # the late waiter still gets its rows
+    assert fut.wait()[0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    trainer.close()
+
+
+def test_a_server_error_comes_back_as_the_message_s_error(server):
+    trainer, _, _ = _pair()
+    bad = StepMessage(trainer=0, parts=[Part(collection_handle("nope"), step=0,
+                                             lookup=Rows([0], [1], torch.tensor([1])))])
+    with pytest.raises(RuntimeError, match="ps0 holds no collection"):
+        trainer.send(bad).wait()
+    with pytest.raises(RuntimeError, match="outside this server's 20 rows of table 'a'"):
+        trainer.send(_lookup(0, ids=(1, 25, 4))).wait()
+    assert trainer.send(_lookup(0)).wait()[0].numel() == 6  # and the channel still works
+    trainer.close()
+
+
+def test_a_silent_server_is_named_after_the_timeout_and_a_closed_one_at_once(server):
+    trainer, end, _ = _pair(timeout_s=0.5)
+    with pytest.raises(ChannelError, match="ps0 did not answer within runtime.rpc_timeout_s: timeout \\(500 ms\\)"):
+        trainer.send(_lookup(9)).wait()  # step 9 waits for step 8, which never comes
+    assert trainer.send(_lookup(0)) is None, "a broken channel sends nothing more"
+    trainer.close()
+
+    trainer, end, _ = _pair()
+    end.close()  # as a server that died
+    with pytest.raises(ChannelError, match="ps0 closed the shared-memory channel: EOF"):
+        trainer.send(_lookup(9)).wait()
+    trainer.close()
