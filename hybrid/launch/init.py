@@ -66,14 +66,6 @@ class RuntimeOptions:
     """Address every listening socket binds to. Loopback by default; set to the node's own
     interface address for multi-node runs, on a trusted network only."""
 
-    def __post_init__(self) -> None:
-        from hybrid.errors import PlanError, one_of
-
-        for key, choices in (("gradient_push", ("rpc", "dist_autograd")), ("ps_transport", ("auto", "rpc"))):
-            if getattr(self, key) not in choices:
-                raise PlanError(f"got {getattr(self, key)!r}; expected {one_of(choices)}", category="bad_value",
-                                key=key)
-
 
 def _loopback_ifname() -> str | None:
     for _, name in socket.if_nameindex():

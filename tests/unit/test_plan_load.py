@@ -219,7 +219,7 @@ LOAD_ERRORS = [
     ({"modules": {"d": {"strategy": "local", "x": 1}}}, "unknown_key", r"modules\.d\.x: unknown option 'x' for strategy local; local options: none"),
     ({"modules": {"d": {"strategy": "ddp", "bucket_cap_mb": "big"}}}, "bad_value", r"modules\.d\.bucket_cap_mb: got 'big'; expected a number"),
     ({"modules": {"d": {"strategy": "ddp", "bucket_cap_mb": 0}}}, "bad_value", r"modules\.d\.bucket_cap_mb: got 0\.0; expected a size in MiB > 0"),
-    ({"modules": {"d": {"strategy": "ddp", "comm_hook": "int8"}}}, "bad_value", r"modules\.d\.comm_hook: got 'int8'; expected one of 'auto', 'none', 'fp16', 'bf16'"),
+    ({"modules": {"d": {"strategy": "ddp", "comm_hook": "int8"}}}, "bad_value", r"modules\.d\.comm_hook: got 'int8'; expected one of 'none', 'fp16', 'bf16'"),
     ({"modules": {"d": {"strategy": "ddp", "broadcast_buffers": "sometimes"}}}, "bad_value",
      r"modules\.d\.broadcast_buffers: got 'sometimes'; expected true, false or 'auto'"),
     ({"modules": {"d": {"strategy": "ddp", "broadcast_buffers": 1}}}, "bad_value", r"modules\.d\.broadcast_buffers: got 1; expected true, false or 'auto'"),
@@ -291,5 +291,5 @@ def test_runtime_gradient_push_is_checked_and_named():
 
     assert load_config(None, [], model="dlrm").runtime.gradient_push == "rpc"
     assert load_config(None, ["runtime.gradient_push=dist_autograd"], model="dlrm").runtime.gradient_push == "dist_autograd"
-    with pytest.raises(PlanError, match=r"runtime\.gradient_push: got 'bogus'; expected one of rpc, dist_autograd"):
+    with pytest.raises(PlanError, match=r"runtime\.gradient_push: got 'bogus'; expected one of 'rpc', 'dist_autograd'"):
         load_config(None, ["runtime.gradient_push=bogus"], model="dlrm")
