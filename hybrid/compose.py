@@ -183,7 +183,8 @@ def compose(
     mesh = init_device_mesh(device_type(), (role.num_trainers,))
     pipeline = make_pipeline(trainer=role.index, num_servers=resolved.num_servers,
                              staleness=resolved.plan.sync.staleness, gradient_push=options.gradient_push,
-                             transport=options.ps_transport, timeout_s=options.rpc_timeout_s, start_step=start_step)
+                             transport=options.ps_transport, timeout_s=options.rpc_timeout_s, start_step=start_step,
+                             device=device)
     object.__setattr__(model, "_hybrid_pipeline", pipeline)  # hybrid.step(model) finds it; not a submodule
     for entry in resolved.by_strategy("parameter_server"):
         _apply_parameter_server(model, entry, resolved=resolved, role=role, name=name, pipeline=pipeline,

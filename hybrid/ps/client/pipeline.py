@@ -170,7 +170,8 @@ class RidingPush(GradientPush):
     def push(self, pipeline: StepPipeline, state: StepState) -> None:
         for r in state.received:
             grad = r.local.grad if r.local.grad is not None else torch.zeros_like(r.local)
-            self.owed.setdefault(r.server, []).append((r.collection, Push(state.step, r.rows, grad.reshape(-1))))
+            grad = grad.reshape(-1).to("cpu")  # the wire carries host tensors
+            self.owed.setdefault(r.server, []).append((r.collection, Push(state.step, r.rows, grad)))
         state.received = []
         nxt = pipeline.open_steps.get(state.step + 1)
         deferred = nxt.deferred if nxt is not None else []
@@ -285,8 +286,8 @@ class DistAutogradPush(GradientPush):
 
         def backward(ctx_id: int) -> None:
             if received:
-                roots = [(r.remote * (r.local.grad if r.local.grad is not None else torch.zeros_like(r.local))).sum()
-                         for r in received]
+                roots = [(r.remote * (r.local.grad.to(r.remote.device) if r.local.grad is not None
+                                      else torch.zeros_like(r.remote))).sum() for r in received]
                 dist_autograd.backward(ctx_id, [torch.stack(roots).sum()])
 
         self.last = state.context.run(backward)
@@ -305,8 +306,11 @@ class StepPipeline:
     """One composed model's steps on one trainer (see the module docstring)."""
 
     def __init__(self, *, trainer: int, transports: dict[int, Transport], server_names: list[str],
-                 push: GradientPush, staleness: int, timeout_s: float, start_step: int = 0) -> None:
+                 push: GradientPush, staleness: int, timeout_s: float, start_step: int = 0,
+                 device: torch.device | str = "cpu") -> None:
         self.trainer = trainer
+        self.device = torch.device(device)
+        """Where the received rows go (the trainer's device); gradients go back in host memory."""
         self.transports = transports
         self.server_names = server_names
         self.push_strategy = push
@@ -432,7 +436,9 @@ class StepPipeline:
         return lk.routed, out
 
     def _receive(self, state: StepState, lk: Lookup, server: int, remote: torch.Tensor) -> torch.Tensor:
-        local = remote.detach().requires_grad_(True)
+        # The rows come in host memory; on a GPU trainer they are copied to its device (from
+        # pinned memory where the transport gave it, without blocking this thread).
+        local = remote.to(self.device, non_blocking=remote.is_pinned()).detach().requires_grad_(True)
         state.received.append(Received(lk.collection, server, lk.routed.requests[server], remote, local))
         local.register_post_accumulate_grad_hook(self._grad_hook(state))
         return local

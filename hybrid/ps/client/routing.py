@@ -16,6 +16,8 @@ bags its ids fell in -- with no id-sized copy and no second sort.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch
@@ -188,9 +190,12 @@ class Router:
         for k, (g, route) in enumerate(zip(self.groups, routed.routes)):
             chunks = [parts[s][k].view(-1, g.dim) for s in self.servers]
             table_rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            route = _on_device(route, table_rows.device)
             outs.append(PooledRows.apply(table_rows, route, g.pooling).view(routed.batch_size, -1))
         values = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        return values if self.columns is None else values.index_select(1, self.columns)
+        if self.columns is None:
+            return values
+        return values.index_select(1, self.columns.to(values.device, non_blocking=True))
 
 
 def _features(kjt: KeyedJaggedTensor, features: list[str], *, weighted: bool
@@ -213,6 +218,15 @@ def _features(kjt: KeyedJaggedTensor, features: list[str], *, weighted: bool
             ws = kjt.weights().split(lpk + [kjt.weights().numel() - sum(lpk)])
             weights = torch.cat([ws[p] for p in pos])
     return values.to(torch.int64), lengths.to(torch.int64), weights
+
+
+def _on_device(route: ops.Route, device: torch.device) -> ops.Route:
+    """``route`` with its pooling tensors on ``device`` (routing runs on the host)."""
+    if route.idx.device == device:
+        return route
+    moved = {f.name: getattr(route, f.name).to(device, non_blocking=True)
+             for f in dataclasses.fields(route) if isinstance(getattr(route, f.name), torch.Tensor)}
+    return dataclasses.replace(route, **moved)
 
 
 class PooledRows(torch.autograd.Function):
