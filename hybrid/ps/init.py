@@ -24,25 +24,26 @@ CHUNK_ELEMENTS = 1 << 22
 """Elements computed at once (bounded temporary memory: a few int64 tensors of this size)."""
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+def mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """``x * c mod 2**32`` for ``x`` in ``[0, 2**32)``, without int64 overflow."""
     lo = x * (c & 0xFFFF)
     hi = ((x * (c >> 16)) & 0xFFFF) << 16
     return (lo + hi) & _M32
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
+def fmix32(h: torch.Tensor) -> torch.Tensor:
+    """The lowbias32 finalizer of ``h`` in ``[0, 2**32)``: every input bit moves every output bit."""
     h = h ^ (h >> 16)
-    h = _mul32(h, 0x7FEB352D)
+    h = mul32(h, 0x7FEB352D)
     h = h ^ (h >> 15)
-    h = _mul32(h, 0x846CA68B)
+    h = mul32(h, 0x846CA68B)
     return h ^ (h >> 16)
 
 
 def table_key(seed: int, name: str) -> int:
     """The 32-bit key of one table's values."""
-    mixed = _fmix32(torch.tensor([(seed & _M32) ^ zlib.crc32(name.encode())], dtype=torch.int64))
-    return int(_fmix32(mixed ^ ((seed >> 32) & _M32))[0])
+    mixed = fmix32(torch.tensor([(seed & _M32) ^ zlib.crc32(name.encode())], dtype=torch.int64))
+    return int(fmix32(mixed ^ ((seed >> 32) & _M32))[0])
 
 
 def initial_rows(name: str, num_embeddings: int, dim: int, rows: torch.Tensor, *, seed: int = 0,
@@ -58,9 +59,9 @@ def initial_rows(name: str, num_embeddings: int, dim: int, rows: torch.Tensor, *
     step = max(1, CHUNK_ELEMENTS // max(dim, 1))
     for start in range(0, rows.numel(), step):
         r = rows[start : start + step].unsqueeze(1)
-        h = _fmix32((r & _M32) ^ key)
-        h = _fmix32(h ^ ((r >> 32) & _M32))
-        h = _fmix32(h ^ cols)
+        h = fmix32((r & _M32) ^ key)
+        h = fmix32(h ^ ((r >> 32) & _M32))
+        h = fmix32(h ^ cols)
         u = (h >> 8).to(torch.float32) * (2.0 / (1 << 24)) - 1.0  # [-1, 1), exact in float32
         out[start : start + step] = u * bound
     return out

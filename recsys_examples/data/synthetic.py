@@ -40,6 +40,7 @@ from collections.abc import Iterator
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from hybrid.ps.init import fmix32
 from recsys_examples.data.batch import Batch
 from recsys_examples.data.config import DataConfig, Schema
 
@@ -60,28 +61,13 @@ def _seed_of(*parts: object) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2**32`` for ``x`` in ``[0, 2**32)``, without int64 overflow."""
-    lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _MASK32
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x7FEB352D)
-    h = h ^ (h >> 15)
-    h = _mul32(h, 0x846CA68B)
-    return h ^ (h >> 16)
-
-
 def _hash32(x: torch.Tensor, key: torch.Tensor | int, wide: bool = True) -> torch.Tensor:
     """A seeded 32-bit integer hash (lowbias32 finalizer) of int64 ``x >= 0``, in ``[0, 2**32)``.
 
     ``wide=False`` when every ``x`` is below ``2**32``: one round instead of two.
     """
-    h = _fmix32((x & _MASK32) ^ (key & _MASK32))
-    return _fmix32(h ^ ((x >> 32) & _MASK32) ^ ((key >> 32) & _MASK32)) if wide else h
+    h = fmix32((x & _MASK32) ^ (key & _MASK32))
+    return fmix32(h ^ ((x >> 32) & _MASK32) ^ ((key >> 32) & _MASK32)) if wide else h
 
 
 def _uniform(x: torch.Tensor, key: torch.Tensor | int, wide: bool = True) -> torch.Tensor:
