@@ -327,7 +327,7 @@ def test_optimizer_rows_of_16_bit_rows_and_no_rows_equal_the_reference(kind, wei
 
 @native
 @pytest.mark.parametrize("kind", ["rowwise_adagrad", "adam"])
-def test_optimizer_rows_split_over_threads_equals_the_reference(kind):
+def test_rows_split_over_threads_equal_the_reference(kind):
     g = torch.Generator().manual_seed(15)
     weight = torch.randn(30000, 32, generator=g)
     state = _state(g, kind, 30000, 32)
@@ -347,9 +347,10 @@ def test_optimizer_rows_split_over_threads_equals_the_reference(kind):
         assert _equal(w_n, w_r) and all(_equal(s_n[k], s_r[k]) for k in s_r)
         with pytest.raises(ops.NonFinite, match=f"for 2 rows .*row {int(rows[7001])}"):
             ops.optimizer_rows(kind, rows, grads, **hyper)
-        tables = [weight, weight[:100].clone()]
-        ids = torch.randint(0, 100, (20000,), generator=g)
-        assert _equal(ops.gather_rows(tables, ids, [15000, 5000]), ref.gather_rows(tables, ids, [15000, 5000]))
+        tables = [weight, weight[:7].clone(), weight[:100].to(torch.bfloat16)]  # tasks span tables
+        ids = torch.randint(0, 7, (20000,), generator=g)
+        for counts in ([15000, 0, 5000], [1, 1, 19998], [20000, 0, 0]):
+            assert _equal(ops.gather_rows(tables, ids, counts), ref.gather_rows(tables, ids, counts))
     finally:
         torch.set_num_threads(threads)
 

@@ -27,6 +27,15 @@ inline void prefetch_row_w(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += kLine) __builtin_prefetch(c + off, 1);
 }
 
+// Whether every element of a float32 row is finite (a vectorizable scan of the exponent bits).
+inline bool finite_row(const float* x, int64_t d) {
+  typedef uint32_t __attribute__((may_alias)) bits_t;
+  const bits_t* b = reinterpret_cast<const bits_t*>(x);
+  uint32_t bad = 0;
+  for (int64_t j = 0; j < d; j++) bad |= (~b[j] & 0x7f800000u) == 0;
+  return bad == 0;
+}
+
 // Per-thread scratch that only grows: no allocation per call once warm.
 template <typename T>
 inline T* scratch(int64_t n) {
@@ -47,7 +56,8 @@ void gather_t(const typename S::T* w, int64_t d, const int64_t* ids, int64_t n,
               typename O::T* out) {
   const int64_t bytes = d * static_cast<int64_t>(sizeof(typename S::T));
   for (int64_t k = 0; k < n; k++) {
-    if (k + kPrefetchAhead < n) prefetch_row(w + ids[k + kPrefetchAhead] * d, bytes);
+    // The first line of a row ahead (measured faster than all four lines of a 256-byte row).
+    if (k + kPrefetchAhead < n) __builtin_prefetch(w + ids[k + kPrefetchAhead] * d);
     const typename S::T* src = w + ids[k] * d;
     if constexpr (S::dtype == O::dtype) {
       std::memcpy(out, src, static_cast<size_t>(bytes));
@@ -307,9 +317,7 @@ int64_t weight_step_t(Optim kind, const Table& weight, const State& out, int64_t
         for (int64_t j = 0; j < d; j++) ow[j] = wr[j] + (neg_lr * gbuf[j]) / denom;
       }
     }
-    bool ok = true;
-    for (int64_t j = 0; j < d; j++) ok &= F32::finite(ow[j]);
-    if (!ok && bad_rows++ == 0) *first_bad = i;
+    if (!finite_row(ow, d) && bad_rows++ == 0) *first_bad = i;
   }
   return bad_rows;
 }

@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -29,8 +30,9 @@ using StatusTuple = std::tuple<int64_t, int64_t, int64_t, int64_t>;
 
 StatusTuple as_tuple(const k::Status& s) { return {s.code, s.table, s.position, s.count}; }
 
-// Rows per task when a call is split over threads: below this, one thread does it all.
-constexpr int64_t kRowGrain = 2048;
+// Rows of `dim` elements a thread takes at least when a call is split over threads (about
+// 128 KiB of float32): below twice that, one thread does it all.
+int64_t row_grain(int64_t dim) { return std::max<int64_t>(64, 32768 / std::max<int64_t>(dim, 1)); }
 
 // -- argument checks ------------------------------------------------------------------------------
 
@@ -206,17 +208,28 @@ StatusTuple gather_rows(TensorList tables, const Tensor& ids, IntArrayRef counts
   const k::Status st = k::first_bad_id(views.data(), static_cast<int64_t>(views.size()),
                                        counts.data(), ip);
   if (st.code != k::kOk) return as_tuple(st);
+  // All tables' ids as one range split over threads: task [lo, hi) reads the tables it spans.
+  const int64_t ntab = static_cast<int64_t>(views.size());
+  std::vector<int64_t> first_id(ntab + 1, 0), first_out(ntab + 1, 0);
+  int64_t widest = 1;
+  for (int64_t t = 0; t < ntab; t++) {
+    first_id[t + 1] = first_id[t] + counts[t];
+    first_out[t + 1] = first_out[t] + counts[t] * views[t].dim;
+    widest = std::max(widest, views[t].dim);
+  }
   const k::RowKernels& kern = k::dispatch();
   char* o = static_cast<char*>(out.data_ptr());
   const int64_t esize = out.element_size();
-  for (size_t t = 0; t < views.size(); t++) {
-    const k::Table& tb = views[t];
-    at::parallel_for(0, counts[t], kRowGrain, [&](int64_t lo, int64_t hi) {
-      kern.gather(tb, ip + lo, hi - lo, o + lo * tb.dim * esize, odt);
-    });
-    o += counts[t] * tb.dim * esize;
-    ip += counts[t];
-  }
+  at::parallel_for(0, ids.numel(), row_grain(widest), [&](int64_t lo, int64_t hi) {
+    int64_t t = std::upper_bound(first_id.begin(), first_id.end(), lo) - first_id.begin() - 1;
+    for (int64_t p = lo; p < hi; t++) {
+      const int64_t end = std::min(hi, first_id[t + 1]);
+      if (end > p)
+        kern.gather(views[t], ip + p, end - p,
+                    o + (first_out[t] + (p - first_id[t]) * views[t].dim) * esize, odt);
+      p = std::max(p, end);
+    }
+  });
   return as_tuple(st);
 }
 
@@ -400,7 +413,7 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, Tensor, std::vector<Tensor>> opti
   const k::RowKernels& kern = k::dispatch();
   if (kind != k::Optim::sgd) {
     const k::FromTorch t{ptr(mean)};
-    at::parallel_for(0, n, kRowGrain, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, n, row_grain(d), [&](int64_t lo, int64_t hi) {
       kern.state_step(kind, w, sv, hi - lo, rp + lo, gp + lo * grow, gdt, gscale, h, part(t, lo),
                       out_part(lo));
     });
@@ -408,7 +421,7 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, Tensor, std::vector<Tensor>> opti
   }
   const k::FromTorch t{ptr(mean), ptr(root), ptr(step), ptr(bc2)};
   std::mutex mu;
-  at::parallel_for(0, n, kRowGrain, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, n, row_grain(d), [&](int64_t lo, int64_t hi) {
     int64_t first = -1;
     const int64_t bad = kern.weight_step(kind, w, out_part(lo), hi - lo, rp + lo, gp + lo * grow, gdt,
                                          gscale, h, part(t, lo), new_w.data_ptr<float>() + lo * d,

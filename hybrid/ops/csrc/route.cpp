@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "convert.h"
@@ -77,8 +78,8 @@ Status first_bad_id(const Table* tables, int64_t ntab, const int64_t* counts, co
 template <typename S>
 static int64_t nonfinite_rows_t(const typename S::T* x, int64_t nrows, int64_t d, int64_t* first) {
   *first = -1;
-  bool bad = false;  // branch-free scan; rows are counted only when something is wrong
-  for (int64_t i = 0; i < nrows * d; i++) bad |= !S::finite(x[i]);
+  uint32_t bad = 0;  // branch-free scan; rows are counted only when something is wrong
+  for (int64_t i = 0; i < nrows * d; i++) bad |= S::finite(x[i]) ? 0u : 1u;
   if (!bad) return 0;
   int64_t count = 0;
   for (int64_t r = 0; r < nrows; r++) {
@@ -104,10 +105,18 @@ int64_t route(const RouteIn& in, const RouteOut& out, Status* status) {
   const int64_t total_rows = in.row_base[ntab];
   const int key_bits = bit_length(static_cast<uint64_t>(total_rows > 0 ? total_rows - 1 : 0));
 
-  std::vector<uint64_t> packed(n), sorted_pos(n);  // (global row << pos_bits) | position
-  std::vector<int64_t> bag(n), rank(n);
-  std::vector<int64_t> ustart, ulocal, ukey;
-  std::vector<int64_t> bag_start(nbags);  // first position of each (feature-major) bag
+  // Scratch, uninitialized (every entry is written before it is read): one block of 10n + nbags + 1.
+  std::unique_ptr<int64_t[]> block(new int64_t[10 * n + nbags + 1]);
+  uint64_t* packed = reinterpret_cast<uint64_t*>(block.get());  // (global row << pos_bits) | position
+  uint64_t* sorted_pos = packed + n;  // radix scratch, then the positions in sorted order
+  int64_t* bag = block.get() + 2 * n;
+  int64_t* rank = bag + n;       // distinct row of each position
+  int64_t* ustart = rank + n;    // first sorted position of each distinct row (nu + 1)
+  int64_t* ulocal = ustart + n + 1;
+  int64_t* ukey = ulocal + n;    // server * ntab + table of each distinct row
+  int64_t* place = ukey + n;     // distinct row -> its row in the request
+  int64_t* uop = place + n;      // row in the request -> distinct row
+  int64_t* bag_start = uop + n;  // first position of each (feature-major) bag
 
   // Positions in, with their bags; every id checked against its table.
   int64_t p = 0;
@@ -131,25 +140,24 @@ int64_t route(const RouteIn& in, const RouteOut& out, Status* status) {
       }
     }
   }
-  radix_sort(packed.data(), sorted_pos.data(), n, pos_bits, pos_bits + key_bits);
+  radix_sort(packed, sorted_pos, n, pos_bits, pos_bits + key_bits);
 
   // Distinct rows, and each position's.
   const uint64_t pos_mask = (uint64_t{1} << pos_bits) - 1;
   uint64_t prev = 0;
+  int64_t nu = 0;
   for (int64_t i = 0; i < n; i++) {
     const uint64_t g = packed[i] >> pos_bits;
     const int64_t q = static_cast<int64_t>(packed[i] & pos_mask);
     if (i == 0 || g != prev) {
-      ulocal.push_back(static_cast<int64_t>(g));  // the global row until placed below
-      ustart.push_back(i);
+      ulocal[nu] = static_cast<int64_t>(g);  // the global row until placed below
+      ustart[nu++] = i;
       prev = g;
     }
-    rank[q] = static_cast<int64_t>(ulocal.size()) - 1;
+    rank[q] = nu - 1;
     sorted_pos[i] = static_cast<uint64_t>(q);
   }
-  const int64_t nu = static_cast<int64_t>(ulocal.size());
-  ustart.push_back(n);
-  ukey.resize(nu);
+  ustart[nu] = n;
 
   // Owner server and local row of each distinct row; counts per (server, table).
   std::fill(out.per, out.per + nsrv * ntab, 0);
@@ -173,7 +181,7 @@ int64_t route(const RouteIn& in, const RouteOut& out, Status* status) {
   }
 
   // Distinct rows to their place in the request: server-major, table-minor, ascending (stable).
-  std::vector<int64_t> start(nsrv * ntab), place(nu), uop(nu);
+  std::vector<int64_t> start(nsrv * ntab);
   int64_t sum = 0;
   for (int64_t k = 0; k < nsrv * ntab; k++) {
     start[k] = sum;
