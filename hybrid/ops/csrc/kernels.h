@@ -105,6 +105,11 @@ int bit_length(uint64_t x);
 // Stable LSD radix sort of n keys by bits [lo, hi); tmp holds n scratch keys. The result is in a.
 void radix_sort(uint64_t* a, uint64_t* tmp, int64_t n, int lo, int hi);
 
+// The positions of n ids (each in [0, nrows)) grouped by id, in order within an id: keys[i] =
+// (id << pos_bits) | position, ascending; keys holds 2n (the second half is scratch). Returns
+// pos_bits.
+int sort_by_row(const int64_t* ids, int64_t n, int64_t nrows, uint64_t* keys);
+
 // First id outside its table, tables in order (chunk t of ids is counts[t] long).
 Status first_bad_id(const Table* tables, int64_t ntab, const int64_t* counts, const int64_t* ids);
 

@@ -98,12 +98,8 @@ template <typename S, typename G>
 void sgd_rounded(typename S::T* w, int64_t d, int64_t nrows, const int64_t* ids, int64_t n,
                  const typename G::T* g, float alpha) {
   if (n == 0) return;
-  const int pos_bits = bit_length(static_cast<uint64_t>(n > 1 ? n - 1 : 1));
-  const int key_bits = bit_length(static_cast<uint64_t>(nrows > 0 ? nrows - 1 : 0));
   uint64_t* packed = scratch<uint64_t>(2 * n);
-  for (int64_t k = 0; k < n; k++)
-    packed[k] = (static_cast<uint64_t>(ids[k]) << pos_bits) | static_cast<uint64_t>(k);
-  radix_sort(packed, packed + n, n, pos_bits, pos_bits + key_bits);
+  const int pos_bits = sort_by_row(ids, n, nrows, packed);
   float* acc = scratch<float>(d);
   const uint64_t mask = (uint64_t{1} << pos_bits) - 1;
   for (int64_t i = 0; i < n;) {
@@ -152,12 +148,8 @@ int64_t sum_rows_t(int64_t n, const int64_t* ids, const typename G::T* grads, in
     }
     nu = n;
   } else {
-    const int pos_bits = bit_length(static_cast<uint64_t>(n > 1 ? n - 1 : 1));
-    const int key_bits = bit_length(static_cast<uint64_t>(nrows > 0 ? nrows - 1 : 0));
     uint64_t* packed = scratch<uint64_t>(2 * n);
-    for (int64_t i = 0; i < n; i++)
-      packed[i] = (static_cast<uint64_t>(ids[i]) << pos_bits) | static_cast<uint64_t>(i);
-    radix_sort(packed, packed + n, n, pos_bits, pos_bits + key_bits);
+    const int pos_bits = sort_by_row(ids, n, nrows, packed);
     const uint64_t mask = (uint64_t{1} << pos_bits) - 1;
     int64_t u = -1;
     uint64_t prev = 0;

@@ -52,6 +52,15 @@ void radix_sort(uint64_t* a, uint64_t* tmp, int64_t n, int lo, int hi) {
   if (src != a) std::memcpy(a, src, static_cast<size_t>(n) * sizeof(uint64_t));
 }
 
+int sort_by_row(const int64_t* ids, int64_t n, int64_t nrows, uint64_t* keys) {
+  const int pos_bits = bit_length(static_cast<uint64_t>(n > 1 ? n - 1 : 1));
+  const int key_bits = bit_length(static_cast<uint64_t>(nrows > 0 ? nrows - 1 : 0));
+  for (int64_t i = 0; i < n; i++)
+    keys[i] = (static_cast<uint64_t>(ids[i]) << pos_bits) | static_cast<uint64_t>(i);
+  radix_sort(keys, keys + n, n, pos_bits, pos_bits + key_bits);
+  return pos_bits;
+}
+
 Status first_bad_id(const Table* tables, int64_t ntab, const int64_t* counts, const int64_t* ids) {
   Status st;
   int64_t p = 0;
