@@ -350,6 +350,26 @@ def test_rows_split_over_threads_equal_the_reference(kind):
 
 
 @native
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+def test_sgd_rows_over_threads_keeps_the_order_of_a_table_listed_twice(table_dtype):
+    g = torch.Generator().manual_seed(20)
+    a, b = torch.randn(50, 8, generator=g).to(table_dtype), torch.randn(9, 8, generator=g).to(table_dtype)
+    counts = [3000, 3000, 3000]
+    ids = torch.cat([torch.randint(0, 50, (3000,), generator=g), torch.randint(0, 9, (3000,), generator=g),
+                     torch.randint(0, 50, (3000,), generator=g)])
+    grad = torch.randn(9000 * 8, generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, want = [a.clone(), b.clone()], [a.clone(), b.clone()]
+        ops.sgd_rows_([got[0], got[1], got[0]], ids, counts, grad, alpha=-0.1)
+        ref.sgd_rows_([want[0], want[1], want[0]], ids, counts, grad, alpha=-0.1)
+        assert all(_equal(x, y) for x, y in zip(got, want))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@native
 @pytest.mark.parametrize("dst_dtype", ROW_DTYPES)
 @pytest.mark.parametrize("src_dtype", ROW_DTYPES)
 def test_scatter_rows_equals_the_reference(dst_dtype, src_dtype):

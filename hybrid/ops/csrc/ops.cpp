@@ -267,10 +267,10 @@ StatusTuple sgd_rows_(TensorList tables, const Tensor& ids, IntArrayRef counts,
     p += counts[t];
   }
   if (st.code != k::kOk) return as_tuple(st);
-  // Tables apart run on threads of their own; a table listed twice keeps its order.
+  // Tables apart run on threads of their own; tables sharing memory keep their order.
   bool distinct = true;
   for (int64_t a = 0; a < ntab; a++)
-    for (int64_t b = a + 1; b < ntab; b++) distinct &= views[a].data != views[b].data;
+    for (int64_t b = a + 1; b < ntab; b++) distinct &= !tables[a].is_alias_of(tables[b]);
   const k::RowKernels& kern = k::dispatch();
   const int64_t grain = distinct ? 1 : ntab;
   at::parallel_for(0, ntab, grain, [&](int64_t lo, int64_t hi) {
