@@ -1,18 +1,168 @@
-"""Native operators of the sparse path (temporary: plain-torch reference only)."""
+"""Native operators of the sparse path: the trainer's routing of a batch and the server's row
+reads and updates, as typed torch operators (``torch.ops.hybrid.*``, built from ``csrc/`` into
+``hybrid._C`` at install time; see docs/native.md).
 
-from hybrid.ops.reference import (
-    NonFinite,
-    Route,
-    RowOutOfRange,
-    gather_rows,
-    optimizer_rows,
-    route,
-    scatter_rows_,
-    sgd_rows_,
-    sum_rows,
-)
+Every function here has the signature and the results of its plain-torch twin in
+:mod:`hybrid.ops.reference` -- bit for bit, tested in tests/unit/test_ops.py. Where the
+extension is not built (``AVAILABLE`` false) the twins run instead, after one warning at import.
 
-AVAILABLE = False
+Ids must be int64 (int32 is widened); floating tensors float32, bfloat16 or float16 where the
+reference takes them. A wrong dtype, shape, layout or device raises (``TypeError`` or
+``ValueError`` naming the argument); an id outside its table raises :class:`RowOutOfRange`, a
+non-finite gradient or new weight :class:`NonFinite`, and then nothing was written.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from hybrid.ops.reference import NonFinite, Route, RowOutOfRange
 
 __all__ = ["AVAILABLE", "NonFinite", "Route", "RowOutOfRange", "gather_rows", "optimizer_rows", "route",
            "scatter_rows_", "sgd_rows_", "sum_rows"]
+
+OPS = ("route", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows", "scatter_rows_")
+"""The operators ``hybrid._C`` registers under ``torch.ops.hybrid``."""
+
+STATE_KEYS = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",),
+              "adam": ("exp_avg", "exp_avg_sq", "step")}
+"""Each optimizer's state, in the order ``optimizer_rows`` takes and returns it."""
+
+_OK, _BAD_ROW, _NON_FINITE = 0, 1, 2  # status codes of the operators (csrc/kernels.h)
+
+
+def _load() -> bool:
+    """Whether the extension loads and registers every operator; warns once when it does not."""
+    try:
+        import hybrid._C  # noqa: F401  (registers torch.ops.hybrid.*)
+    except ImportError as e:
+        why = f"hybrid._C does not load ({e})"
+    else:
+        missing = [name for name in OPS if not hasattr(torch.ops.hybrid, name)]
+        if not missing:
+            return True
+        why = f"hybrid._C lacks {', '.join(missing)} (a stale build)"
+    warnings.warn(f"hybrid.ops: {why}; using the plain-torch operators of hybrid.ops.reference, which are "
+                  f"slower. Build the extension with `make env` (pip install --no-build-isolation -e .).",
+                  RuntimeWarning, stacklevel=3)
+    return False
+
+
+AVAILABLE: bool = _load()
+"""Whether the native operators run (else the plain-torch reference does)."""
+
+
+def _index(t: torch.Tensor) -> torch.Tensor:
+    """Ids as the operators take them: int64 (int32 widened), contiguous."""
+    return (t.to(torch.int64) if t.dtype == torch.int32 else t).contiguous()
+
+
+def _out_of_range(status, ids: torch.Tensor, rows_of) -> RowOutOfRange:
+    """The :class:`RowOutOfRange` of a status ``(code, table, position, count)``;
+    ``rows_of(table)`` is that table's number of rows."""
+    _, table, position, _ = status
+    return RowOutOfRange(table, position, int(ids[position]), rows_of(table))
+
+
+def route(ids, lengths, feature_table, row_base, shards, server_rank, *, num_servers, batch_size,
+          weights=None, mean=False, sample_major=True) -> Route:
+    """How one batch's ids split over servers and how to pool the replies: see
+    :class:`hybrid.ops.reference.Route` for every field. ``ids`` and ``lengths`` are
+    feature-major; ``feature_table[f]`` is feature ``f``'s table, ``row_base`` each table's first
+    row in one row space (tables + 1 entries), ``shards[t]`` table ``t``'s shards and
+    ``server_rank[t, s]`` the server of its shard ``s`` (row ``r`` is in shard ``r % shards``).
+    Raises :class:`RowOutOfRange` (nothing routed) when an id is outside its table."""
+    ids, lengths = _index(ids), _index(lengths)
+    w = weights.contiguous() if weights is not None else None
+    (*status, requests_ids, per, raw, idx, offsets, out_weights, grad_bags, grad_offsets,
+     grad_scale) = torch.ops.hybrid.route(ids, lengths, feature_table, row_base, shards, server_rank,
+                                          num_servers, batch_size, w, mean, sample_major)
+    if status[0] != _OK:
+        raise _out_of_range(status, ids, lambda t: int(row_base[t + 1] - row_base[t]))
+    return Route(requests_ids=requests_ids, per=per, raw=raw, idx=idx, offsets=offsets,
+                 weights=out_weights if weights is not None else None, grad_bags=grad_bags,
+                 grad_offsets=grad_offsets, grad_scale=grad_scale if mean or weights is not None else None,
+                 num_unique=requests_ids.numel())
+
+
+def gather_rows(tables, ids, counts, *, out=None, dtype=torch.float32) -> torch.Tensor:
+    """Rows ``ids`` of the tables, flat: the first ``counts[0]`` ids are rows of ``tables[0]``,
+    and so on. Into ``out`` (its first elements) where given, else a new tensor of ``dtype``;
+    rows are converted to the output's dtype. Raises :class:`RowOutOfRange`."""
+    ids = _index(ids)
+    numel = sum(n * t.shape[1] for n, t in zip(counts, tables))
+    out = torch.empty(numel, dtype=dtype) if out is None else out
+    status = torch.ops.hybrid.gather_rows(tables, ids, counts, out)
+    if status[0] != _OK:
+        raise _out_of_range(status, ids, lambda t: tables[t].shape[0])
+    return out[:numel]
+
+
+def sgd_rows_(tables, ids, counts, grad, *, alpha) -> None:
+    """``tables[t][id] += alpha * grad_row`` for each id in order (``ids`` and the flat ``grad``
+    split by ``counts`` as in :func:`gather_rows`); a repeated id adds each of its rows. Raises
+    :class:`RowOutOfRange` or :class:`NonFinite` (a gradient not finite) before writing anything."""
+    ids = _index(ids)
+    status = torch.ops.hybrid.sgd_rows_(tables, ids, counts, grad.contiguous(), alpha)
+    if status[0] == _BAD_ROW:
+        raise _out_of_range(status, ids, lambda t: tables[t].shape[0])
+    if status[0] == _NON_FINITE:
+        raise NonFinite(f"non-finite gradient in {status[3]} rows (the first: position {status[2]}, "
+                        f"table {status[1]}); nothing was applied")
+
+
+def sum_rows(ids, grads, *, scale, num_rows):
+    """The distinct ``ids`` (ascending) and, for each, the sum of its ``grads`` rows (float32, in
+    arrival order) times ``scale``. Raises :class:`RowOutOfRange` (an id outside
+    ``[0, num_rows)``)."""
+    ids = _index(ids)
+    *status, rows, summed = torch.ops.hybrid.sum_rows(ids, grads.contiguous(), scale, num_rows)
+    if status[0] != _OK:
+        raise _out_of_range(status, ids, lambda t: num_rows)
+    return rows, summed
+
+
+def optimizer_rows(kind, rows, grads, *, grad_scale, weight, state, lr, eps, weight_decay, beta1, beta2):
+    """One ``kind`` step (sgd, adagrad, rowwise_adagrad, adam) of the distinct ``rows`` of
+    ``weight`` with gradients ``grads * grad_scale``: the new rows (float32) and the new rows of
+    each ``state`` tensor, by name. Writes nothing (:func:`scatter_rows_` does). Raises
+    :class:`RowOutOfRange`, or :class:`NonFinite` when a new weight is not finite."""
+    if kind not in STATE_KEYS:
+        raise ValueError(f"unknown optimizer {kind!r}; expected one of {', '.join(STATE_KEYS)}")
+    rows = _index(rows)
+    keys = STATE_KEYS[kind]
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise ValueError(f"{kind} state lacks {', '.join(missing)} (it has {', '.join(state) or 'nothing'})")
+    *status, w, new_state = torch.ops.hybrid.optimizer_rows(
+        kind, rows, grads.contiguous(), grad_scale, weight, [state[k] for k in keys], lr, eps, weight_decay,
+        beta1, beta2)
+    if status[0] == _BAD_ROW:
+        raise _out_of_range(status, rows, lambda t: weight.shape[0])
+    if status[0] == _NON_FINITE:
+        raise NonFinite(f"{kind} update produced non-finite weights for {status[3]} rows (the first: row "
+                        f"{int(rows[status[2]])}); nothing was applied")
+    return w, dict(zip(keys, new_state))
+
+
+def scatter_rows_(dst, rows, src) -> None:
+    """``dst[rows[i]] = src[i]`` (rows of a 2-D ``dst``, elements of a 1-D one), ``src``
+    converted to ``dst``'s dtype. Raises :class:`RowOutOfRange` before writing anything."""
+    rows = _index(rows)
+    status = torch.ops.hybrid.scatter_rows_(dst, rows, src.contiguous())
+    if status[0] != _OK:
+        raise _out_of_range(status, rows, lambda t: dst.shape[0])
+
+
+# Without the extension every public name is the reference's own function.
+if not AVAILABLE:
+    from hybrid.ops.reference import (  # noqa: F811
+        gather_rows,
+        optimizer_rows,
+        route,
+        scatter_rows_,
+        sgd_rows_,
+        sum_rows,
+    )

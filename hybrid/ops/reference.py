@@ -146,11 +146,7 @@ def sgd_rows_(tables, ids, counts, grad, *, alpha) -> None:
         if n:
             g = grad[q : q + n * d].view(n, d).float()
             r = ids[p : p + n]
-            if t.dtype == torch.float32 and (n == 1 or bool((r[1:] > r[:-1]).all())):
-                # Distinct rows (a trainer's deduplicated push): read, add, write back -- the
-                # same rounding as index_add_, without its per-row scatter.
-                t.index_copy_(0, r, t.index_select(0, r).add_(g, alpha=alpha))
-            elif t.dtype == torch.float32:
+            if t.dtype == torch.float32:
                 t.index_add_(0, r, g, alpha=alpha)
             else:
                 w = t.float()

@@ -1,0 +1,153 @@
+// hybrid's row kernels on raw memory: no torch types here, so the same code can be compiled
+// once per instruction set (kernels_base.cpp, kernels_avx2.cpp) and picked at run time.
+// ops.cpp checks every tensor before it calls in; these functions trust what they are given
+// except the data itself (row ids against their table, finiteness), which they report.
+#pragma once
+
+#include <cstdint>
+
+namespace hybrid {
+namespace kernels {
+
+// Element types a table, a gradient or an output may have.
+enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
+
+// One table's rows: rows x dim elements of dtype, contiguous.
+struct Table {
+  void* data;
+  DType dtype;
+  int64_t rows;
+  int64_t dim;
+};
+
+// What a kernel found wrong in its data; code kOk when nothing.
+enum Code : int64_t { kOk = 0, kBadRow = 1, kNonFinite = 2 };
+struct Status {
+  int64_t code = kOk;
+  int64_t table = -1;     // the (first) table of the offending id or value
+  int64_t position = -1;  // the first offending id's or row's position in the call's ids
+  int64_t count = 0;      // kNonFinite: how many rows hold a non-finite value
+};
+
+enum class Optim : int { sgd = 0, adagrad = 1, rowwise_adagrad = 2, adam = 3 };
+
+// Hyper-parameters as float32, the precision torch applies them in to float32 tensors.
+struct Hyper {
+  float lr, eps, weight_decay, beta1_weight, beta2, beta2_weight;  // *_weight = 1 - beta
+};
+
+// The state tensors of one table for an optimizer (nullptr where the optimizer has none):
+// s1 = sum (adagrad: rows x dim; rowwise_adagrad: rows) or exp_avg (adam, rows x dim),
+// s2 = exp_avg_sq (adam, rows x dim), s3 = step (adam, rows).
+struct State {
+  float* s1 = nullptr;
+  float* s2 = nullptr;
+  float* s3 = nullptr;
+};
+
+// Values the optimizer takes from torch (ops.cpp computes them with the reference's own ATen
+// calls, so they round exactly as there: torch's reductions, pow, and its float sqrt -- MKL's
+// vsSqrt, which is not correctly rounded -- cannot be reproduced element by element).
+// rowwise_adagrad: mean = the mean of each squared gradient row; root = sqrt of the new sum.
+// adagrad: root = sqrt of the new sum (rows x dim). adam: step = step size, bc2 = sqrt of the
+// second bias correction (per row), root = sqrt of the new exp_avg_sq (rows x dim).
+struct FromTorch {
+  const float* mean = nullptr;
+  const float* root = nullptr;
+  const float* step = nullptr;
+  const float* bc2 = nullptr;
+};
+
+// The per-instruction-set row kernels (one instance per ISA; see dispatch()). Each works on
+// one table and a range of its ids, so ops.cpp can split a call over threads.
+struct RowKernels {
+  const char* isa;
+  // Rows ids[0..n) of table t into out (n x t.dim elements of out_dtype). Ids already checked.
+  void (*gather)(const Table& t, const int64_t* ids, int64_t n, void* out, DType out_dtype);
+  // t[ids[k]] += alpha * grad[k] for k in order, as index_add_ does in float32 (one fused
+  // multiply-add a row and element); a 16-bit table's rows are added up in float32 and rounded
+  // once. Ids and gradients already checked.
+  void (*sgd)(const Table& t, const int64_t* ids, int64_t n, const void* grad, DType grad_dtype,
+              float alpha);
+  // Distinct rows of n checked ids (ascending) and their gradients summed in arrival order,
+  // times scale: rows_out, sum_out (n rows of d at most). Returns the number of rows.
+  int64_t (*sum_rows)(int64_t n, const int64_t* ids, const void* grads, DType grad_dtype,
+                      int64_t d, float scale, int64_t nrows, int64_t* rows_out, float* sum_out);
+  // One optimizer step of n distinct checked rows of one table, in two passes around torch's
+  // square roots; the table and its state are only read. state_step: the new state rows into
+  // `out` (rowwise_adagrad takes t.mean). weight_step: the new weight rows into out_w, from
+  // `out` and t.root (and t.step, t.bc2); returns how many rows hold a non-finite value,
+  // *first_bad the first (-1: none).
+  void (*state_step)(Optim kind, const Table& weight, const State& state, int64_t n,
+                     const int64_t* rows, const void* grads, DType grad_dtype, float grad_scale,
+                     const Hyper& h, const FromTorch& t, const State& out);
+  int64_t (*weight_step)(Optim kind, const Table& weight, const State& out, int64_t n,
+                         const int64_t* rows, const void* grads, DType grad_dtype,
+                         float grad_scale, const Hyper& h, const FromTorch& t, float* out_w,
+                         int64_t* first_bad);
+  // dst[rows[i]] = src[i] (width elements a row; src converted to dst's dtype). Rows already
+  // checked.
+  void (*scatter)(void* dst, DType dst_dtype, int64_t width, const int64_t* rows, int64_t n,
+                  const void* src, DType src_dtype);
+};
+
+// The kernels for this CPU: AVX2+FMA where the CPU has them (x86-64), else the baseline build.
+const RowKernels& dispatch();
+extern const RowKernels base_kernels;
+#if defined(__x86_64__)
+extern const RowKernels avx2_kernels;
+#endif
+
+// -- instruction-set independent (route.cpp) ----------------------------------------------------
+
+int bit_length(uint64_t x);
+
+// Stable LSD radix sort of n keys by bits [lo, hi); tmp holds n scratch keys. The result is in a.
+void radix_sort(uint64_t* a, uint64_t* tmp, int64_t n, int lo, int hi);
+
+// The positions of n ids (each in [0, nrows)) grouped by id, in order within an id: keys[i] =
+// (id << pos_bits) | position, ascending; keys holds 2n (the second half is scratch). Returns
+// pos_bits.
+int sort_by_row(const int64_t* ids, int64_t n, int64_t nrows, uint64_t* keys);
+
+// First id outside its table, tables in order (chunk t of ids is counts[t] long).
+Status first_bad_id(const Table* tables, int64_t ntab, const int64_t* counts, const int64_t* ids);
+
+// How many rows (of width d elements) hold a non-finite value; *first = the first (-1: none).
+int64_t nonfinite_rows(const void* x, DType dtype, int64_t nrows, int64_t d, int64_t* first);
+
+struct RouteIn {
+  int64_t n;                  // ids
+  const int64_t* ids;         // feature-major: feature f's bags, sample by sample
+  int64_t nf, b;              // features, samples
+  const int64_t* lengths;     // nf * b bag lengths, feature-major
+  const int64_t* feat_table;  // table of each feature
+  int64_t ntab;
+  const int64_t* row_base;     // ntab + 1: each table's first row in one global row space
+  const int64_t* shards;       // ntab: shards of each table (1: table-wise)
+  const int64_t* server_rank;  // ntab x width: server of each shard
+  int64_t width;
+  int64_t nsrv;
+  const float* weights;  // n per-id weights, or nullptr
+  bool mean;             // grad_scale = 1 / len(bag) (whether or not there are weights)
+  bool sample_major;     // bags ordered (sample, feature); else (feature, sample), ids in input order
+};
+
+struct RouteOut {
+  int64_t* req;           // n (num_unique used): local rows, server-major, table-minor, ascending
+  int64_t* per;           // nsrv * ntab
+  int64_t* raw;           // nsrv
+  int64_t* idx;           // n
+  int64_t* offsets;       // nf * b + 1
+  float* weights;         // n, or nullptr
+  int64_t* grad_bags;     // n
+  int64_t* grad_offsets;  // n + 1 (num_unique + 1 used)
+  float* grad_scale;      // n, or nullptr
+};
+
+// One batch's route (hybrid/ops/reference.py, route()). Returns the number of distinct rows,
+// or -1 with *status saying which id lies outside its table (nothing useful written then).
+int64_t route(const RouteIn& in, const RouteOut& out, Status* status);
+
+}  // namespace kernels
+}  // namespace hybrid

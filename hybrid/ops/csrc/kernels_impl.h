@@ -1,0 +1,382 @@
+// The row kernels' bodies, compiled once per instruction set: a kernels_<isa>.cpp defines
+// HY_ISA (the namespace) and HY_KERNELS (the RowKernels instance), includes the standard and
+// project headers, switches the target ISA on, and includes this file. Nothing here may
+// include a header (an inline function compiled for AVX2 could otherwise be linked into code
+// that runs on a CPU without it).
+//
+// Arithmetic is float32 and follows hybrid/ops/reference.py operation by operation: a fused
+// multiply-add (__builtin_fmaf) exactly where torch's CPU kernels fuse one (add with alpha,
+// addcmul, lerp), every other product and sum rounded on its own (the build passes
+// -ffp-contract=off), so the results equal the reference's bit for bit.
+
+namespace hybrid {
+namespace kernels {
+namespace HY_ISA {
+
+constexpr int64_t kPrefetchAhead = 8;
+constexpr int64_t kLine = 64;
+
+// Every cache line of a row of `bytes` bytes at p (for reading, or for writing).
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += kLine) __builtin_prefetch(c + off);
+}
+
+inline void prefetch_row_w(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += kLine) __builtin_prefetch(c + off, 1);
+}
+
+// Whether every element of a float32 row is finite (a vectorizable scan of the exponent bits).
+inline bool finite_row(const float* x, int64_t d) {
+  typedef uint32_t __attribute__((may_alias)) bits_t;
+  const bits_t* b = reinterpret_cast<const bits_t*>(x);
+  uint32_t bad = 0;
+  for (int64_t j = 0; j < d; j++) bad |= (~b[j] & 0x7f800000u) == 0;
+  return bad == 0;
+}
+
+// Per-thread scratch that only grows: no allocation per call once warm.
+template <typename T>
+inline T* scratch(int64_t n) {
+  static thread_local T* buf = nullptr;
+  static thread_local int64_t cap = 0;
+  if (n > cap) {
+    delete[] buf;
+    cap = n > 2 * cap ? n : 2 * cap;
+    buf = new T[cap];
+  }
+  return buf;
+}
+
+// -- gather -----------------------------------------------------------------------------------
+
+template <typename S, typename O>
+void gather_t(const typename S::T* w, int64_t d, const int64_t* ids, int64_t n,
+              typename O::T* out) {
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(typename S::T));
+  for (int64_t k = 0; k < n; k++) {
+    // The first line of a row ahead (measured faster than all four lines of a 256-byte row).
+    if (k + kPrefetchAhead < n) __builtin_prefetch(w + ids[k + kPrefetchAhead] * d);
+    const typename S::T* src = w + ids[k] * d;
+    if constexpr (S::dtype == O::dtype) {
+      std::memcpy(out, src, static_cast<size_t>(bytes));
+    } else {
+      for (int64_t j = 0; j < d; j++) out[j] = O::store(S::load(src[j]));
+    }
+    out += d;
+  }
+}
+
+void gather(const Table& t, const int64_t* ids, int64_t n, void* out, DType out_dtype) {
+  with_dtype(t.dtype, [&](auto s) {
+    using S = decltype(s);
+    with_dtype(out_dtype, [&](auto od) {
+      using O = decltype(od);
+      gather_t<S, O>(static_cast<const typename S::T*>(t.data), t.dim, ids, n,
+                     static_cast<typename O::T*>(out));
+    });
+  });
+}
+
+// -- plain SGD, straight into the table -------------------------------------------------------
+
+template <typename G>
+void sgd_f32(float* w, int64_t d, const int64_t* ids, int64_t n, const typename G::T* g,
+             float alpha) {
+  for (int64_t k = 0; k < n; k++) {
+    if (k + kPrefetchAhead < n) prefetch_row_w(w + ids[k + kPrefetchAhead] * d, d * 4);
+    float* wr = w + ids[k] * d;
+    for (int64_t j = 0; j < d; j++) wr[j] = __builtin_fmaf(alpha, G::load(g[j]), wr[j]);
+    g += d;
+  }
+}
+
+// A 16-bit table: each distinct row loaded to float32 once, its gradients added in arrival
+// order, rounded once (the reference adds into a float32 copy of the table).
+template <typename S, typename G>
+void sgd_rounded(typename S::T* w, int64_t d, int64_t nrows, const int64_t* ids, int64_t n,
+                 const typename G::T* g, float alpha) {
+  if (n == 0) return;
+  uint64_t* packed = scratch<uint64_t>(2 * n);
+  const int pos_bits = sort_by_row(ids, n, nrows, packed);
+  float* acc = scratch<float>(d);
+  const uint64_t mask = (uint64_t{1} << pos_bits) - 1;
+  for (int64_t i = 0; i < n;) {
+    const uint64_t row = packed[i] >> pos_bits;
+    typename S::T* wr = w + static_cast<int64_t>(row) * d;
+    for (int64_t j = 0; j < d; j++) acc[j] = S::load(wr[j]);
+    for (; i < n && (packed[i] >> pos_bits) == row; i++) {
+      const typename G::T* gr = g + static_cast<int64_t>(packed[i] & mask) * d;
+      for (int64_t j = 0; j < d; j++) acc[j] = __builtin_fmaf(alpha, G::load(gr[j]), acc[j]);
+    }
+    for (int64_t j = 0; j < d; j++) wr[j] = S::store(acc[j]);
+  }
+}
+
+void sgd(const Table& t, const int64_t* ids, int64_t n, const void* grad, DType grad_dtype,
+         float alpha) {
+  with_dtype(t.dtype, [&](auto s) {
+    using S = decltype(s);
+    with_dtype(grad_dtype, [&](auto gd) {
+      using G = decltype(gd);
+      const auto* g = static_cast<const typename G::T*>(grad);
+      if constexpr (S::dtype == DType::f32) {
+        sgd_f32<G>(static_cast<float*>(t.data), t.dim, ids, n, g, alpha);
+      } else {
+        sgd_rounded<S, G>(static_cast<typename S::T*>(t.data), t.dim, t.rows, ids, n, g, alpha);
+      }
+    });
+  });
+}
+
+// -- summing repeated rows --------------------------------------------------------------------
+
+template <typename G>
+int64_t sum_rows_t(int64_t n, const int64_t* ids, const typename G::T* grads, int64_t d,
+                   float scale, int64_t nrows, int64_t* rows_out, float* sum_out) {
+  if (n == 0) return 0;
+  bool ascending = true;
+  for (int64_t i = 1; i < n; i++) ascending &= ids[i] > ids[i - 1];
+  int64_t nu = 0;
+  if (ascending) {  // one trainer's deduplicated ids: already the answer's order
+    for (int64_t i = 0; i < n; i++) {
+      rows_out[i] = ids[i];
+      const typename G::T* g = grads + i * d;
+      float* s = sum_out + i * d;
+      for (int64_t j = 0; j < d; j++) s[j] = 0.0f + G::load(g[j]);  // index_add_ into zeros
+    }
+    nu = n;
+  } else {
+    uint64_t* packed = scratch<uint64_t>(2 * n);
+    const int pos_bits = sort_by_row(ids, n, nrows, packed);
+    const uint64_t mask = (uint64_t{1} << pos_bits) - 1;
+    int64_t u = -1;
+    uint64_t prev = 0;
+    for (int64_t i = 0; i < n; i++) {
+      const uint64_t r = packed[i] >> pos_bits;
+      const int64_t q = static_cast<int64_t>(packed[i] & mask);
+      if (i + kPrefetchAhead < n)
+        prefetch_row(grads + static_cast<int64_t>(packed[i + kPrefetchAhead] & mask) * d,
+                     d * static_cast<int64_t>(sizeof(typename G::T)));
+      const typename G::T* g = grads + q * d;
+      if (i == 0 || r != prev) {
+        u++;
+        rows_out[u] = static_cast<int64_t>(r);
+        float* s = sum_out + u * d;
+        for (int64_t j = 0; j < d; j++) s[j] = 0.0f + G::load(g[j]);
+        prev = r;
+      } else {
+        float* s = sum_out + u * d;
+        for (int64_t j = 0; j < d; j++) s[j] += G::load(g[j]);
+      }
+    }
+    nu = u + 1;
+  }
+  if (scale != 1.0f)
+    for (int64_t i = 0; i < nu * d; i++) sum_out[i] *= scale;
+  return nu;
+}
+
+int64_t sum_rows(int64_t n, const int64_t* ids, const void* grads, DType grad_dtype, int64_t d,
+                 float scale, int64_t nrows, int64_t* rows_out, float* sum_out) {
+  return with_dtype(grad_dtype, [&](auto gd) {
+    using G = decltype(gd);
+    return sum_rows_t<G>(n, ids, static_cast<const typename G::T*>(grads), d, scale, nrows,
+                         rows_out, sum_out);
+  });
+}
+
+// -- optimizers -------------------------------------------------------------------------------
+
+// torch's lerp(start, end, weight) for float32: one fused multiply-add from the nearer end.
+inline float lerp(float start, float end, float weight) {
+  const float diff = end - start;
+  return (weight < 0.5f && weight > -0.5f) ? __builtin_fmaf(weight, diff, start)
+                                           : __builtin_fmaf(weight - 1.0f, diff, end);
+}
+
+// Weight row r as float32: the table's own memory, or converted into buf.
+template <typename S>
+inline const float* weight_row(const typename S::T* w, int64_t r, int64_t d, float* buf) {
+  if constexpr (S::dtype == DType::f32) {
+    return w + r * d;
+  } else {
+    const typename S::T* src = w + r * d;
+    for (int64_t j = 0; j < d; j++) buf[j] = S::load(src[j]);
+    return buf;
+  }
+}
+
+// One gradient row as the reference sees it: (grad * grad_scale).add(w, alpha=weight_decay).
+template <typename G>
+inline void grad_row(const typename G::T* gr, const float* wr, int64_t d, float gscale,
+                     const Hyper& h, float* out) {
+  const bool decay = h.weight_decay != 0.0f;
+  for (int64_t j = 0; j < d; j++) {
+    float gj = G::load(gr[j]);
+    if (gscale != 1.0f) gj *= gscale;
+    if (decay) gj = __builtin_fmaf(h.weight_decay, wr[j], gj);
+    out[j] = gj;
+  }
+}
+
+// Prefetches what row r of an optimizer step reads: its weight row and its state rows.
+template <typename S>
+inline void prefetch_step(Optim kind, const typename S::T* w, const State& st, int64_t r,
+                          int64_t d) {
+  prefetch_row(w + r * d, d * static_cast<int64_t>(sizeof(typename S::T)));
+  if (kind == Optim::rowwise_adagrad) {
+    __builtin_prefetch(st.s1 + r);
+  } else if (kind != Optim::sgd) {
+    prefetch_row(st.s1 + r * d, d * 4);
+    if (kind == Optim::adam) {
+      prefetch_row(st.s2 + r * d, d * 4);
+      __builtin_prefetch(st.s3 + r);
+    }
+  }
+}
+
+// reference.optimizer_rows up to the square roots: the new state rows.
+template <typename S, typename G>
+void state_step_t(Optim kind, const Table& weight, const State& st, int64_t n,
+                  const int64_t* rows, const typename G::T* grads, float gscale, const Hyper& h,
+                  const FromTorch& t, const State& out) {
+  const int64_t d = weight.dim;
+  const typename S::T* w = static_cast<const typename S::T*>(weight.data);
+  const bool needs_w = h.weight_decay != 0.0f;
+  float* gbuf = scratch<float>(2 * d);
+  float* wbuf = gbuf + d;
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t r = rows[i];
+    if (i + kPrefetchAhead < n) prefetch_step<S>(kind, w, st, rows[i + kPrefetchAhead], d);
+    if (kind == Optim::rowwise_adagrad) {  // sum + grad.pow(2).mean(dim=1)
+      out.s1[i] = st.s1[r] + t.mean[i];
+      continue;
+    }
+    const float* wr = needs_w ? weight_row<S>(w, r, d, wbuf) : nullptr;
+    grad_row<G>(grads + i * d, wr, d, gscale, h, gbuf);
+    if (kind == Optim::adagrad) {  // sum.addcmul(grad, grad)
+      const float* ar = st.s1 + r * d;
+      float* oa = out.s1 + i * d;
+      for (int64_t j = 0; j < d; j++) oa[j] = __builtin_fmaf(gbuf[j], gbuf[j], ar[j]);
+    } else if (kind == Optim::adam) {
+      out.s3[i] = st.s3[r] + 1.0f;
+      const float* mr = st.s1 + r * d;
+      const float* vr = st.s2 + r * d;
+      float* om = out.s1 + i * d;
+      float* ov = out.s2 + i * d;
+      for (int64_t j = 0; j < d; j++) {
+        om[j] = lerp(mr[j], gbuf[j], h.beta1_weight);  // exp_avg.lerp(grad, 1 - beta1)
+        // exp_avg_sq.mul(beta2).addcmul(grad, grad, value=1 - beta2)
+        ov[j] = __builtin_fmaf(h.beta2_weight * gbuf[j], gbuf[j], vr[j] * h.beta2);
+      }
+    }
+  }
+}
+
+// reference.optimizer_rows from the square roots on: the new weight rows.
+template <typename S, typename G>
+int64_t weight_step_t(Optim kind, const Table& weight, const State& out, int64_t n,
+                      const int64_t* rows, const typename G::T* grads, float gscale,
+                      const Hyper& h, const FromTorch& t, float* out_w, int64_t* first_bad) {
+  const int64_t d = weight.dim;
+  const typename S::T* w = static_cast<const typename S::T*>(weight.data);
+  const float neg_lr = -h.lr;
+  float* gbuf = scratch<float>(2 * d);
+  float* wbuf = gbuf + d;
+  int64_t bad_rows = 0;
+  *first_bad = -1;
+  for (int64_t i = 0; i < n; i++) {
+    if (i + kPrefetchAhead < n)
+      prefetch_row(w + rows[i + kPrefetchAhead] * d, d * static_cast<int64_t>(sizeof(typename S::T)));
+    const float* wr = weight_row<S>(w, rows[i], d, wbuf);
+    float* ow = out_w + i * d;
+    if (kind == Optim::adam) {  // w - step_size * (exp_avg / (sqrt(exp_avg_sq) / bc2).add(eps))
+      const float* m = out.s1 + i * d;
+      const float* root = t.root + i * d;
+      for (int64_t j = 0; j < d; j++)
+        ow[j] = wr[j] - t.step[i] * (m[j] / (root[j] / t.bc2[i] + h.eps));
+    } else {
+      grad_row<G>(grads + i * d, wr, d, gscale, h, gbuf);
+      if (kind == Optim::sgd) {  // w.add(grad, alpha=-lr)
+        for (int64_t j = 0; j < d; j++) ow[j] = __builtin_fmaf(neg_lr, gbuf[j], wr[j]);
+      } else if (kind == Optim::adagrad) {  // w.addcdiv(grad, sqrt(sum).add(eps), value=-lr)
+        const float* root = t.root + i * d;
+        for (int64_t j = 0; j < d; j++) ow[j] = wr[j] + (neg_lr * gbuf[j]) / (root[j] + h.eps);
+      } else {  // rowwise_adagrad: the same with one denominator a row
+        const float denom = t.root[i] + h.eps;
+        for (int64_t j = 0; j < d; j++) ow[j] = wr[j] + (neg_lr * gbuf[j]) / denom;
+      }
+    }
+    if (!finite_row(ow, d) && bad_rows++ == 0) *first_bad = i;
+  }
+  return bad_rows;
+}
+
+void state_step(Optim kind, const Table& weight, const State& state, int64_t n,
+                const int64_t* rows, const void* grads, DType grad_dtype, float grad_scale,
+                const Hyper& h, const FromTorch& t, const State& out) {
+  with_dtype(weight.dtype, [&](auto s) {
+    using S = decltype(s);
+    with_dtype(grad_dtype, [&](auto gd) {
+      using G = decltype(gd);
+      state_step_t<S, G>(kind, weight, state, n, rows, static_cast<const typename G::T*>(grads),
+                         grad_scale, h, t, out);
+    });
+  });
+}
+
+int64_t weight_step(Optim kind, const Table& weight, const State& out, int64_t n,
+                    const int64_t* rows, const void* grads, DType grad_dtype, float grad_scale,
+                    const Hyper& h, const FromTorch& t, float* out_w, int64_t* first_bad) {
+  return with_dtype(weight.dtype, [&](auto s) {
+    using S = decltype(s);
+    return with_dtype(grad_dtype, [&](auto gd) {
+      using G = decltype(gd);
+      return weight_step_t<S, G>(kind, weight, out, n, rows,
+                                 static_cast<const typename G::T*>(grads), grad_scale, h, t,
+                                 out_w, first_bad);
+    });
+  });
+}
+
+// -- writing rows back ------------------------------------------------------------------------
+
+template <typename D, typename Src>
+void scatter_t(typename D::T* dst, int64_t width, const int64_t* rows, int64_t n,
+               const typename Src::T* src) {
+  const int64_t bytes = width * static_cast<int64_t>(sizeof(typename D::T));
+  for (int64_t i = 0; i < n; i++) {
+    if (i + kPrefetchAhead < n) prefetch_row_w(dst + rows[i + kPrefetchAhead] * width, bytes);
+    typename D::T* o = dst + rows[i] * width;
+    const typename Src::T* s = src + i * width;
+    if constexpr (D::dtype == Src::dtype) {
+      std::memcpy(o, s, static_cast<size_t>(bytes));
+    } else {
+      for (int64_t j = 0; j < width; j++) o[j] = D::store(Src::load(s[j]));
+    }
+  }
+}
+
+void scatter(void* dst, DType dst_dtype, int64_t width, const int64_t* rows, int64_t n,
+             const void* src, DType src_dtype) {
+  with_dtype(dst_dtype, [&](auto dd) {
+    using D = decltype(dd);
+    with_dtype(src_dtype, [&](auto sd) {
+      using Src = decltype(sd);
+      scatter_t<D, Src>(static_cast<typename D::T*>(dst), width, rows, n,
+                        static_cast<const typename Src::T*>(src));
+    });
+  });
+}
+
+}  // namespace HY_ISA
+
+const RowKernels HY_KERNELS = {
+    HY_ISA_NAME,         HY_ISA::gather,      HY_ISA::sgd,     HY_ISA::sum_rows,
+    HY_ISA::state_step, HY_ISA::weight_step, HY_ISA::scatter,
+};
+
+}  // namespace kernels
+}  // namespace hybrid

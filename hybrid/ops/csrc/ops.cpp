@@ -1,0 +1,502 @@
+// hybrid's torch operators (namespace `hybrid`): typed schemas, every argument checked, then
+// the raw-memory kernels of kernels.h. A wrong dtype, device, layout, shape or length is a
+// programming mistake and raises (TypeError for a dtype, ValueError otherwise). A problem in the
+// data -- an id outside its table, a non-finite gradient or new weight -- is returned as a
+// status (code, table, position, count) for hybrid/ops/__init__.py to raise as RowOutOfRange or
+// NonFinite; an operator that reports one has written nothing.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+using at::IntArrayRef;
+using at::Tensor;
+using at::TensorList;
+namespace k = hybrid::kernels;
+
+using StatusTuple = std::tuple<int64_t, int64_t, int64_t, int64_t>;
+
+StatusTuple as_tuple(const k::Status& s) { return {s.code, s.table, s.position, s.count}; }
+
+// Rows of `dim` elements a thread takes at least when a call is split over threads (about
+// 128 KiB of float32): below twice that, one thread does it all.
+int64_t row_grain(int64_t dim) { return std::max<int64_t>(64, 32768 / std::max<int64_t>(dim, 1)); }
+
+// -- argument checks ------------------------------------------------------------------------------
+
+void check_cpu_contiguous(const Tensor& t, const char* what) {
+  TORCH_CHECK_VALUE(t.defined(), what, " is undefined");
+  TORCH_CHECK_VALUE(t.device().is_cpu(), what, " must be on the CPU, got ", t.device());
+  TORCH_CHECK_VALUE(t.is_contiguous(), what, " must be contiguous");
+}
+
+void check_int64_1d(const Tensor& t, const char* what) {
+  check_cpu_contiguous(t, what);
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, what, " must be int64, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 1, what, " must be 1-D, got shape ", t.sizes());
+}
+
+k::DType float_dtype(const Tensor& t, const std::string& what) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return k::DType::f32;
+    case at::kBFloat16:
+      return k::DType::bf16;
+    case at::kHalf:
+      return k::DType::f16;
+    default:
+      TORCH_CHECK_TYPE(false, what, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+void check_float32(const Tensor& t, const std::string& what) {
+  check_cpu_contiguous(t, what.c_str());
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, what, " must be float32, got ", t.scalar_type());
+}
+
+// A table: 2-D rows x dim, float32/bfloat16/float16, contiguous on the CPU.
+k::Table table_view(const Tensor& t, const std::string& what) {
+  check_cpu_contiguous(t, what.c_str());
+  const k::DType dtype = float_dtype(t, what);
+  TORCH_CHECK_VALUE(t.dim() == 2, what, " must be 2-D (rows x dim), got shape ", t.sizes());
+  return {t.data_ptr(), dtype, t.size(0), t.size(1)};
+}
+
+std::vector<k::Table> table_views(TensorList tables, const char* what) {
+  std::vector<k::Table> out;
+  out.reserve(tables.size());
+  for (size_t i = 0; i < tables.size(); i++)
+    out.push_back(table_view(tables[i], std::string(what) + "[" + std::to_string(i) + "]"));
+  return out;
+}
+
+// counts: one non-negative count per table, summing to the number of ids. Returns the number
+// of elements those rows hold (sum of count x dim).
+int64_t check_counts(IntArrayRef counts, const std::vector<k::Table>& tables, int64_t nids) {
+  TORCH_CHECK_VALUE(counts.size() == tables.size(), "counts has ", counts.size(),
+                    " entries for ", tables.size(), " tables");
+  int64_t total = 0, numel = 0;
+  for (size_t t = 0; t < counts.size(); t++) {
+    TORCH_CHECK_VALUE(counts[t] >= 0, "counts[", t, "] is negative: ", counts[t]);
+    total += counts[t];
+    numel += counts[t] * tables[t].dim;
+  }
+  TORCH_CHECK_VALUE(total == nids, "counts sum to ", total, " but ids holds ", nids);
+  return numel;
+}
+
+// A radix sort packs (row << position bits | position) into 64 bits.
+void check_sort_key(int64_t rows, int64_t n, const char* op) {
+  const int bits = k::bit_length(static_cast<uint64_t>(n > 1 ? n - 1 : 1)) +
+                   k::bit_length(static_cast<uint64_t>(rows > 0 ? rows - 1 : 0));
+  TORCH_CHECK_VALUE(bits <= 63, op, ": ", rows, " rows and ", n,
+                    " ids do not fit one 64-bit sort key; split the call");
+}
+
+// -- route ----------------------------------------------------------------------------------------
+
+std::tuple<int64_t, int64_t, int64_t, int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+           Tensor, Tensor, Tensor>
+route(const Tensor& ids, const Tensor& lengths, const Tensor& feature_table,
+      const Tensor& row_base, const Tensor& shards, const Tensor& server_rank,
+      int64_t num_servers, int64_t batch_size, const std::optional<Tensor>& weights, bool mean,
+      bool sample_major) {
+  check_int64_1d(ids, "ids");
+  check_int64_1d(lengths, "lengths");
+  check_int64_1d(feature_table, "feature_table");
+  check_int64_1d(row_base, "row_base");
+  check_int64_1d(shards, "shards");
+  check_cpu_contiguous(server_rank, "server_rank");
+  TORCH_CHECK_TYPE(server_rank.scalar_type() == at::kLong, "server_rank must be int64, got ",
+                   server_rank.scalar_type());
+  const int64_t n = ids.numel(), nf = feature_table.numel(), ntab = shards.numel();
+  TORCH_CHECK_VALUE(batch_size >= 0, "batch_size must be >= 0, got ", batch_size);
+  TORCH_CHECK_VALUE(num_servers >= 1, "num_servers must be >= 1, got ", num_servers);
+  TORCH_CHECK_VALUE(lengths.numel() == nf * batch_size, "lengths holds ", lengths.numel(),
+                    " bags; expected features x batch_size = ", nf, " x ", batch_size);
+  TORCH_CHECK_VALUE(row_base.numel() == ntab + 1, "row_base holds ", row_base.numel(),
+                    " entries; expected tables + 1 = ", ntab + 1);
+  TORCH_CHECK_VALUE(server_rank.dim() == 2 && server_rank.size(0) == ntab,
+                    "server_rank must be [tables, max shards] = [", ntab, ", *], got shape ",
+                    server_rank.sizes());
+  const int64_t width = server_rank.size(1);
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const int64_t* ft = feature_table.data_ptr<int64_t>();
+  const int64_t* rb = row_base.data_ptr<int64_t>();
+  const int64_t* sh = shards.data_ptr<int64_t>();
+  const int64_t* sr = server_rank.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t i = 0; i < lengths.numel(); i++) {
+    TORCH_CHECK_VALUE(len[i] >= 0, "lengths[", i, "] is negative: ", len[i]);
+    total += len[i];
+  }
+  TORCH_CHECK_VALUE(total == n, "lengths sum to ", total, " but ids holds ", n);
+  for (int64_t f = 0; f < nf; f++)
+    TORCH_CHECK_VALUE(ft[f] >= 0 && ft[f] < ntab, "feature_table[", f, "] = ", ft[f],
+                      " is not a table index in [0, ", ntab, ")");
+  TORCH_CHECK_VALUE(rb[0] == 0, "row_base[0] must be 0, got ", rb[0]);
+  for (int64_t t = 0; t < ntab; t++) {
+    TORCH_CHECK_VALUE(rb[t + 1] >= rb[t], "row_base must not decrease: row_base[", t + 1,
+                      "] = ", rb[t + 1], " < row_base[", t, "] = ", rb[t]);
+    TORCH_CHECK_VALUE(sh[t] >= 1 && sh[t] <= width, "shards[", t, "] = ", sh[t],
+                      " is not in [1, ", width, "]");
+    for (int64_t s = 0; s < sh[t]; s++)
+      TORCH_CHECK_VALUE(sr[t * width + s] >= 0 && sr[t * width + s] < num_servers,
+                        "server_rank[", t, ", ", s, "] = ", sr[t * width + s],
+                        " is not a server in [0, ", num_servers, ")");
+  }
+  check_sort_key(rb[ntab], n, "route");
+  const float* w = nullptr;
+  if (weights.has_value()) {
+    check_float32(*weights, "weights");
+    TORCH_CHECK_VALUE(weights->dim() == 1 && weights->numel() == n, "weights must be [", n,
+                      "] like ids, got shape ", weights->sizes());
+    w = weights->data_ptr<float>();
+  }
+
+  auto i64 = at::TensorOptions().dtype(at::kLong);
+  auto f32 = at::TensorOptions().dtype(at::kFloat);
+  Tensor req = at::empty({n}, i64), per = at::empty({num_servers, ntab}, i64);
+  Tensor raw = at::empty({num_servers}, i64), idx = at::empty({n}, i64);
+  Tensor offsets = at::empty({nf * batch_size + 1}, i64);
+  Tensor weights_out = at::empty({w ? n : 0}, f32);
+  Tensor grad_bags = at::empty({n}, i64), grad_offsets = at::empty({n + 1}, i64);
+  Tensor grad_scale = at::empty({(w || mean) ? n : 0}, f32);
+  const k::RouteIn in{n,  ids.data_ptr<int64_t>(), nf, batch_size, len, ft, ntab, rb, sh, sr, width,
+                      num_servers, w, mean, sample_major};
+  const k::RouteOut out{req.data_ptr<int64_t>(),
+                        per.data_ptr<int64_t>(),
+                        raw.data_ptr<int64_t>(),
+                        idx.data_ptr<int64_t>(),
+                        offsets.data_ptr<int64_t>(),
+                        w ? weights_out.data_ptr<float>() : nullptr,
+                        grad_bags.data_ptr<int64_t>(),
+                        grad_offsets.data_ptr<int64_t>(),
+                        (w || mean) ? grad_scale.data_ptr<float>() : nullptr};
+  k::Status st;
+  int64_t nu = k::route(in, out, &st);
+  if (nu < 0) nu = 0;
+  return {st.code,   st.table,    st.position, st.count,  req.narrow(0, 0, nu),
+          per,       raw,         idx,         offsets,   weights_out,
+          grad_bags, grad_offsets.narrow(0, 0, nu + 1), grad_scale};
+}
+
+// -- the server's rows --------------------------------------------------------------------------
+
+StatusTuple gather_rows(TensorList tables, const Tensor& ids, IntArrayRef counts,
+                        const Tensor& out) {
+  const auto views = table_views(tables, "tables");
+  check_int64_1d(ids, "ids");
+  const int64_t numel = check_counts(counts, views, ids.numel());
+  check_cpu_contiguous(out, "out");
+  const k::DType odt = float_dtype(out, "out");
+  TORCH_CHECK_VALUE(out.numel() >= numel, "out holds ", out.numel(), " elements; the rows need ",
+                    numel);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const k::Status st = k::first_bad_id(views.data(), static_cast<int64_t>(views.size()),
+                                       counts.data(), ip);
+  if (st.code != k::kOk) return as_tuple(st);
+  // All tables' ids as one range split over threads: task [lo, hi) reads the tables it spans.
+  const int64_t ntab = static_cast<int64_t>(views.size());
+  std::vector<int64_t> first_id(ntab + 1, 0), first_out(ntab + 1, 0);
+  int64_t widest = 1;
+  for (int64_t t = 0; t < ntab; t++) {
+    first_id[t + 1] = first_id[t] + counts[t];
+    first_out[t + 1] = first_out[t] + counts[t] * views[t].dim;
+    widest = std::max(widest, views[t].dim);
+  }
+  const k::RowKernels& kern = k::dispatch();
+  char* o = static_cast<char*>(out.data_ptr());
+  const int64_t esize = out.element_size();
+  at::parallel_for(0, ids.numel(), row_grain(widest), [&](int64_t lo, int64_t hi) {
+    int64_t t = std::upper_bound(first_id.begin(), first_id.end(), lo) - first_id.begin() - 1;
+    for (int64_t p = lo; p < hi; t++) {
+      const int64_t end = std::min(hi, first_id[t + 1]);
+      if (end > p)
+        kern.gather(views[t], ip + p, end - p,
+                    o + (first_out[t] + (p - first_id[t]) * views[t].dim) * esize, odt);
+      p = std::max(p, end);
+    }
+  });
+  return as_tuple(st);
+}
+
+StatusTuple sgd_rows_(TensorList tables, const Tensor& ids, IntArrayRef counts,
+                      const Tensor& grad, double alpha) {
+  const auto views = table_views(tables, "tables");
+  check_int64_1d(ids, "ids");
+  const int64_t numel = check_counts(counts, views, ids.numel());
+  check_cpu_contiguous(grad, "grad");
+  const k::DType gdt = float_dtype(grad, "grad");
+  TORCH_CHECK_VALUE(grad.numel() == numel, "grad holds ", grad.numel(),
+                    " elements; the rows need ", numel);
+  const int64_t ntab = static_cast<int64_t>(views.size());
+  for (int64_t t = 0; t < ntab; t++)
+    if (views[t].dtype != k::DType::f32) check_sort_key(views[t].rows, counts[t], "sgd_rows_");
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  k::Status st = k::first_bad_id(views.data(), ntab, counts.data(), ip);
+  if (st.code != k::kOk) return as_tuple(st);
+  const char* g = static_cast<const char*>(grad.data_ptr());
+  std::vector<const char*> grad_of(ntab);
+  std::vector<int64_t> first_id(ntab);
+  int64_t p = 0;
+  for (int64_t t = 0; t < ntab; t++) {  // every gradient checked before any row is written
+    grad_of[t] = g;
+    first_id[t] = p;
+    int64_t first = -1;
+    const int64_t bad = k::nonfinite_rows(g, gdt, counts[t], views[t].dim, &first);
+    if (bad && st.code == k::kOk) {
+      st.code = k::kNonFinite;
+      st.table = t;
+      st.position = p + first;
+    }
+    st.count += bad;
+    g += counts[t] * views[t].dim * grad.element_size();
+    p += counts[t];
+  }
+  if (st.code != k::kOk) return as_tuple(st);
+  // Tables apart run on threads of their own; tables sharing memory keep their order.
+  bool distinct = true;
+  for (int64_t a = 0; a < ntab; a++)
+    for (int64_t b = a + 1; b < ntab; b++) distinct &= !tables[a].is_alias_of(tables[b]);
+  const k::RowKernels& kern = k::dispatch();
+  const int64_t grain = distinct ? 1 : ntab;
+  at::parallel_for(0, ntab, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; t++)
+      kern.sgd(views[t], ip + first_id[t], counts[t], grad_of[t], gdt, static_cast<float>(alpha));
+  });
+  return as_tuple(st);
+}
+
+std::tuple<int64_t, int64_t, int64_t, int64_t, Tensor, Tensor> sum_rows(const Tensor& ids,
+                                                                        const Tensor& grads,
+                                                                        double scale,
+                                                                        int64_t num_rows) {
+  check_int64_1d(ids, "ids");
+  check_cpu_contiguous(grads, "grads");
+  const k::DType gdt = float_dtype(grads, "grads");
+  TORCH_CHECK_VALUE(grads.dim() == 2 && grads.size(0) == ids.numel(),
+                    "grads must be [len(ids), dim] = [", ids.numel(), ", *], got shape ",
+                    grads.sizes());
+  TORCH_CHECK_VALUE(num_rows >= 0, "num_rows must be >= 0, got ", num_rows);
+  const int64_t n = ids.numel(), d = grads.size(1);
+  check_sort_key(num_rows, n, "sum_rows");
+  const k::Table table{nullptr, k::DType::f32, num_rows, d};
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const k::Status st = k::first_bad_id(&table, 1, &n, ip);
+  Tensor rows = at::empty({n}, at::TensorOptions().dtype(at::kLong));
+  Tensor summed = at::empty({n, d}, at::TensorOptions().dtype(at::kFloat));
+  int64_t nu = 0;
+  if (st.code == k::kOk)
+    nu = k::dispatch().sum_rows(n, ip, grads.data_ptr(), gdt, d, static_cast<float>(scale),
+                                num_rows, rows.data_ptr<int64_t>(), summed.data_ptr<float>());
+  return {st.code, st.table, st.position, st.count, rows.narrow(0, 0, nu), summed.narrow(0, 0, nu)};
+}
+
+// -- optimizers -----------------------------------------------------------------------------------
+
+k::Optim optim_kind(std::string_view kind) {
+  if (kind == "sgd") return k::Optim::sgd;
+  if (kind == "adagrad") return k::Optim::adagrad;
+  if (kind == "rowwise_adagrad") return k::Optim::rowwise_adagrad;
+  if (kind == "adam") return k::Optim::adam;
+  TORCH_CHECK_VALUE(false, "optimizer kind must be one of sgd, adagrad, rowwise_adagrad, adam; got '",
+                    std::string(kind), "'");
+}
+
+// The state each optimizer keeps, in the order of the op's state list: (rows x dim) when per
+// element, (rows) when per row.
+std::vector<bool> state_per_element(k::Optim kind) {
+  switch (kind) {
+    case k::Optim::adagrad:
+      return {true};
+    case k::Optim::rowwise_adagrad:
+      return {false};
+    case k::Optim::adam:
+      return {true, true, false};
+    default:
+      return {};
+  }
+}
+
+// Checks one table's state list against its weight; returns the pointers.
+k::State state_view(k::Optim kind, TensorList state, const k::Table& w) {
+  const auto shapes = state_per_element(kind);
+  TORCH_CHECK_VALUE(state.size() == shapes.size(), "state holds ", state.size(),
+                    " tensors; the optimizer keeps ", shapes.size());
+  float* ptrs[3] = {nullptr, nullptr, nullptr};
+  for (size_t i = 0; i < shapes.size(); i++) {
+    const std::string what = "state[" + std::to_string(i) + "]";
+    check_float32(state[i], what);
+    if (shapes[i]) {
+      TORCH_CHECK_VALUE(state[i].dim() == 2 && state[i].size(0) == w.rows && state[i].size(1) == w.dim,
+                        what, " must be [", w.rows, ", ", w.dim, "] like the weight, got shape ",
+                        state[i].sizes());
+    } else {
+      TORCH_CHECK_VALUE(state[i].dim() == 1 && state[i].size(0) == w.rows, what, " must be [",
+                        w.rows, "] (one value per row), got shape ", state[i].sizes());
+    }
+    ptrs[i] = state[i].data_ptr<float>();
+  }
+  return {ptrs[0], ptrs[1], ptrs[2]};
+}
+
+std::tuple<int64_t, int64_t, int64_t, int64_t, Tensor, std::vector<Tensor>> optimizer_rows(
+    std::string_view kind_name, const Tensor& rows, const Tensor& grads, double grad_scale,
+    const Tensor& weight, TensorList state, double lr, double eps, double weight_decay,
+    double beta1, double beta2) {
+  const k::Optim kind = optim_kind(kind_name);
+  check_int64_1d(rows, "rows");
+  const k::Table w = table_view(weight, "weight");
+  const k::State sv = state_view(kind, state, w);
+  check_cpu_contiguous(grads, "grads");
+  k::DType gdt = float_dtype(grads, "grads");
+  const int64_t n = rows.numel(), d = w.dim;
+  TORCH_CHECK_VALUE(grads.dim() == 2 && grads.size(0) == n && grads.size(1) == d,
+                    "grads must be [len(rows), dim] = [", n, ", ", d, "], got shape ", grads.sizes());
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  k::Status st = k::first_bad_id(&w, 1, &n, rp);
+  auto f32 = at::TensorOptions().dtype(at::kFloat);
+  Tensor new_w = at::empty({n, d}, f32);
+  std::vector<Tensor> new_state;
+  const auto shapes = state_per_element(kind);
+  float* optr[3] = {nullptr, nullptr, nullptr};
+  for (size_t i = 0; i < shapes.size(); i++) {
+    new_state.push_back(shapes[i] ? at::empty({n, d}, f32) : at::empty({n}, f32));
+    optr[i] = new_state.back().data_ptr<float>();
+  }
+  if (st.code != k::kOk || n == 0) return {st.code, st.table, st.position, st.count, new_w, new_state};
+
+  k::Hyper h{static_cast<float>(lr),           static_cast<float>(eps),
+             static_cast<float>(weight_decay), static_cast<float>(1.0 - beta1),
+             static_cast<float>(beta2),        static_cast<float>(1.0 - beta2)};
+  Tensor g = grads, mean, root, step, bc2;
+  float gscale = static_cast<float>(grad_scale);
+  if (kind == k::Optim::rowwise_adagrad) {  // the gradient rows once, for torch's mean
+    g = grads.to(at::kFloat);
+    if (grad_scale != 1.0) g = g.mul(grad_scale);
+    if (weight_decay != 0.0) g = g.add(weight.index_select(0, rows).to(at::kFloat), weight_decay);
+    mean = g.pow(2).mean(1);
+    gdt = k::DType::f32;
+    gscale = 1.0f;
+    h.weight_decay = 0.0f;
+  } else if (kind == k::Optim::adam) {  // lr / (1 - beta1 ** k), sqrt(1 - beta2 ** k) in float64
+    const Tensor k64 = state[2].index_select(0, rows).add(1).to(at::kDouble);
+    step = at::reciprocal(at::rsub(at::pow(beta1, k64), 1)).mul(lr).to(at::kFloat);
+    bc2 = at::sqrt(at::rsub(at::pow(beta2, k64), 1)).to(at::kFloat);
+  }
+  auto ptr = [](const Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+  // Rows [lo, hi) of every per-row array.
+  auto part = [&](const k::FromTorch& t, int64_t lo) {
+    const int64_t root_width = kind == k::Optim::rowwise_adagrad ? 1 : d;
+    return k::FromTorch{t.mean ? t.mean + lo : nullptr, t.root ? t.root + lo * root_width : nullptr,
+                        t.step ? t.step + lo : nullptr, t.bc2 ? t.bc2 + lo : nullptr};
+  };
+  auto out_part = [&](int64_t lo) {
+    return k::State{optr[0] ? optr[0] + lo * (shapes[0] ? d : 1) : nullptr,
+                    optr[1] ? optr[1] + lo * d : nullptr, optr[2] ? optr[2] + lo : nullptr};
+  };
+  const char* gp = static_cast<const char*>(g.data_ptr());
+  const int64_t grow = d * g.element_size();
+  const k::RowKernels& kern = k::dispatch();
+  if (kind != k::Optim::sgd) {
+    const k::FromTorch t{ptr(mean)};
+    at::parallel_for(0, n, row_grain(d), [&](int64_t lo, int64_t hi) {
+      kern.state_step(kind, w, sv, hi - lo, rp + lo, gp + lo * grow, gdt, gscale, h, part(t, lo),
+                      out_part(lo));
+    });
+    root = at::sqrt(new_state[kind == k::Optim::adam ? 1 : 0]);
+  }
+  const k::FromTorch t{ptr(mean), ptr(root), ptr(step), ptr(bc2)};
+  std::mutex mu;
+  at::parallel_for(0, n, row_grain(d), [&](int64_t lo, int64_t hi) {
+    int64_t first = -1;
+    const int64_t bad = kern.weight_step(kind, w, out_part(lo), hi - lo, rp + lo, gp + lo * grow, gdt,
+                                         gscale, h, part(t, lo), new_w.data_ptr<float>() + lo * d,
+                                         &first);
+    if (bad) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (st.code == k::kOk || lo + first < st.position) {
+        st.code = k::kNonFinite;
+        st.table = 0;
+        st.position = lo + first;
+      }
+      st.count += bad;
+    }
+  });
+  return {st.code, st.table, st.position, st.count, new_w, new_state};
+}
+
+StatusTuple scatter_rows_(const Tensor& dst, const Tensor& rows, const Tensor& src) {
+  check_cpu_contiguous(dst, "dst");
+  const k::DType ddt = float_dtype(dst, "dst");
+  check_int64_1d(rows, "rows");
+  check_cpu_contiguous(src, "src");
+  const k::DType sdt = float_dtype(src, "src");
+  TORCH_CHECK_VALUE(dst.dim() == 1 || dst.dim() == 2, "dst must be 1-D or 2-D, got shape ",
+                    dst.sizes());
+  const int64_t n = rows.numel(), width = dst.dim() == 2 ? dst.size(1) : 1;
+  TORCH_CHECK_VALUE(src.dim() == dst.dim() && src.size(0) == n && (dst.dim() == 1 || src.size(1) == width),
+                    "src must be [len(rows)", dst.dim() == 2 ? ", dim" : "", "] = [", n,
+                    dst.dim() == 2 ? ", " + std::to_string(width) : std::string(), "], got shape ",
+                    src.sizes());
+  const k::Table t{dst.data_ptr(), ddt, dst.size(0), width};
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const k::Status st = k::first_bad_id(&t, 1, &n, rp);
+  if (st.code != k::kOk) return as_tuple(st);
+  // One thread, in order: with a row listed twice the last copy wins, as in index_copy_.
+  k::dispatch().scatter(dst.data_ptr(), ddt, width, rp, n, src.data_ptr(), sdt);
+  return as_tuple(st);
+}
+
+std::string isa() { return k::dispatch().isa; }
+
+}  // namespace
+
+TORCH_LIBRARY(hybrid, m) {
+  m.def(
+      "route(Tensor ids, Tensor lengths, Tensor feature_table, Tensor row_base, Tensor shards, "
+      "Tensor server_rank, int num_servers, int batch_size, Tensor? weights, bool mean, "
+      "bool sample_major) -> (int, int, int, int, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+      "Tensor, Tensor, Tensor)");
+  m.def("gather_rows(Tensor[] tables, Tensor ids, int[] counts, Tensor(a!) out) -> (int, int, int, int)");
+  m.def(
+      "sgd_rows_(Tensor(a!)[] tables, Tensor ids, int[] counts, Tensor grad, float alpha) -> "
+      "(int, int, int, int)");
+  m.def(
+      "sum_rows(Tensor ids, Tensor grads, float scale, int num_rows) -> "
+      "(int, int, int, int, Tensor, Tensor)");
+  m.def(
+      "optimizer_rows(str kind, Tensor rows, Tensor grads, float grad_scale, Tensor weight, "
+      "Tensor[] state, float lr, float eps, float weight_decay, float beta1, float beta2) -> "
+      "(int, int, int, int, Tensor, Tensor[])");
+  m.def("scatter_rows_(Tensor(a!) dst, Tensor rows, Tensor src) -> (int, int, int, int)");
+  m.def("isa() -> str", isa);
+}
+
+TORCH_LIBRARY_IMPL(hybrid, CompositeExplicitAutograd, m) {
+  m.impl("route", route);
+  m.impl("gather_rows", gather_rows);
+  m.impl("sgd_rows_", sgd_rows_);
+  m.impl("sum_rows", sum_rows);
+  m.impl("optimizer_rows", optimizer_rows);
+  m.impl("scatter_rows_", scatter_rows_);
+}
+
+// `import hybrid._C` loads this library, which registers the operators above.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}

@@ -1,0 +1,40 @@
+"""Builds hybrid's native operators (``hybrid._C``, a torch C++ extension) at install time.
+
+The package metadata lives in pyproject.toml; this file only adds the extension. It needs torch
+at build time (``pip install --no-build-isolation``, as ``make env`` does). Without torch there
+(an isolated build) the package installs without the extension and ``hybrid.ops`` uses its
+plain-torch code, saying so once at import.
+"""
+
+import glob
+import os
+import sys
+
+from setuptools import setup
+
+# -O3 vectorizes the row loops; -ffp-contract=off keeps every product and sum rounded on its own
+# (a fused multiply-add only where the code calls one, as torch's kernels do), whatever
+# instruction set a kernel is compiled for, so the results equal hybrid.ops.reference bit for
+# bit. No -march: the AVX2 kernels are chosen at run time, so one build runs on any x86-64 (and
+# on aarch64).
+CXX_FLAGS = ["-O3", "-ffp-contract=off"]
+
+
+def extensions():
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        print("hybrid: torch is not importable at build time; installing without the native operators "
+              "(hybrid.ops falls back to plain torch). Build with --no-build-isolation to get them.",
+              file=sys.stderr)
+        return [], {}
+    here = os.path.dirname(os.path.abspath(__file__))
+    csrc = os.path.join("hybrid", "ops", "csrc")
+    sources = sorted(glob.glob(os.path.join(csrc, "*.cpp"), root_dir=here))
+    headers = sorted(glob.glob(os.path.join(csrc, "*.h"), root_dir=here))  # a changed header rebuilds
+    ext = CppExtension("hybrid._C", sources, depends=headers, extra_compile_args=CXX_FLAGS)
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}
+
+
+ext_modules, cmdclass = extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -1,0 +1,535 @@
+"""The sparse path's operators (:mod:`hybrid.ops`): every native operator against its plain-torch
+twin in :mod:`hybrid.ops.reference` on random inputs, bit for bit (row dtypes, empty inputs,
+repeated ids, mean and sum pooling, per-sample weights, several servers and shards); the
+refusals -- a row outside its table or a non-finite gradient raises the reference's exception
+and writes nothing, a wrong dtype or shape raises naming the argument -- and the fallback to the
+reference when the extension does not load."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hybrid import ops
+from hybrid.ops import reference as ref
+
+REQUIRE_NATIVE = os.environ.get("HYBRID_REQUIRE_NATIVE") == "1"
+native = pytest.mark.skipif(not ops.AVAILABLE, reason="hybrid._C is not built (make env builds it); "
+                                                      "the operators are the reference itself")
+ROW_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+KINDS = ["sgd", "adagrad", "rowwise_adagrad", "adam"]
+
+
+def test_the_extension_is_built():
+    if not ops.AVAILABLE:
+        (pytest.fail if REQUIRE_NATIVE else pytest.skip)("hybrid._C is not built")
+    assert torch.ops.hybrid.isa() in ("avx2+fma", "baseline")
+
+
+# -- plain torch written out (the public API, whichever implementation runs) ----------------------
+
+def _tables(g: torch.Generator, dtype=torch.float32) -> list[torch.Tensor]:
+    return [torch.randn(30, 4, generator=g).to(dtype), torch.randn(11, 3, generator=g).to(dtype)]
+
+
+def _ids(g: torch.Generator, distinct: bool) -> tuple[torch.Tensor, list[int]]:
+    if distinct:
+        a, b = torch.randperm(30, generator=g)[:9].sort().values, torch.randperm(11, generator=g)[:5].sort().values
+    else:
+        a, b = torch.randint(0, 30, (9,), generator=g), torch.randint(0, 11, (5,), generator=g)
+    return torch.cat([a, b]), [9, 5]
+
+
+def test_gather_rows_reads_each_table_s_rows_in_order():
+    g = torch.Generator().manual_seed(0)
+    tables = _tables(g)
+    ids, counts = _ids(g, distinct=False)
+    got = ops.gather_rows(tables, ids, counts)
+    want = torch.cat([t.index_select(0, i).reshape(-1) for t, i in zip(tables, ids.split(counts))])
+    assert torch.equal(got, want)
+    out = torch.full((200,), -1.0)
+    ops.gather_rows(tables, ids, counts, out=out)  # into a given buffer (a transport's memory)
+    assert torch.equal(out[: want.numel()], want) and bool((out[want.numel():] == -1).all())
+    assert ops.gather_rows(tables, ids[:0], [0, 0]).numel() == 0
+
+
+@pytest.mark.parametrize("distinct", [True, False])
+def test_sgd_rows_adds_like_index_add_bit_for_bit(distinct):
+    g = torch.Generator().manual_seed(1)
+    tables = _tables(g)
+    ids, counts = _ids(g, distinct)
+    grad = torch.randn(9 * 4 + 5 * 3, generator=g)
+    want = [t.clone() for t in tables]
+    ops.sgd_rows_(tables, ids, counts, grad, alpha=-0.05)
+    for w, i, gr, d in zip(want, ids.split(counts), grad.split([36, 15]), (4, 3)):
+        w.index_add_(0, i, gr.view(-1, d), alpha=-0.05)
+    assert all(torch.equal(a, b) for a, b in zip(tables, want))
+
+
+def test_sum_rows_sums_repeats_and_scales():
+    g = torch.Generator().manual_seed(2)
+    ids = torch.tensor([5, 1, 5, 5, 0, 1])
+    grads = torch.randn(6, 4, generator=g)
+    rows, summed = ops.sum_rows(ids, grads, scale=0.5, num_rows=8)
+    assert rows.tolist() == [0, 1, 5]
+    want = torch.zeros(8, 4).index_add_(0, ids, grads)[rows] * 0.5
+    assert torch.equal(summed, want)
+
+
+def test_scatter_rows_writes_rows_back():
+    dst = torch.zeros(6, 2)
+    ops.scatter_rows_(dst, torch.tensor([4, 1]), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    assert dst[4].tolist() == [1.0, 2.0] and dst[1].tolist() == [3.0, 4.0] and dst.sum() == 10
+
+
+def test_a_row_outside_its_table_is_named_and_nothing_is_written():
+    g = torch.Generator().manual_seed(3)
+    tables = _tables(g)
+    before = [t.clone() for t in tables]
+    ids, counts = torch.tensor([1, 2, 3, 0, 11]), [3, 2]  # table 1 has 11 rows
+    with pytest.raises(ops.RowOutOfRange) as caught:
+        ops.sgd_rows_(tables, ids, counts, torch.ones(3 * 4 + 2 * 3), alpha=-1.0)
+    e = caught.value
+    assert (e.table, e.position, e.row, e.rows) == (1, 4, 11, 11)
+    with pytest.raises(ops.RowOutOfRange):
+        ops.gather_rows(tables, torch.tensor([-1]), [1, 0])
+    assert all(torch.equal(a, b) for a, b in zip(tables, before))
+
+
+def test_a_non_finite_gradient_or_update_raises_and_writes_nothing():
+    g = torch.Generator().manual_seed(4)
+    tables = _tables(g)
+    before = [t.clone() for t in tables]
+    grad = torch.ones(2 * 4)
+    grad[5] = float("nan")
+    with pytest.raises(ops.NonFinite):
+        ops.sgd_rows_(tables, torch.tensor([1, 2]), [2, 0], grad, alpha=-1.0)
+    assert all(torch.equal(a, b) for a, b in zip(tables, before))
+    weight = torch.zeros(5, 3)
+    state = {"sum": torch.zeros(5, 3)}
+    with pytest.raises(ops.NonFinite):
+        ops.optimizer_rows("adagrad", torch.tensor([1]), torch.tensor([[1.0, float("inf"), 0.0]]), grad_scale=1.0,
+                           weight=weight, state=state, lr=0.1, eps=1e-8, weight_decay=0.0, beta1=0.9, beta2=0.999)
+    assert torch.equal(weight, torch.zeros(5, 3)) and torch.equal(state["sum"], torch.zeros(5, 3))
+
+
+# -- native against the reference ------------------------------------------------------------------
+
+def _equal(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def _layout(g: torch.Generator, *, num_servers: int, ntab: int, nf: int):
+    """A random collection: tables of 1-40 rows (the last of three or more: none), 1-3 shards
+    each on random servers, features mapped to tables (every table has at least one)."""
+    rows = torch.randint(1, 41, (ntab,), generator=g)
+    if ntab >= 3:
+        rows[-1] = 0
+    row_base = torch.cat([rows.new_zeros(1), rows.cumsum(0)])
+    shards = torch.randint(1, 4, (ntab,), generator=g)
+    width = int(shards.max())
+    server_rank = torch.full((ntab, width), -1, dtype=torch.int64)
+    for t in range(ntab):
+        server_rank[t, : int(shards[t])] = torch.randint(0, num_servers, (int(shards[t]),), generator=g)
+    feature_table = torch.cat([torch.arange(ntab), torch.randint(0, ntab, (nf - ntab,), generator=g)])
+    return rows, row_base, shards, server_rank, feature_table
+
+
+def _batch(g: torch.Generator, rows: torch.Tensor, feature_table: torch.Tensor, b: int, max_len: int):
+    """Feature-major bags of random length (some empty; all of a table without rows), ids with
+    many repeats."""
+    bag_rows = rows.index_select(0, feature_table).repeat_interleave(b)
+    lengths = torch.randint(0, max_len + 1, (feature_table.numel() * b,), generator=g) * (bag_rows > 0)
+    per_id_rows = torch.repeat_interleave(bag_rows, lengths)
+    return (torch.rand(per_id_rows.shape, generator=g) * per_id_rows).long(), lengths
+
+
+def _route_both(*args, **kw) -> tuple[ops.Route, ops.Route]:
+    return ops.route(*args, **kw), ref.route(*args, **kw)
+
+
+@native
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("pooling", ["sum", "mean", "weighted"])
+@pytest.mark.parametrize("sample_major", [True, False])
+def test_route_equals_the_reference(seed, pooling, sample_major):
+    g = torch.Generator().manual_seed(seed)
+    num_servers, ntab = 1 + seed % 3, 1 + seed % 4
+    nf = ntab + seed % 3
+    rows, row_base, shards, server_rank, feature_table = _layout(g, num_servers=num_servers, ntab=ntab, nf=nf)
+    b = 1 + seed * 3
+    ids, lengths = _batch(g, rows, feature_table, b, max_len=1 + seed)
+    weights = torch.rand(ids.shape, generator=g) if pooling == "weighted" else None
+    got, want = _route_both(ids, lengths, feature_table, row_base, shards, server_rank, num_servers=num_servers,
+                            batch_size=b, weights=weights, mean=pooling == "mean", sample_major=sample_major)
+    assert got.num_unique == want.num_unique == got.requests_ids.numel()
+    for field in ("requests_ids", "per", "raw", "idx", "offsets", "weights", "grad_bags", "grad_offsets",
+                  "grad_scale"):
+        assert _equal(getattr(got, field), getattr(want, field)), field
+
+
+@native
+def test_route_of_empty_batches_and_int32_ids_equals_the_reference():
+    g = torch.Generator().manual_seed(7)
+    rows, row_base, shards, server_rank, feature_table = _layout(g, num_servers=2, ntab=2, nf=3)
+    kw = dict(num_servers=2, batch_size=4)
+    empty = torch.zeros(0, dtype=torch.int64), torch.zeros(12, dtype=torch.int64)
+    for mean in (False, True):
+        got, want = _route_both(*empty, feature_table, row_base, shards, server_rank, mean=mean, **kw)
+        assert got.num_unique == want.num_unique == 0
+        for field in ("requests_ids", "per", "raw", "idx", "offsets", "grad_bags", "grad_offsets", "grad_scale"):
+            assert _equal(getattr(got, field), getattr(want, field)), field
+    ids, lengths = _batch(g, rows, feature_table, 4, max_len=3)
+    got, want = _route_both(ids.int(), lengths.int(), feature_table, row_base, shards, server_rank, **kw)
+    assert _equal(got.requests_ids, want.requests_ids) and _equal(got.idx, want.idx)
+    one = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)  # no features at all
+    got, want = _route_both(*one, feature_table[:0], row_base, shards, server_rank, **kw)
+    assert _equal(got.offsets, want.offsets) and _equal(got.per, want.per)
+
+
+@native
+def test_route_names_the_first_id_outside_its_table_like_the_reference():
+    g = torch.Generator().manual_seed(8)
+    rows, row_base, shards, server_rank, feature_table = _layout(g, num_servers=2, ntab=3, nf=3)
+    ids, lengths = _batch(g, rows, feature_table, 5, max_len=3)
+    assert ids.numel() > 4
+    ids[3], ids[-1] = -1, 10**6
+    errors = []
+    for fn in (ops.route, ref.route):
+        with pytest.raises(ops.RowOutOfRange) as caught:
+            fn(ids, lengths, feature_table, row_base, shards, server_rank, num_servers=2, batch_size=5)
+        e = caught.value
+        errors.append((e.table, e.position, e.row, e.rows))
+    assert errors[0] == errors[1] and errors[0][1:3] == (3, -1)
+
+
+def _counts(g: torch.Generator, tables: list[torch.Tensor], n: int) -> tuple[torch.Tensor, list[int]]:
+    counts = [int(c) for c in torch.randint(0, n + 1, (len(tables),), generator=g)]
+    counts[-1] = 0 if len(tables) > 1 else counts[-1]  # a table asked for nothing
+    ids = torch.cat([torch.randint(0, t.shape[0], (c,), generator=g) for t, c in zip(tables, counts)])
+    return ids, counts
+
+
+def _row_tables(g: torch.Generator, dtype: torch.dtype, dims=(4, 7, 64, 1)) -> list[torch.Tensor]:
+    return [torch.randn(int(torch.randint(1, 50, (1,), generator=g)), d, generator=g).to(dtype) for d in dims]
+
+
+@native
+@pytest.mark.parametrize("table_dtype", ROW_DTYPES)
+@pytest.mark.parametrize("out_dtype", ROW_DTYPES)
+def test_gather_rows_equals_the_reference(table_dtype, out_dtype):
+    g = torch.Generator().manual_seed(10)
+    tables = _row_tables(g, table_dtype)
+    ids, counts = _counts(g, tables, 40)
+    got = ops.gather_rows(tables, ids, counts, dtype=out_dtype)
+    assert _equal(got, ref.gather_rows(tables, ids, counts, dtype=out_dtype))
+    out_n, out_r = torch.full((got.numel() + 5,), 7.0).to(out_dtype), torch.full((got.numel() + 5,), 7.0).to(out_dtype)
+    ops.gather_rows(tables, ids, counts, out=out_n)
+    ref.gather_rows(tables, ids, counts, out=out_r)
+    assert _equal(out_n, out_r)
+    assert _equal(ops.gather_rows(tables, ids[:0], [0] * len(tables)), torch.empty(0, dtype=torch.float32))
+
+
+@native
+@pytest.mark.parametrize("table_dtype", ROW_DTYPES)
+@pytest.mark.parametrize("grad_dtype", ROW_DTYPES)
+def test_sgd_rows_equals_the_reference(table_dtype, grad_dtype):
+    g = torch.Generator().manual_seed(11)
+    tables = _row_tables(g, table_dtype)
+    ids, counts = _counts(g, tables, 60)  # many repeats: tables hold 1-49 rows
+    grad = torch.randn(sum(c * t.shape[1] for c, t in zip(counts, tables)), generator=g).to(grad_dtype)
+    got, want = [t.clone() for t in tables], [t.clone() for t in tables]
+    ops.sgd_rows_(got, ids, counts, grad, alpha=-0.37)
+    ref.sgd_rows_(want, ids, counts, grad, alpha=-0.37)
+    assert all(_equal(a, b) for a, b in zip(got, want))
+    ops.sgd_rows_(got, ids[:0], [0] * len(tables), grad[:0], alpha=-0.37)
+    assert all(_equal(a, b) for a, b in zip(got, want))
+
+
+@native
+@pytest.mark.parametrize("grad_dtype", ROW_DTYPES)
+@pytest.mark.parametrize("ids_kind", ["repeats", "ascending", "empty"])
+def test_sum_rows_equals_the_reference(grad_dtype, ids_kind):
+    g = torch.Generator().manual_seed(12)
+    n = {"repeats": 300, "ascending": 40, "empty": 0}[ids_kind]
+    ids = torch.randint(0, 50, (n,), generator=g)
+    if ids_kind == "ascending":  # one trainer's deduplicated ids
+        ids = torch.randperm(100, generator=g)[:n].sort().values
+    grads = torch.randn(n, 13, generator=g).to(grad_dtype)
+    for scale in (1.0, 0.5, 1 / 3):
+        got = ops.sum_rows(ids, grads, scale=scale, num_rows=100)
+        want = ref.sum_rows(ids, grads, scale=scale, num_rows=100)
+        assert _equal(got[0], want[0]) and _equal(got[1], want[1])
+
+
+def _state(g: torch.Generator, kind: str, rows: int, dim: int) -> dict[str, torch.Tensor]:
+    if kind == "adagrad":
+        return {"sum": torch.rand(rows, dim, generator=g)}
+    if kind == "rowwise_adagrad":
+        return {"sum": torch.rand(rows, generator=g)}
+    if kind == "adam":
+        return {"exp_avg": torch.randn(rows, dim, generator=g) * 0.1,
+                "exp_avg_sq": torch.rand(rows, dim, generator=g) * 0.01,
+                "step": torch.randint(0, 40, (rows,), generator=g).float()}
+    return {}
+
+
+@native
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dim", [1, 3, 16, 64, 100])
+@pytest.mark.parametrize("decay_scale", [(0.0, 1.0), (0.01, 0.5)])
+def test_optimizer_rows_equals_the_reference(kind, dim, decay_scale):
+    weight_decay, grad_scale = decay_scale
+    g = torch.Generator().manual_seed(13 + dim)
+    weight = torch.randn(200, dim, generator=g)
+    state = _state(g, kind, 200, dim)
+    rows = torch.randperm(200, generator=g)[:77]
+    grads = torch.randn(77, dim, generator=g)
+    for beta1, beta2 in ((0.9, 0.999), (0.3, 0.5)):  # lerp's weight below and above 1/2
+        hyper = dict(grad_scale=grad_scale, weight=weight, state=state, lr=0.05, eps=1e-8,
+                     weight_decay=weight_decay, beta1=beta1, beta2=beta2)
+        w_n, s_n = ops.optimizer_rows(kind, rows, grads, **hyper)
+        w_r, s_r = ref.optimizer_rows(kind, rows, grads, **hyper)
+        assert _equal(w_n, w_r)
+        assert s_n.keys() == s_r.keys() and all(_equal(s_n[k], s_r[k]) for k in s_r)
+
+
+@native
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("weight_dtype", ROW_DTYPES)
+@pytest.mark.parametrize("grad_dtype", ROW_DTYPES)
+def test_optimizer_rows_of_16_bit_rows_and_no_rows_equal_the_reference(kind, weight_dtype, grad_dtype):
+    g = torch.Generator().manual_seed(14)
+    weight = torch.randn(60, 24, generator=g).to(weight_dtype)
+    state = _state(g, kind, 60, 24)
+    rows = torch.randperm(60, generator=g)[:33]
+    grads = torch.randn(33, 24, generator=g).to(grad_dtype)
+    hyper = dict(grad_scale=1.0, weight=weight, state=state, lr=0.1, eps=1e-6, weight_decay=0.0,
+                 beta1=0.9, beta2=0.999)
+    for r, gr in ((rows, grads), (rows[:0], grads[:0])):
+        w_n, s_n = ops.optimizer_rows(kind, r, gr, **hyper)
+        w_r, s_r = ref.optimizer_rows(kind, r, gr, **hyper)
+        assert _equal(w_n, w_r) and all(_equal(s_n[k], s_r[k]) for k in s_r)
+
+
+@native
+@pytest.mark.parametrize("kind", ["rowwise_adagrad", "adam"])
+def test_rows_split_over_threads_equal_the_reference(kind):
+    g = torch.Generator().manual_seed(15)
+    weight = torch.randn(30000, 32, generator=g)
+    state = _state(g, kind, 30000, 32)
+    rows = torch.randperm(30000, generator=g)[:9000]  # several tasks of rows
+    grads = torch.randn(9000, 32, generator=g)
+    grads[7001, 3] = float("inf")  # the failure found in a later task is still the first
+    grads[8500, 0] = float("nan")
+    hyper = dict(grad_scale=1.0, weight=weight, state=state, lr=0.1, eps=1e-8, weight_decay=0.0, beta1=0.9,
+                 beta2=0.999)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        good = torch.ones(9000, dtype=torch.bool)
+        good[[7001, 8500]] = False
+        w_n, s_n = ops.optimizer_rows(kind, rows[good], grads[good], **hyper)
+        w_r, s_r = ref.optimizer_rows(kind, rows[good], grads[good], **hyper)
+        assert _equal(w_n, w_r) and all(_equal(s_n[k], s_r[k]) for k in s_r)
+        with pytest.raises(ops.NonFinite, match=f"for 2 rows .*row {int(rows[7001])}"):
+            ops.optimizer_rows(kind, rows, grads, **hyper)
+        tables = [weight, weight[:7].clone(), weight[:100].to(torch.bfloat16)]  # tasks span tables
+        ids = torch.randint(0, 7, (20000,), generator=g)
+        for counts in ([15000, 0, 5000], [1, 1, 19998], [20000, 0, 0]):
+            assert _equal(ops.gather_rows(tables, ids, counts), ref.gather_rows(tables, ids, counts))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@native
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+def test_sgd_rows_over_threads_keeps_the_order_of_a_table_listed_twice(table_dtype):
+    g = torch.Generator().manual_seed(20)
+    a, b = torch.randn(50, 8, generator=g).to(table_dtype), torch.randn(9, 8, generator=g).to(table_dtype)
+    counts = [3000, 3000, 3000]
+    ids = torch.cat([torch.randint(0, 50, (3000,), generator=g), torch.randint(0, 9, (3000,), generator=g),
+                     torch.randint(0, 50, (3000,), generator=g)])
+    grad = torch.randn(9000 * 8, generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, want = [a.clone(), b.clone()], [a.clone(), b.clone()]
+        ops.sgd_rows_([got[0], got[1], got[0]], ids, counts, grad, alpha=-0.1)
+        ref.sgd_rows_([want[0], want[1], want[0]], ids, counts, grad, alpha=-0.1)
+        assert all(_equal(x, y) for x, y in zip(got, want))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@native
+@pytest.mark.parametrize("dst_dtype", ROW_DTYPES)
+@pytest.mark.parametrize("src_dtype", ROW_DTYPES)
+def test_scatter_rows_equals_the_reference(dst_dtype, src_dtype):
+    g = torch.Generator().manual_seed(16)
+    for shape, src_shape in (((40, 6), (17, 6)), ((40,), (17,))):  # weight rows, per-row state
+        dst = torch.randn(*shape, generator=g).to(dst_dtype)
+        rows = torch.randperm(40, generator=g)[:17]
+        src = torch.randn(*src_shape, generator=g).to(src_dtype)
+        got, want = dst.clone(), dst.clone()
+        ops.scatter_rows_(got, rows, src)
+        ref.scatter_rows_(want, rows, src)
+        assert _equal(got, want)
+
+
+@native
+def test_each_operator_names_an_id_outside_its_table_like_the_reference_and_writes_nothing():
+    g = torch.Generator().manual_seed(17)
+    tables = _row_tables(g, torch.float32, dims=(4, 3))
+    rows0 = tables[0].shape[0]
+    ids, counts = torch.tensor([0, rows0, 1, 2]), [3, 1]
+    grad = torch.ones(3 * 4 + 3)
+    weight, state = tables[0], {"sum": torch.zeros(rows0)}
+    calls = {
+        "gather_rows": lambda m, ts: m.gather_rows(ts, ids, counts),
+        "sgd_rows_": lambda m, ts: m.sgd_rows_(ts, ids, counts, grad, alpha=-1.0),
+        "sum_rows": lambda m, ts: m.sum_rows(torch.tensor([1, -2, 0]), torch.ones(3, 2), scale=1.0, num_rows=5),
+        "optimizer_rows": lambda m, ts: m.optimizer_rows(
+            "rowwise_adagrad", torch.tensor([1, rows0 + 3]), torch.ones(2, 4), grad_scale=1.0, weight=ts[0],
+            state=state, lr=0.1, eps=1e-8, weight_decay=0.0, beta1=0.9, beta2=0.999),
+    }
+    for name, call in calls.items():
+        fields = []
+        for module in (ops, ref):
+            ts = [t.clone() for t in tables]
+            with pytest.raises(ops.RowOutOfRange) as caught:
+                call(module, ts)
+            e = caught.value
+            fields.append((e.table, e.position, e.row, e.rows))
+            assert all(_equal(a, b) for a, b in zip(ts, tables)), name
+        assert fields[0] == fields[1], name
+    dst = weight.clone()
+    with pytest.raises(IndexError):  # the reference's index_copy_ raises IndexError, a base of RowOutOfRange
+        ops.scatter_rows_(dst, torch.tensor([0, rows0]), torch.ones(2, 4))
+    assert _equal(dst, weight)
+
+
+@native
+@pytest.mark.parametrize("table_dtype", ROW_DTYPES)
+def test_sgd_rows_refuses_non_finite_gradients_and_writes_nothing(table_dtype):
+    g = torch.Generator().manual_seed(18)
+    tables = _row_tables(g, table_dtype, dims=(4, 3))
+    ids, counts = _counts(g, tables[:1], 10)
+    ids, counts = torch.cat([ids, torch.tensor([0, 1])]), counts + [2]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        grad = torch.randn(counts[0] * 4 + 6, generator=g)
+        grad[-2] = bad
+        before = [t.clone() for t in tables]
+        for module in (ops, ref):
+            with pytest.raises(ops.NonFinite):
+                module.sgd_rows_(tables, ids, counts, grad, alpha=-1.0)
+            assert all(_equal(a, b) for a, b in zip(tables, before))
+
+
+@native
+def test_optimizer_rows_refuses_a_non_finite_new_weight_like_the_reference():
+    weight = torch.zeros(5, 3)
+    weight[2, 1] = float("inf")  # the row's update is not finite although its gradient is
+    for kind in KINDS:
+        state = _state(torch.Generator().manual_seed(19), kind, 5, 3)
+        for module in (ops, ref):
+            with pytest.raises(ops.NonFinite):
+                module.optimizer_rows(kind, torch.tensor([0, 2]), torch.ones(2, 3), grad_scale=1.0, weight=weight,
+                                      state=state, lr=0.1, eps=1e-8, weight_decay=0.0, beta1=0.9, beta2=0.999)
+
+
+# -- refusals of malformed arguments (TORCH_CHECK in the operators) ----------------------------------
+
+@native
+def test_a_wrong_dtype_raises_type_error_naming_the_argument():
+    t = [torch.randn(10, 4)]
+    ids = torch.tensor([1, 2])
+    with pytest.raises(TypeError, match="ids must be int64, got Float"):
+        ops.gather_rows(t, ids.float(), [2])
+    with pytest.raises(TypeError, match=r"tables\[0\] must be float32, bfloat16 or float16, got Double"):
+        ops.gather_rows([t[0].double()], ids, [2])
+    with pytest.raises(TypeError, match="out must be float32, bfloat16 or float16, got Int"):
+        ops.gather_rows(t, ids, [2], out=torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(TypeError, match="grad must be float32, bfloat16 or float16, got Double"):
+        ops.sgd_rows_(t, ids, [2], torch.ones(8, dtype=torch.float64), alpha=-1.0)
+    with pytest.raises(TypeError, match=r"state\[0\] must be float32, got Double"):
+        ops.optimizer_rows("adagrad", ids, torch.ones(2, 4), grad_scale=1.0, weight=t[0],
+                           state={"sum": torch.zeros(10, 4, dtype=torch.float64)}, lr=0.1, eps=1e-8,
+                           weight_decay=0.0, beta1=0.9, beta2=0.999)
+    with pytest.raises(TypeError, match="weights must be float32, got Double"):
+        ops.route(ids, torch.tensor([2]), torch.tensor([0]), torch.tensor([0, 10]), torch.tensor([1]),
+                  torch.tensor([[0]]), num_servers=1, batch_size=1, weights=torch.ones(2, dtype=torch.float64))
+    with pytest.raises(TypeError, match="feature_table must be int64, got Int"):
+        torch.ops.hybrid.route(ids, torch.tensor([2]), torch.tensor([0], dtype=torch.int32), torch.tensor([0, 10]),
+                               torch.tensor([1]), torch.tensor([[0]]), 1, 1, None, False, True)
+
+
+@native
+def test_a_wrong_shape_or_layout_raises_value_error_naming_the_argument():
+    t = [torch.randn(10, 4)]
+    ids = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match="counts sum to 3 but ids holds 2"):
+        ops.gather_rows(t, ids, [3])
+    with pytest.raises(ValueError, match="counts has 2 entries for 1 tables"):
+        ops.gather_rows(t, ids, [1, 1])
+    with pytest.raises(ValueError, match="out holds 4 elements; the rows need 8"):
+        ops.gather_rows(t, ids, [2], out=torch.zeros(4))
+    with pytest.raises(ValueError, match=r"tables\[0\] must be contiguous"):
+        ops.sgd_rows_([torch.randn(4, 10).t()], ids, [2], torch.ones(8), alpha=-1.0)
+    with pytest.raises(ValueError, match="grad holds 6 elements; the rows need 8"):
+        ops.sgd_rows_(t, ids, [2], torch.ones(6), alpha=-1.0)
+    with pytest.raises(ValueError, match=r"grads must be \[len\(ids\), dim\]"):
+        ops.sum_rows(ids, torch.ones(3, 4), scale=1.0, num_rows=10)
+    with pytest.raises(ValueError, match=r"grads must be \[len\(rows\), dim\] = \[2, 4\]"):
+        ops.optimizer_rows("sgd", ids, torch.ones(2, 5), grad_scale=1.0, weight=t[0], state={}, lr=0.1, eps=1e-8,
+                           weight_decay=0.0, beta1=0.9, beta2=0.999)
+    with pytest.raises(ValueError, match=r"state\[0\] must be \[10\] \(one value per row\)"):
+        ops.optimizer_rows("rowwise_adagrad", ids, torch.ones(2, 4), grad_scale=1.0, weight=t[0],
+                           state={"sum": torch.zeros(10, 4)}, lr=0.1, eps=1e-8, weight_decay=0.0, beta1=0.9,
+                           beta2=0.999)
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
+        ops.optimizer_rows("lamb", ids, torch.ones(2, 4), grad_scale=1.0, weight=t[0], state={}, lr=0.1, eps=1e-8,
+                           weight_decay=0.0, beta1=0.9, beta2=0.999)
+    with pytest.raises(ValueError, match="optimizer kind must be one of sgd, adagrad, rowwise_adagrad, adam"):
+        torch.ops.hybrid.optimizer_rows("lamb", ids, torch.ones(2, 4), 1.0, t[0], [], 0.1, 1e-8, 0.0, 0.9, 0.999)
+    with pytest.raises(ValueError, match=r"src must be \[len\(rows\), dim\] = \[2, 4\]"):
+        ops.scatter_rows_(t[0], ids, torch.ones(2, 3))
+    with pytest.raises(ValueError, match="lengths sum to 3 but ids holds 2"):
+        ops.route(ids, torch.tensor([3]), torch.tensor([0]), torch.tensor([0, 10]), torch.tensor([1]),
+                  torch.tensor([[0]]), num_servers=1, batch_size=1)
+    with pytest.raises(ValueError, match=r"server_rank\[0, 0\] = 3 is not a server in \[0, 2\)"):
+        ops.route(ids, torch.tensor([2]), torch.tensor([0]), torch.tensor([0, 10]), torch.tensor([1]),
+                  torch.tensor([[3]]), num_servers=2, batch_size=1)
+    with pytest.raises(ValueError, match="ids must be on the CPU, got meta"):
+        torch.ops.hybrid.gather_rows(t, ids.to("meta"), [2], torch.zeros(8))
+
+
+# -- the fallback ------------------------------------------------------------------------------------
+
+def test_without_the_extension_the_reference_runs_after_one_warning():
+    code = textwrap.dedent("""
+        import sys, warnings
+        sys.modules["hybrid._C"] = None  # as if the extension were not built
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import hybrid.ops as ops
+            import hybrid.ops  # a second import warns no more
+        from hybrid.ops import reference
+        assert not ops.AVAILABLE
+        assert len(caught) == 1 and caught[0].category is RuntimeWarning, caught
+        assert str(caught[0].message).startswith(
+            "hybrid.ops: hybrid._C does not load (import of hybrid._C halted; None in sys.modules); using the "
+            "plain-torch operators of hybrid.ops.reference"), caught[0].message
+        assert all(getattr(ops, n) is getattr(reference, n) for n in
+                   ("route", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows", "scatter_rows_"))
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
