@@ -134,8 +134,11 @@ def test_a_silent_server_is_named_after_the_timeout_and_a_closed_one_at_once(ser
     assert trainer.send(_lookup(0)) is None, "a broken channel sends nothing more"
     trainer.close()
 
-    trainer, end, _ = _pair()
-    end.close()  # as a server that died
+    trainer, end, fallback = _pair()
+    fut = trainer.send(_lookup(9))  # waits for step 8 ...
+    end.close()  # ... when the server dies
     with pytest.raises(ChannelError, match="ps0 closed the shared-memory channel: EOF"):
-        trainer.send(_lookup(9)).wait()
+        fut.wait()
+    msg = _lookup(0)
+    assert trainer.send(msg) is None and fallback.sent == [msg]  # RPC then names the server
     trainer.close()
