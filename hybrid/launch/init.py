@@ -68,6 +68,9 @@ class RuntimeOptions:
         if self.ps_channel not in channel.MODES:
             raise PlanError(f"got {self.ps_channel!r}; expected one of {', '.join(channel.MODES)}",
                             category="bad_value", key="ps_channel")
+        if not self.kill_grace_s >= 0:
+            raise PlanError(f"got {self.kill_grace_s!r}; expected a number of seconds >= 0", category="bad_value",
+                            key="kill_grace_s")
     huge_pages: bool = True
     """Parameter servers keep tables and optimizer state in transparent huge pages (where the
     kernel allows, see :mod:`hybrid.ps.memory`): fewer TLB misses on the scattered rows of every
@@ -86,6 +89,9 @@ class RuntimeOptions:
     address: str = "127.0.0.1"
     """Address every listening socket binds to. Loopback by default; set to the node's own
     interface address for multi-node runs, on a trusted network only."""
+    kill_grace_s: float = 5.0
+    """Once one process of a ``hybrid launch`` job fails, the others get this long after SIGTERM
+    before SIGKILL (torchrun's ``--shutdown-timeout``): a hung process ends too."""
 
 
 def _loopback_ifname() -> str | None:

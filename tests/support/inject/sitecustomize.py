@@ -5,7 +5,8 @@ test that puts this folder on ``PYTHONPATH`` gets this file run in every process
 ``HYBRID_TEST_FAULT=RANK:METHOD:N`` the worker of global rank ``RANK`` SIGKILLs itself on the
 ``N``-th call of ``hybrid.ps.server.CollectionShard.METHOD`` -- only in torchrun's first attempt
 (``TORCHELASTIC_RESTART_COUNT`` 0), so the restarted job runs clean. Nothing happens without the
-variable, and nothing of this is in the product.
+variable, and nothing of this is in the product. With ``HYBRID_TEST_FAULT_SIGNAL=SIGSTOP`` the
+worker stops itself instead (a hung process), after printing the time it did.
 """
 
 import os
@@ -22,12 +23,17 @@ if _spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and \
     _original = getattr(_srv.CollectionShard, _method)
     _calls = [0]
 
+    _signal = getattr(signal, os.environ.get("HYBRID_TEST_FAULT_SIGNAL", "SIGKILL"))
+
     def _wrapped(self, *args, **kwargs):
+        import time
+
         _calls[0] += 1
         if _calls[0] >= int(_n):
-            print(f"fault injection: rank {_rank} kills itself in CollectionShard.{_method} (call {_calls[0]})",
-                  file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            verb = "stops" if _signal == signal.SIGSTOP else "kills"
+            print(f"fault injection: rank {_rank} {verb} itself in CollectionShard.{_method} (call {_calls[0]}) "
+                  f"at {time.time():.3f}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), _signal)
         return _original(self, *args, **kwargs)
 
     setattr(_srv.CollectionShard, _method, _wrapped)
