@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -133,8 +134,9 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_launch_main)
 
 
-def _check_train(argv: Sequence[str], world_size: int) -> tuple[int, str]:
-    """Exit status of checking a ``train`` command's plan and config, and the address to listen on."""
+def _check_train(argv: Sequence[str], world_size: int):
+    """Exit status of checking a ``train`` command's plan and config, and its runtime options."""
+    from hybrid.launch.init import RuntimeOptions
     from hybrid.train.loop import load_run
 
     args = build_parser().parse_args(["train", *argv])
@@ -142,16 +144,20 @@ def _check_train(argv: Sequence[str], world_size: int) -> tuple[int, str]:
         _, cfg, _, _ = load_run(args.plan, args.config, args.overrides, world_size)
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE, ""
-    return 0, cfg.runtime.address
+        return EXIT_USAGE, RuntimeOptions()
+    return 0, cfg.runtime
 
 
-def launch_command(nproc: int, command: Sequence[str], max_restarts: int = 0, address: str = "127.0.0.1") -> list[str]:
-    """The torchrun command line ``hybrid launch`` runs: a local rendezvous on a free port, and
-    every store torchrun hosts listening on ``address`` only (:mod:`hybrid.launch.torchrun`)."""
+def launch_command(nproc: int, command: Sequence[str], max_restarts: int = 0, address: str = "127.0.0.1",
+                   kill_grace_s: float = 5.0) -> list[str]:
+    """The torchrun command line ``hybrid launch`` runs: a local rendezvous on a free port, every
+    store torchrun hosts listening on ``address`` only (:mod:`hybrid.launch.torchrun`), no log
+    directory (torchrun would make one in the system's temp folder and leave it), and
+    ``kill_grace_s`` between SIGTERM and SIGKILL once a process fails."""
     return [
         sys.executable, "-m", "hybrid.launch.torchrun", "--address", address, "--standalone",
-        f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "-m", "hybrid.cli", *command,
+        f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", f"--log-dir={os.devnull}",
+        f"--shutdown-timeout={math.ceil(kill_grace_s)}", "-m", "hybrid.cli", *command,
     ]
 
 
@@ -168,15 +174,18 @@ def _launch_main(args: argparse.Namespace) -> int:
     if not command:
         print("error: launch: no command; e.g. hybrid launch -n 3 train --plan conf/plans/dlrm.yaml", file=sys.stderr)
         return EXIT_USAGE
-    address = "127.0.0.1"
+    from hybrid.launch.init import RuntimeOptions
+
+    runtime = RuntimeOptions()
     if command[0] == "train":  # check plan and config here: a mistake is one message, exit 2
-        status, address = _check_train(command[1:], args.nproc)
+        status, runtime = _check_train(command[1:], args.nproc)
         if status:
             return status
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; said here so it is not a surprise
     try:
-        return subprocess.call(launch_command(args.nproc, command, args.max_restarts, address), env=env)
+        return subprocess.call(launch_command(args.nproc, command, args.max_restarts, runtime.address,
+                                              runtime.kill_grace_s), env=env)
     except KeyboardInterrupt:
         return 130
 

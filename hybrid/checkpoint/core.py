@@ -389,10 +389,11 @@ class Checkpoint:
                     args=(coll.cid, str(self.path), self.step, match[0]["tables"]), timeout=timeout_s)))
         for coll, s, fut in futures:
             try:
-                fut.wait()
+                answer = fut.wait()
             except Exception as e:  # noqa: BLE001
-                raise CheckpointError(f"parameter server {coll.server_names[s]} could not load {coll.cid}: "
-                                      f"{_remote_message(e)}") from None
+                answer = _remote_message(e)
+            if isinstance(answer, str):
+                raise CheckpointError(f"parameter server {coll.server_names[s]} could not load {coll.cid}: {answer}")
 
     def _read_rng(self, rank: int) -> dict[str, Any] | None:
         rel = f"trainers/trainer{rank}.pt"

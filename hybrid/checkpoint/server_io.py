@@ -22,7 +22,7 @@ from urllib.parse import quote
 import torch
 import torch.distributed.rpc as rpc
 
-from hybrid.checkpoint.files import FileEntry, entry_for, load_tensors, save_tensors
+from hybrid.checkpoint.files import CheckpointError, FileEntry, entry_for, load_tensors, save_tensors
 from hybrid.ps.server.service import server
 from hybrid.ps.server.shard import TableShard
 
@@ -85,10 +85,19 @@ def rpc_save_collection(cid: str, ckpt: str, step: int, after_step: int):
     return fut
 
 
-def rpc_load_collection(cid: str, ckpt: str, step: int, saved: list[dict[str, Any]]) -> int:
+def rpc_load_collection(cid: str, ckpt: str, step: int, saved: list[dict[str, Any]]) -> int | str:
     """Fill this server's shards of ``cid`` from the saved tables ``saved`` (the manifest's
     entries of this collection, with their file entries), then continue step bookkeeping from
-    ``step``: lookups of step ``step`` are answered at once. Returns the rows loaded."""
+    ``step``: lookups of step ``step`` are answered at once. Returns the rows loaded, or the
+    message of a checkpoint that cannot be loaded (a user's mistake or a bad file: an answer, not
+    a server failure)."""
+    try:
+        return _load_collection(cid, ckpt, step, saved)
+    except (CheckpointError, KeyError, ValueError) as e:
+        return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+
+
+def _load_collection(cid: str, ckpt: str, step: int, saved: list[dict[str, Any]]) -> int:
     shard = server().shard(cid)
     by_name = {s["name"]: s for s in saved}
     loaded = 0

@@ -65,6 +65,9 @@ class RuntimeOptions:
     address: str = "127.0.0.1"
     """Address every listening socket binds to. Loopback by default; set to the node's own
     interface address for multi-node runs, on a trusted network only."""
+    kill_grace_s: float = 5.0
+    """Once one process of a ``hybrid launch`` job fails, the others get this long after SIGTERM
+    before SIGKILL (torchrun's ``--shutdown-timeout``): a hung process ends too."""
 
 
 def _loopback_ifname() -> str | None:

@@ -59,7 +59,7 @@ def release_servers(role: Role, timeout_s: float) -> None:
         f.wait()
 
 
-def unreachable_peers(role: Role, timeout_s: float = 2.0) -> list[str]:
+def unreachable_peers(role: Role, timeout_s: float = 1.0) -> list[str]:
     """The other processes of the job that do not answer a ping within ``timeout_s`` (for the
     message of a failing process: which peer is gone, whatever error this process saw first)."""
     names = [n for n in [*role.trainer_names, *role.server_names] if n != role.name]

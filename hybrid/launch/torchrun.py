@@ -111,9 +111,46 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
     install(address)
+    _honour_shutdown_timeout(argv)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    torchrun_main(argv)
+    try:
+        torchrun_main(argv)
+    except ChildFailedError as e:
+        sys.exit(_exit_status(e))
+
+
+def _honour_shutdown_timeout(argv: list[str]) -> None:
+    """Make ``--shutdown-timeout`` the grace between SIGTERM and SIGKILL whenever torchrun stops
+    its workers. torch 2.13 passes it to the agent's final shutdown only: when a worker fails,
+    the process context closes the others itself with a fixed 30 s, so a hung worker would
+    outlive the failure by 30 s whatever the flag says."""
+    grace = _flag(argv, "--shutdown-timeout")
+    if grace is None:
+        return
+    from torch.distributed.elastic.multiprocessing import api as mp_api
+
+    close = mp_api.PContext.close
+
+    def close_within_grace(self, death_sig=None, timeout: int = 30) -> None:  # noqa: ANN001 - torch's signature
+        close(self, death_sig, min(timeout, int(grace)))
+
+    mp_api.PContext.close = close_within_grace
+
+
+def _exit_status(e) -> int:
+    """The job's exit status from torchrun's failure report, without its traceback: each hybrid
+    process has said what went wrong itself. A process that exited 2 (a mistake the user can fix,
+    already named on one line) makes it 2; one killed by a signal is named here, since it could
+    not say so itself; anything else is 1."""
+    rank, failure = e.get_first_failure()
+    codes = {f.exitcode for f in e.failures.values()}
+    if 2 in codes:
+        return 2
+    if failure.exitcode < 0:
+        print(f"error: rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -67,8 +67,11 @@ def _losses(out: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("straight")
-    res = _train(root / "out", f"checkpoint.dir={root / 'ckpt'}", env={KEY_ENV: KEY})  # a signed checkpoint
+    tmp = root / "tmp"
+    tmp.mkdir()
+    res = _train(root / "out", f"checkpoint.dir={root / 'ckpt'}", env={KEY_ENV: KEY, "TMPDIR": str(tmp)})  # signed
     assert res.returncode == 0, res.output
+    assert not list(tmp.glob("torchelastic_*")), "a clean run left torchrun's log directory behind"
     return root
 
 
@@ -247,10 +250,14 @@ def test_planted_code_never_runs_on_resume_or_export(straight, tmp_path, kind):
     ckpt = latest(root)
     marker = tmp_path / "pwned"
     _plant(ckpt, kind, marker)
-    res = _train(tmp_path / "out", f"checkpoint.dir={root}", "checkpoint.resume=latest")
-    assert res.returncode != 0, res.output
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    res = _train(tmp_path / "out", f"checkpoint.dir={root}", "checkpoint.resume=latest", env={"TMPDIR": str(tmp)})
+    assert res.returncode == 2, res.output
+    assert not list(tmp.glob("torchelastic_*")), "a failed run left torchrun's log directory behind"
     errors = _error_lines(res)
     assert len(errors) == 1 and ("weights_only=True" in errors[0] or "not allowed" in errors[0]), res.output
+    assert "Traceback" not in res.output, res.output
     exported = run_hybrid(["export", str(root), str(tmp_path / "model.pt")], timeout=120)
     if kind in ("dcp_tensor_as_bytes", "dcp_metadata", "table_shard"):  # what export reads
         assert exported.returncode == 2 and len(_error_lines(exported)) == 1, exported.output
@@ -279,5 +286,5 @@ def test_with_the_key_a_rewritten_manifest_is_refused(straight, tmp_path):
     key_file.write_text(KEY)
     res = _train(tmp_path / "out", f"checkpoint.dir={root}", "checkpoint.resume=latest",
                  f"checkpoint.key_file={key_file}")
-    assert res.returncode != 0, res.output
+    assert res.returncode == 2 and "Traceback" not in res.output, res.output
     assert len(_error_lines(res)) == 1 and "does not verify" in _error_lines(res)[0], res.output

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import DistributedTestError, run_distributed
-from tests.support.cli import REPO
+from tests.support.cli import REPO, run_hybrid
 
 RPC_TIMEOUT = 8.0
 MARGIN = 25.0  # start-up on 2 busy cores and the loop's own teardown
@@ -251,3 +251,28 @@ def test_shutdown_with_rpcs_in_flight_returns_within_a_bound(tmp_path):
     for rank, (took, completed, _) in enumerate(out):
         assert completed, f"rank {rank}: an in-flight RPC did not complete before shutdown returned"
         assert took < busy + 15, f"rank {rank} took {took:.1f}s to shut down"
+
+
+def test_a_hung_server_ends_the_whole_launch_within_the_timeout_and_the_kill_grace(tmp_path):
+    """SIGSTOP the server mid-run (it neither answers nor dies): the trainers fail after
+    ``rpc_timeout_s`` naming it, and ``hybrid launch`` has ended every process, the stopped one
+    included, ``kill_grace_s`` later. Nothing is left in the temp folder."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    timeout_s, grace_s = 6.0, 5.0
+    env = {"HYBRID_TEST_FAULT": "2:gather:30", "HYBRID_TEST_FAULT_SIGNAL": "SIGSTOP", "TMPDIR": str(tmpdir),
+           "PYTHONPATH": f"{REPO / 'tests/support/inject'}:{REPO}"}
+    args = ["launch", "-n", "3", "train", "--plan", "conf/plans/dlrm.yaml", "--config", "conf/train/dlrm.yaml",
+            *[o for o in TINY if not o.startswith(("runtime.rpc_timeout_s", "runtime.shutdown_timeout_s"))],
+            f"runtime.rpc_timeout_s={timeout_s}", "runtime.shutdown_timeout_s=10", f"runtime.kill_grace_s={grace_s}",
+            f"train.out_dir={tmp_path / 'out'}"]
+    res = run_hybrid(args, timeout=240, env=env)
+    ended = time.time()
+    log = res.stdout + res.stderr
+    stopped = [float(line.rsplit(" at ", 1)[1]) for line in log.splitlines() if "rank 2 stops itself" in line]
+    assert res.returncode != 0 and stopped, res.output
+    assert "ps0" in log, res.output  # named
+    took = ended - stopped[0]
+    print(f"{took:.1f}s from the stop to the end of the launch")
+    assert took <= timeout_s + grace_s + 5.0, f"{took:.1f}s from the stop to the end of the launch\n{res.output}"
+    assert not list(tmpdir.glob("torchelastic_*")), list(tmpdir.iterdir())

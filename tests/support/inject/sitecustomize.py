@@ -6,7 +6,9 @@ Nothing happens without one of the variables, and nothing of this is in the prod
 
 - ``HYBRID_TEST_FAULT=RANK:METHOD:N``: the worker of global rank ``RANK`` SIGKILLs itself on the
   ``N``-th call of ``hybrid.ps.server.shard.CollectionShard.METHOD`` -- only in torchrun's first
-  attempt (``TORCHELASTIC_RESTART_COUNT`` 0), so the restarted job runs clean.
+  attempt (``TORCHELASTIC_RESTART_COUNT`` 0), so the restarted job runs clean. With
+  ``HYBRID_TEST_FAULT_SIGNAL=SIGSTOP`` it stops itself instead (a hung process), after printing
+  the time it did.
 - ``HYBRID_TEST_CHECKPOINT_KILL=WORKER:STEP`` (e.g. ``ps1:20``): that server SIGKILLs itself
   while writing its shards of the checkpoint of step ``STEP``, after one whole file and half of
   the next (a crash mid-save).
@@ -26,12 +28,17 @@ if _spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and \
     _original = getattr(_shard.CollectionShard, _method)
     _calls = [0]
 
+    _signal = getattr(signal, os.environ.get("HYBRID_TEST_FAULT_SIGNAL", "SIGKILL"))
+
     def _wrapped(self, *args, **kwargs):
+        import time
+
         _calls[0] += 1
         if _calls[0] >= int(_n):
-            print(f"fault injection: rank {_rank} kills itself in CollectionShard.{_method} (call {_calls[0]})",
-                  file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            verb = "stops" if _signal == signal.SIGSTOP else "kills"
+            print(f"fault injection: rank {_rank} {verb} itself in CollectionShard.{_method} (call {_calls[0]}) "
+                  f"at {time.time():.3f}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), _signal)
         return _original(self, *args, **kwargs)
 
     setattr(_shard.CollectionShard, _method, _wrapped)
