@@ -4,8 +4,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hybrid-installed
-# The native operators (hybrid._C) are built by the editable install below: editing them rebuilds.
-CSRC   := setup.py $(wildcard hybrid/ops/csrc/*.cpp hybrid/ops/csrc/*.h)
+# The native code (hybrid._C: operators, RPC transport) is built by the editable install below: editing them rebuilds.
+CSRC   := setup.py $(wildcard hybrid/ops/csrc/*.cpp hybrid/ops/csrc/*.h hybrid/launch/csrc/*.cpp)
 NPROC  ?= 3
 
 .PHONY: env demo test test-fast bench clean-env

@@ -1,4 +1,5 @@
-"""Builds hybrid's native operators (``hybrid._C``, a torch C++ extension) at install time.
+"""Builds hybrid's native code (``hybrid._C``, a torch C++ extension) at install time: the operators
+and the RPC transport that listens on ``runtime.address``.
 
 The package metadata lives in pyproject.toml; this file only adds the extension. It needs torch
 at build time (``pip install --no-build-isolation``, as ``make env`` does). Without torch there
@@ -29,9 +30,10 @@ def extensions():
               file=sys.stderr)
         return [], {}
     here = os.path.dirname(os.path.abspath(__file__))
-    csrc = os.path.join("hybrid", "ops", "csrc")
-    sources = sorted(glob.glob(os.path.join(csrc, "*.cpp"), root_dir=here))
-    headers = sorted(glob.glob(os.path.join(csrc, "*.h"), root_dir=here))  # a changed header rebuilds
+    # The operators (hybrid/ops/csrc) and the RPC transport bound to runtime.address (hybrid/launch/csrc).
+    csrc = [os.path.join("hybrid", part, "csrc") for part in ("ops", "launch")]
+    sources = sorted(f for d in csrc for f in glob.glob(os.path.join(d, "*.cpp"), root_dir=here))
+    headers = sorted(f for d in csrc for f in glob.glob(os.path.join(d, "*.h"), root_dir=here))  # a changed header rebuilds
     ext = CppExtension("hybrid._C", sources, depends=headers, extra_compile_args=CXX_FLAGS)
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}
 

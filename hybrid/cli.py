@@ -174,6 +174,7 @@ def _launch_main(args: argparse.Namespace) -> int:
     if not command:
         print("error: launch: no command; e.g. hybrid launch -n 3 train --plan conf/plans/dlrm.yaml", file=sys.stderr)
         return EXIT_USAGE
+    from hybrid.launch.address import numeric_address
     from hybrid.launch.init import RuntimeOptions
 
     runtime = RuntimeOptions()
@@ -184,8 +185,8 @@ def _launch_main(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; said here so it is not a surprise
     try:
-        return subprocess.call(launch_command(args.nproc, command, args.max_restarts, runtime.address,
-                                              runtime.kill_grace_s), env=env)
+        return subprocess.call(launch_command(args.nproc, command, args.max_restarts,
+                                              numeric_address(runtime.address), runtime.kill_grace_s), env=env)
     except KeyboardInterrupt:
         return 130
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from hybrid.launch.address import gloo_on, rpc_transports
 from hybrid.launch.roles import Role
 from hybrid.log import logger
 
@@ -68,34 +68,6 @@ class RuntimeOptions:
     kill_grace_s: float = 5.0
     """Once one process of a ``hybrid launch`` job fails, the others get this long after SIGTERM
     before SIGKILL (torchrun's ``--shutdown-timeout``): a hung process ends too."""
-
-
-def _loopback_ifname() -> str | None:
-    for _, name in socket.if_nameindex():
-        if name == "lo" or name.startswith("lo"):
-            return name
-    return None
-
-
-def _ifname_for(address: str) -> str | None:
-    """The interface that holds ``address``, for TensorPipe's TP_SOCKET_IFNAME."""
-    if address in ("127.0.0.1", "localhost", "::1"):
-        return _loopback_ifname()
-    try:
-        import fcntl
-        import struct
-
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        for _, name in socket.if_nameindex():
-            try:
-                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-            except OSError:
-                continue
-            if socket.inet_ntoa(packed[20:24]) == address:
-                return name
-    except OSError:
-        return None
-    return None
 
 
 def device_type() -> str:
@@ -178,10 +150,7 @@ def init_hybrid(
 
         service.start(role.index, service.ServerOptions(huge_pages=options.huge_pages))
     wait_for_everyone(role, init_method, options.startup_timeout_s)
-    ifname = _ifname_for(options.address)
-    if ifname:  # RPC (TensorPipe) and the trainers' gloo group listen on this interface only
-        os.environ.setdefault("TP_SOCKET_IFNAME", ifname)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+    transports = rpc_transports(options.address, options.transports)  # RPC listens on runtime.address
     pg_store, rpc_init = None, init_method
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if init_method == "env://" and attempt is not None:
@@ -196,14 +165,15 @@ def init_hybrid(
         backend = resolve_backend(backend)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", role.index)) % torch.cuda.device_count())
-        dist.init_process_group(
-            backend,
-            init_method=None if pg_store is not None else _pg_init_method(init_method),
-            store=pg_store,
-            rank=role.index,
-            world_size=role.num_trainers,
-            timeout=datetime.timedelta(seconds=options.pg_timeout_s),
-        )
+        with gloo_on(options.address):
+            dist.init_process_group(
+                backend,
+                init_method=None if pg_store is not None else _pg_init_method(init_method),
+                store=pg_store,
+                rank=role.index,
+                world_size=role.num_trainers,
+                timeout=datetime.timedelta(seconds=options.pg_timeout_s),
+            )
     rpc.init_rpc(
         role.name,
         rank=role.rank,
@@ -212,7 +182,7 @@ def init_hybrid(
             init_method=rpc_init,
             rpc_timeout=options.rpc_timeout_s,
             num_worker_threads=options.num_worker_threads,
-            _transports=list(options.transports),
+            _transports=transports,
             _channels=list(options.channels),
         ),
     )

@@ -4,14 +4,17 @@ torch's ``TCPStore`` server has no bind-address option: the rendezvous store of 
 (and the store it shares with the workers) listen on all interfaces. But ``TCPStore`` accepts an
 already-listening socket (``master_listen_fd``). ``python -m hybrid.launch.torchrun --address A
 TORCHRUN_ARGS...`` runs torchrun in this process with the stores it hosts built on sockets bound
-to ``A``. Workers connect as clients and listen only on their own RPC and gloo sockets (bound
-to the same address by :func:`hybrid.launch.init.init_hybrid`).
+to ``A``. With ``--standalone`` the rendezvous is put on ``A`` as well (torchrun's own puts it
+on ``localhost``), and ``A`` is the workers' ``MASTER_ADDR`` (``--local-addr``) unless the
+command names one. Workers connect as clients and listen only on their own RPC and gloo sockets
+(bound to the same address by :func:`hybrid.launch.init.init_hybrid`).
 """
 
 from __future__ import annotations
 
 import socket
 import sys
+import uuid
 
 import torch.distributed as dist
 
@@ -101,11 +104,30 @@ def port_in_use_error(argv: list[str], address: str) -> str | None:
     return None
 
 
+def standalone_on(argv: list[str], address: str) -> list[str]:
+    """``argv`` with ``--standalone`` spelled out as a one-node c10d rendezvous hosted on
+    ``address`` (a free port), and ``--local-addr address`` unless given: the stores torchrun
+    hosts then listen there, and the workers dial ``address`` (their ``MASTER_ADDR``)."""
+    end = next((i for i, a in enumerate(argv) if a in ("-m", "--module", "--no-python") or a.endswith(".py")),
+               len(argv))
+    head, tail = argv[:end], argv[end:]
+    if _flag(head, "--local-addr") is None:
+        head = [f"--local-addr={address}", *head]
+    if "--standalone" not in head:
+        return head + tail
+    host = f"[{address}]" if ":" in address else address
+    spelled = ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:0", f"--rdzv-id={uuid.uuid4()}"]
+    if _flag(head, "--rdzv-conf") is None:  # torch guesses that it hosts only for loopback or the hostname
+        spelled.append("--rdzv-conf=is_host=1")
+    return [*(a for a in head if a != "--standalone"), *spelled, *tail]
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     address = "127.0.0.1"
     if argv[:1] == ["--address"]:
         address, argv = argv[1], argv[2:]
+    argv = standalone_on(argv, address)
     problem = port_in_use_error(argv, address)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybrid.launch.address import check_address
 from hybrid.launch.init import RuntimeOptions
 from hybrid.plan.errors import PlanError, did_you_mean, one_of
 from hybrid.plan.load import _key_lines, _load_section, _Locator, _read_yaml
@@ -178,6 +179,7 @@ def _build(raw: Any, overrides: Sequence[str], plan_model: str | None, source: s
                             category="unknown_key", key=f"model.{k}")
     header = {k: v for k, v in raw.items() if k in ("train", "runtime", "checkpoint")}
     cfg = _load_section(_ConfigFile, header, "")
+    check_address(cfg.runtime.address)  # every socket of the run listens there: refuse one that cannot be used
     data = _load_section(DataConfig, raw.get("data") or {}, "data")
     try:
         check_data_config(data)
