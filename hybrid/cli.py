@@ -9,7 +9,7 @@
 A new verb (``train``, ``launch``, ``export``) is one ``_add_<verb>_parser(commands)`` function
 that sets ``handler`` to its ``_<verb>_main(args) -> int``, plus one line in
 :func:`build_parser`. Exit codes: 0 success, 2 a user mistake, printed as ``error: ...`` on
-stderr without a traceback.
+stderr without a traceback (``hybrid --debug COMMAND`` shows it, in every process the command starts).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from hybrid.errors import DEBUG_ENV, print_error
 from hybrid.plan import Plan, PlanError, format_plan, load_plan, resolve, summarize
 from hybrid.plan.report import DENSE_OPTIMIZER_STATE
 
@@ -43,6 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "handler"):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    if args.debug:  # the processes a command starts inherit it
+        os.environ[DEBUG_ENV] = "1"
     return args.handler(args)
 
 
@@ -51,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybrid", description="Hybrid FSDP/DDP + parameter-server training."
     )
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of a user error (plan, config, data, checkpoint) too")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_plan_parser(commands)
     _add_train_parser(commands)
@@ -101,7 +106,7 @@ def _plan_main(args: argparse.Namespace) -> int:
         else:
             print(f"plan OK: {args.plan} on {name}: {summarize(resolved)}{note}")
     except PlanError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return EXIT_USAGE
     return 0
 
@@ -135,27 +140,32 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _check_train(argv: Sequence[str], world_size: int):
-    """Exit status of checking a ``train`` command's plan and config, and its runtime options."""
+    """Check a ``train`` command's plan, config and data files: the exit status (2 and one
+    message for a mistake), the runtime options and each rank's process name."""
     from hybrid.launch.init import RuntimeOptions
+    from hybrid.launch.roles import role_of
     from hybrid.train.loop import load_run
 
     args = build_parser().parse_args(["train", *argv])
     try:
-        _, cfg, _, _ = load_run(args.plan, args.config, args.overrides, world_size)
+        plan, cfg, _, _ = load_run(args.plan, args.config, args.overrides, world_size)
     except PlanError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE, RuntimeOptions()
-    return 0, cfg.runtime
+        print_error(e)
+        return EXIT_USAGE, RuntimeOptions(), []
+    names = [role_of(r, world_size, plan.topology.parameter_servers).name for r in range(world_size)]
+    return 0, cfg.runtime, names
 
 
 def launch_command(nproc: int, command: Sequence[str], max_restarts: int = 0, address: str = "127.0.0.1",
-                   kill_grace_s: float = 5.0) -> list[str]:
+                   kill_grace_s: float = 5.0, names: Sequence[str] = ()) -> list[str]:
     """The torchrun command line ``hybrid launch`` runs: a local rendezvous on a free port, every
     store torchrun hosts listening on ``address`` only (:mod:`hybrid.launch.torchrun`), no log
     directory (torchrun would make one in the system's temp folder and leave it), and
-    ``kill_grace_s`` between SIGTERM and SIGKILL once a process fails."""
+    ``kill_grace_s`` between SIGTERM and SIGKILL once a process fails. ``names`` (rank i's role)
+    let its messages say ``trainer1`` rather than ``rank 1``."""
     return [
-        sys.executable, "-m", "hybrid.launch.torchrun", "--address", address, "--standalone",
+        sys.executable, "-m", "hybrid.launch.torchrun", "--address", address,
+        *(["--names", ",".join(names)] if names else []), "--standalone",
         f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", f"--log-dir={os.devnull}",
         f"--shutdown-timeout={math.ceil(kill_grace_s)}", "-m", "hybrid.cli", *command,
     ]
@@ -177,18 +187,41 @@ def _launch_main(args: argparse.Namespace) -> int:
     from hybrid.launch.address import numeric_address
     from hybrid.launch.init import RuntimeOptions
 
-    runtime = RuntimeOptions()
-    if command[0] == "train":  # check plan and config here: a mistake is one message, exit 2
-        status, runtime = _check_train(command[1:], args.nproc)
+    runtime, names = RuntimeOptions(), []
+    if command[0] == "train":  # check plan, config and data here: a mistake is one message, exit 2
+        status, runtime, names = _check_train(command[1:], args.nproc)
         if status:
             return status
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; said here so it is not a surprise
+    # torch's C++ warnings off (TORCH_CPP_LOG_LEVEL=WARNING brings them back): when a process
+    # ends, every peer's RPC agent would print its raw "EOF"/"connection reset" lines before
+    # hybrid's own message that names the process.
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    cmd = launch_command(args.nproc, command, args.max_restarts, numeric_address(runtime.address),
+                         runtime.kill_grace_s, names)
+    # torchrun in a session of its own: Ctrl-C reaches it once, from here, not also from the
+    # terminal (a second SIGINT would cut its shutdown of the workers short).
+    return _wait_forwarding_signals(subprocess.Popen(cmd, env=env, start_new_session=True))
+
+
+def _wait_forwarding_signals(proc) -> int:  # noqa: ANN001 - a subprocess.Popen
+    """Wait for ``proc``, passing on SIGINT, SIGTERM and SIGHUP; its exit status (128 + n when a
+    signal n ended it)."""
+    import signal
+
+    def forward(signum: int, frame) -> None:  # noqa: ANN001 - a signal handler's signature
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, forward) for s in forwarded}
     try:
-        return subprocess.call(launch_command(args.nproc, command, args.max_restarts,
-                                              numeric_address(runtime.address), runtime.kill_grace_s), env=env)
-    except KeyboardInterrupt:
-        return 130
+        code = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 - code if code < 0 else code
 
 
 def _add_export_parser(commands: argparse._SubParsersAction) -> None:
@@ -214,7 +247,7 @@ def _export_main(args: argparse.Namespace) -> int:
         ckpt = Checkpoint(args.checkpoint, key=key)
         state = export(ckpt.path, args.out, key=key)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return EXIT_USAGE
     values = sum(t.numel() for t in state.values())
     print(f"exported {ckpt.path} (step {ckpt.step}) to {args.out}: {len(state)} tensors, {values:,} values")

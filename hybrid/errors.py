@@ -81,3 +81,24 @@ def did_you_mean(word: str, choices: Iterable[str], n: int = 3) -> str:
 def one_of(choices: Iterable[object]) -> str:
     """``one of 'a', 'b', 'c'`` for a message."""
     return "one of " + ", ".join(repr(c) for c in choices)
+
+
+class InputError(ValueError):
+    """Input data a user can fix, found while a run reads it: a malformed line, a missing column,
+    NaN in a batch. The message names the file, the line and the field (or the step). A run ends
+    with one ``error:`` line and exit code 2, as for a plan mistake."""
+
+
+DEBUG_ENV = "HYBRID_DEBUG"
+"""Set (to 1) by ``hybrid --debug`` for every process of the command: user errors show their traceback."""
+
+
+def print_error(e: BaseException) -> None:
+    """``error: <e>`` on stderr in one line, the traceback before it only under ``hybrid --debug``."""
+    import os
+    import sys
+    import traceback
+
+    if os.environ.get(DEBUG_ENV) == "1":
+        traceback.print_exception(e, file=sys.stderr)
+    print(f"error: {e}", file=sys.stderr, flush=True)

@@ -12,6 +12,8 @@ command names one. Workers connect as clients and listen only on their own RPC a
 
 from __future__ import annotations
 
+import logging
+import signal
 import socket
 import sys
 import uuid
@@ -123,10 +125,17 @@ def standalone_on(argv: list[str], address: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``python -m hybrid.launch.torchrun [--address A] [--names N0,N1,...] TORCHRUN_ARGS...``:
+    torchrun with its stores on ``A``; messages name rank ``i`` as ``Ni`` (its role, e.g.
+    ``trainer1``) when the names are given."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    address = "127.0.0.1"
-    if argv[:1] == ["--address"]:
-        address, argv = argv[1], argv[2:]
+    address, names = "127.0.0.1", []
+    while argv[:1] in (["--address"], ["--names"]):
+        if argv[0] == "--address":
+            address = argv[1]
+        else:
+            names = argv[1].split(",")
+        argv = argv[2:]
     argv = standalone_on(argv, address)
     problem = port_in_use_error(argv, address)
     if problem:
@@ -134,13 +143,47 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     install(address)
     _honour_shutdown_timeout(argv)
+    _quiet_stops()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
     try:
         torchrun_main(argv)
     except ChildFailedError as e:
-        sys.exit(_exit_status(e))
+        sys.exit(_exit_status(e, names))
+    except SignalException as e:  # the workers are stopped (torchrun sent them the same signal)
+        what = "interrupted (Ctrl-C)" if e.sigval == signal.SIGINT else f"stopped by {e.sigval.name}"
+        print(f"hybrid: {what}; every process of the job has ended", file=sys.stderr)
+        sys.exit(128 + int(e.sigval))
+
+
+class _QuietAboutStops(logging.Filter):
+    """Drops torchrun's lines about stopping workers ("Sending process N closing signal SIGTERM",
+    "failed (exitcode: 2) local_rank: 0 ..."): each hybrid process says what went wrong itself, and
+    :func:`_exit_status` names one that a signal ended."""
+
+    DROPPED = ("Sending process %s closing signal %s", "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.DROPPED
+
+
+def _quiet_stops() -> None:
+    """Torchrun's lines about stopping workers go (:class:`_QuietAboutStops`). On SIGINT (Ctrl-C)
+    it logs each step of stopping them and raises with a traceback; the user asked for the stop,
+    so it is said in one line (:func:`main`) and torch logs only errors from then on."""
+    from torch.distributed.elastic.multiprocessing import api as mp_api
+
+    mp_api.logger.addFilter(_QuietAboutStops())
+    handler = mp_api._terminate_process_handler
+
+    def quiet_on_sigint(signum: int, frame) -> None:  # noqa: ANN001 - a signal handler's signature
+        if signum == signal.SIGINT:
+            logging.disable(logging.WARNING)
+        handler(signum, frame)
+
+    mp_api._terminate_process_handler = quiet_on_sigint
 
 
 def _honour_shutdown_timeout(argv: list[str]) -> None:
@@ -161,18 +204,17 @@ def _honour_shutdown_timeout(argv: list[str]) -> None:
     mp_api.PContext.close = close_within_grace
 
 
-def _exit_status(e) -> int:
+def _exit_status(e, names: list[str]) -> int:
     """The job's exit status from torchrun's failure report, without its traceback: each hybrid
     process has said what went wrong itself. A process that exited 2 (a mistake the user can fix,
-    already named on one line) makes it 2; one killed by a signal is named here, since it could
-    not say so itself; anything else is 1."""
-    rank, failure = e.get_first_failure()
-    codes = {f.exitcode for f in e.failures.values()}
-    if 2 in codes:
-        return 2
-    if failure.exitcode < 0:
-        print(f"error: rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}", file=sys.stderr)
-    return 1
+    already named on one line) makes it 2; one killed by a signal other than the SIGTERM torchrun
+    stops the others with is named here, since it could not say so itself; anything else is 1."""
+    for rank, failure in sorted(e.failures.items()):
+        if failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM:
+            who = f"{names[rank]} (rank {rank}, pid {failure.pid})" if rank < len(names) else \
+                f"rank {rank} (pid {failure.pid})"
+            print(f"error: {who} was killed by {failure.signal_name()}", file=sys.stderr)
+    return 2 if any(f.exitcode == 2 for f in e.failures.values()) else 1
 
 
 if __name__ == "__main__":

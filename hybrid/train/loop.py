@@ -15,9 +15,9 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
-import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,9 +27,11 @@ import torch.distributed as dist
 from torch import nn
 
 import hybrid
+from hybrid.errors import InputError, print_error
 from hybrid.launch.init import init_hybrid, shutdown
 from hybrid.launch.roles import Role, role_of
-from hybrid.launch.serve import PeerFailure, release_servers, serve, unreachable_peers
+from hybrid.launch.failure import fail
+from hybrid.launch.serve import release_servers, serve
 from hybrid.log import init_logging, logger
 from hybrid.plan import Plan, PlanError, ResolvedPlan, load_plan, resolve, summarize
 from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection, pipeline_of
@@ -41,7 +43,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 PLAN_PREFIX = "plan."
 
 
-class NonFiniteBatch(ValueError):
+class NonFiniteBatch(InputError):
     """A batch with NaN or inf in its dense features or labels (``train.nonfinite: error``)."""
 
 
@@ -65,7 +67,19 @@ def load_run(plan_path: str, config_path: str | None, overrides: Sequence[str], 
     cfg = load_config(config_path, config_over, model=plan.model)
     meta = MODELS[cfg.model_name](**cfg.model_kwargs, device=torch.device("meta"))
     resolved = resolve(plan, meta, world_size=world_size)
+    _check_data_files(cfg, meta)
     return plan, cfg, meta, resolved
+
+
+def _check_data_files(cfg: RunConfig, meta: nn.Module) -> None:
+    """The data files exist, can be read, are not empty and have the named columns (PlanError)."""
+    from recsys_examples import TASK_OF, schema_of
+    from recsys_examples.data import check_files
+
+    try:
+        check_files(schema_of(meta, TASK_OF[cfg.model_name]), cfg.data)
+    except ValueError as e:  # InputError (a file) or a data.* key that names no usable file
+        raise PlanError(str(e), category="io") from None
 
 
 def main(plan_path: str, config_path: str | None, overrides: Sequence[str]) -> int:
@@ -77,13 +91,16 @@ def main(plan_path: str, config_path: str | None, overrides: Sequence[str]) -> i
               file=sys.stderr)
         return EXIT_USAGE
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Ctrl-C ends a worker as SIGTERM does, at once and silently (no KeyboardInterrupt unwinding
+    # through RPC's and gloo's threads); the launcher says so in one line.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     init_logging(f"rank{rank}")
     _quiet_known_warnings()
     try:
         plan, cfg, _, resolved = load_run(plan_path, config_path, overrides, world_size)
     except PlanError as e:
         if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+            print_error(e)
         return EXIT_USAGE
     role = role_of(rank, world_size, plan.topology.parameter_servers)
     init_logging(role.name)
@@ -100,46 +117,30 @@ def _quiet_known_warnings() -> None:
 
 
 def run_process(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, *, init_method: str) -> int:
-    """Join the job as ``role``, do its part, shut down in order; returns the exit code."""
+    """Join the job as ``role``, do its part, shut down in order; returns the exit code.
+
+    A failure ends the process at once (:func:`hybrid.launch.failure.fail`): one line, exit code
+    2 for a mistake the user can fix (data, checkpoint, address), 1 otherwise.
+    """
+    from hybrid.checkpoint import CheckpointError
+
     options = cfg.runtime
     try:
         init_hybrid(role, init_method=init_method, backend=plan.topology.backend, options=options)
+    except PlanError as e:  # runtime.address on a machine without hybrid._C's transport
+        fail(role, e, user_error=True)
     except Exception as e:  # noqa: BLE001
         logger.error("%s could not join the job: %s", role.name, e)
         return EXIT_FAILED
-    from hybrid.checkpoint import CheckpointError
-
-    ok, code = False, EXIT_FAILED
     try:
         if role.is_trainer:
             Trainer(role, plan, cfg, resolved).run()
         else:
             serve(role, heartbeat_s=options.heartbeat_s, timeout_s=options.rpc_timeout_s)
-        ok = True
-    except CheckpointError as e:  # the same on every trainer (each read it, or restore agreed on it)
-        code = EXIT_USAGE
-        if role.is_trainer and role.index == 0:
-            print(f"error: {e}", file=sys.stderr)
-    except PeerFailure as e:
-        logger.error("%s", e)
-    except NonFiniteBatch as e:
-        logger.error("%s", e)
+    except (CheckpointError, InputError) as e:
+        fail(role, e, user_error=True)
     except Exception as e:  # noqa: BLE001
-        logger.error("%s failed: %s\n%s", role.name, e, traceback.format_exc())
-    if not ok:
-        # A failed process does not wait for its peers (they may be the reason); exiting makes
-        # torchrun stop the others, and servers notice a missing trainer within a heartbeat.
-        if code != EXIT_USAGE:
-            try:
-                gone = unreachable_peers(role)
-            except Exception:  # noqa: BLE001 - the RPC agent itself may be down
-                gone = []
-            if gone:
-                logger.error("%s: peers not answering: %s", role.name, ", ".join(gone))
-            logger.error("%s exits with code %d", role.name, code)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        fail(role, e, user_error=False)
     shutdown(role, graceful=True, timeout_s=options.shutdown_timeout_s)
     return EXIT_OK
 

@@ -46,7 +46,18 @@ def make_dataset(schema: Schema, cfg: DataConfig, *, split: str, rank: int = 0,
     return READERS[cfg.source](schema, cfg, paths, rank=rank, world_size=world_size)
 
 
+def check_files(schema: Schema, cfg: DataConfig) -> None:
+    """Before a run starts: every file of a file source exists, can be read and is not empty, and
+    (CSV, Parquet) its header has every named column. Raises ``ValueError`` naming the key or the
+    file (:class:`hybrid.errors.InputError` for a file's content); lines are checked as they are read."""
+    if cfg.source == "synthetic":
+        return
+    for split in ("train", "eval"):
+        reader = make_dataset(schema, cfg, split=split)
+        reader.check_files()  # type: ignore[union-attr] - a file source: a FileReader
+
+
 __all__ = [
     "Batch", "CriteoReader", "CsvReader", "DataConfig", "ParquetReader", "Schema", "SyntheticData",
-    "check_data_config", "kjt_from_ids", "make_dataset",
+    "check_data_config", "check_files", "kjt_from_ids", "make_dataset",
 ]

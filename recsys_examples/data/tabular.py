@@ -41,6 +41,7 @@ from typing import IO, Any
 
 import torch
 
+from hybrid.errors import InputError
 from recsys_examples.data.batch import Batch, kjt_from_ids
 from recsys_examples.data.config import DataConfig, Schema
 
@@ -117,11 +118,26 @@ class FileReader:
             counts["batches"] += 1
             yield self._batch(buf[self.rank * g // w:(self.rank + 1) * g // w])
 
+    def check_files(self) -> None:
+        """Raise :class:`InputError` unless every file can be read and is not empty (CSV, Parquet:
+        and has every named column), before a run starts; lines are checked as they are read."""
+        for path in self.paths:
+            try:
+                self._check_file(path)
+            except OSError as e:
+                raise InputError(f"data.{self.source}: {path}: cannot read it ({e.strerror or e})") from None
+
+    def _check_file(self, path: str) -> None:
+        """Raise unless ``path`` has a first line (``OSError`` when it cannot be read)."""
+        with open_binary(path) as f:
+            if not f.readline().strip():
+                raise InputError(f"data.{self.source}: {path}: empty file (or an empty first line)")
+
     def _malformed(self, where: str, message: str) -> None:
         """Raise for a bad record at ``where`` (``file:line``), or count it when skipping."""
         text = f"data.{self.source}: {where}: {message}"
         if self.cfg.malformed == "error":
-            raise ValueError(text)
+            raise InputError(f"{text} (data.malformed=skip skips such lines)")
         self.counts["malformed"] += 1
         if self.counts["malformed"] == 1:
             logger.warning("%s (skipped: data.malformed=skip; later ones are only counted)", text)
@@ -183,7 +199,7 @@ class _Columns(FileReader):
 
         def find(name: str, key: str) -> int:
             if name not in where:
-                raise ValueError(f"data.{self.source}: {path}: no column {name!r} ({key}); the header "
+                raise InputError(f"data.{self.source}: {path}: no column {name!r} ({key}); the header "
                                  f"has: {', '.join(map(str, header))}")
             return where[name]
 
@@ -236,14 +252,23 @@ class CsvReader(_Columns):
 
     source = "csv"
 
+    def _check_file(self, path: str) -> None:
+        with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
+            self._indices(path, self._header(path, csv.reader(f)))
+
+    @staticmethod
+    def _header(path: str, reader: Iterator[list[str]]) -> list[str]:
+        header = next(reader, None)
+        if header is None:
+            raise InputError(f"data.csv: {path}: empty file (the first line must be the header)")
+        return header
+
     def _chunks(self) -> Iterator[list[tuple]]:
         chunk: list[tuple] = []
         for path in self.paths:
             with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
                 reader = csv.reader(f)
-                header = next(reader, None)
-                if header is None:
-                    raise ValueError(f"data.csv: {path}: empty file (the first line must be the header)")
+                header = self._header(path, reader)
                 label, dense, sparse = self._indices(path, header)
                 while True:
                     try:
@@ -289,6 +314,15 @@ class ParquetReader(_Columns):
                  world_size: int = 1) -> None:
         super().__init__(schema, cfg, paths, rank=rank, world_size=world_size)
         self._pq = _pyarrow_parquet()
+
+    def _check_file(self, path: str) -> None:
+        try:
+            pf = self._pq.ParquetFile(path)
+        except ValueError as e:  # pyarrow's ArrowInvalid
+            raise InputError(f"data.parquet: {path}: not a Parquet file ({e})") from None
+        self._indices(path, pf.schema_arrow.names)
+        if pf.metadata.num_rows == 0:
+            raise InputError(f"data.parquet: {path}: empty file (no rows)")
 
     def _chunks(self) -> Iterator[list[tuple]]:
         for path in self.paths:

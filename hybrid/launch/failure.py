@@ -1,0 +1,97 @@
+"""How a failing process of a job ends: one message that says what happened, then exit at once.
+
+- A mistake the user can fix (:class:`~hybrid.errors.InputError`, a checkpoint that must not
+  load, ...) is one ``error:`` line, printed by the first process that found it (every trainer
+  reads the same data, so usually all find it), exit code 2; the others exit 2 quietly, and so
+  does a process that fails afterwards because a peer left for that reason.
+- Anything else is logged with the peers that no longer answer named first: a dead trainer is
+  what the others report, not the socket error it caused (gloo's ``Connection reset by peer``).
+
+Under torchrun the agent sends SIGTERM to the other processes the moment one exits; a process
+that is reporting ignores it until its message is out (the agent's SIGKILL, ``runtime.kill_grace_s``
+later, still ends it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+from typing import NoReturn
+
+import torch.distributed as dist
+
+from hybrid.errors import print_error
+from hybrid.launch.roles import Role
+from hybrid.launch.serve import PeerFailure, unreachable_peers
+from hybrid.log import logger
+
+EXIT_FAILED, EXIT_USAGE = 1, 2
+_REPORTED = "hybrid/user_error_reported"
+
+
+def fail(role: Role, e: BaseException, *, user_error: bool) -> NoReturn:
+    """Report ``e`` as described in the module docstring and end this process."""
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:  # not the main thread: report without the shield
+        pass
+    if user_error:
+        if _first_to_report():
+            print_error(e)
+        _exit(EXIT_USAGE)
+    if _reported():  # a peer stopped for a user's mistake and said so; this failure follows from it
+        _exit(EXIT_USAGE)
+    try:
+        gone = unreachable_peers(role)
+    except Exception:  # noqa: BLE001 - the RPC agent itself may be down
+        gone = []
+    if isinstance(e, PeerFailure):
+        logger.error("%s", e)  # names the peer itself
+    elif gone:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        logger.error("%s: peers not answering: %s (died or hung); this process stopped on: %s",
+                     role.name, ", ".join(gone), first)
+    else:
+        logger.error("%s failed: %s\n%s", role.name, e, "".join(traceback.format_exception(e)))
+    logger.error("%s exits with code %d", role.name, EXIT_FAILED)
+    _exit(EXIT_FAILED)
+
+
+def _store() -> dist.Store | None:
+    """The trainers' store (servers have none: they find no user errors)."""
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: every process reports for itself
+        return None
+
+
+def _first_to_report() -> bool:
+    store = _store()
+    if store is None:
+        return True
+    try:
+        return store.add(_REPORTED, 1) == 1
+    except Exception:  # noqa: BLE001 - the store's host is gone: say it rather than nothing
+        return True
+
+
+def _reported() -> bool:
+    store = _store()
+    if store is None:
+        return False
+    try:
+        return store.check([_REPORTED])
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _exit(code: int) -> NoReturn:
+    # os._exit: no waiting for peers in RPC's or the process group's teardown (they may be the
+    # reason), and no C++ destructors of threads still running.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
