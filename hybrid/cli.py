@@ -20,6 +20,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -171,7 +172,17 @@ def launch_command(nproc: int, command: Sequence[str], max_restarts: int = 0, ad
     ]
 
 
-def _launch_main(args: argparse.Namespace) -> int:
+def _launch_main(args: argparse.Namespace) -> NoReturn:
+    """``hybrid launch``; exits with the job's status at once. The launcher holds nothing to tear
+    down (its output went straight to the terminal), and the interpreter's teardown of torch and
+    the model it checked takes a second or two on a busy machine."""
+    code = _launch(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _launch(args: argparse.Namespace) -> int:
     import subprocess
 
     if args.nproc < 2:

@@ -47,12 +47,12 @@ def fail(role: Role, e: BaseException, *, user_error: bool) -> NoReturn:
         gone = unreachable_peers(role)
     except Exception:  # noqa: BLE001 - the RPC agent itself may be down
         gone = []
-    if isinstance(e, PeerFailure):
-        logger.error("%s", e)  # names the peer itself
-    elif gone:
+    if gone:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         logger.error("%s: peers not answering: %s (died or hung); this process stopped on: %s",
                      role.name, ", ".join(gone), first)
+    elif isinstance(e, PeerFailure):  # it names the peer; the peer answers again by now
+        logger.error("%s", e)
     else:
         logger.error("%s failed: %s\n%s", role.name, e, "".join(traceback.format_exception(e)))
     logger.error("%s exits with code %d", role.name, EXIT_FAILED)

@@ -13,6 +13,7 @@ command names one. Workers connect as clients and listen only on their own RPC a
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
@@ -151,22 +152,36 @@ def main(argv: list[str] | None = None) -> None:
     try:
         torchrun_main(argv)
     except ChildFailedError as e:
-        sys.exit(_exit_status(e, names))
+        _exit(_exit_status(e, names))
     except SignalException as e:  # the workers are stopped (torchrun sent them the same signal)
         what = "interrupted (Ctrl-C)" if e.sigval == signal.SIGINT else f"stopped by {e.sigval.name}"
         print(f"hybrid: {what}; every process of the job has ended", file=sys.stderr)
-        sys.exit(128 + int(e.sigval))
+        _exit(128 + int(e.sigval))
+
+
+def _exit(code: int) -> None:
+    """Exit now: the workers have ended; the interpreter's teardown of torchrun's stores and threads
+    would take another second or more."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class _QuietAboutStops(logging.Filter):
     """Drops torchrun's lines about stopping workers ("Sending process N closing signal SIGTERM",
-    "failed (exitcode: 2) local_rank: 0 ..."): each hybrid process says what went wrong itself, and
-    :func:`_exit_status` names one that a signal ended."""
+    "Unable to shutdown process N via 15, forcefully exiting via 9", "failed (exitcode: 2)
+    local_rank: 0 ..."): each hybrid process says what went wrong itself, and :func:`_exit_status`
+    names one that a signal ended. Remembers the processes torchrun had to SIGKILL."""
 
-    DROPPED = ("Sending process %s closing signal %s", "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s")
+    SENDING = "Sending process %s closing signal %s"
+    FORCED = "Unable to shutdown process %s via %s, forcefully exiting via %s"
+    FAILED = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+    force_killed: set[int] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.msg not in self.DROPPED
+        if record.msg == self.FORCED:
+            self.force_killed.add(int(record.args[0]))
+        return record.msg not in (self.SENDING, self.FORCED, self.FAILED)
 
 
 def _quiet_stops() -> None:
@@ -213,7 +228,9 @@ def _exit_status(e, names: list[str]) -> int:
         if failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM:
             who = f"{names[rank]} (rank {rank}, pid {failure.pid})" if rank < len(names) else \
                 f"rank {rank} (pid {failure.pid})"
-            print(f"error: {who} was killed by {failure.signal_name()}", file=sys.stderr)
+            why = " (by torchrun: it did not end within runtime.kill_grace_s of SIGTERM; hung?)" \
+                if failure.pid in _QuietAboutStops.force_killed else ""
+            print(f"error: {who} was killed by {failure.signal_name()}{why}", file=sys.stderr)
     return 2 if any(f.exitcode == 2 for f in e.failures.values()) else 1
 
 

@@ -1,0 +1,169 @@
+"""How a ``hybrid launch`` job ends when something goes wrong, seen from the terminal: Ctrl-C, a
+trainer killed, bad data. Each test runs the real command (torchrun and its workers) with the
+system temp folder pointed at a fresh directory, and checks what is printed, the exit code, the
+time it took, and that nothing is left behind (processes, torchrun's ``torchelastic_*`` folders)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli import run_hybrid
+from tests.support.job import Job
+
+TINY = ["model.num_embeddings=200", "model.bottom_mlp=[8,16]", "model.top_mlp=[8,1]", "train.eval_every=0",
+        "data.batch_size=8", "train.progress=false", "train.plot=false", "train.tensorboard=false",
+        "train.log_every=1"]
+DLRM = ["train", "--plan", "conf/plans/dlrm.yaml", "--config", "conf/train/dlrm.yaml"]
+NOISE = ("Traceback", "KeyboardInterrupt", "terminate called", "Connection reset by peer")
+
+
+def _fresh_tmp(tmp_path: Path) -> Path:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    return tmp
+
+
+def _assert_nothing_left(pids: list[int], tmp: Path) -> None:
+    time.sleep(0.2)  # a process the kernel is still reaping
+    alive = [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in _state(p)]
+    assert not alive, f"left running: {alive}"
+    assert not list(tmp.glob("torchelastic_*")), sorted(p.name for p in tmp.iterdir())
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def test_ctrl_c_ends_the_job_within_3s_with_one_line(tmp_path):
+    """SIGINT to the launcher's process group (what a terminal sends on Ctrl-C) mid-training."""
+    tmp, out = _fresh_tmp(tmp_path), tmp_path / "out"
+    with Job(["launch", "-n", "3", *DLRM, *TINY, "train.steps=100000", f"train.out_dir={out}"],
+             env={"TMPDIR": str(tmp)}) as job:
+        job.wait_training(out)
+        pids = job.pids()
+        t0 = time.monotonic()
+        os.killpg(job.proc.pid, signal.SIGINT)
+        code = job.wait(timeout=60)
+        took = time.monotonic() - t0
+        after = [line for _, line in job.lines_after(t0)]
+    print(f"Ctrl-C: exit {code} after {took:.2f}s: {after}")
+    assert code == 130, job.output[-4000:]
+    assert len(after) == 1 and "interrupted" in after[0], after
+    assert took <= 3.0, f"{took:.2f}s"
+    assert not any(n in job.output for n in NOISE), job.output[-4000:]
+    _assert_nothing_left(pids, tmp)
+
+
+def test_a_killed_trainer_is_named_first(tmp_path):
+    """SIGKILL trainer1 mid-training: the first error line after it (trainer0's, when it notices
+    before torchrun stops it, else the launcher's) names trainer1, never a raw socket error."""
+    tmp, out = _fresh_tmp(tmp_path), tmp_path / "out"
+    with Job(["launch", "-n", "3", *DLRM, *TINY, "train.steps=100000", "runtime.heartbeat_s=1",
+              f"train.out_dir={out}"], env={"TMPDIR": str(tmp)}) as job:
+        job.wait_training(out)
+        pids = job.pids()
+        victim = job.pid_of_rank(1)
+        t0 = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        code = job.wait(timeout=120)
+        took = time.monotonic() - t0
+        after = [line for _, line in job.lines_after(t0)]
+    print(f"trainer1 killed: exit {code} after {took:.2f}s: {after}")
+    assert code == 1, job.output[-4000:]
+    errors = [line for line in after if "trainer0" in line.split("]")[0] or line.startswith("error:")]
+    assert errors and "trainer1" in errors[0], after
+    assert f"error: trainer1 (rank 1, pid {victim}) was killed by SIGKILL" in after[-1], after
+    assert not any(n in line for line in after for n in NOISE[:3]), after
+    _assert_nothing_left(pids, tmp)
+
+
+def _csv(path: Path, rows: list[tuple], header: str = "label,d1,d2,a,b") -> Path:
+    path.write_text(header + "\n" + "".join(",".join(map(str, r)) + "\n" for r in rows))
+    return path
+
+
+def _empty(path: Path) -> Path:
+    path.write_bytes(b"")
+    return path
+
+
+def _criteo(path: Path, bad_line: int | None = None) -> Path:
+    lines = ["\t".join([str(i % 2)] + [str(i % 10)] * 13 + ["%08x" % (i * 7919)] * 26) for i in range(64)]
+    if bad_line is not None:
+        lines[bad_line - 1] = lines[bad_line - 1].replace("\t", "\tx", 1)  # field 2 (I1): 'x9' on line 30
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+GOOD = [(i % 2, 0.5 * i, 1.0, i % 7, f"{i % 5}|{(i + 1) % 5}") for i in range(64)]
+
+
+def _with(row: int, value: tuple) -> list[tuple]:
+    rows = list(GOOD)
+    rows[row] = value
+    return rows
+
+
+# (what, how the train file is made, words the error line must hold, found before any process starts)
+DATA_ERRORS = {
+    "missing column": (lambda d: _csv(d / "t.csv", [r[:4] for r in GOOD], "label,d1,d2,a"),
+                       ["t.csv", "no column 'b'", "data.sparse_columns"], True),
+    "empty file": (lambda d: _empty(d / "t.csv"), ["t.csv", "empty file"], True),
+    "non-number in a dense column": (lambda d: _csv(d / "t.csv", _with(20, (1, "abc", 1.0, 3, "1"))),
+                                     ["t.csv:22", "column 'd1'", "'abc' is not a number"], False),
+    "NaN label": (lambda d: _csv(d / "t.csv", _with(20, ("nan", 0.5, 1.0, 3, "1"))),
+                  ["t.csv:22", "column 'label'", "'nan'"], False),
+    "malformed Criteo line": (lambda d: _criteo(d / "t.tsv", bad_line=30),
+                              ["t.tsv:30", "field 2 (I1)", "'x9' is not an integer"], False),
+}
+
+
+@pytest.mark.parametrize("what", list(DATA_ERRORS))
+def test_a_data_error_is_one_line_and_exit_2(tmp_path, what):
+    """Errors in the files' make-up are found by the launcher before any process starts; errors in
+    a line are found by the trainers as they read it (every trainer reads every line), reported
+    once, and the job ends within 5 s of the report."""
+    make, words, before_start = DATA_ERRORS[what]
+    tmp = _fresh_tmp(tmp_path)
+    train = make(tmp_path)
+    criteo = train.suffix == ".tsv"
+    columns = ([] if criteo else ["model.features=[a,b]", "model.num_dense=2", "data.dense_columns=[d1,d2]",
+                                  "data.sparse_columns=[a,b]"])
+    source = "criteo" if criteo else "csv"
+    good = _criteo(tmp_path / "e.tsv") if criteo else _csv(tmp_path / "e.csv", GOOD)
+    args = ["launch", "-n", "3", *DLRM, *TINY, *columns, "model.num_embeddings=10", "train.steps=6",
+            f"data.source={source}", f"data.train_paths=[{train}]", f"data.eval_paths=[{good}]",
+            f"train.out_dir={tmp_path / 'out'}"]
+    t0 = time.monotonic()
+    with Job(args, env={"TMPDIR": str(tmp)}) as job:
+        code = job.wait(timeout=240)
+        ended = time.monotonic()
+        pids = job.pids()
+    errors = [(when, line) for when, line in job.lines if line.startswith("error:")]
+    print(f"{what}: exit {code}, {ended - t0:.2f}s in all, "
+          f"{ended - errors[0][0] if errors else float('nan'):.2f}s after the error line: {errors}")
+    assert code == 2, job.output[-6000:]
+    assert len(errors) == 1 and all(w in errors[0][1] for w in words), job.output[-6000:]
+    assert not any(n in job.output for n in NOISE), job.output[-6000:]
+    started = "serving" in job.output
+    assert started != before_start, job.output[-6000:]  # checked by the launcher: no process started
+    if not before_start:
+        # one line, by one trainer: the other trainer and the server say nothing after it
+        others = [line for when, line in job.lines if when >= errors[0][0] and line.startswith("[hybrid")]
+        assert not others, others
+    assert ended - errors[0][0] < 5.0, f"{ended - errors[0][0]:.2f}s from the error line to the end"
+    _assert_nothing_left(pids, tmp)
+
+
+def test_debug_shows_the_traceback_of_a_user_error(tmp_path):
+    res = run_hybrid(["--debug", "launch", "-n", "3", *DLRM, "runtime.address=no.such.host.invalid"], timeout=120)
+    assert res.returncode == 2, res.output
+    assert "Traceback" in res.stderr and res.stderr.rstrip().splitlines()[-1].startswith("error: "), res.output
