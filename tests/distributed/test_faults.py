@@ -129,6 +129,11 @@ def test_trainer_killed_ends_every_process_naming_it(tmp_path):
                                        ["train.steps=100000"])
     assert elapsed < RPC_TIMEOUT + MARGIN, elapsed
     _assert_all_failed_naming(report, logs, ["ps0", "trainer0"], "trainer1")
+    # trainer0's first line after the death names trainer1 (not the gloo error it ran into)
+    died = float(next(line for line in logs["trainer1"].splitlines() if "fault:" in line).split()[0])
+    stamped = [(float(line.split()[0]), line) for line in logs["trainer0"].splitlines() if line[:1].isdigit()]
+    first = next(line for t, line in stamped if t >= died)
+    assert "peers not answering: trainer1" in first, logs["trainer0"]
 
 
 def test_slow_server_gives_a_timeout_error_naming_it(tmp_path):
