@@ -98,7 +98,9 @@ def _run_fault(tmp_path: Path, world_size: int, num_servers: int, fault: dict, o
         run_distributed(_job, world_size, setup="none", timeout=RPC_TIMEOUT + 120, failure_grace=RPC_TIMEOUT + MARGIN,
                         tmp=str(tmp_path), num_servers=num_servers, fault=fault, overrides=list(overrides))
     logs = {p.stem: p.read_text() for p in tmp_path.glob("*.log")}
-    return str(info.value), logs, _time_to_end(logs, t0)
+    elapsed = _time_to_end(logs, t0)
+    print(f"{fault}: {elapsed:.1f}s from the fault to the last process's exit")
+    return str(info.value), logs, elapsed
 
 
 def _time_to_end(logs: dict[str, str], t0: float) -> float:
@@ -168,6 +170,7 @@ def _never_started_server(rank: int, world_size: int, *, tmp: str):
 
 def test_a_server_that_never_starts_is_named_within_the_startup_timeout(tmp_path):
     for waited, err in run_distributed(_never_started_server, 3, setup="none", timeout=60, tmp=str(tmp_path))[:2]:
+        print(f"a trainer named the missing server after {waited:.1f}s (startup_timeout_s=4)")
         assert 4 <= waited < 10, waited
         assert "StartupError" in err and "ps0 (rank 2) did not start within 4s" in err and "startup_timeout_s" in err
 
@@ -279,5 +282,7 @@ def test_a_hung_server_ends_the_whole_launch_within_the_timeout_and_the_kill_gra
     assert "ps0" in log, res.output  # named
     took = ended - stopped[0]
     print(f"{took:.1f}s from the stop to the end of the launch")
+    # margin 5 s: the trainers' 1 s ping naming the peers that do not answer, torchrun's polling,
+    # start-up of the failure path on 2 busy cores (measured: 12.4 to 13.9 s in all)
     assert took <= timeout_s + grace_s + 5.0, f"{took:.1f}s from the stop to the end of the launch\n{res.output}"
     assert not list(tmpdir.glob("torchelastic_*")), list(tmpdir.iterdir())
