@@ -54,6 +54,7 @@ def _sleep_at(method: str, after: int, seconds: float) -> None:
     def wrapped(self, *args, **kwargs):
         calls[0] += 1
         if calls[0] == after:
+            logging.getLogger("hybrid").error("fault: sleeping %.0fs in %s", seconds, method)
             time.sleep(seconds)
         return original(self, *args, **kwargs)
 
@@ -78,7 +79,6 @@ def _job(rank: int, world_size: int, *, tmp: str, num_servers: int, fault: dict 
         if kind == "die":
             _die_at(fault["method"], fault["after"])
         elif kind == "sleep":
-            logger.error("fault: %s will sleep %.0fs", role.name, fault["seconds"])
             _sleep_at(fault["method"], fault["after"], fault["seconds"])
         elif kind == "die_trainer":
             import threading

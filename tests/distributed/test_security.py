@@ -48,6 +48,7 @@ def test_an_address_this_machine_does_not_have_is_refused_at_once(tmp_path):
     t0 = time.monotonic()
     res = run_hybrid([*JOB, f"train.out_dir={tmp_path}", f"runtime.address={address}"], timeout=120)
     took = time.monotonic() - t0
+    print(f"{address} refused in {took:.1f}s")
     assert res.returncode == 2, res.output
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "runtime.address" in errors[0] and address in errors[0], res.output
