@@ -87,12 +87,12 @@ def gloo_on(address: str) -> Iterator[None]:
     from torch.distributed import distributed_c10d as c10d
 
     real = c10d.ProcessGroupGloo
-    device = real.create_device(hostname=numeric_address(address))
+    ip = numeric_address(address)
 
     class ProcessGroupGloo(real):  # a subclass: torch checks isinstance(..., ProcessGroupGloo) in there
         def __init__(self, store, rank, size, timeout):  # noqa: ANN001 - the arguments torch passes
             options = real._Options()
-            options._devices = [device]
+            options._devices = [real.create_device(hostname=ip)]
             options._timeout = timeout
             super().__init__(store, rank, size, options)
 
