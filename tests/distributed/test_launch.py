@@ -1,5 +1,6 @@
 """Launch paths other than the one-machine default: two torchrun agents ("nodes") on localhost
-with c10d rendezvous, exactly the README's multi-machine command; and usage errors of launch/train."""
+with c10d rendezvous, exactly the multi-machine command of docs/training.md; and usage errors of
+launch/train."""
 
 from __future__ import annotations
 
