@@ -183,10 +183,20 @@ def _launch_main(args: argparse.Namespace) -> int:
             return status
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; said here so it is not a surprise
+    proc = subprocess.Popen(launch_command(args.nproc, command, args.max_restarts, runtime.address,
+                                           runtime.kill_grace_s), env=env)
     try:
-        return subprocess.call(launch_command(args.nproc, command, args.max_restarts, runtime.address,
-                                              runtime.kill_grace_s), env=env)
+        return proc.wait()
     except KeyboardInterrupt:
+        # Ctrl-C went to torchrun and its workers too: let torchrun stop them and clean up.
+        for stop in (proc.terminate, proc.kill):  # then make sure: SIGTERM stops torchrun's workers too
+            try:
+                proc.wait(timeout=runtime.kill_grace_s + 1)
+                break
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                stop()
+        proc.wait()
+        print("interrupted", file=sys.stderr)
         return 130
 
 

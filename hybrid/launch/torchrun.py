@@ -10,6 +10,7 @@ to the same address by :func:`hybrid.launch.init.init_hybrid`).
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
 
@@ -115,10 +116,15 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         torchrun_main(argv)
     except ChildFailedError as e:
         sys.exit(_exit_status(e))
+    except (SignalException, KeyboardInterrupt) as e:  # Ctrl-C or a kill: the workers are stopped
+        sigval = getattr(e, "sigval", signal.SIGINT)
+        sys.exit(128 + int(sigval))
 
 
 def _honour_shutdown_timeout(argv: list[str]) -> None:

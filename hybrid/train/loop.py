@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 import traceback
@@ -77,6 +78,9 @@ def main(plan_path: str, config_path: str | None, overrides: Sequence[str]) -> i
               file=sys.stderr)
         return EXIT_USAGE
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Ctrl-C reaches every process of the job (the terminal's process group): a worker just ends,
+    # without a KeyboardInterrupt unwinding through RPC and gloo threads; the launcher reports it.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     init_logging(f"rank{rank}")
     _quiet_known_warnings()
     try:
@@ -109,7 +113,7 @@ def run_process(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, 
         return EXIT_FAILED
     from hybrid.checkpoint import CheckpointError
 
-    ok, code = False, EXIT_FAILED
+    ok, code, failure = False, EXIT_FAILED, None
     try:
         if role.is_trainer:
             Trainer(role, plan, cfg, resolved).run()
@@ -125,7 +129,7 @@ def run_process(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, 
     except NonFiniteBatch as e:
         logger.error("%s", e)
     except Exception as e:  # noqa: BLE001
-        logger.error("%s failed: %s\n%s", role.name, e, traceback.format_exc())
+        failure = (e, traceback.format_exc())
     if not ok:
         # A failed process does not wait for its peers (they may be the reason); exiting makes
         # torchrun stop the others, and servers notice a missing trainer within a heartbeat.
@@ -134,7 +138,18 @@ def run_process(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, 
                 gone = unreachable_peers(role)
             except Exception:  # noqa: BLE001 - the RPC agent itself may be down
                 gone = []
-            if gone:
+            if failure is not None:
+                # The first line names the peer that is gone: the error itself (gloo's "Connection
+                # reset by peer", an RPC timeout) often cannot say which one it was.
+                e, trace = failure
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                if gone:
+                    logger.error("%s failed: %s not answering (died or hung); the error here: %s", role.name,
+                                 ", ".join(gone), first)
+                else:
+                    logger.error("%s failed: %s", role.name, first)
+                logger.error("%s", trace.rstrip())
+            elif gone:
                 logger.error("%s: peers not answering: %s", role.name, ", ".join(gone))
             logger.error("%s exits with code %d", role.name, code)
         sys.stdout.flush()

@@ -129,6 +129,9 @@ def test_trainer_killed_ends_every_process_naming_it(tmp_path):
                                        ["train.steps=100000"])
     assert elapsed < RPC_TIMEOUT + MARGIN, elapsed
     _assert_all_failed_naming(report, logs, ["ps0", "trainer0"], "trainer1")
+    # trainer0's first error line names the dead trainer (not only gloo's "Connection reset").
+    first = next(line for line in logs["trainer0"].splitlines() if "failed" in line or "unreachable" in line)
+    assert "trainer1" in first, logs["trainer0"]
 
 
 def test_slow_server_gives_a_timeout_error_naming_it(tmp_path):
