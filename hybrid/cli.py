@@ -133,7 +133,7 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
     help_text = "start N local processes with torchrun and run a hybrid command in each"
     p = commands.add_parser("launch", help=help_text, description=help_text + (
         ", e.g. `hybrid launch -n 3 train --plan conf/plans/dlrm.yaml --config conf/train/dlrm.yaml`. "
-        "For several machines run torchrun yourself (see README, Launch)."))
+        "For several machines run torchrun yourself (see docs/training.md, Several machines)."))
     p.add_argument("-n", "--nproc", type=int, required=True, help="processes (trainers + parameter servers)")
     p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of the whole group on a failure")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the hybrid command to run, e.g. train --plan ...")

@@ -2,7 +2,7 @@
 ``python -m benchmarks.memory`` in subprocesses). Nothing here is timed: the checks are that every
 system trains the same model on the same data -- the same first loss everywhere, and for the
 synchronous systems the same final loss as one process -- and that FSDP holds a shard of what
-DDP holds. Speed is the benchmark's business (README, Performance)."""
+DDP holds. Speed is the benchmark's business (docs/performance.md)."""
 
 from __future__ import annotations
 

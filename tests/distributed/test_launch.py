@@ -1,5 +1,6 @@
 """Launch paths other than the one-machine default: two torchrun agents ("nodes") on localhost
-with c10d rendezvous, exactly the README's multi-machine command; and usage errors of launch/train."""
+with c10d rendezvous, exactly the multi-machine command of docs/training.md; and usage errors of
+launch/train."""
 
 from __future__ import annotations
 
@@ -157,3 +158,69 @@ def test_plan_files_that_must_not_load_exit_2(tmp_path, text, must):
     assert str(plan) in res.stderr and all(m in res.stderr for m in must), res.output
     assert "Traceback" not in res.stderr, res.output
     assert not (tmp_path / "PWNED").exists()  # the tag's code never ran
+
+
+def test_ctrl_c_ends_the_job_with_130_at_once_quietly_and_leaves_nothing(tmp_path):
+    """SIGINT to the launcher's process group, as a terminal's Ctrl-C sends it, once training runs:
+    exit 130 within 3 s, no traceback (no KeyboardInterrupt, no C++ terminate), no process and no
+    torchrun log directory left."""
+    import signal
+    import time
+
+    from tests.support.sockets import descendants
+
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmpdir)}
+    args = [sys.executable, "-m", "hybrid.cli", "launch", "-n", "3", "train", "--plan", "conf/plans/dlrm.yaml",
+            "--config", "conf/train/dlrm.yaml", *[o for o in TINY if not o.startswith("train.steps")],
+            "train.steps=100000", "train.log_every=1", f"train.out_dir={tmp_path / 'out'}"]
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    import threading
+
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 180
+        metrics = tmp_path / "out" / "metrics.jsonl"
+        while time.monotonic() < deadline and proc.poll() is None:  # until training runs
+            if metrics.is_file() and metrics.stat().st_size:
+                break
+            time.sleep(0.2)
+        assert metrics.is_file() and proc.poll() is None, "".join(lines)
+        time.sleep(1.0)
+        workers = descendants(proc.pid)
+        before = len(lines)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=30)
+        took = time.monotonic() - t0
+        reader.join(timeout=10)
+    finally:
+        kill_tree(proc.pid)
+        for pid in workers if "workers" in locals() else []:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    output = "".join(lines)
+    rest = "".join(lines[before:])
+    assert proc.returncode == 130, output[-4000:]
+    assert took < 3.0, f"{took:.1f}s\n{output[-4000:]}"
+    tail = rest
+    assert "Traceback" not in tail and "KeyboardInterrupt" not in tail and "terminate called" not in tail, tail
+    assert "interrupted" in tail, tail
+    alive = [p for p in workers if _running(p)]
+    assert not alive, f"processes left: {alive}\n{tail}"
+    assert not list(tmpdir.glob("torchelastic_*")), list(tmpdir.iterdir())
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
