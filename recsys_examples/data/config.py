@@ -90,6 +90,11 @@ class DataConfig:
     malformed: str = "error"
     """File sources: a line that cannot be parsed stops the run with its file and line
     (``error``) or is skipped and counted (``skip``)."""
+    check_lines: int = 10000
+    """File sources: ``hybrid launch`` parses at least this many lines at the top of each file
+    (whole chunks of a few thousand lines), with the run's own parser, before any process starts,
+    so that a format mistake there ends the command at once; later lines are checked as the
+    trainers read them. 0 checks the header only."""
     dense_columns: list[str] = field(default_factory=list)
     """CSV/Parquet: the dense feature columns, in the model's order (as many as it reads)."""
     sparse_columns: list[str] = field(default_factory=list)
@@ -110,6 +115,8 @@ def check_data_config(cfg: DataConfig) -> None:
     """Raise ``ValueError`` for a bad value, naming the key (``data.source: got 'foo'; ...``)."""
     if cfg.source not in SOURCES:
         raise ValueError(f"data.source: got {cfg.source!r}; expected one of {_one_of(SOURCES)}")
+    if not isinstance(cfg.check_lines, int) or cfg.check_lines < 0:
+        raise ValueError(f"data.check_lines: got {cfg.check_lines!r}; expected an integer >= 0")
     if cfg.malformed not in MALFORMED:
         raise ValueError(f"data.malformed: got {cfg.malformed!r}; expected one of {_one_of(MALFORMED)}")
     for key in ("batch_size", "ids_per_feature"):

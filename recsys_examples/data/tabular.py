@@ -120,12 +120,27 @@ class FileReader:
 
     def check_files(self) -> None:
         """Raise :class:`InputError` unless every file can be read and is not empty (CSV, Parquet:
-        and has every named column), before a run starts; lines are checked as they are read."""
+        and has every named column) and its first ``data.check_lines`` lines parse, before a run
+        starts; later lines are checked as they are read."""
         for path in self.paths:
             try:
                 self._check_file(path)
+                self._check_lines(path, self.cfg.check_lines)
             except OSError as e:
                 raise InputError(f"data.{self.source}: {path}: cannot read it ({e.strerror or e})") from None
+
+    def _check_lines(self, path: str, lines: int) -> None:
+        """Parse the first ``lines`` lines of ``path`` as a run would (bad ones raise or are counted)."""
+        if lines <= 0:
+            return
+        one = type(self)(self.schema, self.cfg, [path])
+        chunks = one._chunks()
+        try:
+            for _ in chunks:
+                if one.counts["lines"] >= lines:
+                    break
+        finally:
+            chunks.close()
 
     def _check_file(self, path: str) -> None:
         """Raise unless ``path`` has a first line (``OSError`` when it cannot be read)."""

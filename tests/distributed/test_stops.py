@@ -118,19 +118,27 @@ DATA_ERRORS = {
                        ["t.csv", "no column 'b'", "data.sparse_columns"], True),
     "empty file": (lambda d: _empty(d / "t.csv"), ["t.csv", "empty file"], True),
     "non-number in a dense column": (lambda d: _csv(d / "t.csv", _with(20, (1, "abc", 1.0, 3, "1"))),
-                                     ["t.csv:22", "column 'd1'", "'abc' is not a number"], False),
+                                     ["t.csv:22", "column 'd1'", "'abc' is not a number"], True),
     "NaN label": (lambda d: _csv(d / "t.csv", _with(20, ("nan", 0.5, 1.0, 3, "1"))),
-                  ["t.csv:22", "column 'label'", "'nan'"], False),
+                  ["t.csv:22", "column 'label'", "'nan'"], True),
     "malformed Criteo line": (lambda d: _criteo(d / "t.tsv", bad_line=30),
-                              ["t.tsv:30", "field 2 (I1)", "'x9' is not an integer"], False),
+                              ["t.tsv:30", "field 2 (I1)", "'x9' is not an integer"], True),
+    "id outside its table": (lambda d: _csv(d / "t.csv", _with(3, (1, 0.5, 1.0, 57, "1"))),
+                             ["feature 'a'", "57", "10 rows", "id_policy: modulo"], False),
+    "bad line past data.check_lines": (lambda d: _csv(d / "t.csv", (GOOD * 160)[:9000] + [(1, "abc", 1.0, 3, "1")]),
+                                       ["t.csv:9002", "column 'd1'", "'abc' is not a number"], False),
 }
+# more overrides for a case: the file with a bad line far down is also the held-out file, which
+# the trainers read whole at their first evaluation (before step 1)
+EXTRA = {"bad line past data.check_lines": lambda d: ["data.check_lines=10", f"data.eval_paths=[{d / 't.csv'}]"]}
 
 
 @pytest.mark.parametrize("what", list(DATA_ERRORS))
 def test_a_data_error_is_one_line_and_exit_2(tmp_path, what):
-    """Errors in the files' make-up are found by the launcher before any process starts; errors in
-    a line are found by the trainers as they read it (every trainer reads every line), reported
-    once, and the job ends within 5 s of the report."""
+    """Errors in the files' make-up and in their first ``data.check_lines`` lines are found by the
+    launcher before any process starts, within 5 s of the command; errors further down (and ids
+    outside a table) are found by the trainers as they read them (every trainer reads every
+    line), reported once, and the job ends within 5 s of the report."""
     make, words, before_start = DATA_ERRORS[what]
     tmp = _fresh_tmp(tmp_path)
     train = make(tmp_path)
@@ -141,7 +149,7 @@ def test_a_data_error_is_one_line_and_exit_2(tmp_path, what):
     good = _criteo(tmp_path / "e.tsv") if criteo else _csv(tmp_path / "e.csv", GOOD)
     args = ["launch", "-n", "3", *DLRM, *TINY, *columns, "model.num_embeddings=10", "train.steps=6",
             f"data.source={source}", f"data.train_paths=[{train}]", f"data.eval_paths=[{good}]",
-            f"train.out_dir={tmp_path / 'out'}"]
+            f"train.out_dir={tmp_path / 'out'}", *EXTRA.get(what, lambda d: [])(tmp_path)]
     t0 = time.monotonic()
     with Job(args, env={"TMPDIR": str(tmp)}) as job:
         code = job.wait(timeout=240)
@@ -155,6 +163,8 @@ def test_a_data_error_is_one_line_and_exit_2(tmp_path, what):
     assert not any(n in job.output for n in NOISE), job.output[-6000:]
     started = "serving" in job.output
     assert started != before_start, job.output[-6000:]  # checked by the launcher: no process started
+    if before_start:
+        assert ended - t0 < 5.0, f"{ended - t0:.2f}s from the command to its end"
     if not before_start:
         # one line, by one trainer: the other trainer and the server say nothing after it
         others = [line for when, line in job.lines if when >= errors[0][0] and line.startswith("[hybrid")]

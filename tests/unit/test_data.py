@@ -68,6 +68,7 @@ def test_config_defaults_are_valid_and_omegaconf_structured():
 @pytest.mark.parametrize("kwargs,message", [
     ({"source": "foo"}, "data.source: got 'foo'; expected one of 'synthetic', 'criteo', 'csv', 'parquet'"),
     ({"malformed": "ignore"}, "data.malformed: got 'ignore'; expected one of 'error', 'skip'"),
+    ({"check_lines": -1}, "data.check_lines: got -1; expected an integer >= 0"),
     ({"batch_size": 0}, "data.batch_size: got 0; expected an integer >= 1"),
     ({"ids_per_feature": 0}, "data.ids_per_feature: got 0"),
     ({"eval_batches": -1}, "data.eval_batches: got -1"),

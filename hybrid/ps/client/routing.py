@@ -25,15 +25,17 @@ import torch.nn.functional as F
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hybrid import ops
+from hybrid.errors import InputError
 from hybrid.ps.config import CollectionConfig, TableSpec
 from hybrid.ps.protocol import Rows
 
 
-class BadIdError(ValueError):
-    """An id outside its table under ``id_policy: error``; nothing was sent or changed."""
+class BadIdError(InputError):
+    """An id outside its table under ``id_policy: error``; nothing was sent or changed (a data
+    mistake: exit code 2 in a run)."""
 
 
-class BadBatchError(ValueError):
+class BadBatchError(InputError):
     """A ``KeyedJaggedTensor`` whose lengths, values and weights disagree; nothing was sent."""
 
 
