@@ -5,10 +5,12 @@ the parent but the environment), each calling ``fn(rank, world_size, store, **kw
 ``store`` is a private temp directory for file-store rendezvous (no port is ever fixed, so runs
 never collide). Each rank's return value comes back in a list. A rank that raises, or a run past
 its timeout, kills every child (SIGKILL) and raises :class:`BenchmarkError` with each rank's
-traceback: a benchmark never hangs and never leaves a process behind.
+traceback: a benchmark never hangs and never leaves a process behind. With ``hosts`` (an
+:class:`~benchmarks.network.EmulatedNetwork`) rank ``r`` runs on emulated host ``r``.
 
 :class:`Meter` measures one process over the timed window: wall seconds, CPU seconds (every
-thread of the process, so a busy-spinning transport thread shows), and peak RSS.
+thread of the process, so a busy-spinning transport thread shows), peak RSS, and on an emulated
+host the bytes its interface sent and received.
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from benchmarks.network import EmulatedNetwork
 
 
 class BenchmarkError(RuntimeError):
@@ -39,14 +45,17 @@ class Meter:
     def __init__(self) -> None:
         self.wall = [0.0, 0.0]
         self.cpu = [0.0, 0.0]
+        self.wire: list[tuple[int, int] | None] = [None, None]
         self._profiler = None
 
     def start(self) -> None:
         self._start_profiler()
+        self.wire[0] = wire_bytes()
         self.wall[0], self.cpu[0] = time.perf_counter(), time.process_time()
 
     def stop(self) -> None:
         self.wall[1], self.cpu[1] = time.perf_counter(), time.process_time()
+        self.wire[1] = wire_bytes()
         if self._profiler is not None:
             self._profiler.send_signal(signal.SIGINT)  # py-spy writes its profile and exits
             self._profiler.wait(timeout=60)
@@ -70,16 +79,38 @@ class Meter:
         time.sleep(1.0)  # let it attach before the window opens
 
     def report(self, name: str) -> dict:
-        """``cpu_util`` is CPU seconds per wall second in the window (1.0 = one core busy)."""
+        """``cpu_util`` is CPU seconds per wall second in the window (1.0 = one core busy);
+        ``wire_bytes_recv``/``wire_bytes_sent``: what the host's interface carried in the window
+        (emulated hosts only: IP packets with their headers, every process of the host)."""
         wall = self.wall[1] - self.wall[0]
         cpu = self.cpu[1] - self.cpu[0]
-        return {
+        report = {
             "name": name,
             "window_s": wall,
             "cpu_s": cpu,
             "cpu_util": cpu / wall if wall > 0 else 0.0,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
+        if self.wire[0] is not None and self.wire[1] is not None:
+            report["wire_bytes_recv"] = self.wire[1][0] - self.wire[0][0]
+            report["wire_bytes_sent"] = self.wire[1][1] - self.wire[0][1]
+        return report
+
+
+def wire_bytes() -> tuple[int, int] | None:
+    """Bytes received and sent so far by this emulated host's interface (``/proc/net/dev`` of the
+    process's network namespace); None off an emulated host."""
+    from benchmarks.network import ADDRESS_ENV, IFNAME
+
+    if ADDRESS_ENV not in os.environ:
+        return None
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, counters = line.partition(":")
+            if name.strip() == IFNAME:
+                fields = counters.split()
+                return int(fields[0]), int(fields[8])
+    return None
 
 
 def _process_name() -> str:
@@ -144,6 +175,25 @@ def kill_all(procs: list) -> None:
         p.join(timeout=5)
 
 
+@contextmanager
+def _executable(ctx, path: str | None) -> Iterator[None]:
+    """Within the block, ``ctx`` starts processes with ``path`` instead of this Python (a script
+    that execs this Python on an emulated host); multiprocessing's resource tracker is started
+    first, with this Python, where this process is."""
+    if path is None:
+        yield
+        return
+    from multiprocessing import resource_tracker, spawn as mp_spawn
+
+    resource_tracker.ensure_running()
+    saved = mp_spawn.get_executable()
+    ctx.set_executable(path)
+    try:
+        yield
+    finally:
+        ctx.set_executable(saved)
+
+
 def spawn(
     fn: Callable[..., Any],
     world_size: int,
@@ -152,13 +202,15 @@ def spawn(
     threads: int = 1,
     grace_s: float = 10.0,
     quiet: bool = True,
+    hosts: EmulatedNetwork | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, store, **kwargs)`` on ``world_size`` fresh processes.
 
     ``threads`` is every process's ``OMP_NUM_THREADS`` and ``torch.set_num_threads``. After one
     rank fails the others get ``grace_s`` to finish (a dead peer often leaves them waiting).
-    ``quiet`` silences warnings and log lines below ERROR in the children.
+    ``quiet`` silences warnings and log lines below ERROR in the children. ``hosts``: rank ``r``
+    runs on the network's host ``r``.
     """
     ctx = mp.get_context("spawn")
     env = {"OMP_NUM_THREADS": str(threads)}  # read by the children at import of torch
@@ -172,8 +224,9 @@ def spawn(
             for r in range(world_size)
         ]
         try:
-            for p in procs:
-                p.start()
+            for r, p in enumerate(procs):
+                with _executable(ctx, hosts.executable(r) if hosts is not None else None):
+                    p.start()
         finally:
             for k, v in saved.items():
                 if v is None:

@@ -14,18 +14,26 @@ wanders by up to 1.5x. The table's ratios are medians of the ratios within each 
 seconds apart share the machine's speed of the moment), not ratios of the medians.
 ``samples_per_s`` counts every trainer's samples over the slowest trainer's timed window;
 ``first_loss``/``final_loss`` are the global batch's mean loss at the first and the last step.
+
+``--network emulated[:rate=10gbit,delay=50us]`` runs every process as a host of its own on an
+emulated network (:mod:`benchmarks.network`; root only); each process then also reports the bytes
+its interface carried per step, and each hybrid server its bytes beside their minimum.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import contextlib
 import math
+import signal
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 from benchmarks.launch import BenchmarkError
+from benchmarks.network import EmulatedNetwork, NetworkError, parse_network
 from benchmarks.systems import SYSTEMS
 from benchmarks.systems.torchrec_dmp import SHARDINGS
 from benchmarks.workload import Workload
@@ -38,6 +46,9 @@ TARGETS = [
     ("hybrid_sync", "local", 0.6),
 ]
 """The issue's throughput targets, checked in the table."""
+
+WIRE_DTYPE_BYTES = 4
+"""Rows and gradients cross the wire as float32."""
 
 
 def summarize(system: str, w: Workload, reports: list[dict]) -> dict:
@@ -54,24 +65,38 @@ def summarize(system: str, w: Workload, reports: list[dict]) -> dict:
         "first_loss": sum(r["losses"][0] for r in trainers) / len(trainers),
         "final_loss": sum(r["losses"][-1] for r in trainers) / len(trainers),
         "steps": w.steps,
-        "processes": {
-            r["name"]: {"cpu_util": r["cpu_util"], "cpu_ms_per_step": 1e3 * r["cpu_s"] / w.steps,
-                        "peak_rss_mb": r["peak_rss_mb"]}
-            for r in reports
-        },
+        "processes": {r["name"]: _process(r, w.steps) for r in reports},
     }
     if "sharding" in trainers[0]:
         line["sharding"] = trainers[0]["sharding"]
     if "breakdown_s" in trainers[0]:
         line["breakdown_s"] = trainers[0]["breakdown_s"]
-        line["servers"] = {name: _per_step(c, w.steps) for name, c in trainers[0]["server_stats"].items()}
+        by_name = {r["name"]: r for r in reports}
+        line["servers"] = {name: _per_step(c, w.steps, dim=w.dim, meter=by_name.get(name, {}))
+                           for name, c in trainers[0]["server_stats"].items()}
     return line
 
 
-def _per_step(c: dict, steps: int) -> dict:
+def _process(r: dict, steps: int) -> dict:
+    """One process's CPU and memory, and on an emulated host its interface's bytes per step."""
+    out = {"cpu_util": r["cpu_util"], "cpu_ms_per_step": 1e3 * r["cpu_s"] / steps, "peak_rss_mb": r["peak_rss_mb"]}
+    for way in ("recv", "sent"):
+        if f"wire_bytes_{way}" in r:
+            out[f"wire_bytes_{way}_per_step"] = r[f"wire_bytes_{way}"] / steps
+    return out
+
+
+def _per_step(c: dict, steps: int, *, dim: int, meter: dict) -> dict:
     """A server's counters over the timed window, per step (all trainers together), and the
-    memory its process holds in huge pages at the end."""
-    return {
+    memory its process holds in huge pages at the end.
+
+    ``min_bytes_per_step`` is what rows and gradients need at least, each way: the unique rows
+    served times ``dim`` times the wire dtype's size. ``bytes_*_per_step`` are the payloads the
+    server counts (rows out; lookup ids and gradients in); on an emulated host
+    ``wire_bytes_*_per_step`` are what its interface carried (``meter``: the server's report),
+    headers, ids and control messages included. Each has its ratio to the minimum."""
+    least = c["rows_served"] * dim * WIRE_DTYPE_BYTES / steps
+    out = {
         "rpcs_per_step": (c["lookups"] - c.get("channel_lookups", 0) + c["push_messages"]) / steps,
         "channel_messages_per_step": c.get("channel_lookups", 0) / steps,
         "lookups_per_step": c["lookups"] / steps,
@@ -81,7 +106,15 @@ def _per_step(c: dict, steps: int) -> dict:
         "unique_id_ratio": c["rows_served"] / c["ids_requested"] if c["ids_requested"] else 1.0,
         "wait_s_per_step": c["wait_s"] / steps,
         "huge_page_mb": None if c.get("huge_page_bytes") is None else c["huge_page_bytes"] / 2**20,
+        "unique_rows_per_step": c["rows_served"] / steps,
+        "min_bytes_per_step": least,
     }
+    for way in ("recv", "sent"):
+        if f"wire_bytes_{way}" in meter:
+            out[f"wire_bytes_{way}_per_step"] = meter[f"wire_bytes_{way}"] / steps
+    for key in [k for k in out if k.startswith(("bytes_", "wire_bytes_"))]:
+        out[key.replace("_per_step", "_over_min")] = out[key] / least if least else None
+    return out
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -111,12 +144,12 @@ def run_rounds(w: Workload, systems: list[str], *, repeat: int, progress=None, *
 
 
 def run_systems(w: Workload, systems: list[str], *, timeout_s: float, dmp_sharding: str = "table_wise",
-                runtime: dict | None = None) -> list[dict]:
-    """Run ``systems`` one after another; returns their JSON lines (``{"system", "error"}`` for
-    a system that failed)."""
+                runtime: dict | None = None, hosts: EmulatedNetwork | None = None) -> list[dict]:
+    """Run ``systems`` one after another (every process on its own emulated host with ``hosts``);
+    returns their JSON lines (``{"system", "error"}`` for a system that failed)."""
     lines = []
     for name in systems:
-        kwargs: dict = {"timeout_s": timeout_s}
+        kwargs: dict = {"timeout_s": timeout_s, "hosts": hosts}
         if name == "torchrec_dmp":
             kwargs["sharding"] = dmp_sharding
         if name.startswith("hybrid") and runtime:
@@ -127,6 +160,7 @@ def run_systems(w: Workload, systems: list[str], *, timeout_s: float, dmp_shardi
         except BenchmarkError as e:
             line = {"system": name, "error": str(e)}
         line["wall_s"] = time.perf_counter() - t0
+        line["network"] = hosts.describe() if hosts is not None else {"kind": "loopback"}
         lines.append(line)
     return lines
 
@@ -166,6 +200,15 @@ def ratio_table(lines: list[dict]) -> str:
         r += f"{l['first_loss']:>12.6f}{l['final_loss']:>12.6f}"
         r += "".join(f"{paired_ratio(l, ok[b]):>14.2f}x" for b in bases)
         rows.append(r)
+    wire = [(l["system"], name, s) for l in lines if "error" not in l for name, s in l.get("servers", {}).items()
+            if "wire_bytes_sent_over_min" in s]
+    if wire:
+        rows.append("")
+        rows.append("bytes on the wire per step / minimum (unique rows x dim x 4 B), server sent / received:")
+        for system, name, s in wire:
+            rows.append(f"  {system} {name}: {s['wire_bytes_sent_over_min']:.2f}x / {s['wire_bytes_recv_over_min']:.2f}x "
+                        f"({s['wire_bytes_sent_per_step'] / 1e3:.0f} / {s['wire_bytes_recv_per_step'] / 1e3:.0f} kB; "
+                        f"minimum {s['min_bytes_per_step'] / 1e3:.0f} kB)")
     checks = [(s, b, m) for s, b, m in TARGETS if s in ok and b in ok]
     if checks:
         rows.append("")
@@ -198,6 +241,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hybrid's RPC worker threads per process (default: RuntimeOptions')")
     p.add_argument("--huge-pages", choices=("on", "off"), default=None,
                    help="hybrid's servers keep tables in transparent huge pages (default: RuntimeOptions', on)")
+    p.add_argument("--network", default="loopback", metavar="loopback|emulated[:rate=R,delay=D]",
+                   help="loopback: every process on this host; emulated: every process a host of its own on an "
+                        "emulated network, links shaped to rate R (default 10gbit) and one-way delay D (default "
+                        "50us; 0 for none), see benchmarks/network.py (needs root)")
     p.add_argument("--ps-transport", choices=("auto", "rpc"), default=None,
                    help="hybrid's step messages to a server on the same host: auto (shared memory) or rpc "
                         "(default: RuntimeOptions')")
@@ -210,9 +257,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--systems: unknown {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
     try:
         args.workload = Workload.from_args(args)
+        args.network = parse_network(args.network)
     except ValueError as e:
         p.error(str(e))
     return args
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt (as SIGINT does), so that whatever a run has
+    started -- processes, an emulated network -- is removed on the way out."""
+    def interrupt(signum, frame):  # noqa: ANN001 - signal's handler signature
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    saved = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,9 +300,25 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
 
     w = args.workload
-    print(f"workload: {json.dumps(vars(w))}, repeat: {args.repeat}", file=sys.stderr, flush=True)
-    lines = run_rounds(w, [s for s in args.systems.split(",") if s], repeat=args.repeat, progress=progress,
-                       timeout_s=args.timeout, dmp_sharding=args.dmp_sharding, runtime=runtime)
+    network = EmulatedNetwork(args.network, hosts=w.trainers + w.servers) if args.network else None
+    where = json.dumps(network.describe()) if network else "loopback"
+    print(f"workload: {json.dumps(vars(w))}, repeat: {args.repeat}, network: {where}", file=sys.stderr, flush=True)
+    try:
+        with _signals_interrupt():
+            if network is not None:
+                network.start()
+            lines = run_rounds(w, [s for s in args.systems.split(",") if s], repeat=args.repeat, progress=progress,
+                               timeout_s=args.timeout, dmp_sharding=args.dmp_sharding, runtime=runtime,
+                               hosts=network)
+    except NetworkError as e:
+        print(f"benchmarks.run: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("benchmarks.run: interrupted; its processes were killed and its network removed", file=sys.stderr)
+        return 130
+    finally:
+        if network is not None:
+            network.close()
     for line in lines:
         print(json.dumps(line), flush=True)
     print(ratio_table(lines), file=sys.stderr, flush=True)

@@ -10,12 +10,14 @@ in the training loop. Besides the common report, trainer 0 returns the per-step 
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 from benchmarks.launch import METER, mark_servers, spawn
+from benchmarks.network import ADDRESS_ENV, EmulatedNetwork
 from benchmarks.systems.common import train
 from benchmarks.workload import Data, Workload, build_dlrm, loss_fn
 
@@ -45,6 +47,8 @@ def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, st
     from hybrid.launch.roles import role_of
 
     role = role_of(rank, world_size, w.servers)
+    if ADDRESS_ENV in os.environ:  # an emulated host: every socket on its own address
+        runtime = {**runtime, "address": os.environ[ADDRESS_ENV]}
     options = RuntimeOptions(**runtime)
     init_hybrid(role, init_method=f"file://{store}/rpc", backend="gloo", options=options)
     report, ok = None, False
@@ -117,24 +121,26 @@ def _delta(before: dict, after: dict) -> dict:
 
 
 def _run(w: Workload, *, timeout_s: float, dense: str, staleness: int, runtime: dict | None,
-         comm_hook: str | None = None) -> list[dict]:
-    return spawn(_rank, w.trainers + w.servers, timeout_s=timeout_s, threads=w.threads, w=w, dense=dense,
-                 staleness=staleness, runtime=dict(runtime or {}), comm_hook=comm_hook)
+         comm_hook: str | None = None, hosts: EmulatedNetwork | None = None) -> list[dict]:
+    return spawn(_rank, w.trainers + w.servers, timeout_s=timeout_s, threads=w.threads, hosts=hosts, w=w,
+                 dense=dense, staleness=staleness, runtime=dict(runtime or {}), comm_hook=comm_hook)
 
 
 def run_hybrid_sync(w: Workload, *, timeout_s: float, runtime: dict | None = None,
-                    comm_hook: str | None = None) -> list[dict]:
+                    comm_hook: str | None = None, hosts: EmulatedNetwork | None = None) -> list[dict]:
     """Sync (staleness 0), dense under DDP. ``runtime``: :class:`RuntimeOptions` overrides;
-    ``comm_hook``: the plan's ddp ``comm_hook`` (default: the plan's default)."""
-    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=0, runtime=runtime, comm_hook=comm_hook)
+    ``comm_hook``: the plan's ddp ``comm_hook`` (default: the plan's default); ``hosts``: every
+    process on its own emulated host, listening on its address."""
+    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=0, runtime=runtime, comm_hook=comm_hook, hosts=hosts)
 
 
 def run_hybrid_async(w: Workload, *, timeout_s: float, runtime: dict | None = None,
-                     comm_hook: str | None = None) -> list[dict]:
+                     comm_hook: str | None = None, hosts: EmulatedNetwork | None = None) -> list[dict]:
     """Async (staleness 1, prefetch of the next batch), dense under DDP."""
-    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=1, runtime=runtime, comm_hook=comm_hook)
+    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=1, runtime=runtime, comm_hook=comm_hook, hosts=hosts)
 
 
-def run_hybrid_sync_fsdp(w: Workload, *, timeout_s: float, runtime: dict | None = None) -> list[dict]:
+def run_hybrid_sync_fsdp(w: Workload, *, timeout_s: float, runtime: dict | None = None,
+                         hosts: EmulatedNetwork | None = None) -> list[dict]:
     """Sync (staleness 0), dense under FSDP2."""
-    return _run(w, timeout_s=timeout_s, dense="fsdp", staleness=0, runtime=runtime)
+    return _run(w, timeout_s=timeout_s, dense="fsdp", staleness=0, runtime=runtime, hosts=hosts)

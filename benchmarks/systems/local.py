@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from benchmarks.launch import spawn
+from benchmarks.network import EmulatedNetwork
 from benchmarks.systems.common import train
 from benchmarks.workload import Data, DenseDLRM, Workload, build_dlrm, loss_fn, table_weights
 
@@ -38,6 +39,6 @@ def _local(rank: int, world_size: int, store: str, *, w: Workload) -> dict:
     return {**train(w, batches, step, name="local"), "samples_per_step": w.global_batch}
 
 
-def run_local(w: Workload, *, timeout_s: float) -> list[dict]:
-    """Train ``w`` in one fresh process; returns its report."""
-    return spawn(_local, 1, timeout_s=timeout_s, threads=w.threads, w=w)
+def run_local(w: Workload, *, timeout_s: float, hosts: EmulatedNetwork | None = None) -> list[dict]:
+    """Train ``w`` in one fresh process (on emulated host 0 with ``hosts``); returns its report."""
+    return spawn(_local, 1, timeout_s=timeout_s, threads=w.threads, hosts=hosts, w=w)

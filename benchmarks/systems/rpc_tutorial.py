@@ -29,6 +29,7 @@ from torch.distributed.optim import DistributedOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.launch import METER, mark_servers, spawn
+from benchmarks.network import EmulatedNetwork
 from benchmarks.systems.common import train
 from benchmarks.workload import Data, DenseDLRM, Workload, build_dlrm, loss_fn, table_weights
 
@@ -104,6 +105,7 @@ def _trainer(rank: int, w: Workload) -> dict:
     return {**report, "samples_per_step": w.batch}
 
 
-def run_rpc_tutorial(w: Workload, *, timeout_s: float) -> list[dict]:
-    """Train ``w`` on ``trainers + servers`` fresh processes; returns every process's report."""
-    return spawn(_rank, w.trainers + w.servers, timeout_s=timeout_s, threads=w.threads, w=w)
+def run_rpc_tutorial(w: Workload, *, timeout_s: float, hosts: EmulatedNetwork | None = None) -> list[dict]:
+    """Train ``w`` on ``trainers + servers`` fresh processes (each on its emulated host with
+    ``hosts``); returns every process's report."""
+    return spawn(_rank, w.trainers + w.servers, timeout_s=timeout_s, threads=w.threads, hosts=hosts, w=w)

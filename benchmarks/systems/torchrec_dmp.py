@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.launch import spawn
+from benchmarks.network import EmulatedNetwork
 from benchmarks.systems.common import train
 from benchmarks.workload import Data, Workload, build_dlrm, loss_fn, table_weights
 
@@ -100,8 +101,11 @@ def _trainer(rank: int, world_size: int, store: str, *, w: Workload, sharding: s
         dist.destroy_process_group()
 
 
-def run_torchrec_dmp(w: Workload, *, timeout_s: float, sharding: str = "table_wise") -> list[dict]:
-    """Train ``w`` on ``trainers`` fresh processes under DMP; returns every process's report."""
+def run_torchrec_dmp(w: Workload, *, timeout_s: float, sharding: str = "table_wise",
+                     hosts: EmulatedNetwork | None = None) -> list[dict]:
+    """Train ``w`` on ``trainers`` fresh processes under DMP (each on its emulated host with
+    ``hosts``); returns every process's report."""
     if sharding not in SHARDINGS:
         raise ValueError(f"torchrec_dmp sharding: got {sharding!r}; expected one of {', '.join(SHARDINGS)}")
-    return spawn(_trainer, w.trainers, timeout_s=timeout_s, threads=w.threads, w=w, sharding=sharding)
+    return spawn(_trainer, w.trainers, timeout_s=timeout_s, threads=w.threads, hosts=hosts, w=w,
+                 sharding=sharding)

@@ -8,11 +8,24 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
+from benchmarks.network import namespaces
 from benchmarks.systems import SYSTEMS
-from tests.support.cli import run_hybrid
+from tests.support.cli import REPO, kill_tree, run_hybrid
+from tests.support.sockets import descendants
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "tc", "unshare")),
+    reason="--network emulated needs root, ip, tc and unshare",
+)
 
 TINY = ["--tables", "2", "--rows", "200", "--dim", "8", "--bottom-mlp", "16,8", "--top-mlp", "16,1",
         "--batch", "16", "--warmup", "1", "--steps", "3", "--repeat", "1"]
@@ -87,3 +100,91 @@ def test_memory_benchmark_fsdp_holds_a_shard_of_what_ddp_holds():
     # The plan report's per-trainer estimate (`hybrid plan show`) is what the trainers hold.
     for line in (ddp, fsdp):
         assert line["plan_estimate_bytes"] == pytest.approx(line["total_bytes"], rel=0.10), line
+
+
+def _root_links() -> list[str]:
+    return sorted(subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.split("\n"))
+
+
+def _new_networks(before: set[str]) -> list[str]:
+    return [n for n in set(namespaces()) - before if n.startswith("hbnet")]
+
+
+@pytest.mark.slow
+@needs_root
+def test_on_the_emulated_network_every_system_crosses_the_links_from_the_same_loss():
+    before, links = set(namespaces()), _root_links()
+    systems = ["local", "rpc_tutorial", "torchrec_dmp", "hybrid_sync"]  # one of each way to talk
+    res = run_hybrid([*TINY, "--network", "emulated:rate=1gbit,delay=0", "--systems", ",".join(systems)],
+                     module="benchmarks.run", timeout=400)
+    assert res.returncode == 0, res.output
+    lines = {l["system"]: l for l in _lines(res.stdout)}
+    assert list(lines) == systems, res.output
+    first, final = lines["local"]["first_loss"], lines["local"]["final_loss"]
+    for name, l in lines.items():
+        assert "error" not in l, l
+        assert l["network"] == {"kind": "emulated", "rate_bit_s": 10**9, "delay_us": 0.0, "hosts": 3}, l
+        assert l["first_loss"] == pytest.approx(first, rel=1e-6), (name, l["first_loss"], first)
+        for proc, p in l["processes"].items():  # one host per process: only others' traffic crosses eth0
+            crossed = p["wire_bytes_sent_per_step"] > 0 and p["wire_bytes_recv_per_step"] > 0
+            assert crossed == (name != "local"), (name, proc, p)
+    assert lines["hybrid_sync"]["final_loss"] == pytest.approx(final, rel=1e-5)
+    s = lines["hybrid_sync"]["servers"]["ps0"]
+    # The server is another host: no shared-memory channel, every step message over RPC.
+    assert s["channel_messages_per_step"] == 0 and s["rpcs_per_step"] > 0, s
+    assert s["min_bytes_per_step"] == pytest.approx(s["unique_rows_per_step"] * 8 * 4), s
+    # The wire carries at least the payload the server counted, which is at least the minimum.
+    assert s["wire_bytes_sent_per_step"] >= s["bytes_sent_per_step"] >= s["min_bytes_per_step"] > 0, s
+    assert s["wire_bytes_recv_per_step"] >= s["bytes_recv_per_step"] >= s["min_bytes_per_step"], s
+    assert s["wire_bytes_sent_over_min"] == pytest.approx(s["wire_bytes_sent_per_step"] / s["min_bytes_per_step"])
+    assert "bytes on the wire per step / minimum" in res.stderr
+    assert _new_networks(before) == [] and _root_links() == links
+
+
+@needs_root
+def test_a_failed_system_and_an_interrupted_run_leave_no_network_and_no_process():
+    before, links = set(namespaces()), _root_links()
+    # Every rank killed at its 2 s timeout: the system fails, the run goes on to its end.
+    res = run_hybrid([*TINY, "--network", "emulated:delay=0", "--systems", "hybrid_sync", "--timeout", "2"],
+                     module="benchmarks.run", timeout=120)
+    assert res.returncode == 1, res.output
+    assert "passed the 2s timeout" in _lines(res.stdout)[0]["error"], res.output
+    assert _new_networks(before) == [] and _root_links() == links
+    # SIGTERM while a system's processes run: they are killed and the network removed.
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.run", *TINY, "--network", "emulated:delay=0",
+                             "--systems", "hybrid_sync"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(ranks := _ranks(proc.pid)) < 3 or not _new_networks(before):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "benchmarks.run: interrupted; its processes were killed and its network removed"
+    assert not [p for p in ranks if os.path.exists(f"/proc/{p}") and _state(p) != "Z"], ranks
+    assert _new_networks(before) == [] and _root_links() == links
+
+
+def _ranks(pid: int) -> list[int]:
+    """The processes below ``pid`` that multiprocessing spawned (not its resource tracker)."""
+    out = []
+    for p in descendants(pid)[1:]:
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    out.append(p)
+        except OSError:
+            pass
+    return out
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
