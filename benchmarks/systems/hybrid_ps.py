@@ -88,17 +88,19 @@ def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hoo
             times.append(pipeline.last_times)
         return loss
 
+    # The servers' meters (CPU, bytes on their interface) open before the counters are read and
+    # close after: every byte the counters count falls inside the meters' window.
     def start() -> None:
         if role.index == 0:
-            stats["start"] = ebc.stats()
             mark_servers(ebc.server_names, "start")
+            stats["start"] = ebc.stats()
 
     def stop() -> None:
         pipeline.flush()
         dist.barrier()
         if role.index == 0:
-            mark_servers(ebc.server_names, "stop")
             stats["stop"] = ebc.stats()
+            mark_servers(ebc.server_names, "stop")
 
     def sync() -> None:
         pipeline.flush()  # the window's counters start with nothing owed
