@@ -41,7 +41,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -91,10 +91,20 @@ class Data:
         self.grad = torch.randn(s.ids, s.dim, generator=g) * 0.01
 
 
+class Rate(NamedTuple):
+    """One measurement."""
+
+    rows_per_s: float
+    calls: int
+    """Calls timed."""
+    huge_page_mb: float
+    """This process's memory in transparent huge pages at the end of the timing (its tables alive)."""
+
+
 def timed_rate(prepare: Callable[[torch.Tensor], Callable[[], object]], batches: list[torch.Tensor],
-               seconds: float) -> tuple[float, int]:
+               seconds: float) -> Rate:
     """Rows per second of the calls ``prepare(ids)`` returns, cycling through ``batches`` (only
-    the calls are timed, after one untimed); and how many calls were timed."""
+    the calls are timed, after one untimed)."""
     prepare(batches[0])()
     timed, rows, calls = 0.0, 0, 0
     while timed < seconds:
@@ -105,7 +115,7 @@ def timed_rate(prepare: Callable[[torch.Tensor], Callable[[], object]], batches:
         timed += time.perf_counter() - t0
         rows += ids.numel()
         calls += 1
-    return rows / timed, calls
+    return Rate(rows / timed, calls, (huge_page_bytes() or 0) / 2**20)
 
 
 def _table(s: Setup, data: Data) -> torch.Tensor:
@@ -126,7 +136,7 @@ GATHERS = {
 prefetches rows ahead, which made it the fastest on this project's machine)."""
 
 
-def gather(s: Setup, data: Data, how: str) -> tuple[float, int]:
+def gather(s: Setup, data: Data, how: str) -> Rate:
     table = _table(s, data)
     out = torch.empty(s.ids, s.dim)
     fn = GATHERS[how]
@@ -153,12 +163,12 @@ def _rows(ids: torch.Tensor):
     return Rows([0], [ids.numel()], ids)
 
 
-def server_lookup(s: Setup, data: Data) -> tuple[float, int]:
+def server_lookup(s: Setup, data: Data) -> Rate:
     shard = server_shard(s, data, "sgd")
     return timed_rate(lambda ids: lambda: shard.gather(_rows(ids)), data.batches, s.seconds)
 
 
-def server_update(s: Setup, data: Data, optimizer: str) -> tuple[float, int]:
+def server_update(s: Setup, data: Data, optimizer: str) -> Rate:
     shard = server_shard(s, data, optimizer)
     grad = data.grad.reshape(-1)
     step = iter(range(1 << 62))
@@ -196,13 +206,13 @@ def _states(tbe) -> list[torch.Tensor]:
     return list(states[0]) if states else []
 
 
-def fbgemm_lookup(s: Setup, data: Data) -> tuple[float, int]:
+def fbgemm_lookup(s: Setup, data: Data) -> Rate:
     tbe, offsets = fbgemm_tbe(s, data, "rowwise_adagrad")
     with torch.no_grad():
         return timed_rate(lambda ids: lambda: tbe(ids, offsets), data.batches, s.seconds)
 
 
-def fbgemm_update(s: Setup, data: Data, optimizer: str, *, warm: bool = False) -> tuple[float, int]:
+def fbgemm_update(s: Setup, data: Data, optimizer: str, *, warm: bool = False) -> Rate:
     tbe, offsets = fbgemm_tbe(s, data, optimizer)
     evict = torch.empty(EVICT_BYTES // 4)
 
@@ -233,7 +243,7 @@ def agreement(s: Setup, data: Data, optimizer: str) -> float:
 # -- the run --------------------------------------------------------------------------------------
 
 
-def kernels() -> list[tuple[str, str | None, Callable[[Setup, Data], tuple[float, int]]]]:
+def kernels() -> list[tuple[str, str | None, Callable[[Setup, Data], Rate]]]:
     """(kernel, optimizer, measure) of every measurement, in the order of a round."""
     out: list = [(f"gather_{how}", None, lambda s, d, how=how: gather(s, d, how)) for how in GATHERS]
     out += [("server_lookup", None, server_lookup), ("fbgemm_lookup", None, fbgemm_lookup)]
@@ -249,17 +259,17 @@ def measurements(s: Setup, data: Data) -> list[dict]:
     round's own ratio (a slow spell of the shared machine slows a whole round alike)."""
     plan = kernels()
     runs: list[list[float]] = [[] for _ in plan]
-    calls = [0 for _ in plan]
+    calls, held = [0 for _ in plan], [0.0 for _ in plan]
     for r in range(s.repeat):
         for k, (kernel, optimizer, measure) in enumerate(plan):
-            rate, n = measure(s, data)
-            runs[k].append(rate)
-            calls[k] += n
-            print(f"  round {r + 1}/{s.repeat}: {kernel:<20}{optimizer or '':<17}{rate / 1e6:8.2f} M rows/s",
+            got = measure(s, data)
+            runs[k].append(got.rows_per_s)
+            calls[k] += got.calls
+            held[k] = max(held[k], got.huge_page_mb)
+            print(f"  round {r + 1}/{s.repeat}: {kernel:<20}{optimizer or '':<17}{got.rows_per_s / 1e6:8.2f} M rows/s",
                   file=sys.stderr, flush=True)
     ceiling = [max(runs[k][r] for k, p in enumerate(plan) if p[0].startswith("gather_")) for r in range(s.repeat)]
     index = {(kernel, optimizer): k for k, (kernel, optimizer, _) in enumerate(plan)}
-    held = (huge_page_bytes() or 0) / 2**20
     lines = []
     for k, (kernel, optimizer, _) in enumerate(plan):
         rate = statistics.median(runs[k])
@@ -269,7 +279,7 @@ def measurements(s: Setup, data: Data) -> list[dict]:
         theirs = index.get((kernel.replace("server_", "fbgemm_"), optimizer))
         if kernel.startswith("server_") and theirs is not None:
             line["vs_fbgemm"] = statistics.median(x / y for x, y in zip(runs[k], runs[theirs]))
-        line.update(memory=s.memory, huge_page_mb=held, rows=s.rows, dim=s.dim, ids_per_call=s.ids)
+        line.update(memory=s.memory, huge_page_mb=held[k], rows=s.rows, dim=s.dim, ids_per_call=s.ids)
         lines.append(line)
     return lines
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,12 +19,8 @@ import pytest
 from benchmarks.network import namespaces
 from benchmarks.systems import SYSTEMS
 from tests.support.cli import REPO, kill_tree, run_hybrid
+from tests.support.network import needs_root, root_links
 from tests.support.sockets import descendants
-
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "tc", "unshare")),
-    reason="--network emulated needs root, ip, tc and unshare",
-)
 
 TINY = ["--tables", "2", "--rows", "200", "--dim", "8", "--bottom-mlp", "16,8", "--top-mlp", "16,1",
         "--batch", "16", "--warmup", "1", "--steps", "3", "--repeat", "1"]
@@ -102,10 +97,6 @@ def test_memory_benchmark_fsdp_holds_a_shard_of_what_ddp_holds():
         assert line["plan_estimate_bytes"] == pytest.approx(line["total_bytes"], rel=0.10), line
 
 
-def _root_links() -> list[str]:
-    return sorted(subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.split("\n"))
-
-
 def _new_networks(before: set[str]) -> list[str]:
     return [n for n in set(namespaces()) - before if n.startswith("hbnet")]
 
@@ -113,7 +104,7 @@ def _new_networks(before: set[str]) -> list[str]:
 @pytest.mark.slow
 @needs_root
 def test_on_the_emulated_network_every_system_crosses_the_links_from_the_same_loss():
-    before, links = set(namespaces()), _root_links()
+    before, links = set(namespaces()), root_links()
     systems = ["local", "rpc_tutorial", "torchrec_dmp", "hybrid_sync"]  # one of each way to talk
     res = run_hybrid([*TINY, "--network", "emulated:rate=1gbit,delay=0", "--systems", ",".join(systems)],
                      module="benchmarks.run", timeout=400)
@@ -138,18 +129,18 @@ def test_on_the_emulated_network_every_system_crosses_the_links_from_the_same_lo
     assert s["wire_bytes_recv_per_step"] >= s["bytes_recv_per_step"] >= s["min_bytes_per_step"], s
     assert s["wire_bytes_sent_over_min"] == pytest.approx(s["wire_bytes_sent_per_step"] / s["min_bytes_per_step"])
     assert "bytes on the wire per step / minimum" in res.stderr
-    assert _new_networks(before) == [] and _root_links() == links
+    assert _new_networks(before) == [] and root_links() == links
 
 
 @needs_root
 def test_a_failed_system_and_an_interrupted_run_leave_no_network_and_no_process():
-    before, links = set(namespaces()), _root_links()
+    before, links = set(namespaces()), root_links()
     # Every rank killed at its 2 s timeout: the system fails, the run goes on to its end.
     res = run_hybrid([*TINY, "--network", "emulated:delay=0", "--systems", "hybrid_sync", "--timeout", "2"],
                      module="benchmarks.run", timeout=120)
     assert res.returncode == 1, res.output
     assert "passed the 2s timeout" in _lines(res.stdout)[0]["error"], res.output
-    assert _new_networks(before) == [] and _root_links() == links
+    assert _new_networks(before) == [] and root_links() == links
     # SIGTERM while a system's processes run: they are killed and the network removed.
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.run", *TINY, "--network", "emulated:delay=0",
                              "--systems", "hybrid_sync"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -166,7 +157,7 @@ def test_a_failed_system_and_an_interrupted_run_leave_no_network_and_no_process(
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "benchmarks.run: interrupted; its processes were killed and its network removed"
     assert not [p for p in ranks if os.path.exists(f"/proc/{p}") and _state(p) != "Z"], ranks
-    assert _new_networks(before) == [] and _root_links() == links
+    assert _new_networks(before) == [] and root_links() == links
 
 
 def _ranks(pid: int) -> list[int]:

@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
-import pytest
-
 from benchmarks.network import EmulatedNetwork, NetworkError, NetworkSpec, namespaces
+from tests.support.network import needs_root, root_links
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not all(shutil.which(t) for t in ("ip", "tc", "unshare")),
-    reason="the emulated network needs root, ip, tc and unshare",
-)
+pytestmark = needs_root
 
 # Host 0 receives N bytes from host 1 over TCP and reports how long they took; each host also
 # reports what it sees of itself.
@@ -48,12 +43,8 @@ def _on(net: EmulatedNetwork, host: int, code: str, **kw) -> subprocess.Popen:
     return subprocess.Popen([net.executable(host), "-c", code], stdout=subprocess.PIPE, text=True, **kw)
 
 
-def _root_links() -> list[str]:
-    return sorted(subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.split("\n"))
-
-
 def test_every_host_is_apart_and_its_link_is_shaped_to_the_rate():
-    before_ns, before_links = set(namespaces()), _root_links()
+    before_ns, before_links = set(namespaces()), root_links()
     spec = NetworkSpec(rate_bit_s=100 * 10**6, delay_s=0.0)
     with EmulatedNetwork(spec, hosts=2) as net:
         seen = []
@@ -84,7 +75,7 @@ def test_every_host_is_apart_and_its_link_is_shaped_to_the_rate():
     assert int(got) == nbytes
     assert float(seconds) >= 0.9 * nbytes * 8 / spec.rate_bit_s, seconds
     assert set(namespaces()) == before_ns
-    assert _root_links() == before_links
+    assert root_links() == before_links
 
 
 def test_a_delay_is_netem_and_a_kernel_without_it_is_refused_leaving_nothing():
