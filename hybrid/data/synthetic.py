@@ -41,8 +41,8 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hybrid.ps.init import fmix32
-from recsys_examples.data.batch import Batch
-from recsys_examples.data.config import DataConfig, Schema
+from hybrid.data.batch import Batch
+from hybrid.data.config import DataConfig, Schema
 
 SPLITS = ("train", "eval")
 SHARPNESS = 3.0
