@@ -264,7 +264,8 @@ class Trainer:
                 produced = True
                 if index < first:
                     continue  # file readers: batches a resumed checkpoint already trained on
-                bad = torch.tensor([0.0 if self._finite(batch) else 1.0])
+                # On the trainer's device: the trainers' group may be NCCL, which has no CPU tensors.
+                bad = torch.tensor([0.0 if self._finite(batch) else 1.0], device=self.device)
                 dist.all_reduce(bad, op=dist.ReduceOp.MAX)
                 if bad.item():
                     if self.t.nonfinite == "error":
@@ -417,7 +418,7 @@ class Trainer:
     def _log_train(self, w: _Window) -> float:
         """One train row: losses and times averaged over the window and the trainers."""
         sums = torch.tensor([w.loss, w.samples, w.data, w.lookup, w.dense, w.push, w.optimizer, w.wall],
-                            dtype=torch.float64)
+                            dtype=torch.float64, device=self.device)
         dist.all_reduce(sums)
         n = self.role.num_trainers
         loss, samples, data, lookup, dense, push, opt, wall = sums.tolist()
