@@ -40,9 +40,9 @@ from collections.abc import Iterator
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from hybrid.ps.init import fmix32
 from hybrid.data.batch import Batch
 from hybrid.data.config import DataConfig, Schema
+from hybrid.ps.init import fmix32
 
 SPLITS = ("train", "eval")
 SHARPNESS = 3.0

@@ -6,7 +6,6 @@ and what a :class:`hybrid.train.ModelSpec` does with it. User packages are writt
 from __future__ import annotations
 
 import itertools
-import textwrap
 from pathlib import Path
 
 import pytest

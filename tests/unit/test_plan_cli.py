@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from hybrid import cli
-from hybrid.plan import PlanError
 from tests.unit.test_plan_models import EBC, dlrm, write
 
 TINY = f"{__name__}:tiny_dlrm"
