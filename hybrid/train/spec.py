@@ -164,12 +164,13 @@ def _from_module(ref: str, error: Callable[[str], PlanError]) -> ModelSpec:
         obj: Any = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - any failure of the user's module is reported in one line
         raise error(f"cannot import module {module_name!r} for {ref!r} ({type(e).__name__}: {e}); "
-                    f"is it on PYTHONPATH? Registered names: {_known()}") from None
+                    f"is it on PYTHONPATH? registered names: {_known()}") from None
     for i, part in enumerate(attr.split(".")):
         if not hasattr(obj, part):
             owner = ".".join([module_name, *attr.split(".")[:i]])
             names = [n for n in dir(obj) if not n.startswith("_")]
-            raise error(f"{owner!r} has no attribute {part!r}{did_you_mean(part, names)} (looking up {ref!r})")
+            raise error(f"{owner!r} has no attribute {part!r}{did_you_mean(part, names)} (looking up {ref!r}); "
+                        f"registered names: {_known()}")
         obj = getattr(obj, part)
     return _as_spec(obj, ref, error)
 
@@ -201,7 +202,7 @@ def _as_spec(obj: Any, ref: str, error: Callable[[str], PlanError]) -> ModelSpec
     if callable(obj):
         return ModelSpec(build=obj)
     raise error(f"{ref!r} is a {type(obj).__name__}; expected a hybrid.train.ModelSpec or a callable that "
-                f"builds an nn.Module")
+                f"builds an nn.Module; registered names: {_known()}")
 
 
 def _known() -> str:

@@ -97,7 +97,7 @@ def test_module_that_is_not_there():
     err = _error("no_such_pkg.models:build")
     assert err.detail.startswith("cannot import module 'no_such_pkg.models' for 'no_such_pkg.models:build' "
                                  "(ModuleNotFoundError: No module named 'no_such_pkg'); is it on PYTHONPATH? "
-                                 "Registered names: dcn, dlrm, two_tower"), err.detail
+                                 "registered names: dcn, dlrm, two_tower"), err.detail
 
 
 def test_module_that_fails_on_import_is_one_line(tmp_path, monkeypatch):
@@ -110,10 +110,10 @@ def test_module_that_fails_on_import_is_one_line(tmp_path, monkeypatch):
 def test_missing_attribute_and_one_that_is_no_model(user_module):
     err = _error(f"{user_module}:buidl")
     assert err.detail == (f"'{user_module}' has no attribute 'buidl' (did you mean 'build'?) "
-                          f"(looking up '{user_module}:buidl')")
+                          f"(looking up '{user_module}:buidl'); registered names: dcn, dlrm, two_tower")
     err = _error(f"{user_module}:NOT_A_MODEL")
     assert err.detail == (f"'{user_module}:NOT_A_MODEL' is a int; expected a hybrid.train.ModelSpec or a callable "
-                          "that builds an nn.Module")
+                          "that builds an nn.Module; registered names: dcn, dlrm, two_tower")
     assert "expected package.module:attr" in _error(f"{user_module}:").detail
     assert "no model" in _error("").detail
 
@@ -183,6 +183,8 @@ def test_config_options_are_the_builder_s_keywords(user_module):
     ref = f"{user_module}:build"
     cfg = load_config(None, ["model.rows=9"], model_flag=ref)
     assert (cfg.model_name, cfg.model_kwargs) == (ref, {"rows": 9})
+    named = load_config(None, [f"model.name={ref}", "model.rows=9"], model=ref)  # config and plan agree
+    assert (named.model_name, named.model_kwargs, named.spec.build) == (ref, {"rows": 9}, cfg.spec.build)
     assert cfg.out_dir == Path(f"runs/{user_module}_build")  # a usable directory name
     with pytest.raises(PlanError, match=r"override 'model.rowz=9': model.rowz: .*:build takes no option 'rowz' "
                                         r"\(did you mean 'rows'\?\); it takes rows"):
