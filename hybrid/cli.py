@@ -1,10 +1,13 @@
 """The ``hybrid`` command. One argparse subcommand per verb; each registers its own handler.
 
-    hybrid plan show PLAN [--model NAME] [--world-size N] [key=value ...]
-    hybrid plan check PLAN [--model NAME] [--world-size N] [key=value ...]
-    hybrid train --plan PLAN [--config CONFIG] [key=value ...]      (one process, under torchrun)
+    hybrid plan show PLAN [--model MODEL] [--world-size N] [key=value ...]
+    hybrid plan check PLAN [--model MODEL] [--world-size N] [key=value ...]
+    hybrid train --plan PLAN [--config CONFIG] [--model MODEL] [key=value ...]  (one process, under torchrun)
     hybrid launch -n N [--max-restarts K] train --plan PLAN ...     (torchrun on this machine)
     hybrid export CKPT OUT                                          (a checkpoint -> one plain state_dict)
+
+MODEL is ``package.module:attr`` (a :class:`hybrid.train.ModelSpec` or a model builder) or a name
+registered in the ``hybrid.models`` entry-point group (:mod:`hybrid.train.spec`).
 
 A new verb (``train``, ``launch``, ``export``) is one ``_add_<verb>_parser(commands)`` function
 that sets ``handler`` to its ``_<verb>_main(args) -> int``, plus one line in
@@ -15,21 +18,18 @@ stderr without a traceback (``hybrid --debug COMMAND`` shows it, in every proces
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NoReturn
-
-import torch
-from torch import nn
 
 from hybrid.errors import DEBUG_ENV, print_error
 from hybrid.plan import Plan, PlanError, format_plan, load_plan, resolve, summarize
 from hybrid.plan.report import DENSE_OPTIMIZER_STATE
 
 EXIT_USAGE = 2
+MODEL_HELP = "the model: package.module:attr (a ModelSpec or a builder) or a name registered in hybrid.models"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,7 +81,7 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
             "overrides", nargs="*", default=[], metavar="key=value",
             help="plan overrides, e.g. topology.parameter_servers=2 modules.over_arch.strategy=ddp",
         )  # fmt: skip
-        p.add_argument("--model", help="name in recsys_examples.MODELS (default: the plan's model)")
+        p.add_argument("--model", metavar="MODEL", help=f"{MODEL_HELP} (default: the plan's model)")
         p.add_argument(
             "--world-size", type=int,
             help="processes, trainers + servers (default: the plan's world_size)",
@@ -96,10 +96,15 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
 
 def _plan_main(args: argparse.Namespace) -> int:
     """``hybrid plan show|check``: load, build the model, resolve, then print the table or OK."""
+    from hybrid.train.spec import known_models, meta_model, resolve_model
+
     try:
         plan = load_plan(args.plan, args.overrides)
         name, key = (args.model, "--model") if args.model else (plan.model, "model")
-        model = build_model(name, key=key)
+        if not name:
+            raise PlanError(f"no model: set `model:` in the plan or pass --model (package.module:attr or a registered "
+                            f"name: {', '.join(known_models()) or 'none'})", category="unknown_model", key="model")
+        model = meta_model(resolve_model(name, key=key), name=name, key=key)
         world_size, note = _world_size(args.world_size, plan)
         resolved = resolve(plan, model, world_size=world_size)
         if args.action == "show":
@@ -119,6 +124,8 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
         "any other KEY=VALUE a training-config key (e.g. train.steps=50 data.batch_size=128)."))
     p.add_argument("--plan", required=True, metavar="PLAN", help="plan YAML, e.g. conf/plans/dlrm.yaml")
     p.add_argument("--config", metavar="CONFIG", help="training config YAML, e.g. conf/train/dlrm.yaml")
+    p.add_argument("--model", metavar="MODEL", help=f"{MODEL_HELP} (default: the config's model.name, else the "
+                                                     "plan's model)")
     p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="config and plan. overrides")
     p.set_defaults(handler=_train_main)
 
@@ -126,7 +133,7 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
 def _train_main(args: argparse.Namespace) -> int:
     from hybrid.train.loop import main as train_main
 
-    return train_main(args.plan, args.config, args.overrides)
+    return train_main(args.plan, args.config, args.overrides, model=args.model)
 
 
 def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
@@ -149,7 +156,7 @@ def _check_train(argv: Sequence[str], world_size: int):
 
     args = build_parser().parse_args(["train", *argv])
     try:
-        plan, cfg, _, _ = load_run(args.plan, args.config, args.overrides, world_size)
+        plan, cfg, _, _ = load_run(args.plan, args.config, args.overrides, world_size, model=args.model)
     except PlanError as e:
         print_error(e)
         return EXIT_USAGE, RuntimeOptions(), []
@@ -274,38 +281,6 @@ def _world_size(flag: int | None, plan: Plan) -> tuple[int, str]:
     smallest = plan.topology.parameter_servers + 1
     note = f"\n(world size {smallest} = parameter_servers + 1 trainer; set world_size or pass --world-size)"
     return smallest, note
-
-
-def model_registry() -> dict[str, Callable[..., nn.Module]]:
-    """``recsys_examples.MODELS``, imported on use so the CLI starts without the examples."""
-    try:
-        from recsys_examples import MODELS
-    except ImportError as e:
-        detail = f"cannot import recsys_examples.MODELS ({e})"
-        raise PlanError(detail, category="unknown_model") from None
-    return MODELS
-
-
-def build_model(name: str | None, *, key: str = "model") -> nn.Module:
-    """The example model ``name``, on the meta device when its builder takes ``device``.
-
-    Meta tensors have shapes but no storage, which is all a plan needs, so even models with
-    large tables build instantly. ``key`` names where the name came from, for the error.
-    """
-    models = model_registry()
-    known = ", ".join(sorted(models))
-    if not name:
-        detail = f"no model: set `model:` in the plan or pass --model; known: {known}"
-        raise PlanError(detail, category="unknown_model", key="model")
-    if name not in models:
-        detail = f"unknown model {name!r}; known: {known} (recsys_examples.MODELS)"
-        raise PlanError(detail, category="unknown_model", key=key)
-    builder = models[name]
-    try:
-        takes_device = "device" in inspect.signature(builder).parameters
-    except (TypeError, ValueError):  # some callables have no signature
-        takes_device = False
-    return builder(device=torch.device("meta")) if takes_device else builder()
 
 
 def _is_override(arg: str) -> bool:

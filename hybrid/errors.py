@@ -20,7 +20,7 @@ Category = Literal[
     "bad_value",  # a value of the wrong type or out of range, or a missing required value
     "unknown_optimizer",  # a sparse optimizer name that the servers do not implement
     "unknown_module",  # a module path or glob that matches no module of the model
-    "unknown_model",  # a model name that is not in recsys_examples.MODELS
+    "unknown_model",  # a model name that finds no model (hybrid.train.spec.resolve_model)
     "conflicting_rules",  # two equally specific rules give one module different settings
     "not_an_embedding",  # parameter_server on a module that holds no embedding tables
     "unsupported_table",  # an embedding table the servers cannot serve (e.g. max pooling)

@@ -1,47 +1,34 @@
-"""Example recommendation models and their data, with no distribution code.
+"""Example recommendation models, with no distribution code, registered as any user's are.
 
-``MODELS`` maps an example's name to its builder (keyword arguments from the ``model:`` section
-of ``conf/train/<name>.yaml``, plus ``device``); ``TASK_OF`` maps it to its task
-(``recsys_examples.tasks``). The plan for each lives in ``conf/plans/<name>.yaml``.
+Each example is a :class:`hybrid.train.ModelSpec` named in this project's ``pyproject.toml``
+under ``[project.entry-points."hybrid.models"]``: ``dlrm``, ``dcn`` (CTR) and ``two_tower``
+(retrieval). Their builders take the ``model:`` section of ``conf/train/<name>.yaml``; the plan
+for each lives in ``conf/plans/<name>.yaml``.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from recsys_examples.models import build_dcn, build_dlrm, build_two_tower
-
-MODELS = {"dlrm": build_dlrm, "dcn": build_dcn, "two_tower": build_two_tower}
-TASK_OF = {"dlrm": "ctr", "dcn": "ctr", "two_tower": "retrieval"}
-
-
-def schema_of(model: nn.Module, task: str):
-    """The data schema a model reads: dense width and every sparse feature with its table's rows.
-
-    Features are listed in the order of the model's embedding collections (``named_modules``)
-    and their tables; works on meta-device models.
-    """
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    from recsys_examples.data import Schema
-    from recsys_examples.models import TwoTower
-
-    features: list[str] = []
-    rows: list[int] = []
-    for _, m in model.named_modules():
-        if isinstance(m, EmbeddingBagCollection):
-            for cfg in m.embedding_bag_configs():
-                for f in cfg.feature_names:
-                    if f not in features:
-                        features.append(f)
-                        rows.append(cfg.num_embeddings)
-    if isinstance(model, TwoTower):
-        num_dense = 0
-        query = [f for c in model.query_ebc.embedding_bag_configs() for f in c.feature_names]
-    else:
-        num_dense = next(m for m in model.dense_arch.modules() if isinstance(m, nn.Linear)).in_features
-        query = []
-    return Schema(num_dense=num_dense, features=features, num_embeddings=rows, task=task, query_features=query)
+from hybrid.data import Schema
+from hybrid.train import ModelSpec, model_schema
+from recsys_examples.models import TwoTower, build_dcn, build_dlrm, build_two_tower
 
 
-__all__ = ["MODELS", "TASK_OF", "build_dcn", "build_dlrm", "build_two_tower", "schema_of"]
+def _dense_width(model: nn.Module) -> Schema:
+    """DLRM and DCN read as many dense features as their bottom MLP's first layer takes."""
+    first = next(m for m in model.dense_arch.modules() if isinstance(m, nn.Linear))
+    return model_schema(model, num_dense=first.in_features)
+
+
+def _query_and_item(model: TwoTower) -> Schema:
+    """The two-tower reads no dense features; its query tower's features are the query side."""
+    query = [f for c in model.query_ebc.embedding_bag_configs() for f in c.feature_names]
+    return model_schema(model, num_dense=0, task="retrieval", query_features=query)
+
+
+dlrm = ModelSpec(build=build_dlrm, task="ctr", schema=_dense_width)
+dcn = ModelSpec(build=build_dcn, task="ctr", schema=_dense_width)
+two_tower = ModelSpec(build=build_two_tower, task="retrieval", schema=_query_and_item)
+
+__all__ = ["TwoTower", "build_dcn", "build_dlrm", "build_two_tower", "dcn", "dlrm", "two_tower"]

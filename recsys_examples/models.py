@@ -4,7 +4,7 @@ Plain PyTorch/TorchRec modules with no distribution code: the plan in ``conf/pla
 says where each part runs. Every builder takes keyword arguments only (the ``model:`` section of
 ``conf/train/<name>.yaml``) and ``device`` (``"meta"`` builds shapes without storage, which is
 what ``hybrid plan show`` and big models use). Every model's ``forward(dense, sparse)`` takes a
-:class:`~recsys_examples.data.Batch`'s ``dense`` tensor and ``KeyedJaggedTensor``.
+:class:`~hybrid.data.Batch`'s ``dense`` tensor and ``KeyedJaggedTensor``.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class TwoTower(nn.Module):
 
     ``forward(dense, sparse)`` returns ``(query, item)``: L2-normalized ``[n, out_dim]`` embeddings
     of each sample's query and item. Trained with in-batch negatives (every other item of the
-    batch is a negative for a query; see ``recsys_examples.tasks``). ``dense`` is unused.
+    batch is a negative for a query; see ``hybrid.train.tasks``). ``dense`` is unused.
     """
 
     def __init__(self, query_ebc: EmbeddingBagCollection, item_ebc: EmbeddingBagCollection,

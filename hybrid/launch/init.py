@@ -75,6 +75,11 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def trainer_device() -> torch.device:
+    """Where a trainer computes: its current CUDA device when a GPU is usable, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
+
+
 def resolve_backend(backend: str) -> str:
     """``auto`` means gloo on CPU and nccl on CUDA."""
     if backend == "auto":

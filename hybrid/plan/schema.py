@@ -207,7 +207,9 @@ class Plan:
     """A whole plan: topology, one rule per module path or glob, and sync options."""
 
     model: str | None = None
-    """Name of an example model in ``recsys_examples.MODELS`` (used by ``hybrid plan show``)."""
+    """The model the plan is written for: ``package.module:attr`` or a name registered in the
+    ``hybrid.models`` entry-point group (:mod:`hybrid.train.spec`). ``hybrid plan show/check``
+    build it unless ``--model`` names another; a training config naming another is refused."""
     world_size: int | None = None
     """Default number of processes (trainers + servers) for ``hybrid plan show/check``."""
     topology: Topology = field(default_factory=Topology)

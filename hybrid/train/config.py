@@ -1,7 +1,8 @@
 """The training config (``conf/train/<model>.yaml``): typed, loaded like a plan, errors that say where.
 
-Sections: ``model`` (the example's name and its builder's keyword arguments), ``data``
-(:class:`recsys_examples.data.DataConfig`), ``train`` (:class:`TrainOptions`), ``runtime``
+Sections: ``model`` (``name``: the model, as :mod:`hybrid.train.spec` resolves it, and its
+builder's keyword arguments), ``data`` (:class:`hybrid.data.DataConfig`), ``train``
+(:class:`TrainOptions`), ``runtime``
 (:class:`hybrid.launch.init.RuntimeOptions`: timeouts, transport, listening address) and
 ``checkpoint`` (:class:`CheckpointOptions`). Loading reuses the plan loader (safe YAML only,
 unknown keys and wrong types refused with ``file:line``, ``key=value`` overrides), and raises the
@@ -11,17 +12,19 @@ same :class:`~hybrid.plan.PlanError`.
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybrid.data import DataConfig, check_data_config
 from hybrid.launch.address import check_address
 from hybrid.launch.init import RuntimeOptions
 from hybrid.plan.errors import PlanError, did_you_mean, one_of
 from hybrid.plan.load import _key_lines, _load_section, _Locator, _read_yaml
 from hybrid.plan.overrides import apply_overrides
+from hybrid.train.spec import ModelSpec, known_models, resolve_model
 
 DENSE_OPTIMIZERS = ("sgd", "adagrad", "adam")
 
@@ -101,7 +104,7 @@ class CheckpointOptions:
 @dataclass(kw_only=True)
 class _ConfigFile:
     model: dict[str, Any] = field(default_factory=dict)
-    data: Any = None  # DataConfig, filled in by load_config (recsys_examples is imported on use)
+    data: DataConfig = field(default_factory=DataConfig)
     train: TrainOptions = field(default_factory=TrainOptions)
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
@@ -112,8 +115,12 @@ class RunConfig:
     """A loaded training config."""
 
     model_name: str
+    """The model as it was named (``dlrm``, ``my_package.models:spec``)."""
     model_kwargs: dict[str, Any]
-    data: Any
+    """The ``model:`` section without ``name``: keyword arguments of ``spec.build``."""
+    spec: ModelSpec
+    """The model the name resolved to."""
+    data: DataConfig
     train: TrainOptions
     runtime: RuntimeOptions
     checkpoint: CheckpointOptions
@@ -121,7 +128,8 @@ class RunConfig:
 
     @property
     def out_dir(self) -> Path:
-        return Path(self.train.out_dir.replace("{model}", self.model_name))
+        """``train.out_dir`` with ``{model}`` replaced by the model's name (made safe for a path)."""
+        return Path(self.train.out_dir.replace("{model}", re.sub(r"[^\w.-]", "_", self.model_name)))
 
 
 SECTIONS = ("model", "data", "train", "runtime", "checkpoint")
@@ -132,11 +140,13 @@ def _check(key: str, value: Any, ok: bool, expected: str) -> None:
         raise PlanError(f"got {value!r}; expected {expected}", category="bad_value", key=key)
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, model: str | None = None) -> RunConfig:
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, model: str | None = None,
+                model_flag: str | None = None, plan_source: str = "") -> RunConfig:
     """Read the training config at ``path`` (``None``: all defaults), apply ``key=value`` overrides.
 
-    ``model`` (the plan's ``model:``) is used when the config names none; a config whose
-    ``model.name`` differs from the plan's is refused, since the plan was written for one model.
+    The model trained is ``model_flag`` (``hybrid train --model``) if given, else the config's
+    ``model.name``, else ``model`` (the plan's ``model:``, from ``plan_source``). A config or a
+    plan naming another model than the one chosen is refused, since each was written for one.
     """
     if path is None:
         raw, locate, source = {}, _Locator("", {}, overrides), ""
@@ -144,15 +154,16 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, model
         raw, text = _read_yaml(Path(path))
         locate, source = _Locator(str(path), _key_lines(text), overrides), str(path)
     try:
-        return _build(raw or {}, overrides, model, source)
+        return _build(raw or {}, overrides, source, flag=model_flag, plan_model=model, plan_source=plan_source)
     except PlanError as e:
-        raise e.at(locate(e.key)) from None
+        raise (e if e.key == FLAG else e.at(locate(e.key))) from None
 
 
-def _build(raw: Any, overrides: Sequence[str], plan_model: str | None, source: str) -> RunConfig:
-    from recsys_examples import MODELS
-    from recsys_examples.data import DataConfig, check_data_config
+FLAG = "--model"
 
+
+def _build(raw: Any, overrides: Sequence[str], source: str, *, flag: str | None, plan_model: str | None,
+           plan_source: str) -> RunConfig:
     if not isinstance(raw, dict):
         raise PlanError(f"a training config is a mapping with keys {', '.join(SECTIONS)}; got {raw!r}",
                         category="bad_value")
@@ -162,19 +173,10 @@ def _build(raw: Any, overrides: Sequence[str], plan_model: str | None, source: s
             raise PlanError(f"unknown section {key!r}{did_you_mean(str(key), SECTIONS)}; a training config has "
                             f"{', '.join(SECTIONS)}", category="unknown_key", key=str(key))
     model_raw = dict(raw.get("model") or {})
-    name = model_raw.pop("name", None) or plan_model
-    if not name:
-        raise PlanError(f"no model: set model.name (one of {one_of(sorted(MODELS))})", category="unknown_model",
-                        key="model.name")
-    if name not in MODELS:
-        raise PlanError(f"unknown model {name!r}{did_you_mean(name, MODELS)}; known: {one_of(sorted(MODELS))}",
-                        category="unknown_model", key="model.name")
-    if plan_model and name != plan_model:
-        raise PlanError(f"the config trains {name!r} but the plan is written for {plan_model!r}",
-                        category="bad_value", key="model.name")
-    params = [p for p in inspect.signature(MODELS[name]).parameters if p not in ("device",)]
+    name, spec = _model(model_raw.pop("name", None), flag, plan_model, plan_source)
+    params = spec.options()
     for k in model_raw:
-        if k not in params:
+        if params is not None and k not in params:
             raise PlanError(f"{name} takes no option {k!r}{did_you_mean(k, params)}; it takes {', '.join(params)}",
                             category="unknown_key", key=f"model.{k}")
     header = {k: v for k, v in raw.items() if k in ("train", "runtime", "checkpoint")}
@@ -186,7 +188,30 @@ def _build(raw: Any, overrides: Sequence[str], plan_model: str | None, source: s
     except ValueError as e:
         key = str(e).split(":", 1)[0] if str(e).startswith("data.") else "data"
         raise PlanError(str(e).split(": ", 1)[-1] if key != "data" else str(e), category="bad_value", key=key) from None
-    return RunConfig(name, model_raw, data, cfg.train, cfg.runtime, cfg.checkpoint, source)
+    return RunConfig(name, model_raw, spec, data, cfg.train, cfg.runtime, cfg.checkpoint, source)
+
+
+def _model(config_name: str | None, flag: str | None, plan_model: str | None,
+           plan_source: str) -> tuple[str, ModelSpec]:
+    """The chosen model's name and spec (see :func:`load_config`); errors name where it came from."""
+    if flag:
+        if config_name and config_name != flag:
+            raise PlanError(f"the config trains {config_name!r} but --model names {flag!r}", category="bad_value",
+                            key="model.name")
+        if plan_model and plan_model != flag:
+            raise PlanError(f"--model names {flag!r} but the plan is written for {plan_model!r}",
+                            category="bad_value", key=FLAG)
+        return flag, resolve_model(flag, key=FLAG)
+    if config_name:
+        if plan_model and config_name != plan_model:
+            raise PlanError(f"the config trains {config_name!r} but the plan is written for {plan_model!r}",
+                            category="bad_value", key="model.name")
+        return config_name, resolve_model(config_name, key="model.name")
+    if plan_model:
+        return plan_model, resolve_model(plan_model, key="model", where=plan_source or "plan")
+    raise PlanError(f"no model: set model.name, the plan's model: or --model to package.module:attr or a "
+                    f"registered name ({', '.join(known_models()) or 'none registered'})", category="unknown_model",
+                    key="model.name")
 
 
 def config_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -4,8 +4,10 @@ Every process loads the plan and the training config, checks the plan against th
 mistake ends every process with the same message, exit code 2), takes its role from its rank
 (the last ``topology.parameter_servers`` ranks are servers), and joins RPC (and, on trainers,
 the trainers' process group). Servers then just serve (:mod:`hybrid.launch.serve`); trainers
-compose the model and run :class:`Trainer`. The end is ordered: trainers finish their last
-push, meet at a barrier, trainer 0 releases the servers, and everyone shuts down.
+build the model, its task and its data from the config's :class:`~hybrid.train.ModelSpec`
+(:func:`build_trainer`) and run :class:`Trainer`, which takes them as objects. The end is
+ordered: trainers finish their last push, meet at a barrier, trainer 0 releases the servers,
+and everyone shuts down.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 import hybrid
+from hybrid.data import Batch, check_files, make_dataset
 from hybrid.errors import InputError, print_error
-from hybrid.launch.init import init_hybrid, shutdown
+from hybrid.launch.init import init_hybrid, shutdown, trainer_device
 from hybrid.launch.roles import Role, role_of
 from hybrid.launch.failure import fail
 from hybrid.launch.serve import release_servers, serve
@@ -38,6 +41,8 @@ from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection, p
 from hybrid.train import metrics as M
 from hybrid.train.config import RunConfig, config_dict, load_config
 from hybrid.train.report import MetricsWriter, fmt, plot_curves, table
+from hybrid.train.spec import meta_model
+from hybrid.train.tasks import Task
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 PLAN_PREFIX = "plan."
@@ -54,18 +59,18 @@ def split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
     return plan, config
 
 
-def load_run(plan_path: str, config_path: str | None, overrides: Sequence[str], world_size: int,
-             ) -> tuple[Plan, RunConfig, nn.Module, ResolvedPlan]:
+def load_run(plan_path: str, config_path: str | None, overrides: Sequence[str], world_size: int, *,
+             model: str | None = None) -> tuple[Plan, RunConfig, nn.Module, ResolvedPlan]:
     """Plan + config + the model they describe, checked against each other and the world size.
 
-    The model is built on the meta device here (shapes only), for the check; raises PlanError.
+    ``model`` (``--model``) names the model over the config's and the plan's (see
+    :func:`~hybrid.train.config.load_config`). The model is built on the meta device here (shapes
+    only, when its builder takes ``device``), for the check; raises PlanError.
     """
-    from recsys_examples import MODELS
-
     plan_over, config_over = split_overrides(overrides)
     plan = load_plan(plan_path, plan_over)
-    cfg = load_config(config_path, config_over, model=plan.model)
-    meta = MODELS[cfg.model_name](**cfg.model_kwargs, device=torch.device("meta"))
+    cfg = load_config(config_path, config_over, model=plan.model, model_flag=model, plan_source=plan.source)
+    meta = meta_model(cfg.spec, cfg.model_kwargs, name=cfg.model_name, where=cfg.source)
     resolved = resolve(plan, meta, world_size=world_size)
     _check_data_files(cfg, meta)
     return plan, cfg, meta, resolved
@@ -73,16 +78,13 @@ def load_run(plan_path: str, config_path: str | None, overrides: Sequence[str], 
 
 def _check_data_files(cfg: RunConfig, meta: nn.Module) -> None:
     """The data files exist, can be read, are not empty and have the named columns (PlanError)."""
-    from recsys_examples import TASK_OF, schema_of
-    from recsys_examples.data import check_files
-
     try:
-        check_files(schema_of(meta, TASK_OF[cfg.model_name]), cfg.data)
+        check_files(cfg.spec.data_schema(meta), cfg.data)
     except ValueError as e:  # InputError (a file) or a data.* key that names no usable file
         raise PlanError(str(e), category="io") from None
 
 
-def main(plan_path: str, config_path: str | None, overrides: Sequence[str]) -> int:
+def main(plan_path: str, config_path: str | None, overrides: Sequence[str], *, model: str | None = None) -> int:
     """Entry of ``hybrid train`` in one process started by torchrun (RANK, WORLD_SIZE, MASTER_*)."""
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
@@ -97,7 +99,7 @@ def main(plan_path: str, config_path: str | None, overrides: Sequence[str]) -> i
     init_logging(f"rank{rank}")
     _quiet_known_warnings()
     try:
-        plan, cfg, _, resolved = load_run(plan_path, config_path, overrides, world_size)
+        plan, cfg, _, resolved = load_run(plan_path, config_path, overrides, world_size, model=model)
     except PlanError as e:
         if rank == 0:
             print_error(e)
@@ -134,7 +136,7 @@ def run_process(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, 
         return EXIT_FAILED
     try:
         if role.is_trainer:
-            Trainer(role, plan, cfg, resolved).run()
+            build_trainer(role, plan, cfg, resolved).run()
         else:
             serve(role, heartbeat_s=options.heartbeat_s, timeout_s=options.rpc_timeout_s)
     except (CheckpointError, InputError) as e:
@@ -179,23 +181,43 @@ class _Window:
     wall: float = 0.0
 
 
+def build_trainer(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan) -> Trainer:
+    """The trainer ``hybrid train`` runs: the model, its task and trainer ``role.index``'s share
+    of the data, built from the config's :class:`~hybrid.train.ModelSpec` and ``data`` section."""
+    spec = cfg.spec
+    model = spec.make_model(cfg.model_kwargs, seed=cfg.train.seed)  # the same initial weights on every trainer
+    schema = spec.data_schema(model)
+    n, me = role.num_trainers, role.index
+    return Trainer(role, plan, cfg, resolved, model=model, task=spec.make_task(temperature=cfg.train.temperature),
+                   train_data=make_dataset(schema, cfg.data, split="train", rank=me, world_size=n),
+                   eval_data=make_dataset(schema, cfg.data, split="eval", rank=me, world_size=n))
+
+
 class Trainer:
-    """The training loop of one trainer: compose, train, evaluate, report."""
+    """The training loop of one trainer: compose, train, evaluate, report.
 
-    def __init__(self, role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan) -> None:
-        from recsys_examples import MODELS, TASK_OF, schema_of
-        from recsys_examples.data import make_dataset
-        from recsys_examples.tasks import CTRTask, RetrievalTask
+    Args:
+        role: this trainer's role in the job.
+        plan, resolved: the plan, and the plan resolved against the model (for the record).
+        cfg: the training config: ``train``, ``checkpoint`` and ``runtime`` options.
+        model: the plain model (the same initial weights on every trainer); composed here.
+        task: what a step computes (:class:`~hybrid.train.tasks.Task`).
+        train_data: this trainer's training batches (:class:`~hybrid.data.Batch`), one pass
+            per ``iter()``; every trainer yields as many. Passes repeat until ``train.steps``
+            (or ``train.epochs``).
+        eval_data: this trainer's held-out batches, read in full at every evaluation.
 
+    Batches go to the trainer's device as they are drawn (pinned, copied without blocking, on
+    a GPU trainer); on the CPU they are used as they come.
+    """
+
+    def __init__(self, role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, *, model: nn.Module,
+                 task: Task, train_data: Iterable[Batch], eval_data: Iterable[Batch]) -> None:
         self.role, self.plan, self.cfg = role, plan, cfg
         self.t = cfg.train
         self.rank0 = role.index == 0
-        kwargs = dict(cfg.model_kwargs)
-        kwargs.setdefault("seed", self.t.seed)
-        model = MODELS[cfg.model_name](**kwargs)  # the same initial weights on every trainer
-        task_name = TASK_OF[cfg.model_name]
-        self.task = CTRTask() if task_name == "ctr" else RetrievalTask(temperature=self.t.temperature)
-        self.schema = schema_of(model, task_name)
+        self.task = task
+        self.device = trainer_device()
         # Checkpoint to resume from (hybrid.checkpoint), found before composing: its step numbers
         # the trainers' runtime and the servers' step bookkeeping, and its tables replace the init.
         self._ckpt_key = self._checkpoint_key()
@@ -207,9 +229,7 @@ class Trainer:
         self.optimizer = dense_optimizer(self.t.optimizer, self.model.parameters(), self.t.lr)
         self.remotes = remote_collections(self.model)
         self.staleness = plan.sync.staleness
-        n, me = role.num_trainers, role.index
-        self.train_data = make_dataset(self.schema, cfg.data, split="train", rank=me, world_size=n)
-        self.eval_data = make_dataset(self.schema, cfg.data, split="eval", rank=me, world_size=n)
+        self.train_data, self.eval_data = train_data, eval_data
         self.out_dir = cfg.out_dir
         earlier = self._earlier_rows() if self.rank0 and self.resume is not None else []
         self.writer = MetricsWriter(self.out_dir, tensorboard=self.t.tensorboard) if self.rank0 else None
@@ -217,7 +237,6 @@ class Trainer:
             self.writer.write(row)
         self.skipped = 0
         self.evals: list[dict[str, Any]] = []
-        self.quality = "auc" if task_name == "ctr" else f"recall@{max(self.t.recall_k)}"
         if self.rank0:
             (self.out_dir / "config.json").write_text(json.dumps(
                 {"config": config_dict(cfg), "plan_source": plan.source, "processes": summarize(resolved)},
@@ -245,7 +264,8 @@ class Trainer:
                 produced = True
                 if index < first:
                     continue  # file readers: batches a resumed checkpoint already trained on
-                bad = torch.tensor([0.0 if self._finite(batch) else 1.0])
+                # On the trainer's device: the trainers' group may be NCCL, which has no CPU tensors.
+                bad = torch.tensor([0.0 if self._finite(batch) else 1.0], device=self.device)
                 dist.all_reduce(bad, op=dist.ReduceOp.MAX)
                 if bad.item():
                     if self.t.nonfinite == "error":
@@ -255,7 +275,7 @@ class Trainer:
                     self.skipped += 1
                     continue
                 self._data_pos = (epoch, index)
-                yield batch
+                yield self._on_device(batch)
             epoch, first = epoch + 1, 0
             if not produced:
                 raise ValueError(f"{self.role.name}: the training data yielded no batch "
@@ -268,6 +288,13 @@ class Trainer:
     @staticmethod
     def _finite(batch) -> bool:
         return bool(torch.isfinite(batch.dense).all()) and bool(torch.isfinite(batch.labels).all())
+
+    def _on_device(self, batch: Batch) -> Batch:
+        """``batch`` on the trainer's device: pinned, then copied without blocking, so the copy
+        of the next batch overlaps this step's work (a CPU trainer uses it as it is)."""
+        if self.device.type == "cpu":
+            return batch
+        return batch.pin_memory().to(self.device, non_blocking=True)
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -391,7 +418,7 @@ class Trainer:
     def _log_train(self, w: _Window) -> float:
         """One train row: losses and times averaged over the window and the trainers."""
         sums = torch.tensor([w.loss, w.samples, w.data, w.lookup, w.dense, w.push, w.optimizer, w.wall],
-                            dtype=torch.float64)
+                            dtype=torch.float64, device=self.device)
         dist.all_reduce(sums)
         n = self.role.num_trainers
         loss, samples, data, lookup, dense, push, opt, wall = sums.tolist()
@@ -412,18 +439,17 @@ class Trainer:
         """Metrics on the held-out data, over every trainer's share (everyone gets the same numbers)."""
         self.model.eval()
         outs: dict[str, list[torch.Tensor]] = {}
-        for batch in self.eval_data:
+        for batch in map(self._on_device, self.eval_data):
             o = self.task.eval_outputs(self.task.forward(self.model, batch), batch)
             for k, v in o.items():
                 outs.setdefault(k, []).append(v)
         self.model.train()
         if not outs:
             return
-        result = M.compute(self.task.name, outs, ks=list(self.t.recall_k))
-        if self.task.name == "retrieval":
-            # The in-batch loss of the eval batches is not what the metric needs: report the
-            # mean rank instead, and keep "loss" for the curves from the train rows.
-            result["loss"] = float("nan")
+        result = M.compute(outs, ks=list(self.t.recall_k))
+        # Every eval row has a loss column (NaN where the task's outputs give none, as for
+        # retrieval, whose in-batch loss is not what its metrics need).
+        result.setdefault("loss", float("nan"))
         row = {"kind": "eval", "step": self.step, **result}
         self.evals.append(row)
         if self.writer is not None:
@@ -456,7 +482,9 @@ class Trainer:
             return
         self.writer.close()
         rows = self.writer.rows
-        png = plot_curves(rows, self.out_dir / "curves.png", quality=self.quality) if self.t.plot else None
+        last = {k: v for k, v in self.evals[-1].items() if k not in ("kind", "step")} if self.evals else {}
+        quality = M.headline(last) or "loss"
+        png = plot_curves(rows, self.out_dir / "curves.png", quality=quality) if self.t.plot else None
         summary = self._summary(rows, train_time, total, last_loss, stats, png)
         (self.out_dir / "summary.txt").write_text(summary + "\n")
         print(summary, flush=True)

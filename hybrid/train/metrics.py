@@ -1,7 +1,8 @@
 """Evaluation metrics over all trainers: loss, AUC, normalized entropy, accuracy, recall@k.
 
-Each trainer keeps its evaluation outputs (``recsys_examples.tasks``: per-sample predicted
-probability and label for CTR, the rank of each query's own item for retrieval); they are
+Each trainer keeps its evaluation outputs (:meth:`hybrid.train.tasks.Task.eval_outputs`:
+per-sample predicted probability and label for CTR, the rank of each query's own item for
+retrieval, or any per-sample values of a task of one's own); they are
 gathered from every trainer and the metrics computed on the union, so every trainer reports the
 same numbers and they do not depend on how samples were split.
 """
@@ -95,9 +96,34 @@ def gather(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Ten
     return torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)])
 
 
-def compute(task: str, outputs: dict[str, list[torch.Tensor]], *, ks: list[int]) -> dict[str, float]:
-    """Metrics of the gathered evaluation ``outputs`` (lists of per-batch tensors by name)."""
+CTR_OUTPUTS = ("preds", "labels")
+RETRIEVAL_OUTPUTS = ("ranks", "candidates")
+
+
+def compute(outputs: dict[str, list[torch.Tensor]], *, ks: list[int]) -> dict[str, float]:
+    """Metrics of the gathered evaluation ``outputs`` (lists of per-batch tensors by name).
+
+    ``preds`` and ``labels`` give the CTR metrics, ``ranks`` and ``candidates`` recall@k for
+    each of ``ks``; any other output is reported as its mean over all samples.
+    """
     cat = {k: gather(torch.cat(v) if v else torch.zeros(0)) for k, v in outputs.items()}
-    if task == "ctr":
-        return ctr_metrics(cat["preds"], cat["labels"])
-    return retrieval_metrics(cat["ranks"], cat["candidates"], ks)
+    result: dict[str, float] = {}
+    if all(k in cat for k in CTR_OUTPUTS):
+        result.update(ctr_metrics(cat["preds"], cat["labels"]))
+    if all(k in cat for k in RETRIEVAL_OUTPUTS):
+        result.update(retrieval_metrics(cat["ranks"], cat["candidates"], ks))
+    for k, v in cat.items():
+        if k not in (*CTR_OUTPUTS, *RETRIEVAL_OUTPUTS):
+            result[k] = float(v.double().mean()) if v.numel() else float("nan")
+    return result
+
+
+def headline(metrics: dict[str, float]) -> str | None:
+    """The metric a run's curves and summary lead with: AUC, else the largest recall@k, else
+    the first metric that is not the loss."""
+    if "auc" in metrics:
+        return "auc"
+    recalls = [k for k in metrics if k.startswith("recall@")]
+    if recalls:
+        return max(recalls, key=lambda k: int(k.split("@", 1)[1]))
+    return next((k for k in metrics if k != "loss"), None)

@@ -129,7 +129,7 @@ def _load_job(rank, world_size, *, num_servers, ckpt, overrides, out):
     from hybrid.checkpoint import dense_only
     from hybrid.ps.client import pipeline_of
     from hybrid.launch.roles import role_of
-    from hybrid.train.loop import Trainer, load_run, remote_collections
+    from hybrid.train.loop import build_trainer, load_run, remote_collections
 
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
@@ -137,7 +137,7 @@ def _load_job(rank, world_size, *, num_servers, ckpt, overrides, out):
     plan, cfg, _, resolved = load_run(str(REPO / PLAN), str(REPO / CONFIG),
                                       [*TINY, *overrides, f"checkpoint.resume={ckpt}", f"train.out_dir={out}"],
                                       world_size)
-    trainer = Trainer(role, plan, cfg, resolved)
+    trainer = build_trainer(role, plan, cfg, resolved)
     batch = next(iter(trainer.eval_data))
     trainer.model.eval()
     with torch.no_grad():
@@ -196,14 +196,13 @@ def test_export_loads_into_the_plain_model_and_predicts_the_same(straight, tmp_p
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from hybrid.train.loop import load_run
-    from recsys_examples import MODELS
 
     out = tmp_path / "model.pt"
     res = run_hybrid(["export", str(straight / "ckpt"), str(out)], timeout=120)
     assert res.returncode == 0, res.output
     state = torch.load(out, weights_only=True)
     _, cfg, _, _ = load_run(str(REPO / PLAN), str(REPO / CONFIG), TINY, 2)
-    plain = MODELS[cfg.model_name](**cfg.model_kwargs)
+    plain = cfg.spec.make_model(cfg.model_kwargs)
     assert list(state) == list(plain.state_dict())  # the unsharded model's keys, in its order
     plain.load_state_dict(state)
     got = _load_as("1x1-row_wise", straight, tmp_path)

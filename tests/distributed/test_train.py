@@ -16,10 +16,8 @@ import pytest
 import torch
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from hybrid.data import make_dataset
 from hybrid.train.loop import dense_optimizer, load_run
-from recsys_examples import TASK_OF, schema_of
-from recsys_examples.data import make_dataset
-from recsys_examples.tasks import CTRTask, RetrievalTask
 from tests.support.cli import REPO, run_hybrid
 from tests.support.sparse import ReferenceSparseOptimizer
 
@@ -39,15 +37,13 @@ def _overrides(name: str, out: Path) -> list[str]:
 
 def reference_losses(name: str, overrides: list[str], world_size: int) -> list[float]:
     """One process, the plain model, the global batches: the per-step mean of the trainers' losses."""
-    from recsys_examples import MODELS
-
     plan, cfg, _, resolved = load_run(str(REPO / f"conf/plans/{name}.yaml"), str(REPO / f"conf/train/{name}.yaml"),
                                       overrides, world_size)
     trainers = resolved.num_trainers
     b = cfg.data.batch_size
-    model = MODELS[cfg.model_name](**cfg.model_kwargs, seed=cfg.train.seed)
-    task = CTRTask() if TASK_OF[name] == "ctr" else RetrievalTask(temperature=cfg.train.temperature)
-    schema = schema_of(model, TASK_OF[name])
+    model = cfg.spec.make_model(cfg.model_kwargs, seed=cfg.train.seed)
+    task = cfg.spec.make_task(temperature=cfg.train.temperature)
+    schema = cfg.spec.data_schema(model)
     ebcs = {fqn: m for fqn, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
     table_params = {id(m.embedding_bags[c.name].weight) for m in ebcs.values() for c in m.embedding_bag_configs()}
     opt = dense_optimizer(cfg.train.optimizer, [p for p in model.parameters() if id(p) not in table_params],
@@ -100,7 +96,7 @@ def test_example_trains_under_its_plan_and_matches_one_process(name, tmp_path):
     assert got[0] != got[-1]  # it trained
     evals = rows(out, "eval")
     assert [r["step"] for r in evals] == [0, 3, STEPS]
-    quality = "auc" if TASK_OF[name] == "ctr" else "recall@10"
+    quality = "recall@10" if name == "two_tower" else "auc"
     assert all(0.0 <= r[quality] <= 1.0 for r in evals), evals
     with open(out / "metrics.csv", newline="") as f:  # the CSV holds the same train rows as the JSONL
         table = list(csv.DictReader(f))

@@ -1,4 +1,4 @@
-"""The examples' data readers without processes: synthetic determinism and sharding, Criteo TSV,
+"""The data readers (hybrid.data) without processes: synthetic determinism and sharding, Criteo TSV,
 CSV and Parquet parsing, the malformed-line policy, and a seeded fuzz of the Criteo parser
 against a straightforward reference parser."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from recsys_examples.data import (
+from hybrid.data import (
     Batch,
     CriteoReader,
     CsvReader,
@@ -522,7 +522,7 @@ def test_csv_retrieval_without_labels(tmp_path):
 
 
 def test_parquet_without_pyarrow_says_how_to_install(monkeypatch):
-    from recsys_examples.data import ParquetReader
+    from hybrid.data import ParquetReader
 
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
@@ -533,7 +533,7 @@ def test_parquet_without_pyarrow_says_how_to_install(monkeypatch):
 def test_parquet_reader(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    from recsys_examples.data import ParquetReader
+    from hybrid.data import ParquetReader
 
     table = pa.table({
         "label": [1, 0, 1, 1, 0],

@@ -1,9 +1,9 @@
 """Every module of the package imports on its own, in a fresh interpreter: no import circle (a
-circle shows up as an ImportError for whichever module of it is imported first)."""
+circle shows up as an ImportError for whichever module of it is imported first); and the library
+stands apart from its examples: no module of it imports ``recsys_examples``, or names it."""
 
 from __future__ import annotations
 
-import pkgutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +14,12 @@ ROOT = Path(hybrid.__file__).resolve().parent
 
 
 def _modules() -> list[str]:
-    return sorted(m.name for m in pkgutil.walk_packages([str(ROOT)], prefix="hybrid."))
+    """Every module of the package, folders without ``__init__.py`` (namespace packages) included."""
+    names = []
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return sorted(names)
 
 
 def test_every_module_imports_alone():
@@ -38,3 +43,21 @@ def test_every_module_imports_alone():
     assert len(modules) > 30, modules
     res = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_the_library_imports_nothing_of_its_examples():
+    code = (
+        "import importlib, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    importlib.import_module(name)\n"
+        "hybrid_cli = importlib.import_module('hybrid.cli')\n"
+        "hybrid_cli.build_parser()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'recsys_examples'))\n"
+    )
+    modules = _modules()
+    res = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.strip() == "[]", res.stdout
+    named = [f"{p.relative_to(ROOT.parent)}:{n}" for p in sorted(ROOT.rglob("*")) if p.suffix in (".py", ".cpp", ".h")
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if "recsys_examples" in line]
+    assert named == [], named

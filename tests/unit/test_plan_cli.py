@@ -1,4 +1,4 @@
-"""``hybrid plan show/check`` with a stand-in model registry (the examples may not exist yet)."""
+"""``hybrid plan show/check`` on models named ``package.module:attr`` (builders in this module)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,25 @@ import pytest
 import torch
 
 from hybrid import cli
-from hybrid.plan import PlanError
 from tests.unit.test_plan_models import EBC, dlrm, write
 
+TINY = f"{__name__}:tiny_dlrm"
+NO_DEVICE = f"{__name__}:no_device"
+SEEN: list = []
+"""The device each build of ``tiny_dlrm`` was asked for."""
+
+
+def tiny_dlrm(device=None):
+    SEEN.append(device)
+    return dlrm()
+
+
+def no_device():
+    return dlrm()
+
+
 PLAN = f"""
-    model: tiny_dlrm
+    model: {TINY}
     world_size: 3
     topology: {{parameter_servers: 1}}
     modules:
@@ -23,16 +37,10 @@ PLAN = f"""
 
 
 @pytest.fixture
-def devices(monkeypatch):
-    """Registry of one model; records the device each build was asked for."""
-    seen = []
-
-    def tiny_dlrm(device=None):
-        seen.append(device)
-        return dlrm()
-
-    monkeypatch.setattr(cli, "model_registry", lambda: {"tiny_dlrm": tiny_dlrm, "no_device": lambda: dlrm()})
-    return seen
+def devices():
+    """The devices ``tiny_dlrm`` is built on during the test."""
+    SEEN.clear()
+    return SEEN
 
 
 @pytest.fixture
@@ -59,12 +67,12 @@ def test_show_with_world_size_overrides_and_options(plan, devices, capsys):
 def test_check_ok(plan, devices, capsys):
     assert cli.main(["plan", "check", plan]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"plan OK: {plan} on tiny_dlrm: 3 processes = 2 trainers + 1 parameter server; 3 modules")
+    assert out.startswith(f"plan OK: {plan} on {TINY}: 3 processes = 2 trainers + 1 parameter server; 3 modules")
 
 
 def test_model_flag_beats_the_plan_and_builders_without_device_work(plan, devices, capsys):
-    assert cli.main(["plan", "check", plan, "--model", "no_device"]) == 0
-    assert "on no_device" in capsys.readouterr().out and devices == []
+    assert cli.main(["plan", "check", plan, "--model", NO_DEVICE]) == 0
+    assert f"on {NO_DEVICE}" in capsys.readouterr().out and devices == []
 
 
 def test_check_reports_plan_errors_without_traceback(plan, devices, capsys):
@@ -83,14 +91,17 @@ def test_topology_that_does_not_fit_the_world_size(plan, devices, capsys):
 def test_unknown_model_lists_known_names(plan, devices, capsys):
     assert cli.main(["plan", "show", plan, "--model", "dlrn"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "--model: unknown model 'dlrn'; known: no_device, tiny_dlrm" in err
+    assert err.startswith("error: --model: unknown model 'dlrn' (did you mean 'dlrm'?); registered in entry-point "
+                          "group 'hybrid.models': dcn, dlrm, two_tower; or name one as package.module:attr"), err
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_plan_without_model_and_without_world_size(tmp_path, devices, capsys):
     path = str(write(tmp_path, '{modules: {"*": {strategy: ddp}}}\n'))
     assert cli.main(["plan", "check", path]) == 2
-    assert "model: no model: set `model:` in the plan or pass --model; known: no_device, tiny_dlrm" in capsys.readouterr().err
-    assert cli.main(["plan", "check", path, "--model", "tiny_dlrm"]) == 0
+    assert ("error: model: no model: set `model:` in the plan or pass --model (package.module:attr or a registered "
+            "name: dcn, dlrm, two_tower)") in capsys.readouterr().err
+    assert cli.main(["plan", "check", path, "--model", TINY]) == 0
     assert "(world size 2 = parameter_servers + 1 trainer; set world_size or pass --world-size)" in capsys.readouterr().out
 
 
@@ -101,13 +112,12 @@ def test_bad_yaml_and_missing_file(tmp_path, devices, capsys):
     assert "none.yaml: cannot read the plan file" in capsys.readouterr().err
 
 
-def test_missing_examples_package(plan, monkeypatch, capsys):
-    def broken():
-        raise PlanError("cannot import recsys_examples.MODELS (no module)", category="unknown_model")
-
-    monkeypatch.setattr(cli, "model_registry", broken)
-    assert cli.main(["plan", "show", plan]) == 2
-    assert "error: cannot import recsys_examples.MODELS" in capsys.readouterr().err
+def test_a_plan_naming_a_module_that_is_not_there(tmp_path, capsys):
+    path = str(write(tmp_path, PLAN.replace(TINY, "no_such_package.models:build")))
+    assert cli.main(["plan", "show", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model: cannot import module 'no_such_package.models' for "
+                          "'no_such_package.models:build' (ModuleNotFoundError: No module named 'no_such_package')"), err
 
 
 def test_usage_errors_exit_2(plan, devices, capsys):

@@ -1,8 +1,6 @@
-"""The shipped plans against the shipped example models (``recsys_examples.MODELS``).
-
-These need the examples package; they fail, rather than skip, until it lands, so that a plan and
-its model can never drift apart unnoticed.
-"""
+"""The shipped plans against the shipped example models (registered in the ``hybrid.models``
+entry-point group by this project's pyproject.toml), so that a plan and its model can never drift
+apart unnoticed."""
 
 from __future__ import annotations
 

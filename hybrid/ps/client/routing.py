@@ -202,7 +202,8 @@ class Router:
 
 def _features(kjt: KeyedJaggedTensor, features: list[str], *, weighted: bool
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Ids, lengths (feature-major) and weights of ``features``, in that order."""
+    """Ids, lengths (feature-major) and weights of ``features``, in that order, in host memory
+    (routing runs on the host; a batch already on a GPU trainer's device is copied back)."""
     keys = kjt.keys()
     lpk = kjt.length_per_key()
     if keys == features:
@@ -219,7 +220,9 @@ def _features(kjt: KeyedJaggedTensor, features: list[str], *, weighted: bool
         if weighted:
             ws = kjt.weights().split(lpk + [kjt.weights().numel() - sum(lpk)])
             weights = torch.cat([ws[p] for p in pos])
-    return values.to(torch.int64), lengths.to(torch.int64), weights
+    cpu = torch.device("cpu")
+    return (values.to(cpu, torch.int64), lengths.to(cpu, torch.int64),
+            None if weights is None else weights.to(cpu))
 
 
 def _on_device(route: ops.Route, device: torch.device) -> ops.Route:

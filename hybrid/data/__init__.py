@@ -1,4 +1,4 @@
-"""Data for the examples: one :class:`Batch` type, readers (synthetic, Criteo TSV, CSV/Parquet).
+"""Training data: one :class:`Batch` type, readers (synthetic, Criteo TSV, CSV/Parquet).
 
 :func:`make_dataset` picks the reader named by ``data.source``. Every reader yields trainer
 ``rank``'s share ``[rank*B, (rank+1)*B)`` of each global batch of ``world_size x B`` samples, so
@@ -12,11 +12,11 @@ import glob
 import os
 from collections.abc import Iterable
 
-from recsys_examples.data.batch import Batch, kjt_from_ids
-from recsys_examples.data.config import DataConfig, Schema, check_data_config
-from recsys_examples.data.criteo import CriteoReader
-from recsys_examples.data.synthetic import SyntheticData
-from recsys_examples.data.tabular import CsvReader, FileReader, ParquetReader
+from hybrid.data.batch import Batch, kjt_from_ids
+from hybrid.data.config import DataConfig, Schema, check_data_config
+from hybrid.data.criteo import CriteoReader
+from hybrid.data.synthetic import SyntheticData
+from hybrid.data.tabular import CsvReader, FileReader, ParquetReader
 
 READERS: dict[str, type[FileReader]] = {"criteo": CriteoReader, "csv": CsvReader, "parquet": ParquetReader}
 """The file readers by ``data.source`` (``synthetic`` needs no files)."""

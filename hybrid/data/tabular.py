@@ -41,9 +41,9 @@ from typing import IO, Any
 
 import torch
 
+from hybrid.data.batch import Batch, kjt_from_ids
+from hybrid.data.config import DataConfig, Schema
 from hybrid.errors import InputError
-from recsys_examples.data.batch import Batch, kjt_from_ids
-from recsys_examples.data.config import DataConfig, Schema
 
 logger = logging.getLogger("hybrid.data")
 

@@ -1,4 +1,4 @@
-"""The one batch type every reader yields and every example model consumes."""
+"""The one batch type every reader yields and the training loop consumes."""
 
 from __future__ import annotations
 
@@ -27,11 +27,17 @@ class Batch:
         return int(self.labels.shape[0])
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """The batch on ``device`` (``non_blocking`` copies from pinned memory overlap with
+        the work already queued on the device)."""
         return Batch(
             self.dense.to(device, non_blocking=non_blocking),
             self.sparse.to(torch.device(device), non_blocking=non_blocking),
             self.labels.to(device, non_blocking=non_blocking),
         )
+
+    def pin_memory(self) -> Batch:
+        """The batch in page-locked host memory, from where a copy to a GPU need not block."""
+        return Batch(self.dense.pin_memory(), self.sparse.pin_memory(), self.labels.pin_memory())
 
     def slice(self, lo: int, hi: int) -> Batch:
         """Samples ``[lo, hi)`` (a trainer's share of a global batch)."""

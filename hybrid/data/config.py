@@ -18,7 +18,7 @@ def _one_of(choices: tuple[str, ...]) -> str:
 
 @dataclass
 class Schema:
-    """The inputs a model reads (``recsys_examples.schema_of`` derives it from the model).
+    """The inputs a model reads (a :class:`hybrid.train.ModelSpec` derives it from the model).
 
     Args:
         num_dense: width of ``Batch.dense``.

@@ -15,7 +15,7 @@ error names the file, the line (from 1) and the field (from 1: field 1 is the la
 I4, field 15 is C1), e.g. ``data.criteo: /x/day_0.tsv:17: field 5 (I4): 'abc' is not an
 integer``. Files are read as bytes (``.gz`` decompressed); a line ends at ``\\n`` (trailing
 ``\\r`` are ignored). Sharding, the malformed policy and ``counts`` are those of
-:class:`~recsys_examples.data.tabular.FileReader`.
+:class:`~hybrid.data.tabular.FileReader`.
 
 Speed: every trainer checks every line (one regular expression; the few lines it refuses get a
 field-by-field check), so that all trainers agree on the good lines; only this trainer's share
@@ -32,9 +32,9 @@ from itertools import chain
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_examples.data.batch import Batch
-from recsys_examples.data.config import DataConfig, Schema
-from recsys_examples.data.tabular import FileReader, open_binary, show
+from hybrid.data.batch import Batch
+from hybrid.data.config import DataConfig, Schema
+from hybrid.data.tabular import FileReader, open_binary, show
 
 NUM_DENSE = 13
 NUM_SPARSE = 26

@@ -40,9 +40,9 @@ from collections.abc import Iterator
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from hybrid.data.batch import Batch
+from hybrid.data.config import DataConfig, Schema
 from hybrid.ps.init import fmix32
-from recsys_examples.data.batch import Batch
-from recsys_examples.data.config import DataConfig, Schema
 
 SPLITS = ("train", "eval")
 SHARPNESS = 3.0
