@@ -164,7 +164,9 @@ def test_a_data_error_is_one_line_and_exit_2(tmp_path, what):
     started = "serving" in job.output
     assert started != before_start, job.output[-6000:]  # checked by the launcher: no process started
     if before_start:
-        assert ended - t0 < 5.0, f"{ended - t0:.2f}s from the command to its end"
+        # 2.7 s to 3.0 s on an idle 2-core machine (python and torch start, the plan, the check);
+        # the bound leaves room for a machine busy with other work
+        assert ended - t0 < 10.0, f"{ended - t0:.2f}s from the command to its end"
     if not before_start:
         # one line, by one trainer: the other trainer and the server say nothing after it
         others = [line for when, line in job.lines if when >= errors[0][0] and line.startswith("[hybrid")]
