@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field, fields, replace
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -147,19 +148,26 @@ def table_configs(w: Workload):
     ]
 
 
-def build_dlrm(w: Workload) -> nn.Module:
-    """TorchRec's ``DLRM`` over an ``EmbeddingBagCollection`` on CPU, initialized from ``w.seed``."""
+def build_dlrm(w: Workload, *, tables: Literal["meta", "cpu"] = "cpu") -> nn.Module:
+    """TorchRec's ``DLRM`` over an ``EmbeddingBagCollection``, dense part on CPU initialized from
+    ``w.seed``. ``tables="meta"``: the tables have shapes only (hybrid: the servers fill them);
+    ``"cpu"``: filled by ``hybrid.init_tables`` with ``w.seed``, the same rows the servers start
+    from, so every system starts from the same model."""
+    import hybrid
     from torchrec.models.dlrm import DLRM
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     torch.manual_seed(w.seed)
-    ebc = EmbeddingBagCollection(tables=table_configs(w), device=torch.device("cpu"))
-    return DLRM(
+    ebc = EmbeddingBagCollection(tables=table_configs(w), device=torch.device("meta"))
+    dlrm = DLRM(
         embedding_bag_collection=ebc,
         dense_in_features=w.dense_features,
         dense_arch_layer_sizes=list(w.bottom_mlp),
         over_arch_layer_sizes=list(w.top_mlp),
     )
+    if tables == "cpu":
+        hybrid.init_tables(ebc, seed=w.seed)
+    return dlrm
 
 
 def table_weights(dlrm: nn.Module) -> list[torch.Tensor]:

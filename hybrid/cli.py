@@ -147,9 +147,13 @@ def _check_train(argv: Sequence[str], world_size: int):
     from hybrid.launch.roles import role_of
     from hybrid.train.loop import load_run
 
+    from hybrid.plan import check_server_memory
+
     args = build_parser().parse_args(["train", *argv])
     try:
-        plan, cfg, _, _ = load_run(args.plan, args.config, args.overrides, world_size)
+        plan, cfg, model, resolved = load_run(args.plan, args.config, args.overrides, world_size)
+        # Every process runs here: tables that do not fit are refused before any starts.
+        check_server_memory(resolved, model, fraction=cfg.runtime.server_memory_fraction)
     except PlanError as e:
         print_error(e)
         return EXIT_USAGE, RuntimeOptions(), []

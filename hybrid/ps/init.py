@@ -2,9 +2,9 @@
 
 A server creates its shard of a table and fills each row it holds with
 :func:`initial_rows` of that row's global id; a single process filling a plain
-``EmbeddingBagCollection`` with :func:`init_collection_` gets bit-identical rows. So table-wise,
-row-wise, one or many servers, and the plain model all start from the same tables, and no table
-ever has to exist on a trainer to be copied to the servers.
+``EmbeddingBagCollection`` with :func:`init_tables` (``hybrid.init_tables``) gets bit-identical
+rows. So table-wise, row-wise, one or many servers, and the plain model all start from the same
+tables, and no table ever has to exist on a trainer to be copied to the servers.
 
 Each value is TorchRec's default init -- uniform in ``[-sqrt(1/rows), sqrt(1/rows))`` -- drawn
 from a counter-based generator: element ``(row, col)`` of table ``name`` is a fixed 32-bit hash
@@ -67,12 +67,19 @@ def initial_rows(name: str, num_embeddings: int, dim: int, rows: torch.Tensor, *
     return out
 
 
-def init_collection_(ebc: torch.nn.Module, *, seed: int = 0) -> None:
+def init_tables(ebc: torch.nn.Module, *, seed: int = 0) -> torch.nn.Module:
     """Fill every table of a local ``EmbeddingBagCollection`` (or ``EmbeddingCollection``) with
-    the values the servers would give it: the one-process twin of a hybrid run's tables."""
+    the values the parameter servers give it in a hybrid run with the same ``seed`` (compose's
+    ``seed``): the one-process twin of a hybrid run's tables, bit for bit, whatever the sharding
+    and the number of servers. Tables on the meta device are allocated on the CPU first. Returns
+    ``ebc``. Public as ``hybrid.init_tables``."""
     configs = ebc.embedding_bag_configs() if hasattr(ebc, "embedding_bag_configs") else ebc.embedding_configs()
     modules = ebc.embedding_bags if hasattr(ebc, "embedding_bags") else ebc.embeddings
     with torch.no_grad():
         for c in configs:
-            w = modules[c.name].weight
-            initial_rows(c.name, c.num_embeddings, c.embedding_dim, torch.arange(c.num_embeddings), seed=seed, out=w)
+            module = modules[c.name]
+            if module.weight.is_meta:
+                module.to_empty(device="cpu")
+            initial_rows(c.name, c.num_embeddings, c.embedding_dim, torch.arange(c.num_embeddings), seed=seed,
+                         out=module.weight)
+    return ebc

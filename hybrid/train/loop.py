@@ -137,7 +137,7 @@ def run_process(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, 
             Trainer(role, plan, cfg, resolved).run()
         else:
             serve(role, heartbeat_s=options.heartbeat_s, timeout_s=options.rpc_timeout_s)
-    except (CheckpointError, InputError) as e:
+    except (CheckpointError, InputError, PlanError) as e:  # PlanError: a server's tables do not fit
         fail(role, e, user_error=True)
     except Exception as e:  # noqa: BLE001
         fail(role, e, user_error=False)
@@ -192,7 +192,9 @@ class Trainer:
         self.rank0 = role.index == 0
         kwargs = dict(cfg.model_kwargs)
         kwargs.setdefault("seed", self.t.seed)
-        model = MODELS[cfg.model_name](**kwargs)  # the same initial weights on every trainer
+        # On meta: no table is ever allocated here (the servers fill theirs from the seed, a
+        # checkpoint replaces them on resume); compose materializes the dense part.
+        model = MODELS[cfg.model_name](**kwargs, device=torch.device("meta"))
         task_name = TASK_OF[cfg.model_name]
         self.task = CTRTask() if task_name == "ctr" else RetrievalTask(temperature=self.t.temperature)
         self.schema = schema_of(model, task_name)
@@ -203,7 +205,7 @@ class Trainer:
         self.start_step = self.resume.step if self.resume is not None else 0
         self.model = hybrid.compose(model, resolve(plan, model, world_size=role.world_size), role=role,
                                     runtime_options=cfg.runtime, start_step=self.start_step,
-                                    init_tables="server" if self.resume is not None else "module")
+                                    init_tables="server", seed=kwargs["seed"] or 0)
         self.optimizer = dense_optimizer(self.t.optimizer, self.model.parameters(), self.t.lr)
         self.remotes = remote_collections(self.model)
         self.staleness = plan.sync.staleness

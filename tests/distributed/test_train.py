@@ -16,6 +16,7 @@ import pytest
 import torch
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+import hybrid
 from hybrid.train.loop import dense_optimizer, load_run
 from recsys_examples import TASK_OF, schema_of
 from recsys_examples.data import make_dataset
@@ -45,7 +46,10 @@ def reference_losses(name: str, overrides: list[str], world_size: int) -> list[f
                                       overrides, world_size)
     trainers = resolved.num_trainers
     b = cfg.data.batch_size
-    model = MODELS[cfg.model_name](**cfg.model_kwargs, seed=cfg.train.seed)
+    # What hybrid train starts from: built on meta, tables as the servers fill them, the rest as
+    # compose initializes it.
+    kwargs = {"seed": cfg.train.seed, **cfg.model_kwargs}
+    model = hybrid.materialize(MODELS[cfg.model_name](**kwargs, device=torch.device("meta")), seed=kwargs["seed"])
     task = CTRTask() if TASK_OF[name] == "ctr" else RetrievalTask(temperature=cfg.train.temperature)
     schema = schema_of(model, TASK_OF[name])
     ebcs = {fqn: m for fqn, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}

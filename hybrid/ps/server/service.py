@@ -27,7 +27,7 @@ import torch.distributed.rpc as rpc
 from hybrid.ps import protocol
 from hybrid.ps.config import CollectionConfig, collection_handle
 from hybrid.ps.protocol import Frame, Part, Rows, StepMessage
-from hybrid.ps.server.memory import huge_page_bytes
+from hybrid.ps.server.memory import huge_page_bytes, memory_shortfall
 from hybrid.ps.server.shard import CollectionShard
 
 Reply = Callable[[list[torch.Tensor] | None, BaseException | None], None]
@@ -42,6 +42,13 @@ class ServerOptions:
 
     huge_pages: bool = True
     """Tables and optimizer state in transparent huge pages (:mod:`hybrid.ps.server.memory`)."""
+    memory_fraction: float = 0.8
+    """A collection whose shards here need more than this share of the memory still available
+    is refused before anything is allocated (``runtime.server_memory_fraction``)."""
+
+
+class DoesNotFit(RuntimeError):
+    """A collection's shards would not fit in this server's memory; nothing was allocated."""
 
 
 class _Lookup(torch.autograd.Function):
@@ -74,19 +81,29 @@ class ParameterServer:
         self.answers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybrid-ps-answer")
 
     def create(self, config: CollectionConfig, *, start_step: int, init: str) -> int:
-        """Create (or replace) this server's shard of ``config``; returns its handle."""
-        shard = CollectionShard(config, self.index, start_step=start_step, huge_pages=self.options.huge_pages)
-        for t in shard.tables:
-            if init == "seed":
-                t.initialize(config.init_seed)
-            else:
-                t.weight.zero_()
+        """Create (or replace) this server's shard of ``config``; returns its handle. Raises
+        :class:`DoesNotFit`, allocating nothing, when the shard would not fit in memory."""
         handle = collection_handle(config.cid)
         with self.lock:
             old = self.collections.get(handle)
             if old is not None and old.cid != config.cid:
                 raise ValueError(f"ps{self.index}: collections {old.cid!r} and {config.cid!r} share handle {handle}; "
                                  f"rename one (compose(..., name=...))")
+            self.collections.pop(handle, None)  # a replaced shard's memory comes back first
+        del old
+        short = memory_shortfall(config.bytes_on(self.index), fraction=self.options.memory_fraction,
+                                 who=f"ps{self.index} ({config.cid})",
+                                 fix="add parameter servers (topology.parameter_servers), shard row_wise, "
+                                     "or make the tables smaller")
+        if short is not None:
+            raise DoesNotFit(short)
+        shard = CollectionShard(config, self.index, start_step=start_step, huge_pages=self.options.huge_pages)
+        for t in shard.tables:
+            if init == "seed":
+                t.initialize(config.init_seed)
+            else:
+                t.weight.zero_()
+        with self.lock:
             self.collections[handle] = shard
         return handle
 
@@ -232,8 +249,13 @@ def _future_reply() -> tuple[torch.futures.Future, Reply]:
     return fut, reply
 
 
-def rpc_create(config: CollectionConfig, start_step: int, init: str) -> int:
-    return server().create(config, start_step=start_step, init=init)
+def rpc_create(config: CollectionConfig, start_step: int, init: str) -> int | str:
+    """Create this server's shard of ``config``; its handle, or the message of a shard that does
+    not fit (a plan mistake: an answer, not a server failure)."""
+    try:
+        return server().create(config, start_step=start_step, init=init)
+    except DoesNotFit as e:
+        return str(e)
 
 
 @rpc.functions.async_execution
