@@ -19,25 +19,12 @@ import zlib
 
 import torch
 
+from hybrid import ops
+from hybrid.ops.reference import fmix32, mul32  # noqa: F401 - the hash, also for the synthetic data
+
 _M32 = 0xFFFFFFFF
-CHUNK_ELEMENTS = 1 << 22
-"""Elements computed at once (bounded temporary memory: a few int64 tensors of this size)."""
-
-
-def mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2**32`` for ``x`` in ``[0, 2**32)``, without int64 overflow."""
-    lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _M32
-
-
-def fmix32(h: torch.Tensor) -> torch.Tensor:
-    """The lowbias32 finalizer of ``h`` in ``[0, 2**32)``: every input bit moves every output bit."""
-    h = h ^ (h >> 16)
-    h = mul32(h, 0x7FEB352D)
-    h = h ^ (h >> 15)
-    h = mul32(h, 0x846CA68B)
-    return h ^ (h >> 16)
+CHUNK_ROWS = 1 << 22
+"""Rows :func:`init_tables` fills at once (their ids: 32 MiB of int64 at most)."""
 
 
 def table_key(seed: int, name: str) -> int:
@@ -53,17 +40,7 @@ def initial_rows(name: str, num_embeddings: int, dim: int, rows: torch.Tensor, *
     may be of another float dtype: the values are rounded into it)."""
     rows = rows.to(torch.int64).reshape(-1)
     out = torch.empty(rows.numel(), dim) if out is None else out
-    key = table_key(seed, name)
-    bound = (1.0 / num_embeddings) ** 0.5
-    cols = torch.arange(dim, dtype=torch.int64)
-    step = max(1, CHUNK_ELEMENTS // max(dim, 1))
-    for start in range(0, rows.numel(), step):
-        r = rows[start : start + step].unsqueeze(1)
-        h = fmix32((r & _M32) ^ key)
-        h = fmix32(h ^ ((r >> 32) & _M32))
-        h = fmix32(h ^ cols)
-        u = (h >> 8).to(torch.float32) * (2.0 / (1 << 24)) - 1.0  # [-1, 1), exact in float32
-        out[start : start + step] = u * bound
+    ops.initial_rows_(out, rows, key=table_key(seed, name), bound=(1.0 / num_embeddings) ** 0.5)
     return out
 
 
@@ -80,6 +57,8 @@ def init_tables(ebc: torch.nn.Module, *, seed: int = 0) -> torch.nn.Module:
             module = modules[c.name]
             if module.weight.is_meta:
                 module.to_empty(device="cpu")
-            initial_rows(c.name, c.num_embeddings, c.embedding_dim, torch.arange(c.num_embeddings), seed=seed,
-                         out=module.weight)
+            for start in range(0, c.num_embeddings, CHUNK_ROWS):
+                rows = torch.arange(start, min(start + CHUNK_ROWS, c.num_embeddings))
+                initial_rows(c.name, c.num_embeddings, c.embedding_dim, rows, seed=seed,
+                             out=module.weight[start : start + rows.numel()])
     return ebc
