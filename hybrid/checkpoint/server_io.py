@@ -26,6 +26,9 @@ from hybrid.checkpoint.files import CheckpointError, FileEntry, entry_for, load_
 from hybrid.ps.server.service import server
 from hybrid.ps.server.shard import TableShard
 
+LOAD_CHUNK_BYTES = 64 << 20
+"""Rows of a saved shard copied into the table at once when loading."""
+
 # Writes run here, not on an RPC thread nor on the thread that completed the step (which may be
 # the distributed-autograd engine's or the one answering lookups).
 _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybrid-ckpt-write")
@@ -127,31 +130,38 @@ def _check_fits(cid: str, t: TableShard, src: dict[str, Any]) -> None:
                          f"optimizer to resume)")
 
 
-def _held_rows(t: TableShard) -> torch.Tensor:
-    """Global row ids this server holds of table ``t``, in local order."""
-    local = torch.arange(t.rows, dtype=torch.int64)
-    return t.layout.global_ids(t.shard_pos, local)
-
-
 def _fill(t: TableShard, ckpt: Path, src: dict[str, Any]) -> int:
-    rows = _held_rows(t)
+    """Load this server's rows of table ``t`` from the saved shards, a chunk of its rows at a time:
+    each row is found in the saved shard (and the local row there) that holds its global id."""
     s, files = src["num_shards"], src["files"]
-    for k, f in enumerate(files):
-        if src["sharding"] == "table_wise":
-            mine, local = torch.arange(rows.numel()), rows
-        else:
-            mine = (rows % s == k).nonzero().flatten()
-            local = rows[mine] // s
-        if mine.numel() == 0:
-            continue
-        data = load_tensors(ckpt, FileEntry(f["path"], int(f["size"]), f["sha256"]), mmap=True)
-        weight, state = data["weight"], data["state"]
-        if weight.shape[0] <= int(local.max()):
-            raise ValueError(f"{f['path']}: holds {weight.shape[0]} rows; row {int(local.max())} is needed")
-        t.weight.index_copy_(0, mine, weight.index_select(0, local))
-        if set(state) != set(t.optim.state):
-            raise ValueError(f"{f['path']}: optimizer state {sorted(state)}; the table's optimizer keeps "
-                             f"{sorted(t.optim.state)}")
-        for key, v in state.items():
-            t.optim.state[key].index_copy_(0, mine, v.index_select(0, local).to(t.optim.state[key].dtype))
-    return int(rows.numel())
+    opened: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+
+    def saved(k: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if k not in opened:  # verified once, then mapped: rows are read from the file as copied
+            f = files[k]
+            data = load_tensors(ckpt, FileEntry(f["path"], int(f["size"]), f["sha256"]), mmap=True)
+            if set(data["state"]) != set(t.optim.state):
+                raise ValueError(f"{f['path']}: optimizer state {sorted(data['state'])}; the table's optimizer "
+                                 f"keeps {sorted(t.optim.state)}")
+            opened[k] = data["weight"], data["state"]
+        return opened[k]
+
+    step = max(1, LOAD_CHUNK_BYTES // (4 * max(t.dim, 1)))
+    for start in range(0, t.rows, step):
+        mine = torch.arange(start, min(start + step, t.rows), dtype=torch.int64)
+        rows = t.layout.global_ids(t.shard_pos, mine)  # global ids of this chunk
+        for k in range(len(files)):
+            if src["sharding"] == "table_wise":
+                to, frm = mine, rows
+            else:
+                sel = (rows % s == k).nonzero().flatten()
+                to, frm = mine[sel], rows[sel] // s
+            if to.numel() == 0:
+                continue
+            weight, state = saved(k)
+            if weight.shape[0] <= int(frm.max()):
+                raise ValueError(f"{files[k]['path']}: holds {weight.shape[0]} rows; row {int(frm.max())} is needed")
+            t.weight.index_copy_(0, to, weight.index_select(0, frm).to(t.weight.dtype))
+            for key, v in state.items():
+                t.optim.state[key].index_copy_(0, to, v.index_select(0, frm).to(t.optim.state[key].dtype))
+    return t.rows

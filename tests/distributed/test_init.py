@@ -1,5 +1,6 @@
 """Servers create their own table shards: 1, 2 and 3 servers, table-wise and row-wise, start from
-bit-identical rows, the rows ``hybrid.init_tables`` gives a local collection with the same seed."""
+bit-identical rows, the rows ``hybrid.init_tables`` gives a local collection with the same seed;
+given weights written in small bounded chunks arrive whole."""
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -34,6 +35,14 @@ def _created(rank, world_size):
         remote = RemoteEmbeddingBagCollection(config, pipeline=pipeline, server_names=pipeline.server_names)
         remote.create_on_servers(init="seed")
         out[(sharding, tuple(servers))] = remote.read_tables()
+    # Given weights (pretrained tables) stream in bounded chunks: here 256 B per message, at most
+    # 1 KiB in flight per server, so every table takes many messages.
+    from hybrid.ps.client import collection
+
+    collection.WRITE_CHUNK_BYTES, collection.WRITE_WINDOW_BYTES = 256, 1024
+    given = {c.name: torch.randn(c.num_embeddings, c.embedding_dim) for c in _tables()}
+    remote.write_tables(given)
+    out["given"] = (remote.read_tables(), given)
     pipeline.close()
     return out
 
@@ -41,6 +50,8 @@ def _created(rank, world_size):
 def test_one_two_and_three_servers_start_from_the_rows_init_tables_gives():
     got = run_distributed(_created, 4, setup="hybrid", num_servers=3, timeout=90)[0]
     want = hybrid.init_tables(EmbeddingBagCollection(tables=_tables(), device=torch.device("meta")), seed=SEED)
+    written, given = got.pop("given")
+    assert all(torch.equal(written[n], given[n]) for n in given)
     assert len(got) == len(LAYOUTS)
     for layout, tables in got.items():
         assert set(tables) == {"t0", "t1", "t2", "t3"}, layout

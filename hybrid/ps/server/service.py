@@ -16,8 +16,11 @@ there).
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,7 +30,8 @@ import torch.distributed.rpc as rpc
 from hybrid.ps import protocol
 from hybrid.ps.config import CollectionConfig, collection_handle
 from hybrid.ps.protocol import Frame, Part, Rows, StepMessage
-from hybrid.ps.server.memory import huge_page_bytes, memory_shortfall
+from hybrid.log import logger
+from hybrid.ps.server.memory import huge_page_bytes, human_bytes, memory_shortfall
 from hybrid.ps.server.shard import CollectionShard
 
 Reply = Callable[[list[torch.Tensor] | None, BaseException | None], None]
@@ -97,14 +101,18 @@ class ParameterServer:
                                      "or make the tables smaller")
         if short is not None:
             raise DoesNotFit(short)
+        started = time.perf_counter()
         shard = CollectionShard(config, self.index, start_step=start_step, huge_pages=self.options.huge_pages)
-        for t in shard.tables:
-            if init == "seed":
-                t.initialize(config.init_seed)
-            else:
-                t.weight.zero_()
+        with _every_core():  # start-up: the trainers wait for these tables, nothing else runs
+            for t in shard.tables:
+                if init == "seed":
+                    t.initialize(config.init_seed)
+                else:
+                    t.weight.zero_()
         with self.lock:
             self.collections[handle] = shard
+        logger.info("created %s: %d tables, %s (rows + optimizer state) in %.1f s", config.cid, len(shard.tables),
+                    human_bytes(sum(config.bytes_on(self.index).values())), time.perf_counter() - started)
         return handle
 
     def shard(self, handle: int | str) -> CollectionShard:
@@ -213,6 +221,17 @@ class _Answer:
             done = self.left == 0 and not self.failed
         if done:
             self.reply(self.out, None)
+
+
+@contextmanager
+def _every_core():
+    """torch's intra-op threads raised to this process's cores (the job runs one thread each)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, len(os.sched_getaffinity(0))))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _owned(rows: Rows) -> Rows:
