@@ -260,12 +260,13 @@ def _export_main(args: argparse.Namespace) -> int:
     try:
         key = checkpoint_key(args.key_file)
         ckpt = Checkpoint(args.checkpoint, key=key)
-        state = export(ckpt.path, args.out, key=key)
+        written = export(ckpt.path, args.out, key=key)
     except CheckpointError as e:
         print_error(e)
         return EXIT_USAGE
-    values = sum(t.numel() for t in state.values())
-    print(f"exported {ckpt.path} (step {ckpt.step}) to {args.out}: {len(state)} tensors, {values:,} values")
+    files = "" if len(written["files"]) == 1 else f" in {len(written['files'])} files (index {args.out}.index.json)"
+    print(f"exported {ckpt.path} (step {ckpt.step}) to {args.out}: {len(written['keys'])} tensors, "
+          f"{written['values']:,} values{files}")
     return 0
 
 
