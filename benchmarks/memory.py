@@ -63,11 +63,12 @@ def _trainer(role, w: Workload, *, dense: str, steps: int, options) -> dict:
     from hybrid.plan import plan_from_dict
     from hybrid.ps.client import pipeline_of
 
-    # Built whole, then composed (DLRM's interaction indices cannot be built on meta): peak RSS
-    # includes one full copy of the dense model at construction; the counted bytes do not.
-    model = build_dlrm(w)
+    # Dense part built whole, then composed (DLRM's interaction indices cannot be built on meta):
+    # peak RSS includes one full copy of the dense model at construction; the counted bytes do
+    # not. The tables stay on meta: the servers fill them.
+    model = build_dlrm(w, tables="meta")
     hybrid.compose(model, plan_from_dict(plan_dict(w, dense=dense, staleness=0)), role=role,
-                   runtime_options=options)
+                   runtime_options=options, seed=w.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     params = list(model.parameters())
     out: dict = {}
@@ -92,7 +93,7 @@ def plan_estimate(w: Workload, dense: str) -> int:
     """What the plan report (``hybrid plan show``) predicts a trainer holds, for Adam."""
     from hybrid.plan import estimate_memory, plan_from_dict, resolve
 
-    model = build_dlrm(w)
+    model = build_dlrm(w, tables="meta")
     resolved = resolve(plan_from_dict(plan_dict(w, dense=dense, staleness=0)), model,
                        world_size=w.trainers + w.servers)
     return sum(m.trainer_bytes for m in estimate_memory(resolved, model, dense_optimizer="adam"))

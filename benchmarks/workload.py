@@ -5,16 +5,20 @@ builds the same model and sees the same batches: step ``t``'s *global* batch is 
 ``seed + t``, trainer ``r`` takes samples ``[r * batch, (r + 1) * batch)`` of it, and the
 single-process ``local`` system trains on all of it.
 
-Ids are Zipf-distributed (a truncated Zipf over the rows, hot rows scattered by a fixed random
-permutation per table), every bag holds the same number of ids, and labels come from a fixed
-random "teacher" (a linear function of the dense features plus a per-row score of the ids), so
-the loss has something to learn and ``final_loss`` means something.
+Ids follow a power law over the rows (``P(rank k) ~ (k+1)**-zipf_alpha``, drawn by inverting the
+continuous law, hot rows scattered by a fixed affine map ``(a*k + b) % rows`` per table), every
+bag holds the same number of ids, and labels come from a fixed random "teacher" (a linear
+function of the dense features plus a per-row score of the ids, a hash of the row), so the loss
+has something to learn and ``final_loss`` means something. Nothing of the size of a table is
+stored: a trainer's memory does not grow with ``rows``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field, fields, replace
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -147,19 +151,26 @@ def table_configs(w: Workload):
     ]
 
 
-def build_dlrm(w: Workload) -> nn.Module:
-    """TorchRec's ``DLRM`` over an ``EmbeddingBagCollection`` on CPU, initialized from ``w.seed``."""
+def build_dlrm(w: Workload, *, tables: Literal["meta", "cpu"] = "cpu") -> nn.Module:
+    """TorchRec's ``DLRM`` over an ``EmbeddingBagCollection``, dense part on CPU initialized from
+    ``w.seed``. ``tables="meta"``: the tables have shapes only (hybrid: the servers fill them);
+    ``"cpu"``: filled by ``hybrid.init_tables`` with ``w.seed``, the same rows the servers start
+    from, so every system starts from the same model."""
+    import hybrid
     from torchrec.models.dlrm import DLRM
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     torch.manual_seed(w.seed)
-    ebc = EmbeddingBagCollection(tables=table_configs(w), device=torch.device("cpu"))
-    return DLRM(
+    ebc = EmbeddingBagCollection(tables=table_configs(w), device=torch.device("meta"))
+    dlrm = DLRM(
         embedding_bag_collection=ebc,
         dense_in_features=w.dense_features,
         dense_arch_layer_sizes=list(w.bottom_mlp),
         over_arch_layer_sizes=list(w.top_mlp),
     )
+    if tables == "cpu":
+        hybrid.init_tables(ebc, seed=w.seed)
+    return dlrm
 
 
 def table_weights(dlrm: nn.Module) -> list[torch.Tensor]:
@@ -227,25 +238,36 @@ class Data:
     """Deterministic batches of a workload: ``global_batch(t)`` is the same in every process."""
 
     def __init__(self, w: Workload) -> None:
+        import random
+
         self.w = w
         g = torch.Generator().manual_seed(w.seed + 7_919)
-        ranks = torch.arange(1, w.rows + 1, dtype=torch.float64)
-        probs = ranks.pow(-w.zipf_alpha)
-        self.cdf = torch.cumsum(probs, 0) / probs.sum()
-        # Hot rows scattered over each table (not rows 0, 1, 2, ...), the same everywhere.
-        self.perm = torch.stack([torch.randperm(w.rows, generator=g) for _ in range(w.tables)])
-        self.teacher_rows = torch.randn(w.tables, w.rows, generator=g)
+        rng = random.Random(w.seed + 7_919)
+        # Hot rows scattered over each table (not rows 0, 1, 2, ...), the same everywhere: rank k
+        # is row (a*k + b) % rows, a coprime to rows.
+        draws = ([rng.randrange(1, max(2, w.rows)) for _ in range(64)] for _ in range(w.tables))
+        coprime = [next((a for a in tries if math.gcd(a, w.rows) == 1), 1) for tries in draws]
+        self.a = torch.tensor(coprime, dtype=torch.int64).view(-1, 1)
+        self.b = torch.tensor([rng.randrange(w.rows) for _ in range(w.tables)], dtype=torch.int64).view(-1, 1)
+        self.score_key = torch.tensor([rng.getrandbits(32) for _ in range(w.tables)], dtype=torch.int64).view(-1, 1)
         self.teacher_dense = torch.randn(w.dense_features, generator=g) / w.dense_features**0.5
 
     def global_batch(self, step: int) -> Batch:
+        from recsys_examples.data.synthetic import power_law_rank
+
+        from hybrid.ps.init import fmix32
+
         w = self.w
         n = w.global_batch
         g = torch.Generator().manual_seed(w.seed * 1_000_003 + step)
         dense = torch.randn(n, w.dense_features, generator=g)
         u = torch.rand(w.tables, n * w.ids_per_bag, generator=g, dtype=torch.float64)
-        zipf_rank = torch.searchsorted(self.cdf, u).clamp_(max=w.rows - 1)
-        ids = torch.gather(self.perm, 1, zipf_rank).view(w.tables, n, w.ids_per_bag)
-        scores = torch.gather(self.teacher_rows, 1, ids.view(w.tables, -1)).view(w.tables, n, -1)
+        rank = power_law_rank(u, w.rows, w.zipf_alpha)
+        ids = (rank * self.a + self.b) % w.rows
+        # The teacher's score of a row: uniform, mean 0, variance 1, a hash of (table, row).
+        score = (fmix32(fmix32(ids ^ self.score_key)).double() + 0.5) / 2.0**32
+        scores = ((score - 0.5) * 12**0.5).float().view(w.tables, n, -1)
+        ids = ids.view(w.tables, n, w.ids_per_bag)
         logit = dense @ self.teacher_dense + scores.mean(dim=2).sum(dim=0) / w.tables**0.5
         labels = (logit > 0).float()
         return Batch(dense, ids, labels)

@@ -154,9 +154,13 @@ def _check_train(argv: Sequence[str], world_size: int):
     from hybrid.launch.roles import role_of
     from hybrid.train.loop import load_run
 
+    from hybrid.plan import check_server_memory
+
     args = build_parser().parse_args(["train", *argv])
     try:
-        plan, cfg, _, _ = load_run(args.plan, args.config, args.overrides, world_size, model=args.model)
+        plan, cfg, model, resolved = load_run(args.plan, args.config, args.overrides, world_size, model=args.model)
+        # Every process runs here: tables that do not fit are refused before any starts.
+        check_server_memory(resolved, model, fraction=cfg.runtime.server_memory_fraction)
     except PlanError as e:
         print_error(e)
         return EXIT_USAGE, RuntimeOptions(), []
@@ -263,12 +267,13 @@ def _export_main(args: argparse.Namespace) -> int:
     try:
         key = checkpoint_key(args.key_file)
         ckpt = Checkpoint(args.checkpoint, key=key)
-        state = export(ckpt.path, args.out, key=key)
+        written = export(ckpt.path, args.out, key=key)
     except CheckpointError as e:
         print_error(e)
         return EXIT_USAGE
-    values = sum(t.numel() for t in state.values())
-    print(f"exported {ckpt.path} (step {ckpt.step}) to {args.out}: {len(state)} tensors, {values:,} values")
+    files = "" if len(written["files"]) == 1 else f" in {len(written['files'])} files (index {args.out}.index.json)"
+    print(f"exported {ckpt.path} (step {ckpt.step}) to {args.out}: {len(written['keys'])} tensors, "
+          f"{written['values']:,} values{files}")
     return 0
 
 

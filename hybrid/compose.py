@@ -4,9 +4,11 @@ A thin orchestrator, in a fixed order:
 
 1. resolve the plan against the model and log its table (rank 0);
 2. replace every ``parameter_server`` module by its remote stand-in and create its tables on the
-   servers (trainer 0 creates, every trainer waits at a barrier);
+   servers (trainer 0 creates, every trainer waits at a barrier); the module may be on meta: the
+   servers fill their own shards, so no table is ever allocated on a trainer;
 3. ``fsdp`` modules get ``fully_shard``, inner before outer (they may still be on meta);
 4. anything still on the meta device is materialized and initialized (``reset_parameters``);
+   tensors built for real keep their values;
 5. ``ddp`` and ``local`` modules are applied (DDP needs real tensors); ddp modules with equal
    options share one DDP (:func:`hybrid.dense.ddp.merge_groups`);
 
@@ -43,7 +45,7 @@ def _parent(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
 
 def _apply_parameter_server(
     model: nn.Module, entry: ResolvedModule, *, resolved: ResolvedPlan, role: Role, name: str,
-    pipeline: StepPipeline, timeout_s: float, init_tables: str, start_step: int,
+    pipeline: StepPipeline, timeout_s: float, init_tables: str, seed: int, start_step: int,
 ) -> RemoteEmbeddingBagCollection:
     """Swap the module at ``entry.fqn`` for its remote stand-in; trainer 0 creates the tables."""
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -64,70 +66,125 @@ def _apply_parameter_server(
         local, cid=cid, num_servers=resolved.num_servers, sharding=opts.sharding,
         servers=opts.server_list(resolved.num_servers), optimizer=opts.optimizer, num_trainers=role.num_trainers,
         staleness=resolved.plan.sync.staleness, gradient_scaling=resolved.plan.sync.gradient_scaling,
-        id_policy=opts.id_policy)
+        id_policy=opts.id_policy, init_seed=seed)
     coll = RemoteEmbeddingBagCollection(config, pipeline=pipeline, server_names=pipeline.server_names,
                                         timeout_s=timeout_s)
     remote: nn.Module = coll if bag is None else RemoteEmbeddingBag(coll, include_last_offset=bag.include_last_offset)
+    source = _table_source(module, entry.fqn, init_tables)
     if role.index == 0:
         # The servers' step bookkeeping starts where the trainers' numbering does (a resumed run).
-        coll.create_on_servers(init="zeros" if init_tables == "module" else "seed", start_step=start_step)
-        if init_tables == "module":
-            coll.write_tables(_local_weights(module, entry.fqn, config))
+        coll.create_on_servers(init="zeros" if source == "module" else "seed", start_step=start_step)
+        if source == "module":
+            coll.write_tables(_local_weights(module, config))
     parent, attr = _parent(model, entry.fqn)
-    setattr(parent, attr, remote)
+    setattr(parent, attr, remote)  # the local tables, if any, go with the module
     logger.info(
-        "applied parameter_server to %s: %d tables %s on %s, optimizer %s lr=%g",
+        "applied parameter_server to %s: %d tables %s on %s, optimizer %s lr=%g, tables from %s",
         entry.fqn, len(coll.tables), opts.sharding, ",".join(coll.server_names[s] for s in coll.servers),
-        opts.optimizer.name, opts.optimizer.lr,
+        opts.optimizer.name, opts.optimizer.lr, "the module" if source == "module" else f"the servers (seed {seed})",
     )
     return coll
 
 
-def _local_weights(module: nn.Module, fqn: str, config) -> dict[str, torch.Tensor]:
+def _table_source(module: nn.Module, fqn: str, init_tables: str) -> str:
+    """Where a collection's initial rows come from: ``module`` (its weights, copied to the
+    servers) or ``server`` (each server fills its rows). ``auto``: ``server`` for tables on the
+    meta device, ``module`` for real ones."""
+    if init_tables not in ("auto", "module", "server"):
+        raise ValueError(f"init_tables: got {init_tables!r}; expected one of 'auto', 'module', 'server'")
+    meta = {p.is_meta for p in module.parameters()}
+    if init_tables == "module" and True in meta:
+        raise ValueError(f"{fqn}: its tables are on the meta device, so there is nothing to copy to the servers; "
+                         f"compose with init_tables='server' or 'auto' (each server initializes its rows)")
+    if init_tables != "auto":
+        return init_tables
+    if len(meta) > 1:
+        raise ValueError(f"{fqn}: some of its tables are on the meta device and some are not; build them all on "
+                         f"meta (the servers initialize them) or all for real (copied to the servers)")
+    return "server" if True in meta else "module"
+
+
+def _local_weights(module: nn.Module, config) -> dict[str, torch.Tensor]:
     """The tables of a local collection (or bag), by table name, to copy onto the servers."""
     if isinstance(module, nn.EmbeddingBag):
-        weights = {config.tables[0].name: module.weight}
-    else:
-        weights = {name: bag.weight for name, bag in module.embedding_bags.items()}
-    meta = sorted(n for n, w in weights.items() if w.is_meta)
-    if meta:
-        raise ValueError(f"{fqn}: table {meta[0]} is on the meta device, so there is nothing to copy to the servers; "
-                         f"compose with init_tables='server' (each server initializes its rows)")
-    return {n: w.detach() for n, w in weights.items()}
+        return {config.tables[0].name: module.weight.detach()}
+    return {name: bag.weight.detach() for name, bag in module.embedding_bags.items()}
 
 
-def _materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate and initialize everything still on meta (after sharding, so FSDP allocates shards)."""
-    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        return
-    # A buffer computed in __init__ (DLRM's interaction indices, a positional table) comes back
-    # from to_empty as garbage; only its module can recompute it. Find them before allocating.
-    meta_buffers = {
-        fqn: [n for n, b in m.named_buffers(recurse=False) if b.is_meta]
-        for fqn, m in model.named_modules()
-        if not isinstance(m, (RemoteEmbeddingBagCollection, RemoteEmbeddingBag))
+def _materialize(model: nn.Module, device: torch.device, *, seed: int) -> None:
+    """Allocate and initialize every parameter and buffer still on meta (after sharding, so FSDP
+    allocates shards); tensors built for real (a buffer computed in ``__init__`` outside the meta
+    device, a module built on the CPU) keep their values.
+
+    Modules are initialized in model order from a generator seeded with ``seed`` (the caller's
+    RNG state is left as it was), each on whole tensors of its own: an FSDP module keeps its
+    shard of them. So every trainer's shards together are the one tensor a single process
+    initializing the module gets, and only one module's whole parameters exist at a time.
+    """
+    stubs = (RemoteEmbeddingBagCollection, RemoteEmbeddingBag)
+    on_meta = {
+        fqn: ([n for n, p in m.named_parameters(recurse=False) if p.is_meta],
+              [n for n, b in m.named_buffers(recurse=False) if b.is_meta])
+        for fqn, m in model.named_modules() if not isinstance(m, stubs)
     }
-    model.to_empty(device=device)
-    for fqn, m in model.named_modules():
-        if isinstance(m, (RemoteEmbeddingBagCollection, RemoteEmbeddingBag)):
-            continue
-        reset = getattr(m, "reset_parameters", None)
-        has_params = any(True for _ in m.parameters(recurse=False))
-        if callable(reset) and has_params:
-            reset()  # nn.Linear, nn.BatchNorm (its running statistics too), ...
-        if meta_buffers.get(fqn):
-            reset_buffers = getattr(m, "reset_buffers", None)
-            if callable(reset_buffers):
-                reset_buffers()
-            elif not (callable(reset) and has_params):
-                names = ", ".join(f"{fqn}.{n}" if fqn else n for n in meta_buffers[fqn])
-                raise ValueError(
-                    f"buffer {names} of {type(m).__name__} was built on the meta device and nothing can "
-                    f"recompute it (the module has no reset_buffers() or reset_parameters()); build "
-                    f"{fqn or 'the model'} outside `torch.device('meta')`, or give {type(m).__name__} a "
-                    f"reset_buffers() method that fills it"
-                )
+    on_meta = {fqn: lists for fqn, lists in on_meta.items() if lists[0] or lists[1]}
+    if not on_meta:
+        return
+    modules = dict(model.named_modules())
+    for fqn, (params, buffers) in on_meta.items():  # refuse before allocating anything
+        _check_restorable(modules[fqn], fqn, params, buffers)
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        for fqn, (params, buffers) in on_meta.items():
+            m = modules[fqn]
+            if params:
+                _reset_whole(m, params, device)  # nn.Linear, nn.BatchNorm (its running statistics too), ...
+            if buffers and callable(getattr(m, "reset_buffers", None)):
+                m.reset_buffers()
     logger.info("materialized the model on %s", device)
+
+
+def _reset_whole(m: nn.Module, params: list[str], device: torch.device) -> None:
+    """``m.reset_parameters()`` on whole tensors; each sharded parameter (an FSDP ``DTensor``)
+    then keeps its local shard of the result."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sharded = {n: m._parameters[n] for n in params if isinstance(m._parameters[n], DTensor)}
+    for n, dt in sharded.items():
+        m._parameters[n] = nn.Parameter(torch.empty(dt.shape, dtype=dt.dtype, device=device),
+                                        requires_grad=dt.requires_grad)
+    try:
+        m.reset_parameters()
+        whole = {n: m._parameters[n].detach() for n in sharded}
+    finally:
+        for n, dt in sharded.items():
+            m._parameters[n] = dt
+    with torch.no_grad():
+        for n, dt in sharded.items():
+            shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+            dt.to_local().copy_(whole[n][tuple(slice(o, o + k) for o, k in zip(offset, shape))])
+
+
+def _check_restorable(m: nn.Module, fqn: str, params: list[str], buffers: list[str]) -> None:
+    """Raise unless module ``m`` can fill what it has on meta: ``reset_parameters()`` for its
+    parameters (and buffers), or ``reset_buffers()`` for buffers it computed in ``__init__`` (a
+    torchrec DLRM's interaction indices, a positional table), which come back from meta as garbage."""
+    where = fqn or "the model"
+    if params and not callable(getattr(m, "reset_parameters", None)):
+        names = ", ".join(f"{fqn}.{n}" if fqn else n for n in params)
+        raise ValueError(
+            f"parameter {names} of {type(m).__name__} was built on the meta device and nothing can initialize "
+            f"it (the module has no reset_parameters()); build {where} outside `torch.device('meta')`"
+        )
+    if buffers and not params and not callable(getattr(m, "reset_buffers", None)):
+        names = ", ".join(f"{fqn}.{n}" if fqn else n for n in buffers)
+        raise ValueError(
+            f"buffer {names} of {type(m).__name__} was built on the meta device and nothing can recompute it "
+            f"(the module has no reset_buffers() or reset_parameters()); build {where} outside "
+            f"`torch.device('meta')`, or give {type(m).__name__} a reset_buffers() method that fills it"
+        )
 
 
 def _guard_dense(module: nn.Module, fqn: str) -> None:
@@ -159,16 +216,23 @@ def compose(
     role: Role,
     name: str = "",
     runtime_options: RuntimeOptions | None = None,
-    init_tables: Literal["module", "server"] = "module",
+    init_tables: Literal["auto", "module", "server"] = "auto",
+    seed: int = 0,
     start_step: int = 0,
 ) -> nn.Module:
     """Turn a plain model into the hybrid model on this trainer; returns the same object.
 
-    ``init_tables="module"`` copies the model's embedding weights to the servers (the hybrid run
-    starts exactly where the plain one would), streamed in bounded chunks; ``"server"`` lets each
-    server initialize its shards (use it for tables built on meta). ``start_step`` numbers the
-    first step (a resumed run's). ``name`` namespaces the tables on the servers
-    when one job composes several models.
+    ``parameter_server`` modules may be built on the meta device (the tables then never exist on
+    a trainer); the rest of the model may be on meta too, and is materialized here (FSDP modules
+    as their shards) by ``reset_parameters()``, seeded with ``seed``.
+
+    Where a remote collection's initial rows come from (``init_tables``): ``"server"``: each
+    server fills its rows with the layout-independent init of :mod:`hybrid.ps.init`, keyed by
+    ``seed`` (``hybrid.init_tables(ebc, seed=seed)`` fills a local collection with the same rows);
+    ``"module"``: the module's own weights (pretrained tables) are copied to the servers,
+    streamed in bounded chunks; ``"auto"`` (default): ``server`` for tables on meta, ``module``
+    for real ones. ``start_step`` numbers the first step (a resumed
+    run's). ``name`` namespaces the tables on the servers when one job composes several models.
     """
     from hybrid.dense import DENSE_STRATEGIES
     from hybrid.dense.ddp import apply_ddp_merged, merge_groups
@@ -188,13 +252,14 @@ def compose(
     object.__setattr__(model, "_hybrid_pipeline", pipeline)  # hybrid.step(model) finds it; not a submodule
     for entry in resolved.by_strategy("parameter_server"):
         _apply_parameter_server(model, entry, resolved=resolved, role=role, name=name, pipeline=pipeline,
-                                timeout_s=options.rpc_timeout_s, init_tables=init_tables, start_step=start_step)
+                                timeout_s=options.rpc_timeout_s, init_tables=init_tables, seed=seed,
+                                start_step=start_step)
     dist.barrier()  # tables exist on the servers before any trainer looks up
     order = resolved.apply_order()
     for entry in order:
         if entry.strategy == "fsdp":
             DENSE_STRATEGIES["fsdp"](model, entry.fqn, mesh=mesh, options=entry.options)
-    _materialize(model, device)
+    _materialize(model, device, seed=seed)
     if device.type != "cpu":
         for n, m in model.named_modules():
             if not isinstance(m, (RemoteEmbeddingBagCollection, RemoteEmbeddingBag)):
@@ -209,4 +274,23 @@ def compose(
     for entry in order:
         if entry.strategy in ("ddp", "fsdp"):
             _guard_dense(model.get_submodule(entry.fqn), entry.fqn)
+    return model
+
+
+def materialize(model: nn.Module, *, seed: int = 0, device: torch.device | str = "cpu") -> nn.Module:
+    """The plain model a hybrid run starts from, in one process: everything ``model`` has on the
+    meta device is allocated on ``device`` and initialized as ``compose(model, ..., seed=seed)``
+    initializes it -- embedding collections' tables with the rows the servers give them
+    (:func:`hybrid.init_tables`), the other modules by ``reset_parameters()`` from ``seed`` in
+    model order. Tensors built for real keep their values. Returns ``model`` (public as
+    ``hybrid.materialize``)."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    from hybrid.ps.init import init_tables
+
+    device = torch.device(device)
+    for m in model.modules():
+        if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)) and any(p.is_meta for p in m.parameters()):
+            init_tables(m, seed=seed).to(device)
+    _materialize(model, device, seed=seed)
     return model

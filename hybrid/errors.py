@@ -31,6 +31,7 @@ Category = Literal[
     "own_parameters",  # a module's own parameters would be left without a rule
     "no_rule",  # a module with parameters that no rule covers and there is no "*" rule
     "topology",  # process counts or server indices that do not fit
+    "memory",  # tables and optimizer state that do not fit a server's memory
 ]
 CATEGORIES: tuple[str, ...] = get_args(Category)
 

@@ -66,9 +66,9 @@ def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hoo
     from hybrid.plan import plan_from_dict
     from hybrid.ps.client import pipeline_of
 
-    model = build_dlrm(w)
+    model = build_dlrm(w, tables="meta")  # the servers fill the tables: none on a trainer
     hybrid.compose(model, plan_from_dict(plan_dict(w, dense=dense, staleness=staleness, comm_hook=comm_hook)), role=role,
-                   runtime_options=options)
+                   runtime_options=options, seed=w.seed)
     ebc = model.sparse_arch.embedding_bag_collection
     pipeline = pipeline_of(model)
     optimizer = torch.optim.SGD([p for p in model.parameters()], lr=w.lr)

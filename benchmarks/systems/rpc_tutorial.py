@@ -76,7 +76,7 @@ def _trainer(rank: int, w: Workload) -> dict:
         for i, rref in rpc.rpc_sync(ps, _server_tables, args=(w, s)).items():
             embs[i] = RemoteModule.init_from_module_rref(f"{ps}/cpu", rref)
     embs = [embs[i] for i in range(w.tables)]
-    dense = DDP(DenseDLRM(build_dlrm(w)))
+    dense = DDP(DenseDLRM(build_dlrm(w, tables="meta")))
     sparse_opt = DistributedOptimizer(torch.optim.SGD, [p for e in embs for p in e.remote_parameters()],
                                       lr=w.sparse_lr / w.trainers)
     dense_opt = DistributedOptimizer(torch.optim.SGD, [rpc.RRef(p) for p in dense.parameters()], lr=w.lr)

@@ -254,8 +254,10 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
 
 
 def _wait_servers(futures, remotes) -> list[dict[str, Any]]:
-    """Every server's file entries, grouped into the manifest's ``collections`` section."""
-    written: dict[str, dict[str, dict[str, Any]]] = {}
+    """Every server's file entries, grouped into the manifest's ``collections`` section: per
+    table, its parts in shard order, each naming its shard and its rows there, which together must
+    cover every shard's rows."""
+    written: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for coll, s, fut in futures:
         try:
             answer = fut.wait()
@@ -264,19 +266,24 @@ def _wait_servers(futures, remotes) -> list[dict[str, Any]]:
             raise CheckpointError(f"parameter server {coll.server_names[s]} did not write its shards of "
                                   f"{coll.cid}: {first}") from None
         for f in answer:
-            written.setdefault(coll.cid, {})[f["path"]] = f
+            f = dict(f)
+            written.setdefault((coll.cid, f.pop("table")), []).append(f)
     out = []
     for fqn, coll, keys in remotes:
         tables = []
         for t, lay in zip(coll.tables, coll.layouts, strict=True):
-            names = [server_io.shard_file(coll.cid, t.name, k, lay.num_shards) for k in range(lay.num_shards)]
-            missing = [n for n in names if n not in written.get(coll.cid, {})]
-            if missing:
-                raise CheckpointError(f"{coll.cid}: the servers wrote no {missing[0]}")
+            files = sorted(written.get((coll.cid, t.name), []), key=lambda f: (f["shard"], f["rows"][0]))
+            for k in range(lay.num_shards):
+                ranges = [f["rows"] for f in files if f["shard"] == k]
+                want, end = lay.rows_on(lay.servers[k]), 0
+                for a, b in ranges:
+                    end = b if a == end else -1
+                if not ranges or end != want:
+                    raise CheckpointError(f"{coll.cid}: the servers wrote rows {ranges} of shard {k} of table "
+                                          f"{t.name}, not [0, {want})")
             tables.append({"name": t.name, "key": keys[t.name], "num_embeddings": t.num_embeddings,
                            "embedding_dim": t.embedding_dim, "sharding": lay.sharding, "num_shards": lay.num_shards,
-                           "servers": list(lay.servers), "optimizer": coll.config.optimizer.name,
-                           "files": [written[coll.cid][n] for n in names]})
+                           "servers": list(lay.servers), "optimizer": coll.config.optimizer.name, "files": files})
         out.append({"cid": coll.cid, "fqn": fqn, "optimizer": dataclasses.asdict(coll.config.optimizer), "tables": tables})
     return out
 

@@ -1,16 +1,20 @@
 """One plain ``state_dict`` from a checkpoint: the keys of the unsharded model, whole tensors.
 
 Runs in one process, without the job: the dense part is read from the DCP files (every shard
-gathered into the whole tensor), each table is assembled from its server shards. The result
+gathered into the whole tensor), each table from the parts of its server shards. The result
 loads into the plain model with ``model.load_state_dict(torch.load(path, weights_only=True))``
-for evaluation or serving. Optimizer state is not exported (use :func:`load_tables` for it).
+for evaluation or serving; an export larger than :data:`EXPORT_PART_BYTES` is written in parts
+named in an index, so no table is ever whole in memory (:func:`export`, :func:`load_export`).
+Optimizer state is not exported (use :func:`load_tables` for it).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import torch
 
@@ -53,7 +57,7 @@ def load_tables(ckpt: str | Path, manifest: dict[str, Any] | None = None
             state: dict[str, torch.Tensor] = {}
             for k, f in enumerate(t["files"]):
                 data = F.load_tensors(ckpt, FileEntry(f["path"], int(f["size"]), f["sha256"]))
-                rows = slice(None) if t["sharding"] == "table_wise" else slice(k, None, t["num_shards"])
+                rows = F.saved_rows(t, k, data["weight"].shape[0])
                 weight[rows] = data["weight"]
                 for name, v in data["state"].items():
                     if name not in state:
@@ -63,23 +67,111 @@ def load_tables(ckpt: str | Path, manifest: dict[str, Any] | None = None
     return out
 
 
-def export(ckpt: str | Path, out: str | Path | None = None, *, key: bytes | None = None) -> dict[str, torch.Tensor]:
-    """The plain state dict of checkpoint ``ckpt`` (a ``step_N`` directory or a root: its newest);
-    written to ``out`` (atomically) when given. ``key`` verifies the manifest's signature
-    (default: :func:`hybrid.checkpoint.files.checkpoint_key`)."""
+EXPORT_PART_BYTES = 1 << 30
+"""An export larger than this is written as the dense part plus each table in files of at most
+this many bytes, named in an index."""
+
+
+def _ordered(manifest: dict[str, Any], keys) -> list[str]:
+    """``keys`` in the plain model's order (the manifest's), any others after."""
+    keys = list(keys)
+    order = [k for k in manifest.get("keys") or [] if k in keys]
+    return order + [k for k in keys if k not in order]
+
+
+def _tables(path: Path, manifest: dict[str, Any], dense: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """Every saved table's manifest entry, by state-dict key."""
+    tables = {t["key"]: t for coll in manifest.get("collections") or [] for t in coll["tables"]}
+    clash = sorted(set(tables) & set(dense))
+    if clash:
+        raise CheckpointError(f"{path}: key {clash[0]!r} is both a dense and a table key")
+    return tables
+
+
+def table_rows(ckpt: Path, table: dict[str, Any], start: int, stop: int) -> torch.Tensor:
+    """Global rows ``[start, stop)`` of a saved table (its manifest entry), read one saved part at
+    a time: only the parts holding some of them are read."""
+    out = torch.empty(stop - start, table["embedding_dim"])
+    for index, f in enumerate(table["files"]):
+        rows = F.saved_rows(table, index)
+        if rows is not None and not bool(((rows >= start) & (rows < stop)).any()):
+            continue
+        weight = F.load_tensors(ckpt, FileEntry(f["path"], int(f["size"]), f["sha256"]))["weight"]
+        rows = F.saved_rows(table, index, weight.shape[0])
+        keep = ((rows >= start) & (rows < stop)).nonzero().flatten()
+        out[rows.index_select(0, keep) - start] = weight.index_select(0, keep).float()
+    return out
+
+
+def export_state_dict(ckpt: str | Path, *, key: bytes | None = None) -> dict[str, torch.Tensor]:
+    """The plain state dict of checkpoint ``ckpt`` (a ``step_N`` directory or a root: its newest),
+    in memory: the dense part and every table whole, in the plain model's key order. ``key``
+    verifies the manifest's signature (default: :func:`hybrid.checkpoint.files.checkpoint_key`)."""
     path = F.resolve(ckpt)
     manifest = F.read_manifest(path, key=key)
     state = dense_state_dict(path, manifest)
-    for key, (weight, _) in load_tables(path, manifest).items():
-        if key in state:
-            raise CheckpointError(f"{path}: key {key!r} is both a dense and a table key")
-        state[key] = weight
-    order = [k for k in manifest.get("keys") or [] if k in state]  # the plain model's order
-    state = {**{k: state[k] for k in order}, **state}
-    if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-        F.save_tensors(state, tmp)
-        os.replace(tmp, out)
-    return state
+    for name, t in _tables(path, manifest, state).items():
+        state[name] = table_rows(path, t, 0, t["num_embeddings"])
+    return {k: state[k] for k in _ordered(manifest, state)}
+
+
+def export(ckpt: str | Path, out: str | Path, *, key: bytes | None = None,
+           part_bytes: int = EXPORT_PART_BYTES) -> dict[str, Any]:
+    """Write checkpoint ``ckpt`` as the plain model's state dict, in bounded memory; returns what
+    was written (``files``, ``keys``, ``values``).
+
+    When everything fits in ``part_bytes``, ``out`` is one file holding the whole state dict
+    (``model.load_state_dict(torch.load(out, weights_only=True))``). Otherwise ``out`` holds the
+    dense part, each table goes into files of at most ``part_bytes`` (``<out>.<key>.part<i>.pt``,
+    rows ``[a, b)`` each), and ``<out>.index.json`` names them all: :func:`load_export` reads it
+    back, and no table is ever whole in this process while writing. Every file is written
+    atomically; the index last."""
+    path = F.resolve(ckpt)
+    manifest = F.read_manifest(path, key=key)
+    dense = dense_state_dict(path, manifest)
+    tables = _tables(path, manifest, dense)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    index_path = out.with_name(f"{out.name}.index.json")
+    index_path.unlink(missing_ok=True)  # an earlier export's, now stale
+    table_bytes = sum(t["num_embeddings"] * t["embedding_dim"] * 4 for t in tables.values())
+    values = sum(v.numel() for v in dense.values()) + sum(t["num_embeddings"] * t["embedding_dim"]
+                                                           for t in tables.values())
+    keys = _ordered(manifest, [*dense, *tables])
+    if sum(v.numel() * v.element_size() for v in dense.values()) + table_bytes <= part_bytes:
+        state = {**dense, **{k: table_rows(path, t, 0, t["num_embeddings"]) for k, t in tables.items()}}
+        _save_atomic({k: state[k] for k in keys}, out)
+        return {"files": [out.name], "keys": keys, "values": values}
+    _save_atomic({k: dense[k] for k in keys if k in dense}, out)
+    parts: dict[str, list[dict[str, Any]]] = {}
+    for name, t in tables.items():
+        step = max(1, part_bytes // (4 * t["embedding_dim"]))
+        for i, start in enumerate(range(0, t["num_embeddings"], step)):
+            stop = min(start + step, t["num_embeddings"])
+            file = f"{out.name}.{quote(name, safe='.-_')}.part{i}.pt"
+            _save_atomic({name: table_rows(path, t, start, stop)}, out.with_name(file))
+            parts.setdefault(name, []).append({"file": file, "rows": [start, stop]})
+    F.atomic_write_text(index_path, json.dumps({"dense": out.name, "keys": keys, "tables": parts}, indent=1))
+    files = [out.name] + [p["file"] for ps in parts.values() for p in ps] + [index_path.name]
+    return {"files": files, "keys": keys, "values": values}
+
+
+def _save_atomic(state: dict[str, torch.Tensor], out: Path) -> None:
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    F.save_tensors(state, tmp)
+    os.replace(tmp, out)
+
+
+def load_export(out: str | Path) -> dict[str, torch.Tensor]:
+    """The state dict :func:`export` wrote to ``out``, whole, in the plain model's order (tensors
+    only: ``torch.load(weights_only=True)``)."""
+    out = Path(out)
+    index_path = out.with_name(f"{out.name}.index.json")
+    state = torch.load(out, weights_only=True)
+    if not index_path.exists():
+        return state
+    index = json.loads(index_path.read_text())
+    for name, parts in index["tables"].items():
+        pieces = [torch.load(out.with_name(p["file"]), weights_only=True)[name] for p in parts]
+        state[name] = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    return {k: state[k] for k in index["keys"]}

@@ -378,3 +378,16 @@ def dumps_plain(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+def saved_rows(table: dict[str, Any], index: int, count: int | None = None) -> torch.Tensor | None:
+    """Global row ids held by file ``index`` of saved table ``table`` (its manifest entry): the
+    rows ``[a, b)`` of shard ``k`` it names. A file of a manifest without parts holds all of shard
+    ``index``: its ``count`` rows (``None`` while the count is unknown)."""
+    f = table["files"][index]
+    shard = int(f.get("shard", index))
+    a, b = f["rows"] if "rows" in f else (0, count)
+    if b is None:
+        return None
+    local = torch.arange(int(a), int(b), dtype=torch.int64)
+    return local if table["sharding"] == "table_wise" else local * int(table["num_shards"]) + shard

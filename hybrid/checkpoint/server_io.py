@@ -1,15 +1,18 @@
 """Checkpoint code that runs on a parameter server (called by trainer 0 over RPC).
 
 Each server writes its own shards straight into the checkpoint directory and reads them back
-from there, all servers in parallel; no table crosses the wire. One file per table shard::
+from there, all servers in parallel; no table crosses the wire. A table shard is written in
+parts of at most :data:`PART_BYTES` (rows and their optimizer state), each its own file::
 
-    tables/<collection>/<table>/shard<k>-of-<S>.pt
-        {"weight": [rows_k, dim], "state": {name: [rows_k, ...]}, "info": {...layout, step...}}
+    tables/<collection>/<table>/shard<k>-of-<S>.part<i>.pt
+        {"weight": [rows, dim], "state": {name: [rows, ...]}, "info": {...layout, rows [a, b), step...}}
 
-Shard ``k`` of a row-wise table holds global rows ``k, k+S, k+2S, ...`` (the cyclic layout of
-:mod:`hybrid.ps.sharding`); a table-wise table has one shard holding every row. Loading maps
-each row this server holds now to the saved shard and local row that has it, so a checkpoint
-written with S servers, row-wise or table-wise, loads into any other layout (reshard).
+and named in the manifest with its shard ``k`` and its shard-local rows ``[a, b)``. Shard ``k``
+of a row-wise table holds global rows ``k, k+S, k+2S, ...`` (the cyclic layout of
+:mod:`hybrid.ps.sharding`); a table-wise table has one shard holding every row. Loading reads one
+part at a time and keeps the rows of it this server holds now, so a checkpoint written with S
+servers, row-wise or table-wise, loads into any other layout (reshard), and neither saving nor
+loading ever holds more than one part besides the tables themselves.
 """
 
 from __future__ import annotations
@@ -22,35 +25,52 @@ from urllib.parse import quote
 import torch
 import torch.distributed.rpc as rpc
 
-from hybrid.checkpoint.files import CheckpointError, FileEntry, entry_for, load_tensors, save_tensors
+from hybrid.checkpoint.files import CheckpointError, FileEntry, entry_for, load_tensors, save_tensors, saved_rows
 from hybrid.ps.server.service import server
 from hybrid.ps.server.shard import TableShard
+
+PART_BYTES = 64 << 20
+"""Bytes of rows (with their optimizer state) in one file of a saved table shard."""
 
 # Writes run here, not on an RPC thread nor on the thread that completed the step (which may be
 # the distributed-autograd engine's or the one answering lookups).
 _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybrid-ckpt-write")
 
 
-def shard_file(cid: str, table: str, pos: int, num_shards: int) -> str:
-    """Relative path of one table shard's file."""
-    return f"tables/{quote(cid, safe='.-_')}/{quote(table, safe='.-_')}/shard{pos}-of-{num_shards}.pt"
+def shard_file(cid: str, table: str, pos: int, num_shards: int, part: int) -> str:
+    """Relative path of part ``part`` of one table shard's rows."""
+    return f"tables/{quote(cid, safe='.-_')}/{quote(table, safe='.-_')}/shard{pos}-of-{num_shards}.part{part}.pt"
 
 
 def _worker() -> str:
     return rpc.get_worker_info().name
 
 
+def _part_rows(t: TableShard) -> int:
+    """Rows of ``t`` per part: :data:`PART_BYTES` of rows and optimizer state."""
+    row = t.weight.element_size() * t.dim + sum(v[:1].numel() * v.element_size() for v in t.optim.state.values())
+    return max(1, PART_BYTES // max(row, 1))
+
+
 def _write_shards(shard, ckpt: Path, step: int) -> list[dict[str, Any]]:
+    """Write every table shard of ``shard`` in parts; their manifest entries (path, size, sha256,
+    table, shard, rows)."""
     out = []
     with shard.lock:  # no update can interleave with the copy to disk
         for t in shard.tables:
-            rel = shard_file(shard.cid, t.name, t.shard_pos, t.layout.num_shards)
-            path = ckpt / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            payload = {"weight": t.weight, "state": dict(t.optim.state), "info": _info(shard.cid, t, step)}
-            save_tensors(payload, path)
-            e = entry_for(ckpt, path)
-            out.append({"path": e.path, "size": e.size, "sha256": e.sha256})
+            step_rows = _part_rows(t)
+            bounds = list(range(0, t.rows, step_rows)) or [0]  # an empty shard: one empty part
+            for part, a in enumerate(bounds):
+                b = min(a + step_rows, t.rows)
+                path = ckpt / shard_file(shard.cid, t.name, t.shard_pos, t.layout.num_shards, part)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                # Copies of the part's rows: torch.save of a view would write the whole table.
+                payload = {"weight": t.weight[a:b].clone(), "state": {k: v[a:b].clone() for k, v in t.optim.state.items()},
+                           "info": {**_info(shard.cid, t, step), "rows": [a, b]}}
+                save_tensors(payload, path)
+                e = entry_for(ckpt, path)
+                out.append({"path": e.path, "size": e.size, "sha256": e.sha256, "table": t.name,
+                            "shard": t.shard_pos, "rows": [a, b]})
     return out
 
 
@@ -127,31 +147,33 @@ def _check_fits(cid: str, t: TableShard, src: dict[str, Any]) -> None:
                          f"optimizer to resume)")
 
 
-def _held_rows(t: TableShard) -> torch.Tensor:
-    """Global row ids this server holds of table ``t``, in local order."""
-    local = torch.arange(t.rows, dtype=torch.int64)
-    return t.layout.global_ids(t.shard_pos, local)
-
-
 def _fill(t: TableShard, ckpt: Path, src: dict[str, Any]) -> int:
-    rows = _held_rows(t)
-    s, files = src["num_shards"], src["files"]
-    for k, f in enumerate(files):
-        if src["sharding"] == "table_wise":
-            mine, local = torch.arange(rows.numel()), rows
-        else:
-            mine = (rows % s == k).nonzero().flatten()
-            local = rows[mine] // s
-        if mine.numel() == 0:
-            continue
-        data = load_tensors(ckpt, FileEntry(f["path"], int(f["size"]), f["sha256"]), mmap=True)
+    """Load this server's rows of table ``t`` from the saved table ``src`` (its manifest entry),
+    one part file at a time: of each part, the rows whose global ids this server holds now."""
+    for index, f in enumerate(src["files"]):
+        glob = saved_rows(src, index)
+        if glob is not None and _rows_held(t, glob)[1].numel() == 0:
+            continue  # nothing of it is this server's: not even read
+        data = load_tensors(ckpt, FileEntry(f["path"], int(f["size"]), f["sha256"]))
         weight, state = data["weight"], data["state"]
-        if weight.shape[0] <= int(local.max()):
-            raise ValueError(f"{f['path']}: holds {weight.shape[0]} rows; row {int(local.max())} is needed")
-        t.weight.index_copy_(0, mine, weight.index_select(0, local))
+        glob = saved_rows(src, index, weight.shape[0])
+        if weight.shape[0] != glob.numel():
+            raise ValueError(f"{f['path']}: holds {weight.shape[0]} rows; the manifest says {glob.numel()}")
         if set(state) != set(t.optim.state):
             raise ValueError(f"{f['path']}: optimizer state {sorted(state)}; the table's optimizer keeps "
                              f"{sorted(t.optim.state)}")
+        held, to = _rows_held(t, glob)
+        t.weight.index_copy_(0, to, weight.index_select(0, held).to(t.weight.dtype))
         for key, v in state.items():
-            t.optim.state[key].index_copy_(0, mine, v.index_select(0, local).to(t.optim.state[key].dtype))
-    return int(rows.numel())
+            t.optim.state[key].index_copy_(0, to, v.index_select(0, held).to(t.optim.state[key].dtype))
+    return t.rows
+
+
+def _rows_held(t: TableShard, glob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of global ids ``glob``: the positions of those this server holds of ``t`` now, and their
+    local rows here."""
+    lay = t.layout
+    if lay.sharding == "table_wise":
+        return torch.arange(glob.numel(), dtype=torch.int64), glob
+    held = (glob % lay.num_shards == t.shard_pos).nonzero().flatten()
+    return held, glob.index_select(0, held) // lay.num_shards

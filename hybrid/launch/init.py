@@ -68,6 +68,18 @@ class RuntimeOptions:
     kill_grace_s: float = 5.0
     """Once one process of a ``hybrid launch`` job fails, the others get this long after SIGTERM
     before SIGKILL (torchrun's ``--shutdown-timeout``): a hung process ends too."""
+    server_memory_fraction: float = 0.8
+    """Share of a machine's available memory (``MemAvailable``, or the cgroup's limit) that a
+    parameter server's tables and optimizer state may take: a server refuses a collection that
+    needs more before allocating anything, and ``hybrid launch`` refuses a plan whose servers
+    together need more of this machine before starting any process."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.server_memory_fraction <= 1:
+            from hybrid.errors import PlanError
+
+            raise PlanError(f"got {self.server_memory_fraction!r}; expected a share of memory in (0, 1]",
+                            category="bad_value", key="server_memory_fraction")
 
 
 def device_type() -> str:
@@ -153,7 +165,8 @@ def init_hybrid(
     if not role.is_trainer:
         from hybrid.ps.server import service
 
-        service.start(role.index, service.ServerOptions(huge_pages=options.huge_pages))
+        service.start(role.index, service.ServerOptions(huge_pages=options.huge_pages,
+                                                        memory_fraction=options.server_memory_fraction))
     wait_for_everyone(role, init_method, options.startup_timeout_s)
     transports = rpc_transports(options.address, options.transports)  # RPC listens on runtime.address
     pg_store, rpc_init = None, init_method

@@ -20,10 +20,10 @@ import torch
 
 from hybrid.ops.reference import NonFinite, Route, RowOutOfRange
 
-__all__ = ["AVAILABLE", "NonFinite", "Route", "RowOutOfRange", "gather_rows", "optimizer_rows", "route",
-           "scatter_rows_", "sgd_rows_", "sum_rows"]
+__all__ = ["AVAILABLE", "NonFinite", "Route", "RowOutOfRange", "gather_rows", "initial_rows_", "optimizer_rows",
+           "route", "scatter_rows_", "sgd_rows_", "sum_rows"]
 
-OPS = ("route", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows", "scatter_rows_")
+OPS = ("route", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows", "scatter_rows_", "initial_rows_")
 """The operators ``hybrid._C`` registers under ``torch.ops.hybrid``."""
 
 STATE_KEYS = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",),
@@ -156,10 +156,25 @@ def scatter_rows_(dst, rows, src) -> None:
         raise _out_of_range(status, rows, lambda t: dst.shape[0])
 
 
+def initial_rows_(out, rows, *, key, bound) -> None:
+    """Fill ``out`` ([len(rows), dim], float32, bfloat16 or float16) with the initial values of
+    global rows ``rows`` (int64) of the table whose 32-bit hash key is ``key``: element
+    ``(i, c)`` is uniform in ``[-bound, bound)``, a pure function of ``(key, rows[i], c)``
+    (see :mod:`hybrid.ps.init`), rounded into ``out``'s dtype."""
+    rows = _index(rows)
+    if out.is_contiguous():
+        torch.ops.hybrid.initial_rows_(out, rows, key, bound)
+    else:
+        filled = torch.empty(out.shape, dtype=out.dtype)
+        torch.ops.hybrid.initial_rows_(filled, rows, key, bound)
+        out.copy_(filled)
+
+
 # Without the extension every public name is the reference's own function.
 if not AVAILABLE:
     from hybrid.ops.reference import (  # noqa: F811
         gather_rows,
+        initial_rows_,
         optimizer_rows,
         route,
         scatter_rows_,

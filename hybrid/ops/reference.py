@@ -205,3 +205,37 @@ def optimizer_rows(kind, rows, grads, *, grad_scale, weight, state, lr, eps, wei
 
 def scatter_rows_(dst, rows, src) -> None:
     dst.index_copy_(0, rows, src.to(dst.dtype))
+
+
+_M32 = 0xFFFFFFFF
+_INIT_CHUNK = 1 << 16
+"""Elements hashed at once by :func:`initial_rows_`: temporaries of a few hundred KiB, which the
+allocator keeps (4M-element ones cost a page fault per page, ten times the arithmetic)."""
+
+
+def mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for ``x`` in ``[0, 2**32)``, without int64 overflow."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def fmix32(h: torch.Tensor) -> torch.Tensor:
+    """The lowbias32 finalizer of ``h`` in ``[0, 2**32)``: every input bit moves every output bit."""
+    h = h ^ (h >> 16)
+    h = mul32(h, 0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = mul32(h, 0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def initial_rows_(out, rows, *, key, bound) -> None:
+    cols = torch.arange(out.shape[1], dtype=torch.int64)
+    step = max(1, _INIT_CHUNK // max(out.shape[1], 1))
+    for start in range(0, rows.numel(), step):
+        r = rows[start : start + step].unsqueeze(1)
+        h = fmix32((r & _M32) ^ key)
+        h = fmix32(h ^ ((r >> 32) & _M32))
+        h = fmix32(h ^ cols)
+        u = (h >> 8).to(torch.float32) * (2.0 / (1 << 24)) - 1.0  # [-1, 1), exact in float32
+        out[start : start + step] = u * bound

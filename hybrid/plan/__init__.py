@@ -8,7 +8,15 @@ it to a model and a world size, ``format_plan`` prints the result as a table. Ev
 from hybrid.plan.errors import CATEGORIES, PlanError
 from hybrid.plan.load import load_plan, plan_from_dict
 from hybrid.plan.match import ResolvedModule, ResolvedPlan, resolve
-from hybrid.plan.report import ModuleEstimate, estimate_memory, format_plan, log_plan, summarize
+from hybrid.plan.report import (
+    ModuleEstimate,
+    check_server_memory,
+    estimate_memory,
+    format_plan,
+    log_plan,
+    server_table_bytes,
+    summarize,
+)
 from hybrid.plan.schema import (
     DEFAULT_RULE,
     STRATEGY_OPTIONS,
@@ -42,11 +50,13 @@ __all__ = [
     "SparseOptimizer",
     "SyncOptions",
     "Topology",
+    "check_server_memory",
     "estimate_memory",
     "format_plan",
     "load_plan",
     "log_plan",
     "plan_from_dict",
     "resolve",
+    "server_table_bytes",
     "summarize",
 ]

@@ -25,7 +25,8 @@ from torch import nn
 from hybrid.log import logger
 from hybrid.plan.errors import PlanError, one_of
 from hybrid.plan.match import ResolvedModule, ResolvedPlan
-from hybrid.ps.config import TableSpec, state_floats_per_row, table_specs
+from hybrid.ps.config import TableSpec, row_bytes, table_specs
+from hybrid.ps.server.memory import human_bytes
 from hybrid.ps.sharding import shard_tables
 
 DENSE_OPTIMIZER_STATE = {"sgd": 0, "adagrad": 1, "adam": 2}
@@ -90,15 +91,18 @@ def format_plan(
     params = sum(m.params for m in estimates)
     trainer = sum(m.trainer_bytes for m in estimates)
     server = max(servers.values(), default=0)
-    rows.append(["total", "", "", "", "", f"{params:,}", _human(trainer), _human(server)])
+    rows.append(["total", "", "", "", "", f"{params:,}", human_bytes(trainer), human_bytes(server)])
     lines = [_header(resolved), *_table(rows, right=(5, 6, 7)), _footer(dense_optimizer)]
+    if servers:
+        lines.append("per server (rows + sparse optimizer state): " + ", ".join(
+            f"ps{s} {human_bytes(servers[s])}" for s in range(resolved.num_servers)))
     return "\n".join(lines)
 
 
 def _row(m: ModuleEstimate) -> list[str]:
     e = m.entry
     matched_by = "" if e.rule_key == e.fqn else e.rule_key
-    server = _human(m.max_server_bytes) if e.strategy == "parameter_server" else "-"
+    server = human_bytes(m.max_server_bytes) if e.strategy == "parameter_server" else "-"
     return [
         e.fqn or "<root>",
         e.module_type,
@@ -106,7 +110,7 @@ def _row(m: ModuleEstimate) -> list[str]:
         e.strategy,
         summarize_options(e),
         f"{m.params:,}",
-        _human(m.trainer_bytes),
+        human_bytes(m.trainer_bytes),
         server,
     ]
 
@@ -176,18 +180,50 @@ def _shard_numel(p: nn.Parameter, shards: int) -> int:
 
 
 def _server_bytes(e: ResolvedModule, module: nn.Module, num_servers: int) -> dict[int, int]:
+    per_table = _table_bytes(e, module, num_servers)
+    return {s: sum(per_table[s].values()) for s in range(num_servers)}
+
+
+def _table_bytes(e: ResolvedModule, module: nn.Module, num_servers: int) -> dict[int, dict[str, int]]:
+    """Server -> table -> bytes of its rows and their sparse optimizer state on that server."""
     options = e.options
     layouts = shard_tables(
         _tables(e.fqn, module), num_servers, options.sharding, options.server_list(num_servers)
     )
-
-    def row_bytes(dim: int) -> int:  # float32 row plus the optimizer's per-row state
-        return (dim + state_floats_per_row(options.optimizer.name, dim)) * 4
-
     return {
-        s: sum(t.rows_on(s) * row_bytes(t.table.embedding_dim) for t in layouts)
+        s: {t.table.name: t.rows_on(s) * row_bytes(options.optimizer.name, t.table.embedding_dim)
+            for t in layouts if t.rows_on(s)}
         for s in range(num_servers)
     }
+
+
+def server_table_bytes(resolved: ResolvedPlan, model: nn.Module) -> dict[int, dict[str, int]]:
+    """Server index -> ``module.table`` -> bytes that server holds of it (rows and sparse
+    optimizer state, as the servers compute before allocating), every server listed."""
+    modules = dict(model.named_modules())
+    out: dict[int, dict[str, int]] = {s: {} for s in range(resolved.num_servers)}
+    for e in resolved.by_strategy("parameter_server"):
+        for s, tables in _table_bytes(e, modules[e.fqn], resolved.num_servers).items():
+            out[s].update({f"{e.fqn}.{name}": n for name, n in tables.items()})
+    return out
+
+
+def check_server_memory(resolved: ResolvedPlan, model: nn.Module, *, fraction: float) -> None:
+    """Raise :class:`PlanError` (category ``memory``) when the plan's parameter servers, all on
+    this machine, need more than ``fraction`` of its available memory (``hybrid launch`` runs
+    every process here); nothing has been allocated yet."""
+    from hybrid.ps.server.memory import memory_shortfall
+
+    per_server = server_table_bytes(resolved, model)
+    need = {f"{table} on ps{s}": n for s, tables in per_server.items() for table, n in tables.items()}
+    if not need:
+        return
+    who = ", ".join(f"ps{s}" for s in per_server) + " on this machine"
+    short = memory_shortfall(need, fraction=fraction, who=who,
+                             fix="run the parameter servers on more machines (docs/training.md), or make the "
+                                 "tables smaller")
+    if short is not None:
+        raise PlanError(short, category="memory")
 
 
 def _tables(fqn: str, module: nn.Module) -> list[TableSpec]:
@@ -234,14 +270,6 @@ def _table(rows: list[list[str]], right: tuple[int, ...]) -> list[str]:
 
     rule = "  ".join("-" * w for w in widths)
     return [fmt(rows[0]), rule, *(fmt(r) for r in rows[1:-1]), rule, fmt(rows[-1])]
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # unreachable, keeps type checkers quiet
 
 
 def _plural(n: int, word: str) -> str:

@@ -30,6 +30,11 @@ def state_floats_per_row(name: str, dim: int) -> int:
     }[name]
 
 
+def row_bytes(optimizer: str, dim: int) -> int:
+    """Bytes a server holds per table row: the float32 row and its optimizer state."""
+    return (dim + state_floats_per_row(optimizer, dim)) * 4
+
+
 def _bad(key: str, value: object, expected: str) -> PlanError:
     return PlanError(f"got {value!r}; expected {expected}", category="bad_value", key=key)
 
@@ -152,6 +157,11 @@ class CollectionConfig:
     def held(self, server: int) -> list[int]:
         """Indices of the tables with rows on ``server``, in collection order."""
         return [i for i, lay in enumerate(self.layouts) if server in lay.servers]
+
+    def bytes_on(self, server: int) -> dict[str, int]:
+        """Table name -> bytes ``server`` holds of it (rows and optimizer state), for its tables."""
+        return {self.layouts[i].table.name: self.layouts[i].rows_on(server) *
+                row_bytes(self.optimizer.name, self.layouts[i].table.embedding_dim) for i in self.held(server)}
 
 
 def collection_handle(cid: str) -> int:

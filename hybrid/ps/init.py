@@ -2,9 +2,9 @@
 
 A server creates its shard of a table and fills each row it holds with
 :func:`initial_rows` of that row's global id; a single process filling a plain
-``EmbeddingBagCollection`` with :func:`init_collection_` gets bit-identical rows. So table-wise,
-row-wise, one or many servers, and the plain model all start from the same tables, and no table
-ever has to exist on a trainer to be copied to the servers.
+``EmbeddingBagCollection`` with :func:`init_tables` (``hybrid.init_tables``) gets bit-identical
+rows. So table-wise, row-wise, one or many servers, and the plain model all start from the same
+tables, and no table ever has to exist on a trainer to be copied to the servers.
 
 Each value is TorchRec's default init -- uniform in ``[-sqrt(1/rows), sqrt(1/rows))`` -- drawn
 from a counter-based generator: element ``(row, col)`` of table ``name`` is a fixed 32-bit hash
@@ -19,25 +19,12 @@ import zlib
 
 import torch
 
+from hybrid import ops
+from hybrid.ops.reference import fmix32, mul32  # noqa: F401 - the hash, also for the synthetic data
+
 _M32 = 0xFFFFFFFF
-CHUNK_ELEMENTS = 1 << 22
-"""Elements computed at once (bounded temporary memory: a few int64 tensors of this size)."""
-
-
-def mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2**32`` for ``x`` in ``[0, 2**32)``, without int64 overflow."""
-    lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _M32
-
-
-def fmix32(h: torch.Tensor) -> torch.Tensor:
-    """The lowbias32 finalizer of ``h`` in ``[0, 2**32)``: every input bit moves every output bit."""
-    h = h ^ (h >> 16)
-    h = mul32(h, 0x7FEB352D)
-    h = h ^ (h >> 15)
-    h = mul32(h, 0x846CA68B)
-    return h ^ (h >> 16)
+CHUNK_ROWS = 1 << 22
+"""Rows :func:`init_tables` fills at once (their ids: 32 MiB of int64 at most)."""
 
 
 def table_key(seed: int, name: str) -> int:
@@ -53,26 +40,25 @@ def initial_rows(name: str, num_embeddings: int, dim: int, rows: torch.Tensor, *
     may be of another float dtype: the values are rounded into it)."""
     rows = rows.to(torch.int64).reshape(-1)
     out = torch.empty(rows.numel(), dim) if out is None else out
-    key = table_key(seed, name)
-    bound = (1.0 / num_embeddings) ** 0.5
-    cols = torch.arange(dim, dtype=torch.int64)
-    step = max(1, CHUNK_ELEMENTS // max(dim, 1))
-    for start in range(0, rows.numel(), step):
-        r = rows[start : start + step].unsqueeze(1)
-        h = fmix32((r & _M32) ^ key)
-        h = fmix32(h ^ ((r >> 32) & _M32))
-        h = fmix32(h ^ cols)
-        u = (h >> 8).to(torch.float32) * (2.0 / (1 << 24)) - 1.0  # [-1, 1), exact in float32
-        out[start : start + step] = u * bound
+    ops.initial_rows_(out, rows, key=table_key(seed, name), bound=(1.0 / num_embeddings) ** 0.5)
     return out
 
 
-def init_collection_(ebc: torch.nn.Module, *, seed: int = 0) -> None:
+def init_tables(ebc: torch.nn.Module, *, seed: int = 0) -> torch.nn.Module:
     """Fill every table of a local ``EmbeddingBagCollection`` (or ``EmbeddingCollection``) with
-    the values the servers would give it: the one-process twin of a hybrid run's tables."""
+    the values the parameter servers give it in a hybrid run with the same ``seed`` (compose's
+    ``seed``): the one-process twin of a hybrid run's tables, bit for bit, whatever the sharding
+    and the number of servers. Tables on the meta device are allocated on the CPU first. Returns
+    ``ebc``. Public as ``hybrid.init_tables``."""
     configs = ebc.embedding_bag_configs() if hasattr(ebc, "embedding_bag_configs") else ebc.embedding_configs()
     modules = ebc.embedding_bags if hasattr(ebc, "embedding_bags") else ebc.embeddings
     with torch.no_grad():
         for c in configs:
-            w = modules[c.name].weight
-            initial_rows(c.name, c.num_embeddings, c.embedding_dim, torch.arange(c.num_embeddings), seed=seed, out=w)
+            module = modules[c.name]
+            if module.weight.is_meta:
+                module.to_empty(device="cpu")
+            for start in range(0, c.num_embeddings, CHUNK_ROWS):
+                rows = torch.arange(start, min(start + CHUNK_ROWS, c.num_embeddings))
+                initial_rows(c.name, c.num_embeddings, c.embedding_dim, rows, seed=seed,
+                             out=module.weight[start : start + rows.numel()])
+    return ebc

@@ -139,7 +139,7 @@ def run_process(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, 
             build_trainer(role, plan, cfg, resolved).run()
         else:
             serve(role, heartbeat_s=options.heartbeat_s, timeout_s=options.rpc_timeout_s)
-    except (CheckpointError, InputError) as e:
+    except (CheckpointError, InputError, PlanError) as e:  # PlanError: a server's tables do not fit
         fail(role, e, user_error=True)
     except Exception as e:  # noqa: BLE001
         fail(role, e, user_error=False)
@@ -181,11 +181,19 @@ class _Window:
     wall: float = 0.0
 
 
+def model_seed(cfg: RunConfig) -> int:
+    """The seed of the model's initial weights: ``model.seed`` if given, else ``train.seed``."""
+    return int(cfg.model_kwargs.get("seed", cfg.train.seed) or 0)
+
+
 def build_trainer(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan) -> Trainer:
     """The trainer ``hybrid train`` runs: the model, its task and trainer ``role.index``'s share
     of the data, built from the config's :class:`~hybrid.train.ModelSpec` and ``data`` section."""
     spec = cfg.spec
-    model = spec.make_model(cfg.model_kwargs, seed=cfg.train.seed)  # the same initial weights on every trainer
+    # On meta when the builder takes ``device``: no table is ever allocated on a trainer (the
+    # servers fill theirs from the seed; a checkpoint replaces them on resume) and compose
+    # materializes the dense part from the same seed on every trainer.
+    model = spec.make_model(cfg.model_kwargs, seed=model_seed(cfg), device=torch.device("meta"))
     schema = spec.data_schema(model)
     n, me = role.num_trainers, role.index
     return Trainer(role, plan, cfg, resolved, model=model, task=spec.make_task(temperature=cfg.train.temperature),
@@ -225,7 +233,8 @@ class Trainer:
         self.start_step = self.resume.step if self.resume is not None else 0
         self.model = hybrid.compose(model, resolve(plan, model, world_size=role.world_size), role=role,
                                     runtime_options=cfg.runtime, start_step=self.start_step,
-                                    init_tables="server" if self.resume is not None else "module")
+                                    init_tables="server" if self.resume is not None else "auto",
+                                    seed=model_seed(cfg))
         self.optimizer = dense_optimizer(self.t.optimizer, self.model.parameters(), self.t.lr)
         self.remotes = remote_collections(self.model)
         self.staleness = plan.sync.staleness

@@ -30,6 +30,8 @@ from hybrid.checkpoint import (
     Checkpoint,
     CheckpointError,
     export,
+    export_state_dict,
+    load_export,
     latest,
     load_tables,
     read_manifest,
@@ -93,7 +95,7 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(straight, crashe
     assert res.returncode != 0, res.output
     partial = root / "ckpt" / "step_00000020"
     assert partial.is_dir() and not (partial / "manifest.json").exists(), res.output
-    assert any(partial.glob("tables/*/*/shard1-of-2.pt")), "ps1 was killed before it wrote anything"
+    assert any(partial.glob("tables/*/*/shard1-of-2.part*.pt")), "ps1 was killed before it wrote anything"
     assert latest(root / "ckpt") == root / "ckpt" / "step_00000010"
     with pytest.raises(CheckpointError, match="not a complete checkpoint"):
         Checkpoint(partial)
@@ -116,7 +118,7 @@ def test_resume_latest_continues_bit_for_bit(straight, crashed, tmp_path):
     exported = tmp_path / "resumed.pt"
     cli = run_hybrid(["export", str(root / "ckpt"), str(exported)], timeout=120)
     assert cli.returncode == 0 and "(step 20)" in cli.stdout, cli.output
-    _assert_same_state(torch.load(exported, weights_only=True), export(straight / "ckpt" / "step_00000020"))
+    _assert_same_state(torch.load(exported, weights_only=True), export_state_dict(straight / "ckpt" / "step_00000020"))
     mine, ref = load_tables(root / "ckpt" / "step_00000020"), load_tables(straight / "ckpt" / "step_00000020")
     for key, (w, state) in ref.items():  # the servers' optimizer state too
         assert torch.equal(mine[key][0], w) and all(torch.equal(mine[key][1][k], v) for k, v in state.items()), key
@@ -186,7 +188,7 @@ def test_a_checkpoint_of_2_trainers_2_servers_loads_at_another_shape(straight, t
         lw, lstate = got["tables"][name]
         assert torch.equal(lw, w), key  # row for row
         assert lstate.keys() == state.keys() and all(torch.equal(lstate[k], v) for k, v in state.items()), key
-    ref = export(saved)
+    ref = export_state_dict(saved)
     for key, v in got["dense"].items():
         assert torch.equal(v, ref[key]), key
     assert got["next_step"] == STEPS and set(got["servers_at"].values()) == {STEPS - 1}
@@ -205,6 +207,13 @@ def test_export_loads_into_the_plain_model_and_predicts_the_same(straight, tmp_p
     plain = cfg.spec.make_model(cfg.model_kwargs)
     assert list(state) == list(plain.state_dict())  # the unsharded model's keys, in its order
     plain.load_state_dict(state)
+    # Past part_bytes (here 1,000 bytes: 60-row tables of dim 8 in parts of 31 rows) the tables go
+    # into files of their own, named in the index; read back, the same state dict.
+    parts = export(straight / "ckpt", tmp_path / "parts" / "model.pt", part_bytes=1000)
+    index = json.loads((tmp_path / "parts" / "model.pt.index.json").read_text())
+    assert all([p["rows"] for p in ps] == [[0, 31], [31, 60]] for ps in index["tables"].values()), index
+    assert len(parts["files"]) == 2 + 2 * len(index["tables"]) and parts["keys"] == list(state)
+    _assert_same_state(load_export(tmp_path / "parts" / "model.pt"), state)
     got = _load_as("1x1-row_wise", straight, tmp_path)
     dense, keys, values, lengths = got["inputs"]
     sparse = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths)
@@ -223,7 +232,7 @@ def _plant(ckpt: Path, kind: str, marker: Path) -> None:
     elif kind == "dcp_metadata":
         tamper.dcp_metadata(ckpt / "dense", marker)
     elif kind == "table_shard":
-        tamper.torch_file(sorted(ckpt.glob("tables/*/*/shard0-of-2.pt"))[0], marker)
+        tamper.torch_file(sorted(ckpt.glob("tables/*/*/shard0-of-2.part*.pt"))[0], marker)
     elif kind == "trainer_state":
         tamper.torch_file(ckpt / "trainers" / "trainer1.pt", marker)
     tamper.refresh_manifest(ckpt)
@@ -273,7 +282,7 @@ def test_with_the_key_a_rewritten_manifest_is_refused(straight, tmp_path):
     assert "signature" in json.loads((ckpt / MANIFEST).read_text())
     ok = run_hybrid(["export", str(root), str(tmp_path / "a.pt")], timeout=120, env={KEY_ENV: KEY})
     assert ok.returncode == 0, ok.output
-    shard = sorted(ckpt.glob("tables/*/*/shard0-of-2.pt"))[0]
+    shard = sorted(ckpt.glob("tables/*/*/shard0-of-2.part*.pt"))[0]
     data = torch.load(shard, weights_only=True)
     data["weight"] = torch.zeros_like(data["weight"])  # tensors only: nothing but the key can tell
     torch.save(data, shard)

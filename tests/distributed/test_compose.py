@@ -1,7 +1,9 @@
 """The project's central correctness check: a torchrec DLRM with 4 tables trained for 20 steps by
 2 trainers and 2 parameter servers equals one process training the plain model on the global
 batch -- losses and every parameter (dense and every table row) -- for dense all-DDP, all-FSDP
-and DDP-bottom/FSDP-top, tables table-wise and row-wise, with SGD and with Adagrad.
+and DDP-bottom/FSDP-top, tables table-wise and row-wise, with SGD and with Adagrad. The hybrid
+model's tables are built on meta and filled by the servers; the plain model's by
+``hybrid.init_tables`` (no table is ever copied from a trainer).
 
 All twelve configurations run in one set of processes, one after the other (``compose`` with a
 ``name`` keeps their tables apart on the servers), to keep the suite fast.
@@ -38,11 +40,16 @@ LR = {"sgd": (0.1, 0.5), "adagrad": (0.05, 0.1)}  # (dense, sparse)
 SPARSE_OPT = {"sgd": "sgd", "adagrad": "rowwise_adagrad"}
 
 
-def build_dlrm(seed: int = 0) -> DLRM:
+def build_dlrm(seed: int = 0, *, plain: bool = False) -> DLRM:
+    """The DLRM with its tables on meta (for compose), or, ``plain``, filled as the servers fill
+    them (``hybrid.init_tables``); the dense part is the same either way."""
     torch.manual_seed(seed)
-    ebc = EmbeddingBagCollection(tables=copy.deepcopy(TABLES))
-    return DLRM(embedding_bag_collection=ebc, dense_in_features=13,
-                dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1])
+    ebc = EmbeddingBagCollection(tables=copy.deepcopy(TABLES), device=torch.device("meta"))
+    model = DLRM(embedding_bag_collection=ebc, dense_in_features=13,
+                 dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1])
+    if plain:
+        hybrid.init_tables(ebc, seed=seed)
+    return model
 
 
 def make_plan(dense: str, sharding: str, opt: str, num_servers: int, world_size: int):
@@ -80,9 +87,8 @@ def _equivalence(rank, world_size, *, num_servers, configs):
     t_n, me = role.num_trainers, role.index
     report = {}
     for ci, (dense, sharding, opt) in enumerate(configs):
-        model = build_dlrm()
-        ref = copy.deepcopy(model)
-        plain_keys = list(model.state_dict())
+        model, ref = build_dlrm(), build_dlrm(plain=True)
+        plain_keys = list(ref.state_dict())
         hybrid.compose(model, make_plan(dense, sharding, opt, num_servers, world_size), role=role, name=f"c{ci}")
         assert list(model.state_dict()) == plain_keys
         optimizer = dense_opt(opt, model.parameters())
@@ -121,7 +127,7 @@ def _equivalence(rank, world_size, *, num_servers, configs):
             worst = max(worst, float((got[k] - want[k]).abs().max()))
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
         # Everything moved, so the equality above is not the trivial one of nothing training.
-        init = build_dlrm().state_dict()
+        init = build_dlrm(plain=True).state_dict()
         for k in want:
             assert not torch.equal(got[k], init[k]), f"{k} did not change in {dense}/{sharding}/{opt}"
         report[(dense, sharding, opt)] = {"max_abs_diff": worst, "first_loss": losses[0], "last_loss": losses[-1]}
@@ -171,7 +177,16 @@ def _meta(rank, world_size, *, num_servers):
     # FSDP2 shards dim 0: at most ceil(rows / trainers) rows each.
     assert all(local[n] <= -(-shp[0] // role.num_trainers) * shp[1:].numel() for n, shp in shapes.items()), local
     assert sum(local.values()) < sum(shp.numel() for shp in shapes.values())
-    assert all(torch.isfinite(full(p)).all() for p in model.parameters())
+    # The shards together are the tower one process builds from the same seed, and the tables
+    # are the servers' rows that hybrid.init_tables gives a local collection.
+    torch.manual_seed(0)
+    plain = _MetaNet()  # outside meta: the tower built for real from seed 0
+    hybrid.init_tables(plain.ebc, seed=0)
+    want = plain.state_dict()
+    got = model.state_dict()
+    assert list(got) == list(want)
+    for k, v in want.items():
+        assert torch.equal(full(got[k]), v), k
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = {n: full(p).detach().clone() for n, p in model.named_parameters()}
     losses = []

@@ -158,3 +158,25 @@ def test_plan_files_that_must_not_load_exit_2(tmp_path, text, must):
     assert str(plan) in res.stderr and all(m in res.stderr for m in must), res.output
     assert "Traceback" not in res.stderr, res.output
     assert not (tmp_path / "PWNED").exists()  # the tag's code never ran
+
+
+def test_tables_that_do_not_fit_are_refused_by_launch_and_by_the_server():
+    """``hybrid launch`` refuses, before starting any process, servers that do not fit this
+    machine; started without that check (torchrun directly), the server refuses to allocate its
+    shard and trainer 0 says so: one line naming the table, the bytes and the memory, exit 2."""
+    from hybrid.cli import launch_command
+
+    res = run_hybrid(["launch", "-n", "3", "train", "--plan", "conf/plans/dlrm.yaml", "--config",
+                      "conf/train/dlrm.yaml", "model.num_embeddings=100000000"], timeout=60)
+    assert res.returncode == 2, res.output
+    assert res.stderr.startswith("error: ps0 on this machine: tables need 164.66 GiB"), res.output
+    assert "t_C1 on ps0: 6.33 GiB" in res.stderr and "GiB available (" in res.stderr, res.output
+    cmd = launch_command(3, ["train", "--plan", "conf/plans/dlrm.yaml", *TINY, "runtime.server_memory_fraction=1e-7"])
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    assert res.returncode == 2, res.stderr[-4000:]
+    assert len(errors) == 1 and errors[0].startswith("error: ps0 (sparse_arch.embedding_bag_collection): tables "
+                                                     "need "), res.stderr[-4000:]
+    assert "runtime.server_memory_fraction=1e-07" in errors[0] and "the largest, t_C" in errors[0], errors
+    assert "Traceback" not in res.stderr

@@ -83,7 +83,7 @@ def _weighted_and_bag(rank, world_size):
         return None
     ebc = make_ebc(seed=3, weighted=True)
     pipeline = make_pipeline(trainer=0, num_servers=1, staleness=0)
-    remote = remote_of(ebc, pipeline, cid="w", num_servers=1, optimizer={"name": "sgd", "lr": 1.0})
+    remote = remote_of(ebc, pipeline, cid="w", num_servers=1, optimizer={"name": "sgd", "lr": 1.0}, seed=3)
     kjt = kjt_slice(global_batch(0, test_tables(), 8, weighted=True), 0, 8)
     with step(pipeline) as st:
         out = remote(kjt)

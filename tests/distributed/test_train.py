@@ -16,6 +16,7 @@ import pytest
 import torch
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+import hybrid
 from hybrid.data import make_dataset
 from hybrid.train.loop import dense_optimizer, load_run
 from tests.support.cli import REPO, run_hybrid
@@ -41,7 +42,12 @@ def reference_losses(name: str, overrides: list[str], world_size: int) -> list[f
                                       overrides, world_size)
     trainers = resolved.num_trainers
     b = cfg.data.batch_size
-    model = cfg.spec.make_model(cfg.model_kwargs, seed=cfg.train.seed)
+    # What hybrid train starts from: built on meta, tables as the servers fill them, the rest as
+    # compose initializes it.
+    from hybrid.train.loop import model_seed
+
+    seed = model_seed(cfg)
+    model = hybrid.materialize(cfg.spec.make_model(cfg.model_kwargs, seed=seed, device=torch.device("meta")), seed=seed)
     task = cfg.spec.make_task(temperature=cfg.train.temperature)
     schema = cfg.spec.data_schema(model)
     ebcs = {fqn: m for fqn, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}

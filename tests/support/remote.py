@@ -8,21 +8,25 @@ from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection, S
 
 
 def remote_of(ebc, pipeline: StepPipeline, *, cid: str, num_servers: int, sharding: str = "row_wise",
-              optimizer: dict, num_trainers: int = 1, trainer: int = 0, **options) -> RemoteEmbeddingBagCollection:
-    """A remote stand-in for ``ebc`` on ``pipeline``; trainer 0 creates it with ``ebc``'s weights
-    (the other trainers must wait for that, e.g. at a barrier, before they look up)."""
+              optimizer: dict, num_trainers: int = 1, trainer: int = 0, seed: int = 0,
+              **options) -> RemoteEmbeddingBagCollection:
+    """A remote stand-in for ``ebc``'s tables (its shapes: it may be on meta) on ``pipeline``;
+    trainer 0 creates it, each server filling its rows as ``hybrid.init_tables(ebc, seed=seed)``
+    fills a local collection (the other trainers must wait for that, e.g. at a barrier, before
+    they look up)."""
     config = RemoteEmbeddingBagCollection.config_from(ebc, cid=cid, num_servers=num_servers, sharding=sharding,
-                                                      optimizer=optimizer, num_trainers=num_trainers, **options)
+                                                      optimizer=optimizer, num_trainers=num_trainers, init_seed=seed,
+                                                      **options)
     remote = RemoteEmbeddingBagCollection(config, pipeline=pipeline, server_names=pipeline.server_names)
     if trainer == 0:
-        remote.create_on_servers(init="zeros")
-        remote.write_tables({n: b.weight.detach() for n, b in ebc.embedding_bags.items()})
+        remote.create_on_servers(init="seed")
     return remote
 
 
 def remote_bag(bag: nn.EmbeddingBag, pipeline: StepPipeline, *, cid: str, num_servers: int, optimizer: dict,
                **options) -> RemoteEmbeddingBag:
-    """A remote stand-in for a plain ``nn.EmbeddingBag``, created with its weight (one trainer)."""
+    """A remote stand-in for a plain ``nn.EmbeddingBag``, created with its weight (one trainer):
+    given weights streamed to the servers, as for pretrained tables."""
     local = RemoteEmbeddingBag.as_collection(bag, cid=cid)
     config = RemoteEmbeddingBagCollection.config_from(local, cid=cid, num_servers=num_servers, optimizer=optimizer,
                                                       num_trainers=1, **options)

@@ -20,8 +20,12 @@ def test_tables(mean: bool = True) -> list[EmbeddingBagConfig]:
 
 
 def make_ebc(seed: int = 0, weighted: bool = False, tables=None) -> EmbeddingBagCollection:
-    torch.manual_seed(seed)
-    return EmbeddingBagCollection(tables=tables or test_tables(mean=not weighted), is_weighted=weighted)
+    """A local collection holding the rows the servers start from with ``seed``."""
+    from hybrid.ps.init import init_tables
+
+    ebc = EmbeddingBagCollection(tables=tables or test_tables(mean=not weighted), is_weighted=weighted,
+                                 device=torch.device("meta"))
+    return init_tables(ebc, seed=seed)
 
 
 def global_batch(step: int, tables, batch: int, *, max_len: int = 4, weighted: bool = False,

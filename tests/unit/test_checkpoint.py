@@ -20,7 +20,7 @@ from hybrid.checkpoint import files as F
 from hybrid.checkpoint.core import Checkpoint, capture_rng, restore_rng
 from hybrid.checkpoint.export import load_tables
 from hybrid.checkpoint.files import CheckpointError
-from hybrid.checkpoint.server_io import _fill, _write_shards, shard_file
+from hybrid.checkpoint.server_io import _fill, _write_shards
 from hybrid.ps.config import CollectionConfig
 from hybrid.ps.config import OptimizerSpec as SparseOptimSpec
 from hybrid.ps.server.shard import CollectionShard
@@ -69,15 +69,15 @@ def _save(tmp: Path, sharding: str, num_servers: int, spec: SparseOptimSpec, ful
             for k, v in st.items():
                 t.optim.state[k].copy_(v[_held(t)])
         for f in _write_shards(shard, ckpt, 5):
-            written[f["path"]] = f
+            written.setdefault(f.pop("table"), []).append(f)
     tables = []
     for lay in shard_tables(TABLES, num_servers, sharding):
         t = lay.table
         tables.append({"name": t.name, "key": f"ebc.embedding_bags.{t.name}.weight", "num_embeddings": t.num_embeddings,
                        "embedding_dim": t.embedding_dim, "sharding": lay.sharding, "num_shards": lay.num_shards,
                        "servers": list(lay.servers), "optimizer": spec.name,
-                       "files": [written[shard_file(CID, t.name, k, lay.num_shards)] for k in range(lay.num_shards)]})
-    files = [F.FileEntry(f["path"], f["size"], f["sha256"]) for f in written.values()]
+                       "files": sorted(written[t.name], key=lambda f: (f["shard"], f["rows"][0]))})
+    files = [F.FileEntry(f["path"], f["size"], f["sha256"]) for parts in written.values() for f in parts]
     F.write_manifest(ckpt, step=5, files=files, collections=[{"cid": CID, "fqn": "ebc", "tables": tables}])
     return ckpt
 
@@ -100,10 +100,19 @@ def _load(ckpt: Path, sharding: str, num_servers: int, spec: SparseOptimSpec) ->
     (("table_wise", 3), ("table_wise", 1)),
 ])
 @pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
-def test_tables_load_row_for_row_into_any_layout(tmp_path, src, dst, optimizer):
+@pytest.mark.parametrize("part_bytes", [None, 40], ids=["one part", "parts of 40 bytes"])
+def test_tables_load_row_for_row_into_any_layout(tmp_path, monkeypatch, src, dst, optimizer, part_bytes):
+    """Written in parts (of 1-2 rows with 40 bytes) and loaded one part at a time."""
+    from hybrid.checkpoint import server_io
+
+    if part_bytes is not None:
+        monkeypatch.setattr(server_io, "PART_BYTES", part_bytes)
     spec = SparseOptimSpec(name=optimizer)
     full = _full(spec)
     ckpt = _save(tmp_path, *src, spec, full)
+    parts = [f for t in F.read_manifest(ckpt)["collections"][0]["tables"] for f in t["files"]]
+    assert len(parts) > (10 if part_bytes else 0) and all(f["rows"][1] - f["rows"][0] <= 2 or not part_bytes
+                                                           for f in parts)
     for shard in _load(ckpt, *dst, spec):
         for t in shard.tables:
             w, st = full[t.name]

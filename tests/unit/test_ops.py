@@ -385,6 +385,30 @@ def test_scatter_rows_equals_the_reference(dst_dtype, src_dtype):
 
 
 @native
+@pytest.mark.parametrize("out_dtype", ROW_DTYPES)
+def test_initial_rows_equals_the_reference(out_dtype):
+    # Rows in any order, past 2**32 (the high half of the id is hashed too), over threads, and a
+    # non-contiguous out (a column slice).
+    g = torch.Generator().manual_seed(21)
+    rows = torch.cat([torch.randperm(5000, generator=g), torch.tensor([2**32 + 7, 2**40 + 1, 0])])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for dim in (1, 5, 32):
+            got, want = (torch.empty(rows.numel(), dim, dtype=out_dtype) for _ in range(2))
+            ops.initial_rows_(got, rows, key=0x9E3779B9, bound=0.0141)
+            ref.initial_rows_(want, rows, key=0x9E3779B9, bound=0.0141)
+            assert _equal(got, want), dim
+            assert float(want.float().abs().max()) <= 0.0141 and float(want.float().std()) > 0.005
+    finally:
+        torch.set_num_threads(threads)
+    wide, want = torch.zeros(50, 8, dtype=out_dtype), torch.zeros(50, 4, dtype=out_dtype)
+    ops.initial_rows_(wide[:, 2:6], torch.arange(50), key=3, bound=0.5)
+    ref.initial_rows_(want, torch.arange(50), key=3, bound=0.5)
+    assert _equal(wide[:, 2:6], want) and not wide[:, :2].any() and not wide[:, 6:].any()
+
+
+@native
 def test_each_operator_names_an_id_outside_its_table_like_the_reference_and_writes_nothing():
     g = torch.Generator().manual_seed(17)
     tables = _row_tables(g, torch.float32, dims=(4, 3))

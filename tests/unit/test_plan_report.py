@@ -113,7 +113,8 @@ def test_format_plan_table():
     assert "reshard bf16/fp32 wrap=Linear" in row["over_arch"]
     total = lines[7].split()
     assert total == ["total", f"{numel(model):,}", "6.2", "KiB", "14.1", "KiB"]
-    assert "bytes: params + grads + adagrad state" in lines[-1]
+    assert "bytes: params + grads + adagrad state" in lines[-2]
+    assert lines[-1] == "per server (rows + sparse optimizer state): ps0 14.1 KiB"
 
 
 def test_summarize():

@@ -16,6 +16,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from hybrid.errors import PlanError
 from hybrid.ps.client.pipeline import StepPipeline, _server_error
 from hybrid.ps.client.routing import BadBatchError, BadIdError, RoutedBatch, Router
 from hybrid.ps.config import CollectionConfig, OptimizerSpec, collection_handle, table_specs
@@ -88,11 +89,15 @@ class RemoteEmbeddingBagCollection(nn.Module):
         ``init="seed"`` fills each row with its layout-independent initial value
         (:mod:`hybrid.ps.init`, seeded by ``config.init_seed``), ``"zeros"`` with zeros (weights
         written next). The servers count steps from ``start_step`` (default: the pipeline's next
-        step, so a collection added after some steps is read as of now)."""
+        step, so a collection added after some steps is read as of now). Raises
+        :class:`~hybrid.errors.PlanError` when a server's shard does not fit in its memory
+        (``runtime.server_memory_fraction``): that server allocated nothing."""
         if start_step is None:
             start_step = self.pipeline.next_step
         futs = [(s, self._call(s, service.rpc_create, self.config, start_step, init)) for s in self.servers]
-        self._wait(futs, f"creating {self.cid}")
+        refused = [answer for answer in self._wait(futs, f"creating {self.cid}") if isinstance(answer, str)]
+        if refused:  # a shard that does not fit its server's memory: the plan's mistake
+            raise PlanError(refused[0], category="memory")
 
     def write_tables(self, weights: dict[str, torch.Tensor]) -> None:
         """Overwrite whole tables on the servers, streamed in chunks of at most

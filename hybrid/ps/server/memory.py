@@ -1,4 +1,5 @@
-"""Where a parameter server keeps its tables: memory backed by transparent huge pages.
+"""Where a parameter server keeps its tables: memory backed by transparent huge pages; and
+whether they fit (:func:`memory_shortfall`, checked before anything is allocated).
 
 A server's step reads and writes a few thousand rows scattered over tables of hundreds of
 megabytes. With 4 KiB pages nearly every row is a TLB miss (a page-table walk before the
@@ -16,6 +17,7 @@ import functools
 import math
 import mmap
 import os
+from pathlib import Path
 
 import torch
 
@@ -71,3 +73,70 @@ def huge_page_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def available_memory() -> tuple[int, str]:
+    """Bytes this process can still fill, and what says so: the kernel's ``MemAvailable``, or
+    the room left under this process's cgroup memory limit where that is less."""
+    best = (_meminfo_available(), "MemAvailable")
+    for limit_file, usage_file in _cgroup_files():
+        try:
+            limit_text = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text.isdigit() and int(limit_text) < 1 << 60:  # "max" / a huge number: no limit
+            left = max(0, int(limit_text) - usage)
+            if left < best[0]:
+                best = (left, f"the cgroup's limit {int(limit_text) / 2**30:.1f} GiB less {usage / 2**30:.1f} GiB used")
+        break
+    return best
+
+
+def _meminfo_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _cgroup_files() -> list[tuple[str, str]]:
+    """(limit, usage) files of this process's memory cgroup: v2 first, then v1."""
+    out = []
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                out.append((f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current"))
+    except (OSError, ValueError):
+        pass
+    out.append(("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"))
+    out.append(("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+    return out
+
+
+def memory_shortfall(need: dict[str, int], *, fraction: float, who: str, fix: str) -> str | None:
+    """The one-line message refusing the tables of ``need`` (table -> bytes) when together they
+    exceed ``fraction`` of :func:`available_memory`, naming ``who`` holds them, the largest table,
+    the bytes, the memory available and ``fix``; ``None`` when they fit."""
+    total = sum(need.values())
+    room, source = available_memory()
+    if total <= fraction * room:
+        return None
+    largest = max(need, key=need.get)
+    return (f"{who}: tables need {human_bytes(total)} (rows + optimizer state; the largest, {largest}: "
+            f"{human_bytes(need[largest])}), more than runtime.server_memory_fraction={fraction:g} of the "
+            f"{human_bytes(room)} available ({source}); {fix}")
+
+
+def human_bytes(n: float) -> str:
+    """``512 B``, ``16.9 MiB``, ``3.30 GiB``: bytes for a person."""
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"

@@ -16,8 +16,11 @@ there).
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,7 +30,8 @@ import torch.distributed.rpc as rpc
 from hybrid.ps import protocol
 from hybrid.ps.config import CollectionConfig, collection_handle
 from hybrid.ps.protocol import Frame, Part, Rows, StepMessage
-from hybrid.ps.server.memory import huge_page_bytes
+from hybrid.log import logger
+from hybrid.ps.server.memory import huge_page_bytes, human_bytes, memory_shortfall
 from hybrid.ps.server.shard import CollectionShard
 
 Reply = Callable[[list[torch.Tensor] | None, BaseException | None], None]
@@ -42,6 +46,13 @@ class ServerOptions:
 
     huge_pages: bool = True
     """Tables and optimizer state in transparent huge pages (:mod:`hybrid.ps.server.memory`)."""
+    memory_fraction: float = 0.8
+    """A collection whose shards here need more than this share of the memory still available
+    is refused before anything is allocated (``runtime.server_memory_fraction``)."""
+
+
+class DoesNotFit(RuntimeError):
+    """A collection's shards would not fit in this server's memory; nothing was allocated."""
 
 
 class _Lookup(torch.autograd.Function):
@@ -74,20 +85,34 @@ class ParameterServer:
         self.answers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybrid-ps-answer")
 
     def create(self, config: CollectionConfig, *, start_step: int, init: str) -> int:
-        """Create (or replace) this server's shard of ``config``; returns its handle."""
-        shard = CollectionShard(config, self.index, start_step=start_step, huge_pages=self.options.huge_pages)
-        for t in shard.tables:
-            if init == "seed":
-                t.initialize(config.init_seed)
-            else:
-                t.weight.zero_()
+        """Create (or replace) this server's shard of ``config``; returns its handle. Raises
+        :class:`DoesNotFit`, allocating nothing, when the shard would not fit in memory."""
         handle = collection_handle(config.cid)
         with self.lock:
             old = self.collections.get(handle)
             if old is not None and old.cid != config.cid:
                 raise ValueError(f"ps{self.index}: collections {old.cid!r} and {config.cid!r} share handle {handle}; "
                                  f"rename one (compose(..., name=...))")
+            self.collections.pop(handle, None)  # a replaced shard's memory comes back first
+        del old
+        short = memory_shortfall(config.bytes_on(self.index), fraction=self.options.memory_fraction,
+                                 who=f"ps{self.index} ({config.cid})",
+                                 fix="add parameter servers (topology.parameter_servers), shard row_wise, "
+                                     "or make the tables smaller")
+        if short is not None:
+            raise DoesNotFit(short)
+        started = time.perf_counter()
+        shard = CollectionShard(config, self.index, start_step=start_step, huge_pages=self.options.huge_pages)
+        with _every_core():  # start-up: the trainers wait for these tables, nothing else runs
+            for t in shard.tables:
+                if init == "seed":
+                    t.initialize(config.init_seed)
+                else:
+                    t.weight.zero_()
+        with self.lock:
             self.collections[handle] = shard
+        logger.info("created %s: %d tables, %s (rows + optimizer state) in %.1f s", config.cid, len(shard.tables),
+                    human_bytes(sum(config.bytes_on(self.index).values())), time.perf_counter() - started)
         return handle
 
     def shard(self, handle: int | str) -> CollectionShard:
@@ -198,6 +223,17 @@ class _Answer:
             self.reply(self.out, None)
 
 
+@contextmanager
+def _every_core():
+    """torch's intra-op threads raised to this process's cores (the job runs one thread each)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, len(os.sched_getaffinity(0))))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _owned(rows: Rows) -> Rows:
     return Rows(list(rows.tables), list(rows.counts), rows.ids.clone())
 
@@ -232,8 +268,13 @@ def _future_reply() -> tuple[torch.futures.Future, Reply]:
     return fut, reply
 
 
-def rpc_create(config: CollectionConfig, start_step: int, init: str) -> int:
-    return server().create(config, start_step=start_step, init=init)
+def rpc_create(config: CollectionConfig, start_step: int, init: str) -> int | str:
+    """Create this server's shard of ``config``; its handle, or the message of a shard that does
+    not fit (a plan mistake: an answer, not a server failure)."""
+    try:
+        return server().create(config, start_step=start_step, init=init)
+    except DoesNotFit as e:
+        return str(e)
 
 
 @rpc.functions.async_execution
