@@ -10,8 +10,8 @@ Estimates count what stays resident; they are what a user checks a plan against,
   low-precision copy exists only around each forward/backward and is not counted; with
   ``cpu_offload`` the sharded state is in host memory but counted the same.
 - ``parameter_server``: nothing on trainers; on each server the rows it holds times
-  (embedding_dim + the sparse optimizer's state floats per row) times 4 bytes, with no gradient
-  (the servers apply a fused update). The table shows the most loaded server.
+  (embedding_dim x the storage dtype's bytes + the sparse optimizer's float32 state per row),
+  with no gradient (the servers apply a fused update). The table shows the most loaded server.
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ def summarize_options(e: ResolvedModule) -> str:
         parts = [o.sharding, o.optimizer.name, f"lr={o.optimizer.lr:g}"]
         parts += [] if o.servers == "all" else ["servers=" + ",".join(map(str, o.servers))]
         parts += [] if o.id_policy == "error" else [f"ids={o.id_policy}"]
+        parts += [] if o.storage_dtype == "float32" else [f"rows={_short(o.storage_dtype)}"]
     elif e.strategy == "fsdp":
         parts = ["reshard" if o.reshard_after_forward else "no-reshard"]
         mp = o.mixed_precision
@@ -191,7 +192,8 @@ def _table_bytes(e: ResolvedModule, module: nn.Module, num_servers: int) -> dict
         _tables(e.fqn, module), num_servers, options.sharding, options.server_list(num_servers)
     )
     return {
-        s: {t.table.name: t.rows_on(s) * row_bytes(options.optimizer.name, t.table.embedding_dim)
+        s: {t.table.name: t.rows_on(s) * row_bytes(options.optimizer.name, t.table.embedding_dim,
+                                                    options.storage_dtype)
             for t in layouts if t.rows_on(s)}
         for s in range(num_servers)
     }

@@ -137,6 +137,10 @@ class PSOptions:
     """``all``, or the indices of the servers that hold these tables, e.g. ``[0, 1]``."""
     id_policy: Literal["error", "modulo"] = "error"
     """What an id >= num_embeddings does: ``error`` stops the step, ``modulo`` wraps it."""
+    storage_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """How the servers store the rows: ``bfloat16`` / ``float16`` halve their memory; the
+    optimizer state and every update's arithmetic stay float32 and each new row is rounded to
+    nearest once (rows reach the trainers as float32). ``float32`` is exact."""
 
     def __post_init__(self) -> None:
         if isinstance(self.servers, str):

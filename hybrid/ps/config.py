@@ -30,9 +30,15 @@ def state_floats_per_row(name: str, dim: int) -> int:
     }[name]
 
 
-def row_bytes(optimizer: str, dim: int) -> int:
-    """Bytes a server holds per table row: the float32 row and its optimizer state."""
-    return (dim + state_floats_per_row(optimizer, dim)) * 4
+StorageDtype = Literal["float32", "bfloat16", "float16"]
+STORAGE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes of one stored table element, by ``storage_dtype``."""
+
+
+def row_bytes(optimizer: str, dim: int, storage_dtype: StorageDtype = "float32") -> int:
+    """Bytes a server holds per table row: the row in its storage dtype and its float32
+    optimizer state."""
+    return dim * STORAGE_BYTES[storage_dtype] + state_floats_per_row(optimizer, dim) * 4
 
 
 def _bad(key: str, value: object, expected: str) -> PlanError:
@@ -144,6 +150,8 @@ class CollectionConfig:
     """The collection takes per-sample weights (``is_weighted``)."""
     servers: tuple[int, ...] = field(default=())
     """Servers holding at least one table, ascending (derived from ``layouts`` when empty)."""
+    storage_dtype: StorageDtype = "float32"
+    """How the servers store the rows (optimizer state and update math stay float32)."""
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -161,7 +169,8 @@ class CollectionConfig:
     def bytes_on(self, server: int) -> dict[str, int]:
         """Table name -> bytes ``server`` holds of it (rows and optimizer state), for its tables."""
         return {self.layouts[i].table.name: self.layouts[i].rows_on(server) *
-                row_bytes(self.optimizer.name, self.layouts[i].table.embedding_dim) for i in self.held(server)}
+                row_bytes(self.optimizer.name, self.layouts[i].table.embedding_dim, self.storage_dtype)
+                for i in self.held(server)}
 
 
 def collection_handle(cid: str) -> int:

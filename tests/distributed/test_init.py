@@ -35,6 +35,13 @@ def _created(rank, world_size):
         remote = RemoteEmbeddingBagCollection(config, pipeline=pipeline, server_names=pipeline.server_names)
         remote.create_on_servers(init="seed")
         out[(sharding, tuple(servers))] = remote.read_tables()
+    # bfloat16 storage: the same rows, rounded.
+    config = RemoteEmbeddingBagCollection.config_from(
+        meta, cid="bf16", num_servers=3, sharding="row_wise", optimizer={"name": "sgd", "lr": 0.1}, num_trainers=1,
+        init_seed=SEED, storage_dtype="bfloat16")
+    low = RemoteEmbeddingBagCollection(config, pipeline=pipeline, server_names=pipeline.server_names)
+    low.create_on_servers(init="seed")
+    out["bf16"] = low.read_tables()
     # Given weights (pretrained tables) stream in bounded chunks: here 256 B per message, at most
     # 1 KiB in flight per server, so every table takes many messages.
     from hybrid.ps.client import collection
@@ -51,12 +58,15 @@ def test_one_two_and_three_servers_start_from_the_rows_init_tables_gives():
     got = run_distributed(_created, 4, setup="hybrid", num_servers=3, timeout=90)[0]
     want = hybrid.init_tables(EmbeddingBagCollection(tables=_tables(), device=torch.device("meta")), seed=SEED)
     written, given = got.pop("given")
+    low = got.pop("bf16")
     assert all(torch.equal(written[n], given[n]) for n in given)
     assert len(got) == len(LAYOUTS)
     for layout, tables in got.items():
         assert set(tables) == {"t0", "t1", "t2", "t3"}, layout
         for name, w in tables.items():
             assert torch.equal(w, want.embedding_bags[name].weight.detach()), (layout, name)
+    for name, w in low.items():
+        assert torch.equal(w, want.embedding_bags[name].weight.detach().bfloat16().float()), name
     # The seed matters, and the values are TorchRec's default init: uniform in +-sqrt(1 / rows).
     other = sparse.make_ebc(seed=SEED + 1)
     assert not torch.equal(other.embedding_bags["t0"].weight, want.embedding_bags["t0"].weight)

@@ -4,6 +4,7 @@ the other optimizers summing first -- so that no lookup of the step reads part o
 lookups of the next step wait for the whole step."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hybrid.ps.config import CollectionConfig, OptimizerSpec
@@ -14,9 +15,10 @@ from hybrid.ps.sharding import TableSpec, shard_tables
 TABLES = [TableSpec("a", 50, 4, ("fa",)), TableSpec("b", 30, 4, ("fb",))]
 
 
-def _shard(spec: OptimizerSpec) -> CollectionShard:
+def _shard(spec: OptimizerSpec, storage_dtype: str = "float32") -> CollectionShard:
     config = CollectionConfig(cid="ebc", tables=tuple(TABLES), layouts=tuple(shard_tables(TABLES, 1, "table_wise")),
-                              optimizer=spec, num_trainers=2, staleness=0, gradient_scaling="mean")
+                              optimizer=spec, num_trainers=2, staleness=0, gradient_scaling="mean",
+                              storage_dtype=storage_dtype)
     shard = CollectionShard(config, 0, start_step=0, huge_pages=False)
     for t in shard.tables:  # as rpc_create does; the weights are torch.empty until then
         t.initialize(7)
@@ -82,3 +84,34 @@ def test_sync_adagrad_waits_for_the_last_push_and_sums_first():
     _push(shard, 1, 0, [_part(2)])
     assert any(not torch.equal(a, b) for a, b in zip(w0, _weights(shard)))
     assert shard.complete_through == 0 and shard.counters.updates_applied == 1
+
+
+@pytest.mark.parametrize("storage_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_16_bit_storage_is_the_float32_update_rounded_once(storage_dtype, name):
+    """``storage_dtype``: half the bytes per row; the state and the arithmetic stay float32, and
+    each new row is the float32 result rounded to nearest once."""
+    dtype = getattr(torch, storage_dtype)
+    low, full = _shard(OptimizerSpec(name=name, lr=0.1), storage_dtype), _shard(OptimizerSpec(name=name, lr=0.1))
+    for a, b in zip(low.tables, full.tables):
+        assert a.weight.dtype == dtype and a.weight.element_size() == 2
+        assert torch.equal(a.weight, b.weight.to(dtype))  # the initial rows, rounded
+        b.weight.copy_(a.weight.float())  # both start from the same values
+    full.accumulates = low.accumulates  # SGD on 16-bit rows sums a step's pushes first: so here too
+    for step in range(3):
+        for shard in (low, full):
+            _push(shard, 0, step, [_part(10 * step + 1)])
+            _push(shard, 1, step, [_part(10 * step + 2)])
+        for a, b in zip(low.tables, full.tables):
+            assert torch.equal(a.weight, b.weight.to(dtype)), (name, step, a.name)
+            assert all(torch.equal(a.optim.state[k], v.float()) or name == "sgd" for k, v in b.optim.state.items())
+            b.weight.copy_(a.weight.float())  # the next step from the stored (rounded) rows
+            for k, v in a.optim.state.items():
+                b.optim.state[k].copy_(v)
+    rows = _part(1)[0]
+    assert low.gather(rows).dtype == torch.float32  # rows reach the trainers as float32
+    assert low.config.bytes_on(0) == {"a": 50 * (4 * 2 + 4 * {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 1,
+                                                                 "adam": 9}[name]),
+                                       "b": 30 * (4 * 2 + 4 * {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 1,
+                                                                 "adam": 9}[name])}
+

@@ -67,7 +67,8 @@ class TableShard:
         self.dim = layout.table.embedding_dim
         self.shard_pos = layout.servers.index(server)
         self.rows = layout.rows_on(server)
-        self.weight = table_tensor(self.rows, self.dim, huge_pages=huge_pages)  # see server.memory
+        dtype = getattr(torch, config.storage_dtype)
+        self.weight = table_tensor(self.rows, self.dim, dtype=dtype, huge_pages=huge_pages)  # see server.memory
         self.optim = RowSparseOptimizer(config.optimizer, self.rows, self.dim, huge_pages=huge_pages)
 
     def global_ids(self, local: torch.Tensor) -> torch.Tensor:
@@ -100,7 +101,8 @@ class CollectionShard:
         self.num_trainers = config.num_trainers
         self.staleness = config.staleness
         self.scale = config.scale
-        self.accumulates = config.optimizer.accumulates
+        # 16-bit rows: a step's contributions are summed first, so each row is rounded once a step.
+        self.accumulates = config.optimizer.accumulates and config.storage_dtype == "float32"
         self.complete_through = start_step - 1
         self.arrived: dict[int, int] = defaultdict(int)
         self.pending: dict[int, list[Contribution]] = defaultdict(list)
