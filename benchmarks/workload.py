@@ -253,7 +253,7 @@ class Data:
         self.teacher_dense = torch.randn(w.dense_features, generator=g) / w.dense_features**0.5
 
     def global_batch(self, step: int) -> Batch:
-        from recsys_examples.data.synthetic import power_law_rank
+        from hybrid.data.synthetic import power_law_rank
 
         from hybrid.ps.init import fmix32
 
