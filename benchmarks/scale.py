@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from benchmarks.launch import BenchmarkError, spawn
 from benchmarks.systems.common import train
-from benchmarks.systems.hybrid_ps import plan_dict
-from benchmarks.workload import Data, Workload, build_dlrm, loss_fn
+from benchmarks.systems.hybrid_ps import plan_dict, train_step
+from benchmarks.workload import Data, Workload, build_dlrm
 
 SIZES = {
     "100k": {"tables": 8, "rows": 100_000, "dim": 32, "servers": 1},
@@ -111,20 +111,12 @@ def _trainer(role, w: Workload, *, options, started: float, ckpt: str) -> dict:
     dist.barrier()
     startup_s = time.time() - started
 
-    def step(t: int, b) -> torch.Tensor:
-        with hybrid.step(model, optimizer) as s:
-            logits = model(b.dense, b.kjt())
-            if t + 1 < len(batches):
-                s.prefetch(batches[t + 1].kjt())
-            loss = loss_fn(logits, b.labels)
-            s.backward(loss)
-        return loss
-
     def sync() -> None:
         pipeline.flush()
         dist.barrier()
 
-    report = train(w, batches, step, name=role.name, sync=sync, on_stop=sync)
+    report = train(w, batches, lambda t, _b: train_step(model, optimizer, batches, t), name=role.name, sync=sync,
+                   on_stop=sync)
     report.update(samples_per_step=w.batch, startup_s=startup_s, train_peak_rss_mb=_rss_mb("VmHWM"),
                   startup_phases_s={"joined": joined, "composed": composed, "batches": startup_s})
     if role.index == 0:

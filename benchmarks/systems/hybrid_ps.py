@@ -61,6 +61,21 @@ def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, st
     return report if role.is_trainer else METER.report(role.name)
 
 
+def train_step(model, optimizer, batches: list, t: int) -> torch.Tensor:
+    """Step ``t`` of a composed model over ``batches``, prefetching the next batch's rows, as the
+    training loop does; the loss."""
+    import hybrid
+
+    b = batches[t]
+    with hybrid.step(model, optimizer) as s:
+        logits = model(b.dense, b.kjt())
+        if t + 1 < len(batches):
+            s.prefetch(batches[t + 1].kjt())
+        loss = loss_fn(logits, b.labels)
+        s.backward(loss)
+    return loss
+
+
 def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hook: str | None = None) -> dict:
     import hybrid
     from hybrid.plan import plan_from_dict
@@ -78,12 +93,7 @@ def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hoo
     times, stats = [], {}
 
     def step(t: int, b) -> torch.Tensor:
-        with hybrid.step(model, optimizer) as s:
-            logits = model(b.dense, b.kjt())
-            if t + 1 < len(batches):
-                s.prefetch(batches[t + 1].kjt())
-            loss = loss_fn(logits, b.labels)
-            s.backward(loss)
+        loss = train_step(model, optimizer, batches, t)
         if t >= w.warmup:
             times.append(pipeline.last_times)
         return loss
