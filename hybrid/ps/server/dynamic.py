@@ -180,7 +180,8 @@ class DynamicSlots:
         raise CapacityError(
             f"{self.where}: dynamic table {self.table!r} is full: part {p} of {self.spec.partitions} holds "
             f"{cap} of the table's capacity {self.spec.capacity} rows, step {step} needs {int(need[p])} new row(s) "
-            f"there and {how}; nothing was changed. Raise the plan's capacity or set evict: lru")
+            f"there and {how}; nothing was changed. Raise the plan's capacity" +
+            ("" if self.spec.evict == "lru" else " or set evict: lru"))
 
     def commit(self, a: Admission) -> None:
         """Carry out ``a`` (the caller then writes the new rows' initial values and state)."""
