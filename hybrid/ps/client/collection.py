@@ -126,6 +126,9 @@ class RemoteEmbeddingBagCollection(nn.Module):
     def read_tables(self, with_state: bool = False) -> dict[str, torch.Tensor] | tuple[dict, dict]:
         """Whole tables assembled from the servers (and, optionally, optimizer state per table),
         as of every step this trainer has finished (in sync mode: applied by all trainers)."""
+        if self.config.dynamic is not None:
+            raise ValueError(f"{self.cid} has ids: dynamic: its rows are named by ids, not numbered; read them "
+                             f"with read_dynamic() (or export a checkpoint: ids and rows per table)")
         after = self.pipeline.finished_step()
         weights, states = {}, {}
         for t, lay in zip(self.tables, self.layouts):
