@@ -126,8 +126,7 @@ def _fill_dynamic(t: TableShard, ckpt: Path, src: dict[str, Any]) -> int:
         mine = held[data["part"]]
         slots = dyn.part_base[data["part"][mine]] + data["index"][mine]
         ids = data["ids"][mine]
-        dyn.map.insert(ids, slots)
-        dyn.slot_id[slots], dyn.occupied[slots], dyn.last[slots] = ids, True, data["last"][mine]
+        dyn.restore(ids, slots, data["last"][mine])
         t.weight.index_copy_(0, slots, data["rows"][mine].to(t.weight.dtype))
         for key, v in t.optim.state.items():
             v.index_copy_(0, slots, data[f"state.{key}"][mine].to(v.dtype))

@@ -90,6 +90,10 @@ class DynamicSlots:
         self.slot_id = torch.zeros(base, dtype=torch.int64)
         self.occupied = torch.zeros(base, dtype=torch.bool)
         self.last = torch.full((base,), -1, dtype=torch.int64)
+        self.count = torch.zeros(spec.partitions, dtype=torch.int64)
+        """Rows per part."""
+        self.fill = torch.zeros(spec.partitions, dtype=torch.int64)
+        """Per part: 1 + the highest place ever used (the places from there on were never used)."""
         self.map = IdMap(base)
         self.seen = IdMap(16)  # id -> sightings, admit_after > 1
         self.counters = DynamicCounters()
@@ -118,12 +122,13 @@ class DynamicSlots:
         spec = self.spec
         slots = self.map.find(ids)
         present = slots >= 0
-        last = self.last.clone()
-        last[slots[present]] = step
+        touched = slots[present]
         ttl = spec.ttl
         expired = torch.empty(0, dtype=torch.int64)
         if ttl is not None:
-            expired = (self.occupied & (last < step - ttl)).nonzero().squeeze(1)
+            old = self.occupied & (self.last < step - ttl)
+            old[touched] = False
+            expired = old.nonzero().squeeze(1)
         new = ids[~present]
         seen_ids = seen_counts = admitted_seen = torch.empty(0, dtype=torch.int64)
         if spec.admit_after > 1 and new.numel():
@@ -142,27 +147,16 @@ class DynamicSlots:
             order = torch.argsort(part, stable=True)  # ids ascending within each part
             new, part = new[order], part[order]
             need = torch.bincount(part, minlength=spec.partitions)
-            cand = (need[self.slot_part] > 0).nonzero().squeeze(1)
-            occ = self.occupied[cand].clone()
-            if expired.numel():
-                occ &= ~torch.isin(cand, expired)  # expired rows count as free
-            c_last = torch.where(occ, last[cand], -1)
-            tie = torch.where(occ, self.slot_id[cand], self.slot_index[cand])
-            o = torch.argsort(tie, stable=True)
-            o = o[torch.argsort(c_last[o], stable=True)]
-            o = o[torch.argsort(self.slot_part[cand[o]], stable=True)]
-            cand, occ, c_last = cand[o], occ[o], c_last[o]
-            c_part = self.slot_part[cand]
-            # Candidates come part by part, each part's slots all there: rank inside the part.
-            rank = torch.arange(cand.numel()) - (torch.cumsum(self.part_cap * (need > 0), 0)
-                                                 - self.part_cap * (need > 0))[c_part]
-            pick = rank < need[c_part]
-            got = torch.bincount(c_part[pick], minlength=spec.partitions)
-            usable = ~occ[pick] | ((c_last[pick] < step) if spec.evict == "lru" else torch.zeros_like(occ[pick]))
-            if bool((got < need).any()) or not bool(usable.all()):
-                self._full(need, got, cand[pick][~usable] if not bool(usable.all()) else None, step, new.numel())
-            new_slots = cand[pick]
-            taken = new_slots[self.occupied[new_slots]]
+            # Rank of each new id inside its part.
+            rank = torch.arange(new.numel()) - (torch.cumsum(need, 0) - need)[part]
+            needy = need > 0
+            if not expired.numel() and bool((self.count[needy] == self.fill[needy]).all()) and \
+                    bool((need[needy] <= self.part_cap[needy] - self.fill[needy]).all()):
+                # No holes, room enough: the lowest free slots are the next unused ones.
+                new_slots = self.part_base[part] + self.fill[part] + rank
+            else:
+                new_slots, taken = self._choose(new, part, need, touched, expired, step)
+        evicted = torch.unique(torch.cat([expired, taken]))
         evicted = torch.unique(torch.cat([expired, taken]))
         slots = slots.clone()
         if new.numel():
@@ -170,6 +164,35 @@ class DynamicSlots:
             slots[pos] = new_slots
         return Admission(step=step, ids=ids, slots=slots, new_ids=new, new_slots=new_slots, evicted=evicted,
                          seen_ids=seen_ids, seen_counts=seen_counts, admitted_seen=admitted_seen)
+
+    def _choose(self, new, part, need, touched, expired, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots for ``new`` (ascending within each part, parts ascending) by the rules: per part,
+        free slots lowest first, then (lru) the rows touched longest ago, ties by smaller id; the
+        slots and those of them whose row goes. Raises :class:`CapacityError`."""
+        spec = self.spec
+        cand = (need[self.slot_part] > 0).nonzero().squeeze(1)
+        occ = self.occupied[cand].clone()
+        if expired.numel():
+            occ &= ~torch.isin(cand, expired)  # expired rows count as free
+        c_last = self.last[cand].clone()
+        c_last[torch.isin(cand, touched)] = step
+        c_last = torch.where(occ, c_last, -1)
+        tie = torch.where(occ, self.slot_id[cand], self.slot_index[cand])
+        o = torch.argsort(tie, stable=True)
+        o = o[torch.argsort(c_last[o], stable=True)]
+        o = o[torch.argsort(self.slot_part[cand[o]], stable=True)]
+        cand, occ, c_last = cand[o], occ[o], c_last[o]
+        c_part = self.slot_part[cand]
+        # Candidates come part by part, each part's slots all there: rank inside the part.
+        held = self.part_cap * (need > 0)
+        rank = torch.arange(cand.numel()) - (torch.cumsum(held, 0) - held)[c_part]
+        pick = rank < need[c_part]
+        got = torch.bincount(c_part[pick], minlength=spec.partitions)
+        usable = ~occ[pick] | ((c_last[pick] < step) if spec.evict == "lru" else torch.zeros_like(occ[pick]))
+        if bool((got < need).any()) or not bool(usable.all()):
+            self._full(need, got, cand[pick][~usable] if not bool(usable.all()) else None, step, new.numel())
+        new_slots = cand[pick]
+        return new_slots, new_slots[self.occupied[new_slots]]
 
     def _full(self, need, got, blocked, step: int, n_new: int) -> None:
         short = (got < need).nonzero()
@@ -186,6 +209,7 @@ class DynamicSlots:
     def commit(self, a: Admission) -> None:
         """Carry out ``a`` (the caller then writes the new rows' initial values and state)."""
         if a.evicted.numel():
+            self.count -= torch.bincount(self.slot_part[a.evicted], minlength=self.spec.partitions)
             self.map.erase(self.slot_id[a.evicted])
             self.occupied[a.evicted] = False
             self.last[a.evicted] = -1
@@ -194,6 +218,9 @@ class DynamicSlots:
             self.map.insert(a.new_ids, a.new_slots)
             self.slot_id[a.new_slots] = a.new_ids
             self.occupied[a.new_slots] = True
+            parts = self.slot_part[a.new_slots]
+            self.count += torch.bincount(parts, minlength=self.spec.partitions)
+            self.fill.scatter_reduce_(0, parts, self.slot_index[a.new_slots] + 1, reduce="amax")
             self.counters.admitted += a.new_ids.numel()
         if a.admitted_seen.numel():
             self.seen.erase(a.admitted_seen)
@@ -203,6 +230,14 @@ class DynamicSlots:
         self.last[touched] = a.step
 
     # -- state (checkpoints, exports, tests) ----------------------------------------------------
+    def restore(self, ids: torch.Tensor, slots: torch.Tensor, last: torch.Tensor) -> None:
+        """Put saved rows' ids back at their slots (loading a checkpoint)."""
+        self.map.insert(ids, slots)
+        self.slot_id[slots], self.occupied[slots], self.last[slots] = ids, True, last
+        parts = self.slot_part[slots]
+        self.count += torch.bincount(parts, minlength=self.spec.partitions)
+        self.fill.scatter_reduce_(0, parts, self.slot_index[slots] + 1, reduce="amax")
+
     def state(self) -> dict[str, torch.Tensor]:
         """The map as tensors: per occupied slot its id, part, place in the part and last step,
         ascending by id; the sightings; the counters."""
