@@ -114,7 +114,7 @@ def _fill_dynamic(t: TableShard, ckpt: Path, src: dict[str, Any]) -> int:
                          f"use the saved capacity and partitions to resume")
     held = torch.zeros(dyn.spec.partitions, dtype=torch.bool)
     held[dyn.parts] = True
-    from hybrid.ps.server.dynamic import part_of
+    from hybrid.ps.config import part_of
 
     counters = torch.zeros(4, dtype=torch.int64)
     n_shards_now = t.layout.num_shards

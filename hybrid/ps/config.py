@@ -92,6 +92,16 @@ class OptimizerSpec:
 IdsMode = Literal["range", "dynamic"]
 
 
+def part_of(ids, partitions: int):
+    """The part of each raw id of a dynamic table: ``fmix64(id) mod partitions``, the same on
+    trainers (routing) and servers (admission)."""
+    import torch
+
+    from hybrid.ops.id_map import id_hash
+
+    return torch.remainder(id_hash(ids), partitions)
+
+
 @dataclass(frozen=True, kw_only=True)
 class DynamicIds:
     """``ids: dynamic`` -- tables keyed by raw int64 ids (see docs/dynamic_ids.md).

@@ -26,7 +26,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hybrid import ops
 from hybrid.errors import InputError
-from hybrid.ps.config import CollectionConfig, TableSpec
+from hybrid.ps.config import CollectionConfig, TableSpec, part_of
 from hybrid.ps.protocol import Rows
 
 
@@ -208,15 +208,22 @@ def route_hashed(ids, lengths, feature_table, shards, server_rank, *, partitions
     """:func:`hybrid.ops.route` for raw int64 ids (``ids: dynamic``): deduplicated by (table, id)
     with two stable sorts, each distinct id sent as itself to the server of its part
     (``fmix64(id) mod partitions``, part ``p`` on shard ``p % shards``). Tensor operations only."""
-    from hybrid.ps.server.dynamic import part_of
-
     total = ids.numel()
     nf, b = feature_table.numel(), batch_size
     ntab = shards.numel()
     per_feature = lengths.view(nf, b).sum(1) if nf else lengths.new_zeros(0)
     table_of_id = torch.repeat_interleave(feature_table, per_feature, output_size=total)
-    by_row = torch.argsort(ids, stable=True)
-    by_row = by_row[torch.argsort(table_of_id[by_row], stable=True)]
+    if nf and bool((feature_table[1:] >= feature_table[:-1]).all()):
+        # Each table's ids are one run of the values: sort the runs one by one.
+        per_table = torch.zeros(ntab, dtype=torch.int64).index_add_(0, feature_table, per_feature).tolist()
+        runs, start = [], 0
+        for n in per_table:
+            runs.append(torch.argsort(ids[start : start + n], stable=True) + start)
+            start += n
+        by_row = torch.cat(runs) if runs else torch.empty(0, dtype=torch.int64)
+    else:
+        by_row = torch.argsort(ids, stable=True)
+        by_row = by_row[torch.argsort(table_of_id[by_row], stable=True)]
     s_tab, s_id = table_of_id[by_row], ids[by_row]
     first = torch.ones(total, dtype=torch.bool)
     first[1:] = (s_tab[1:] != s_tab[:-1]) | (s_id[1:] != s_id[:-1])
@@ -228,7 +235,8 @@ def route_hashed(ids, lengths, feature_table, shards, server_rank, *, partitions
     shard_pos = part_of(uniq, partitions) % shards.index_select(0, t_u)
     rank_u = server_rank[t_u, shard_pos]
     key = rank_u * ntab + t_u
-    order = torch.argsort(key, stable=True)
+    # One server: the keys are the tables, already in order.
+    order = torch.arange(key.numel()) if num_servers == 1 else torch.argsort(key, stable=True)
     per = torch.bincount(key, minlength=num_servers * ntab).view(num_servers, ntab)
     requests_ids = uniq.index_select(0, order)
     raw = torch.bincount(rank_u.index_select(0, inverse), minlength=num_servers)

@@ -23,17 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.errors import InputError
-from hybrid.ops.id_map import IdMap, id_hash
-from hybrid.ps.config import DynamicIds
+from hybrid.ops.id_map import IdMap
+from hybrid.ps.config import DynamicIds, part_of
 
 
 class CapacityError(InputError):
     """A dynamic table's part is full and its ``evict`` policy frees no row; nothing changed."""
-
-
-def part_of(ids: torch.Tensor, partitions: int) -> torch.Tensor:
-    """The part of each raw id: fmix64(id) mod ``partitions`` (also the trainers' routing)."""
-    return torch.remainder(id_hash(ids), partitions)
 
 
 @dataclass
@@ -144,17 +139,18 @@ class DynamicSlots:
             if bool((self.part_base[part] < 0).any()):
                 raise RuntimeError(f"{self.where}: id {int(new[self.part_base[part] < 0][0])} of table {self.table!r} "
                                    f"belongs to a part this server does not hold (routing disagrees)")
-            order = torch.argsort(part, stable=True)  # ids ascending within each part
-            new, part = new[order], part[order]
             need = torch.bincount(part, minlength=spec.partitions)
-            # Rank of each new id inside its part.
-            rank = torch.arange(new.numel()) - (torch.cumsum(need, 0) - need)[part]
             needy = need > 0
             if not expired.numel() and bool((self.count[needy] == self.fill[needy]).all()) and \
                     bool((need[needy] <= self.part_cap[needy] - self.fill[needy]).all()):
-                # No holes, room enough: the lowest free slots are the next unused ones.
+                # No holes, room enough: the lowest free slots are the next unused ones, taken by
+                # the part's new ids in ascending order (rank inside the part: a running count).
+                seen = torch.nn.functional.one_hot(part, spec.partitions).cumsum(0)
+                rank = seen.gather(1, part.unsqueeze(1)).squeeze(1) - 1
                 new_slots = self.part_base[part] + self.fill[part] + rank
             else:
+                order = torch.argsort(part, stable=True)  # ids ascending within each part
+                new, part = new[order], part[order]
                 new_slots, taken = self._choose(new, part, need, touched, expired, step)
         evicted = torch.unique(torch.cat([expired, taken]))
         evicted = torch.unique(torch.cat([expired, taken]))

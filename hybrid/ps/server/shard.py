@@ -21,7 +21,7 @@ import torch
 
 from hybrid import ops
 from hybrid.ps.config import CollectionConfig
-from hybrid.ps.init import initial_rows
+from hybrid.ps.init import initial_rows, table_key
 from hybrid.ps.protocol import Rows
 from hybrid.ps.server.dynamic import DynamicSlots
 from hybrid.ps.server.memory import table_tensor
@@ -68,6 +68,7 @@ class TableShard:
         self.dim = layout.table.embedding_dim
         self.shard_pos = layout.servers.index(server)
         self.seed = config.init_seed
+        self._init_key: tuple[int, float] | None = None
         self.dynamic: DynamicSlots | None = None
         if config.dynamic is not None:
             index = config.layouts.index(layout)
@@ -102,15 +103,17 @@ class TableShard:
         initial value where this step's update admits it, zeros otherwise."""
         slots, fresh = self.dynamic.find(ids)
         hit = slots >= 0
-        if bool(hit.all()):
-            out.copy_(self.weight.index_select(0, slots))
+        n_hit = int(hit.sum())
+        if n_hit == ids.numel() and self.weight.dtype == torch.float32:
+            torch.index_select(self.weight, 0, slots, out=out)
             return
         out.zero_()
-        if bool(hit.any()):
+        if n_hit:
             out[hit] = self.weight.index_select(0, slots[hit]).float()
-        if bool(fresh.any()):
-            t = self.layout.table
-            out[fresh] = initial_rows(t.name, t.num_embeddings, self.dim, ids[fresh], seed=self.seed)
+        if n_hit < ids.numel():
+            new = ids[fresh]
+            if new.numel():
+                out[fresh] = self._initial(new)
 
     def dynamic_rows(self) -> dict[str, torch.Tensor]:
         """A dynamic table's state as tensors, ascending by id: the map (:meth:`DynamicSlots.state`),
@@ -121,13 +124,20 @@ class TableShard:
             d[f"state.{k}"] = v.index_select(0, d["slots"])
         return d
 
+    def _initial(self, ids: torch.Tensor) -> torch.Tensor:
+        """The initial rows of raw ids (:mod:`hybrid.ps.init`, the table's key computed once)."""
+        if self._init_key is None:
+            t = self.layout.table
+            self._init_key = (table_key(self.seed, t.name), (1.0 / t.num_embeddings) ** 0.5)
+        out = torch.empty(ids.numel(), self.dim)
+        ops.initial_rows_(out, ids, key=self._init_key[0], bound=self._init_key[1])
+        return out
+
     def create_rows(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """New rows of a dynamic table: their initial value and fresh optimizer state."""
         if not ids.numel():
             return
-        t = self.layout.table
-        init = initial_rows(t.name, t.num_embeddings, self.dim, ids, seed=self.seed)
-        ops.scatter_rows_(self.weight, slots, init)
+        ops.scatter_rows_(self.weight, slots, self._initial(ids))
         self.optim.reset(slots)
 
 
@@ -308,23 +318,30 @@ class CollectionShard:
         plans = []
         for index in sorted(per_table):
             table = self.by_index[index]
-            ids = torch.cat(per_table[index][0])
-            uniq = torch.unique(ids)
+            ids_l = per_table[index][0]
+            ids = ids_l[0] if len(ids_l) == 1 else torch.cat(ids_l)
+            uniq = ids if len(ids_l) == 1 else torch.unique(ids)
             plans.append((table, index, ids, uniq, table.dynamic.plan(uniq, step)))
         for table, _, _, _, a in plans:
             table.dynamic.commit(a)
             table.create_rows(a.new_ids, a.new_slots)
         computed = []
         for table, index, ids, uniq, a in plans:
-            slot = a.slots[torch.searchsorted(uniq, ids)]
+            grads_l = per_table[index][1]
+            one = len(grads_l) == 1  # one trainer's ids: already distinct and ascending (the route)
+            slot = a.slots if one else a.slots[torch.searchsorted(uniq, ids)]
+            grads = grads_l[0] if one else torch.cat(grads_l)
             keep = slot >= 0
-            grads = torch.cat(per_table[index][1])
-            if not bool(keep.all()):
+            if int(keep.sum()) < slot.numel():
                 slot, grads = slot[keep], grads[keep]
-            rows, summed = ops.sum_rows(slot, grads, scale=self.scale, num_rows=table.rows)
+            if one:
+                rows, summed, gscale = slot, grads, self.scale
+            else:
+                rows, summed = ops.sum_rows(slot, grads, scale=self.scale, num_rows=table.rows)
+                gscale = 1.0
             if rows.numel():
                 try:
-                    computed.append((table, rows, *table.optim.compute(table.weight, rows, summed, 1.0)))
+                    computed.append((table, rows, *table.optim.compute(table.weight, rows, summed, gscale)))
                 except ops.NonFinite as e:
                     raise FloatingPointError(f"{self._what()}: {e}") from None
         for table, rows, w, state in computed:
