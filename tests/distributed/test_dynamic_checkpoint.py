@@ -82,3 +82,14 @@ def test_dynamic_tables_resume_exactly_at_another_server_count(tmp_path):
     for key in a:
         ids_key = key[: -len("weight")] + "ids"
         assert torch.equal(state[ids_key], a[key]["ids"]) and torch.equal(state[key], a[key]["rows"])
+
+
+def test_a_full_table_with_evict_none_stops_the_run_with_exit_2(tmp_path):
+    res = run_hybrid(["launch", "-n", "3", "train", "--plan", "conf/plans/dlrm.yaml", "--config", "conf/train/dlrm.yaml",
+                      *[a for a in TINY if not a.startswith((f"plan.modules.{EBC}.capacity", f"plan.modules.{EBC}.evict"))],
+                      f"plan.modules.{EBC}.capacity=8", f"plan.modules.{EBC}.evict=none",
+                      "plan.topology.parameter_servers=1", f"train.out_dir={tmp_path / 'out'}",
+                      f"checkpoint.dir={tmp_path / 'ckpt'}"], timeout=300)
+    assert res.returncode == 2, res.output
+    assert "dynamic table" in res.stderr and "is full" in res.stderr and "nothing was changed" in res.stderr, res.output
+    assert "Traceback" not in res.stderr, res.output

@@ -145,8 +145,9 @@ class DynamicSlots:
                     bool((need[needy] <= self.part_cap[needy] - self.fill[needy]).all()):
                 # No holes, room enough: the lowest free slots are the next unused ones, taken by
                 # the part's new ids in ascending order (rank inside the part: a running count).
-                seen = torch.nn.functional.one_hot(part, spec.partitions).cumsum(0)
-                rank = seen.gather(1, part.unsqueeze(1)).squeeze(1) - 1
+                order = torch.argsort(part, stable=True)
+                rank = torch.empty_like(order)
+                rank[order] = torch.arange(order.numel()) - (torch.cumsum(need, 0) - need)[part[order]]
                 new_slots = self.part_base[part] + self.fill[part] + rank
             else:
                 order = torch.argsort(part, stable=True)  # ids ascending within each part
