@@ -69,6 +69,8 @@ def test_dynamic_tables_resume_exactly_at_another_server_count(tmp_path):
     res = _train(resumed / "out", resumed / "ckpt", 1, "checkpoint.resume=latest")
     assert res.returncode == 0, res.output
     assert "resuming at step 5 from" in res.stderr, res.output
+    summary = (resumed / "out" / "summary.txt").read_text()
+    assert "dynamic tables:" in summary and "evicted" in summary and "hit ratio" in summary, summary
     got, want = _losses(resumed / "out"), _losses(straight / "out")
     assert sorted(got) == list(range(6, STEPS + 1)) and got == {s: want[s] for s in got}
     a, b = _tables(straight / "ckpt" / "step_00000010"), _tables(resumed / "ckpt" / "step_00000010")
