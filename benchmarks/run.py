@@ -44,6 +44,7 @@ TARGETS = [
     ("hybrid_sync", "rpc_tutorial", 8.0),
     ("hybrid_async", "torchrec_dmp", 1.3),
     ("hybrid_sync", "local", 0.6),
+    ("hybrid_sync_dynamic", "hybrid_sync", 0.8),
 ]
 """The issue's throughput targets, checked in the table."""
 

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from benchmarks.systems.hybrid_ps import run_hybrid_async, run_hybrid_sync, run_hybrid_sync_fsdp
+from benchmarks.systems.hybrid_ps import (
+    run_hybrid_async,
+    run_hybrid_sync,
+    run_hybrid_sync_dynamic,
+    run_hybrid_sync_fsdp,
+)
 from benchmarks.systems.local import run_local
 from benchmarks.systems.rpc_tutorial import run_rpc_tutorial
 from benchmarks.systems.torchrec_dmp import run_torchrec_dmp
@@ -20,6 +25,7 @@ SYSTEMS: dict[str, Callable[..., list[dict]]] = {
     "hybrid_sync": run_hybrid_sync,
     "hybrid_async": run_hybrid_async,
     "hybrid_sync_fsdp": run_hybrid_sync_fsdp,
+    "hybrid_sync_dynamic": run_hybrid_sync_dynamic,
 }
 """System name (``--systems``) -> its run function, in the default order."""
 

@@ -1,8 +1,11 @@
-"""``hybrid_sync``, ``hybrid_async`` and ``hybrid_sync_fsdp``: the DLRM composed by hybrid.
+"""``hybrid_sync``, ``hybrid_async``, ``hybrid_sync_fsdp`` and ``hybrid_sync_dynamic``: the DLRM
+composed by hybrid.
 
 The tables go to the parameter servers (``sgd`` with ``sparse_lr``, trainers' gradients
 averaged), the bottom and top MLPs under DDP (``hybrid_sync``, ``hybrid_async``) or FSDP2
-(``hybrid_sync_fsdp``); ``hybrid_async`` runs with staleness 1 and prefetches the next batch's
+(``hybrid_sync_fsdp``); ``hybrid_sync_dynamic`` is ``hybrid_sync`` with ``ids: dynamic`` tables
+(capacity ``rows`` each, ``evict: lru``: the id map, routing by hash and row creation on first
+touch, without evictions at steady state); ``hybrid_async`` runs with staleness 1 and prefetches the next batch's
 rows while the current step computes. Every step is ``with hybrid.step(model, optimizer)``, as
 in the training loop. Besides the common report, trainer 0 returns the per-step breakdown
 (:class:`hybrid.ps.client.StepTimes`) and the servers' counters over the timed window.
@@ -22,17 +25,20 @@ from benchmarks.systems.common import train
 from benchmarks.workload import Data, Workload, build_dlrm, loss_fn
 
 
-def plan_dict(w: Workload, *, dense: str, staleness: int, comm_hook: str | None = None) -> dict:
+def plan_dict(w: Workload, *, dense: str, staleness: int, comm_hook: str | None = None,
+              dynamic: bool = False) -> dict:
     """The plan: tables row-wise on every server, both MLPs under ``dense`` (a ddp
-    ``comm_hook`` other than the plan's default when given)."""
+    ``comm_hook`` other than the plan's default when given); ``dynamic``: ``ids: dynamic``
+    tables of ``w.rows`` rows each."""
     dense_opts = {"strategy": dense, **({"comm_hook": comm_hook} if comm_hook else {})}
+    ids = {"ids": "dynamic", "capacity": w.rows, "evict": "lru"} if dynamic else {}
     return {
         "world_size": w.trainers + w.servers,
         "topology": {"parameter_servers": w.servers},
         "modules": {
             "sparse_arch.embedding_bag_collection": {
                 "strategy": "parameter_server", "sharding": "row_wise",
-                "optimizer": {"name": "sgd", "lr": w.sparse_lr},
+                "optimizer": {"name": "sgd", "lr": w.sparse_lr}, **ids,
             },
             "dense_arch": dict(dense_opts),
             "over_arch": dict(dense_opts),
@@ -42,7 +48,7 @@ def plan_dict(w: Workload, *, dense: str, staleness: int, comm_hook: str | None 
 
 
 def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, staleness: int,
-          runtime: dict, comm_hook: str | None = None) -> dict:
+          runtime: dict, comm_hook: str | None = None, dynamic: bool = False) -> dict:
     from hybrid.launch.init import RuntimeOptions, init_hybrid, shutdown
     from hybrid.launch.roles import role_of
 
@@ -54,7 +60,8 @@ def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, st
     report, ok = None, False
     try:
         if role.is_trainer:
-            report = _trainer(role, w, dense=dense, staleness=staleness, options=options, comm_hook=comm_hook)
+            report = _trainer(role, w, dense=dense, staleness=staleness, options=options, comm_hook=comm_hook,
+                              dynamic=dynamic)
         ok = True
     finally:
         shutdown(role, graceful=ok, timeout_s=options.shutdown_timeout_s)
@@ -76,13 +83,15 @@ def train_step(model, optimizer, batches: list, t: int) -> torch.Tensor:
     return loss
 
 
-def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hook: str | None = None) -> dict:
+def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hook: str | None = None,
+             dynamic: bool = False) -> dict:
     import hybrid
     from hybrid.plan import plan_from_dict
     from hybrid.ps.client import pipeline_of
 
     model = build_dlrm(w, tables="meta")  # the servers fill the tables: none on a trainer
-    hybrid.compose(model, plan_from_dict(plan_dict(w, dense=dense, staleness=staleness, comm_hook=comm_hook)), role=role,
+    hybrid.compose(model, plan_from_dict(plan_dict(w, dense=dense, staleness=staleness, comm_hook=comm_hook,
+                                                          dynamic=dynamic)), role=role,
                    runtime_options=options, seed=w.seed)
     ebc = model.sparse_arch.embedding_bag_collection
     pipeline = pipeline_of(model)
@@ -133,9 +142,9 @@ def _delta(before: dict, after: dict) -> dict:
 
 
 def _run(w: Workload, *, timeout_s: float, dense: str, staleness: int, runtime: dict | None,
-         comm_hook: str | None = None, hosts: EmulatedNetwork | None = None) -> list[dict]:
+         comm_hook: str | None = None, hosts: EmulatedNetwork | None = None, dynamic: bool = False) -> list[dict]:
     return spawn(_rank, w.trainers + w.servers, timeout_s=timeout_s, threads=w.threads, hosts=hosts, w=w,
-                 dense=dense, staleness=staleness, runtime=dict(runtime or {}), comm_hook=comm_hook)
+                 dense=dense, staleness=staleness, runtime=dict(runtime or {}), comm_hook=comm_hook, dynamic=dynamic)
 
 
 def run_hybrid_sync(w: Workload, *, timeout_s: float, runtime: dict | None = None,
@@ -156,3 +165,10 @@ def run_hybrid_sync_fsdp(w: Workload, *, timeout_s: float, runtime: dict | None 
                          hosts: EmulatedNetwork | None = None) -> list[dict]:
     """Sync (staleness 0), dense under FSDP2."""
     return _run(w, timeout_s=timeout_s, dense="fsdp", staleness=0, runtime=runtime, hosts=hosts)
+
+
+def run_hybrid_sync_dynamic(w: Workload, *, timeout_s: float, runtime: dict | None = None,
+                            comm_hook: str | None = None, hosts: EmulatedNetwork | None = None) -> list[dict]:
+    """``hybrid_sync`` with ``ids: dynamic`` tables (capacity ``w.rows``, ``evict: lru``)."""
+    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=0, runtime=runtime, comm_hook=comm_hook, hosts=hosts,
+                dynamic=True)

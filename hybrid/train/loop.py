@@ -476,6 +476,9 @@ class Trainer:
                 for k, v in d.items():
                     if isinstance(v, (int, float)):
                         agg[k] = agg.get(k, 0) + v
+                for table in (d.get("dynamic") or {}).values():  # ids: dynamic tables, summed
+                    for k in ("rows", "admitted", "evicted", "hits", "looked_up"):
+                        agg[f"dynamic_{k}"] = agg.get(f"dynamic_{k}", 0) + table[k]
         return out
 
     def finish(self, *, train_time: float, total: float, last_loss: float, stats: dict[str, dict]) -> None:
@@ -528,10 +531,19 @@ class Trainer:
             uniq = d.get("rows_served", 0) / d["ids_requested"] if d.get("ids_requested") else float("nan")
             lines.append((server, f"{d.get('lookups', 0) / steps / self.role.num_trainers:.1f} lookups/step/trainer, "
                                   f"{d.get('bytes_in', 0) / steps / 1024:.1f} KiB in + {d.get('bytes_out', 0) / steps / 1024:.1f} "
-                                  f"KiB out per step, unique ids {uniq:.2f}"))
+                                  f"KiB out per step, unique ids {uniq:.2f}" + _dynamic_counters(d)))
         outputs = ["metrics.jsonl", "metrics.csv", "summary.txt"] + (["curves.png"] if png else [])
         lines.append(("output", f"{self.out_dir}/ ({', '.join(outputs)})"))
         return "== hybrid run summary ==\n" + table(lines)
+
+
+def _dynamic_counters(d: dict) -> str:
+    """The ``ids: dynamic`` counters of one server's summary line (empty without such tables)."""
+    if "dynamic_rows" not in d:
+        return ""
+    hit = d["dynamic_hits"] / d["dynamic_looked_up"] if d["dynamic_looked_up"] else 1.0
+    return (f"; dynamic tables: {d['dynamic_rows']:,} rows, {d['dynamic_admitted']:,} admitted, "
+            f"{d['dynamic_evicted']:,} evicted, hit ratio {hit:.3f}")
 
 
 def _plural(n: int, word: str) -> str:

@@ -25,6 +25,7 @@ Whatever is owed is sent before anything that reads the tables outside a step (e
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybrid.errors import InputError
 from hybrid.ps.protocol import Part, Push, Rows, StepMessage
 from hybrid.ps.transport import ReplyFuture, Transport
 
@@ -85,7 +87,16 @@ class Lookup:
         return out
 
 
-def _server_error(what: str, name: str, e: BaseException) -> ServerError:
+class TableFullError(InputError):
+    """A dynamic table is full and its ``evict`` policy frees no row: the step failed on the
+    server and changed nothing (a data / plan mistake: exit code 2 in a run)."""
+
+
+def _server_error(what: str, name: str, e: BaseException) -> ServerError | TableFullError:
+    full = re.search(r"([\w./-]+ on ps\d+: dynamic table .*?nothing was changed\.)", str(e))
+    if full:
+        return TableFullError(f"{what} on parameter server {name}: {full.group(1)} Raise the plan's capacity, "
+                              f"or set evict: lru")
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     hint = " (it died or closed the connection)" if any(w in first for w in ("EOF", "pipe", "ECONNRE")) else ""
     return ServerError(f"{what} on parameter server {name} failed{hint}: {first}")

@@ -1,0 +1,246 @@
+"""The row slots of one dynamic table shard (``ids: dynamic``): raw id -> slot, admission, eviction.
+
+A shard holds whole parts of the table (see :class:`hybrid.ps.config.DynamicIds`); each part
+owns a fixed block of slots. Everything that changes the map happens in :meth:`DynamicSlots.plan`
+/ :meth:`DynamicSlots.commit`, once per applied update (sync: once per step, after every
+trainer's push is in), on the step's distinct ids in ascending order, so admissions and
+evictions are a function of the step's ids alone:
+
+- an id in the map: its slot, last touched = this step;
+- an id not in the map: one more sighting; at ``admit_after`` sightings it is admitted into its
+  part: a free slot (lowest first), else under ``lru`` the slot touched longest ago (ties: the
+  smaller id; never one touched this step), under ``ttl:N`` an expired one; none left: a
+  :class:`CapacityError` before anything changed.
+
+Lookups (:meth:`DynamicSlots.find`) change nothing but the hit counters. Everything is tensor
+operations over the step's ids (the map probes in C++, :mod:`hybrid.ops.id_map`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybrid.errors import InputError
+from hybrid.ops.id_map import IdMap
+from hybrid.ps.config import DynamicIds, part_of
+
+
+class CapacityError(InputError):
+    """A dynamic table's part is full and its ``evict`` policy frees no row; nothing changed."""
+
+
+@dataclass
+class Admission:
+    """What :meth:`DynamicSlots.plan` decided for one update; :meth:`DynamicSlots.commit` does it."""
+
+    step: int
+    ids: torch.Tensor
+    """The update's distinct ids, ascending."""
+    slots: torch.Tensor
+    """Each id's slot after the update; -1: not admitted (its gradient is dropped)."""
+    new_ids: torch.Tensor
+    new_slots: torch.Tensor
+    """Rows to create (initial value, fresh optimizer state)."""
+    evicted: torch.Tensor
+    """Slots whose row goes (the expired under ttl, and those taken for new ids)."""
+    seen_ids: torch.Tensor
+    seen_counts: torch.Tensor
+    """Sightings of the ids not yet admitted (admit_after > 1)."""
+    admitted_seen: torch.Tensor
+    """Ids leaving the sightings map (admitted now)."""
+
+
+@dataclass
+class DynamicCounters:
+    admitted: int = 0
+    evicted: int = 0
+    hits: int = 0
+    """Looked-up ids that had a row."""
+    looked_up: int = 0
+
+    def as_dict(self, rows: int) -> dict:
+        return {"rows": rows, "admitted": self.admitted, "evicted": self.evicted, "hits": self.hits,
+                "looked_up": self.looked_up, "hit_ratio": self.hits / self.looked_up if self.looked_up else 1.0}
+
+
+class DynamicSlots:
+    """Slots of the parts ``parts`` of one dynamic table (``spec``)."""
+
+    def __init__(self, spec: DynamicIds, parts: list[int], *, table: str, where: str) -> None:
+        self.spec, self.parts, self.table, self.where = spec, list(parts), table, where
+        caps = [spec.part_capacity(p) for p in self.parts]
+        self.capacity = sum(caps)
+        self.part_base = torch.full((spec.partitions,), -1, dtype=torch.int64)
+        self.part_cap = torch.zeros(spec.partitions, dtype=torch.int64)
+        base = 0
+        for p, c in zip(self.parts, caps):
+            self.part_base[p], self.part_cap[p] = base, c
+            base += c
+        self.slot_part = torch.repeat_interleave(torch.tensor(self.parts, dtype=torch.int64),
+                                                 torch.tensor(caps, dtype=torch.int64), output_size=base)
+        self.slot_index = torch.arange(base) - self.part_base[self.slot_part]
+        """Each slot's place inside its part (the order free slots are taken in)."""
+        self.slot_id = torch.zeros(base, dtype=torch.int64)
+        self.occupied = torch.zeros(base, dtype=torch.bool)
+        self.last = torch.full((base,), -1, dtype=torch.int64)
+        self.count = torch.zeros(spec.partitions, dtype=torch.int64)
+        """Rows per part."""
+        self.fill = torch.zeros(spec.partitions, dtype=torch.int64)
+        """Per part: 1 + the highest place ever used (the places from there on were never used)."""
+        self.map = IdMap(base)
+        self.seen = IdMap(16)  # id -> sightings, admit_after > 1
+        self.counters = DynamicCounters()
+
+    @property
+    def rows(self) -> int:
+        return len(self.map)
+
+    # -- lookups --------------------------------------------------------------------------------
+    def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot of each id or -1, whether an absent id reads its initial value (it is admitted
+        by this step's update) rather than zeros). Changes only the hit counters."""
+        slots = self.map.find(ids)
+        absent = slots < 0
+        self.counters.looked_up += ids.numel()
+        self.counters.hits += ids.numel() - int(absent.sum())
+        if self.spec.admit_after <= 1:
+            return slots, absent
+        seen = self.seen.find(ids).clamp(min=0)
+        return slots, absent & (seen + 1 >= self.spec.admit_after)
+
+    # -- updates --------------------------------------------------------------------------------
+    def plan(self, ids: torch.Tensor, step: int) -> Admission:
+        """Decide the update of ``step`` for its distinct ascending ``ids``; changes nothing.
+        Raises :class:`CapacityError`."""
+        spec = self.spec
+        slots = self.map.find(ids)
+        present = slots >= 0
+        touched = slots[present]
+        ttl = spec.ttl
+        expired = torch.empty(0, dtype=torch.int64)
+        if ttl is not None:
+            old = self.occupied & (self.last < step - ttl)
+            old[touched] = False
+            expired = old.nonzero().squeeze(1)
+        new = ids[~present]
+        seen_ids = seen_counts = admitted_seen = torch.empty(0, dtype=torch.int64)
+        if spec.admit_after > 1 and new.numel():
+            counts = self.seen.find(new).clamp(min=0) + 1
+            ok = counts >= spec.admit_after
+            seen_ids, seen_counts = new[~ok], counts[~ok]
+            admitted_seen = new[ok]
+            new = new[ok]
+        new_slots = torch.empty(0, dtype=torch.int64)
+        taken = torch.empty(0, dtype=torch.int64)
+        if new.numel():
+            part = part_of(new, spec.partitions)
+            if bool((self.part_base[part] < 0).any()):
+                raise RuntimeError(f"{self.where}: id {int(new[self.part_base[part] < 0][0])} of table {self.table!r} "
+                                   f"belongs to a part this server does not hold (routing disagrees)")
+            need = torch.bincount(part, minlength=spec.partitions)
+            needy = need > 0
+            if not expired.numel() and bool((self.count[needy] == self.fill[needy]).all()) and \
+                    bool((need[needy] <= self.part_cap[needy] - self.fill[needy]).all()):
+                # No holes, room enough: the lowest free slots are the next unused ones, taken by
+                # the part's new ids in ascending order (rank inside the part: a running count).
+                order = torch.argsort(part, stable=True)
+                rank = torch.empty_like(order)
+                rank[order] = torch.arange(order.numel()) - (torch.cumsum(need, 0) - need)[part[order]]
+                new_slots = self.part_base[part] + self.fill[part] + rank
+            else:
+                order = torch.argsort(part, stable=True)  # ids ascending within each part
+                new, part = new[order], part[order]
+                new_slots, taken = self._choose(new, part, need, touched, expired, step)
+        evicted = torch.unique(torch.cat([expired, taken]))
+        evicted = torch.unique(torch.cat([expired, taken]))
+        slots = slots.clone()
+        if new.numel():
+            pos = torch.searchsorted(ids, new)
+            slots[pos] = new_slots
+        return Admission(step=step, ids=ids, slots=slots, new_ids=new, new_slots=new_slots, evicted=evicted,
+                         seen_ids=seen_ids, seen_counts=seen_counts, admitted_seen=admitted_seen)
+
+    def _choose(self, new, part, need, touched, expired, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots for ``new`` (ascending within each part, parts ascending) by the rules: per part,
+        free slots lowest first, then (lru) the rows touched longest ago, ties by smaller id; the
+        slots and those of them whose row goes. Raises :class:`CapacityError`."""
+        spec = self.spec
+        cand = (need[self.slot_part] > 0).nonzero().squeeze(1)
+        occ = self.occupied[cand].clone()
+        if expired.numel():
+            occ &= ~torch.isin(cand, expired)  # expired rows count as free
+        c_last = self.last[cand].clone()
+        c_last[torch.isin(cand, touched)] = step
+        c_last = torch.where(occ, c_last, -1)
+        tie = torch.where(occ, self.slot_id[cand], self.slot_index[cand])
+        o = torch.argsort(tie, stable=True)
+        o = o[torch.argsort(c_last[o], stable=True)]
+        o = o[torch.argsort(self.slot_part[cand[o]], stable=True)]
+        cand, occ, c_last = cand[o], occ[o], c_last[o]
+        c_part = self.slot_part[cand]
+        # Candidates come part by part, each part's slots all there: rank inside the part.
+        held = self.part_cap * (need > 0)
+        rank = torch.arange(cand.numel()) - (torch.cumsum(held, 0) - held)[c_part]
+        pick = rank < need[c_part]
+        got = torch.bincount(c_part[pick], minlength=spec.partitions)
+        usable = ~occ[pick] | ((c_last[pick] < step) if spec.evict == "lru" else torch.zeros_like(occ[pick]))
+        if bool((got < need).any()) or not bool(usable.all()):
+            self._full(need, got, cand[pick][~usable] if not bool(usable.all()) else None, step, new.numel())
+        new_slots = cand[pick]
+        return new_slots, new_slots[self.occupied[new_slots]]
+
+    def _full(self, need, got, blocked, step: int, n_new: int) -> None:
+        short = (got < need).nonzero()
+        p = int(short[0]) if short.numel() else int(self.slot_part[blocked[0]])
+        cap = int(self.part_cap[p])
+        how = {"none": "evict: none keeps every row", "lru": "every row of it was touched in this step"
+               }.get(self.spec.evict, f"no row of it is older than {self.spec.ttl} steps ({self.spec.evict})")
+        raise CapacityError(
+            f"{self.where}: dynamic table {self.table!r} is full: part {p} of {self.spec.partitions} holds "
+            f"{cap} of the table's capacity {self.spec.capacity} rows, step {step} needs {int(need[p])} new row(s) "
+            f"there and {how}; nothing was changed. Raise the plan's capacity" +
+            ("" if self.spec.evict == "lru" else " or set evict: lru"))
+
+    def commit(self, a: Admission) -> None:
+        """Carry out ``a`` (the caller then writes the new rows' initial values and state)."""
+        if a.evicted.numel():
+            self.count -= torch.bincount(self.slot_part[a.evicted], minlength=self.spec.partitions)
+            self.map.erase(self.slot_id[a.evicted])
+            self.occupied[a.evicted] = False
+            self.last[a.evicted] = -1
+            self.counters.evicted += a.evicted.numel()
+        if a.new_ids.numel():
+            self.map.insert(a.new_ids, a.new_slots)
+            self.slot_id[a.new_slots] = a.new_ids
+            self.occupied[a.new_slots] = True
+            parts = self.slot_part[a.new_slots]
+            self.count += torch.bincount(parts, minlength=self.spec.partitions)
+            self.fill.scatter_reduce_(0, parts, self.slot_index[a.new_slots] + 1, reduce="amax")
+            self.counters.admitted += a.new_ids.numel()
+        if a.admitted_seen.numel():
+            self.seen.erase(a.admitted_seen)
+        if a.seen_ids.numel():
+            self.seen.insert(a.seen_ids, a.seen_counts)
+        touched = a.slots[a.slots >= 0]
+        self.last[touched] = a.step
+
+    # -- state (checkpoints, exports, tests) ----------------------------------------------------
+    def restore(self, ids: torch.Tensor, slots: torch.Tensor, last: torch.Tensor) -> None:
+        """Put saved rows' ids back at their slots (loading a checkpoint)."""
+        self.map.insert(ids, slots)
+        self.slot_id[slots], self.occupied[slots], self.last[slots] = ids, True, last
+        parts = self.slot_part[slots]
+        self.count += torch.bincount(parts, minlength=self.spec.partitions)
+        self.fill.scatter_reduce_(0, parts, self.slot_index[slots] + 1, reduce="amax")
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The map as tensors: per occupied slot its id, part, place in the part and last step,
+        ascending by id; the sightings; the counters."""
+        ids, slots = self.map.items()
+        seen_ids, seen_counts = self.seen.items()
+        c = self.counters
+        return {"ids": ids, "slots": slots, "part": self.slot_part[slots], "index": self.slot_index[slots],
+                "last": self.last[slots], "seen_ids": seen_ids, "seen_counts": seen_counts,
+                "counters": torch.tensor([c.admitted, c.evicted, c.hits, c.looked_up], dtype=torch.int64)}
