@@ -154,7 +154,6 @@ class DynamicSlots:
                 new, part = new[order], part[order]
                 new_slots, taken = self._choose(new, part, need, touched, expired, step)
         evicted = torch.unique(torch.cat([expired, taken]))
-        evicted = torch.unique(torch.cat([expired, taken]))
         slots = slots.clone()
         if new.numel():
             pos = torch.searchsorted(ids, new)
