@@ -97,7 +97,7 @@ def _stand_in(module: nn.Module, cid: str, entry: ResolvedModule):
     if isinstance(module, EmbeddingCollection):
         return module, partial(RemoteEmbeddingCollection, need_indices=module.need_indices()), None
     if isinstance(module, nn.EmbeddingBag):
-        return (RemoteEmbeddingBag.as_collection(module, cid=cid), RemoteEmbeddingBagCollection,
+        return (RemoteEmbeddingBag.as_collection(module, cid=cid, path=entry.fqn), RemoteEmbeddingBagCollection,
                 partial(RemoteEmbeddingBag, include_last_offset=module.include_last_offset))
     if isinstance(module, nn.Embedding):
         if module.padding_idx is not None and not module.weight.is_meta \
@@ -105,7 +105,7 @@ def _stand_in(module: nn.Module, cid: str, entry: ResolvedModule):
             raise ValueError(f"{entry.fqn}: row padding_idx={module.padding_idx} of the nn.Embedding is not zero; "
                              f"on a parameter server the padding row reads as zero (torch's default), so "
                              f"zero it before composing")
-        return (RemoteEmbedding.as_collection(module, cid=cid), RemoteEmbeddingCollection,
+        return (RemoteEmbedding.as_collection(module, cid=cid, path=entry.fqn), RemoteEmbeddingCollection,
                 partial(RemoteEmbedding, padding_idx=module.padding_idx))
     raise ValueError(f"modules.{entry.rule_key}: parameter_server for {type(module).__name__} at {entry.fqn!r}: "
                      f"expected an EmbeddingBagCollection, EmbeddingCollection, nn.EmbeddingBag or nn.Embedding")

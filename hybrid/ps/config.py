@@ -181,10 +181,11 @@ class CollectionConfig:
                 for i in self.held(server)}
 
 
-def single_table_name(cid: str) -> str:
-    """The table name of a plain ``nn.Embedding`` / ``nn.EmbeddingBag`` composed as collection
-    ``cid`` (its module path, namespaced by ``compose``'s ``name``)."""
-    return cid.replace(".", "_").replace("/", "_") or "weight"
+def single_table_name(path: str) -> str:
+    """The table name of a plain ``nn.Embedding`` / ``nn.EmbeddingBag`` at module path ``path``
+    (the same whatever ``compose``'s ``name``, so a checkpoint loads into a model composed under
+    another name: the collection id namespaces it on the servers)."""
+    return path.replace(".", "_").replace("/", "_") or "weight"
 
 
 def collection_handle(cid: str) -> int:

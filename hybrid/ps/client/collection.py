@@ -315,8 +315,9 @@ class RemoteEmbeddingBag(RemoteTable):
         self.include_last_offset = include_last_offset
 
     @staticmethod
-    def as_collection(bag: nn.EmbeddingBag, *, cid: str):
-        """A one-table ``EmbeddingBagCollection`` on meta with ``bag``'s shape and pooling."""
+    def as_collection(bag: nn.EmbeddingBag, *, cid: str, path: str | None = None):
+        """A one-table ``EmbeddingBagCollection`` on meta with ``bag``'s shape and pooling, its
+        table named after ``path`` (the module path; default ``cid``)."""
         from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -325,7 +326,7 @@ class RemoteEmbeddingBag(RemoteTable):
                              f"(sum, mean)")
         if bag.padding_idx is not None or bag.max_norm is not None:
             raise ValueError(f"{cid}: padding_idx and max_norm are not supported on a parameter server")
-        name = single_table_name(cid)
+        name = single_table_name(cid if path is None else path)
         config = EmbeddingBagConfig(
             name=name, embedding_dim=bag.embedding_dim, num_embeddings=bag.num_embeddings, feature_names=[name],
             pooling=PoolingType.SUM if bag.mode == "sum" else PoolingType.MEAN)
@@ -368,9 +369,10 @@ class RemoteEmbedding(RemoteTable):
         self.num_embeddings = collection.tables[0].num_embeddings
 
     @staticmethod
-    def as_collection(emb: nn.Embedding, *, cid: str):
-        """A one-table ``EmbeddingCollection`` on meta with ``emb``'s shape. Refuses what the
-        servers cannot do as torch does (``max_norm``, ``scale_grad_by_freq``, ``sparse``)."""
+    def as_collection(emb: nn.Embedding, *, cid: str, path: str | None = None):
+        """A one-table ``EmbeddingCollection`` on meta with ``emb``'s shape, its table named after
+        ``path`` (the module path; default ``cid``). Refuses what the servers cannot do as torch
+        does (``max_norm``, ``scale_grad_by_freq``, ``sparse``)."""
         from torchrec.modules.embedding_configs import EmbeddingConfig
         from torchrec.modules.embedding_modules import EmbeddingCollection
 
@@ -379,7 +381,7 @@ class RemoteEmbedding(RemoteTable):
         if refused:
             raise ValueError(f"{cid}: nn.Embedding with {', '.join(refused)} is not supported on a parameter server "
                              f"(the servers apply their own sparse optimizer to plain rows)")
-        name = single_table_name(cid)
+        name = single_table_name(cid if path is None else path)
         config = EmbeddingConfig(name=name, embedding_dim=emb.embedding_dim, num_embeddings=emb.num_embeddings,
                                  feature_names=[name])
         return EmbeddingCollection(tables=[config], device=torch.device("meta"))
