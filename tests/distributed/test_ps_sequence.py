@@ -74,12 +74,12 @@ def _emb_loss(out: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return ((out @ c) ** 3).sum(-1).mean() + out.mean()
 
 
-def _train(rank, world_size, *, num_servers, sharding):
+def _train(rank, world_size, *, num_servers, sharding, push, prefetch):
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
         return None
     t_n, me = role.num_trainers, role.index
-    pipeline = make_pipeline(trainer=me, num_servers=num_servers, staleness=0)
+    pipeline = make_pipeline(trainer=me, num_servers=num_servers, staleness=0, gradient_push=push)
     c = torch.linspace(-1, 1, DIM)
     remotes, refs = {}, {}
     for name, lr in OPTIMIZERS.items():
@@ -95,13 +95,17 @@ def _train(rank, world_size, *, num_servers, sharding):
     emb_ref = init_tables(nn.Embedding(EMB_ROWS, DIM, padding_idx=PAD, device="meta"), path="model.items")
     emb_ref_opt = ReferenceSparseOptimizer(emb_opt[0], emb_ref.weight.data, lr=emb_opt[1])
     dist.barrier()
+    nxt = None
     for s in range(STEPS):
         data, emb_ids = seq_batch(s, t_n * BATCH)
-        kjt = kjt_slice(data, me * BATCH, (me + 1) * BATCH)
+        kjt = nxt if nxt is not None else kjt_slice(data, me * BATCH, (me + 1) * BATCH)
         mine = emb_ids[me * BATCH : (me + 1) * BATCH]
         with step(pipeline) as st:
             outs = {n: r(kjt) for n, r in remotes.items()}
             emb_out = emb_remote(mine)
+            if prefetch and s + 1 < STEPS:  # the collections' next rows ride on this step's push
+                nxt = kjt_slice(seq_batch(s + 1, t_n * BATCH)[0], me * BATCH, (me + 1) * BATCH)
+                st.prefetch(nxt)
             for n, out in outs.items():
                 local = refs[n][0](kjt)
                 assert list(out) == list(local)
@@ -156,10 +160,12 @@ def _train(rank, world_size, *, num_servers, sharding):
     return result
 
 
-@pytest.mark.parametrize("num_servers,sharding", [(1, "table_wise"), (2, "table_wise"), (2, "row_wise")])
-def test_embedding_collection_and_embedding_train_as_one_process(num_servers, sharding):
+@pytest.mark.parametrize("num_servers,sharding,push,prefetch", [
+    (1, "table_wise", "rpc", False), (2, "table_wise", "rpc", False), (2, "row_wise", "rpc", True),
+    (1, "row_wise", "dist_autograd", False)])
+def test_embedding_collection_and_embedding_train_as_one_process(num_servers, sharding, push, prefetch):
     out = run_distributed(_train, 2 + num_servers, setup="hybrid", num_servers=num_servers, timeout=180,
-                          sharding=sharding)
+                          sharding=sharding, push=push, prefetch=prefetch)
     stats = out[0]
     for name in [*OPTIMIZERS, "emb"]:
         for server, st in stats[name].items():

@@ -391,13 +391,11 @@ class RemoteEmbedding(RemoteTable):
         if self.padding_idx is None:
             return
         coll = self.collection
-        t, lay = coll.tables[0], coll.layouts[0]
-        row = self.padding_idx % t.num_embeddings
-        pos = 0 if lay.sharding == "table_wise" else row % lay.num_shards
-        local = row if lay.sharding == "table_wise" else row // lay.num_shards
-        coll._wait([(lay.servers[pos], coll._call(lay.servers[pos], service.rpc_write_rows, coll.handle, t.name,
-                                                  local, torch.zeros(1, t.embedding_dim)))],
-                   f"zeroing padding row {row} of {coll.cid}")
+        t = coll.tables[0]
+        server, local = coll.router.locate(0, self.padding_idx)
+        coll._wait([(server, coll._call(server, service.rpc_write_rows, coll.handle, t.name, local,
+                                        torch.zeros(1, t.embedding_dim)))],
+                   f"zeroing padding row {self.padding_idx} of {coll.cid}")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if input.dtype not in (torch.int32, torch.int64):
@@ -405,7 +403,7 @@ class RemoteEmbedding(RemoteTable):
         ids = input.reshape(-1)
         keep = None
         if self.padding_idx is not None:
-            keep = ids != self.padding_idx % self.num_embeddings
+            keep = ids != self.padding_idx
             ids = ids[keep]
         kjt = KeyedJaggedTensor.from_lengths_sync(keys=[self.feature], values=ids,
                                                   lengths=torch.tensor([ids.numel()], dtype=torch.int32))

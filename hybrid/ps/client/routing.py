@@ -131,6 +131,13 @@ class Router:
         perm = [c for f in self.feature_order for c in range(where[f][0], where[f][0] + where[f][1])]
         self.columns = None if perm == list(range(col)) else torch.tensor(perm, dtype=torch.int64)
 
+    def locate(self, table: int, row: int) -> tuple[int, int]:
+        """(server, row in that server's shard) of global row ``row`` of table ``table`` (the
+        control plane's single-row writes; batches go through :meth:`route`)."""
+        lay = self.config.layouts[table]
+        ids = torch.tensor([row], dtype=torch.int64)
+        return lay.servers[int(lay.shard_of(ids)[0])], int(lay.local_ids(ids)[0])
+
     # -- forward --------------------------------------------------------------------------------
     def route(self, kjt: KeyedJaggedTensor, *, where: str) -> RoutedBatch:
         check_kjt(kjt, where=where)
