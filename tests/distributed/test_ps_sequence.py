@@ -161,8 +161,7 @@ def _train(rank, world_size, *, num_servers, sharding, push, prefetch):
 
 
 @pytest.mark.parametrize("num_servers,sharding,push,prefetch", [
-    (1, "table_wise", "rpc", False), (2, "table_wise", "rpc", False), (2, "row_wise", "rpc", True),
-    (1, "row_wise", "dist_autograd", False)])
+    (1, "table_wise", "rpc", False), (2, "row_wise", "rpc", True), (2, "table_wise", "dist_autograd", False)])
 def test_embedding_collection_and_embedding_train_as_one_process(num_servers, sharding, push, prefetch):
     out = run_distributed(_train, 2 + num_servers, setup="hybrid", num_servers=num_servers, timeout=180,
                           sharding=sharding, push=push, prefetch=prefetch)
