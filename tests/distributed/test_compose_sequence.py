@@ -6,7 +6,6 @@ then a checkpoint saved by the job restores into a second composed model with th
 and its export holds the unsharded model's keys -- the tables' whole.
 """
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

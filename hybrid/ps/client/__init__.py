@@ -46,6 +46,6 @@ def make_pipeline(*, trainer: int, num_servers: int, staleness: int, gradient_pu
 
 __all__ = [
     "BadBatchError", "BadIdError", "DistAutogradPush", "GRADIENT_PUSHES", "RemoteCollection", "RemoteEmbedding",
-    "RemoteEmbeddingBag", "RemoteEmbeddingBagCollection", "RemoteEmbeddingCollection", "RemoteTable", "RidingPush", "ServerError", "StepPipeline", "StepTimes", "make_pipeline",
-    "pipeline_of", "step",
+    "RemoteEmbeddingBag", "RemoteEmbeddingBagCollection", "RemoteEmbeddingCollection", "RemoteTable", "RidingPush",
+    "ServerError", "StepPipeline", "StepTimes", "make_pipeline", "pipeline_of", "step",
 ]
