@@ -139,3 +139,50 @@ def test_console_script_entry_point_is_main():
 
     (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "hybrid"]
     assert ep.value == "hybrid.cli:main"
+
+
+SEQ = f"{__name__}:sequence_model"
+
+
+def sequence_model(device=None):
+    """Item histories in an EmbeddingCollection, actions in a plain nn.Embedding, a head."""
+    from torch import nn
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    class Seq(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.items = EmbeddingCollection(tables=[
+                EmbeddingConfig(name="item", embedding_dim=16, num_embeddings=1000, feature_names=["hist"]),
+                EmbeddingConfig(name="cat", embedding_dim=16, num_embeddings=10, feature_names=["cat"]),
+            ], device=device)
+            self.actions = nn.Embedding(4, 16, padding_idx=0, device=device)
+            self.head = nn.Linear(16, 1, device=device)
+
+    return Seq()
+
+
+def test_show_lists_embedding_collections_and_embeddings_with_bytes_per_server(tmp_path, capsys):
+    path = str(write(tmp_path, f"""
+        model: {SEQ}
+        world_size: 4
+        topology: {{parameter_servers: 2}}
+        modules:
+          items: {{strategy: parameter_server, sharding: row_wise, optimizer: {{name: adam, lr: 0.01}}}}
+          actions: {{strategy: parameter_server, sharding: table_wise, optimizer: {{name: sgd, lr: 0.1}}}}
+          head: {{strategy: ddp}}
+    """))
+    assert cli.main(["plan", "show", path]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    items = next(line for line in lines if line.startswith("items "))
+    actions = next(line for line in lines if line.startswith("actions "))
+    assert "EmbeddingCollection" in items and "parameter_server" in items
+    assert "Embedding" in actions and "parameter_server" in actions
+    # Adam keeps 2 * dim + 1 floats per row beside the row: (16 + 33) * 4 bytes, on 505 of the
+    # 1010 rows per server (row-wise); table-wise puts the 4 x 16 floats of actions (sgd) on ps0.
+    item_bytes = 505 * (16 + 33) * 4
+    assert items.split()[-1] == "KiB" and f"{item_bytes / 1024:.1f} KiB" in items, items
+    assert actions.endswith("256 B"), actions
+    assert lines[-1] == (f"per server (rows + sparse optimizer state): ps0 {(item_bytes + 256) / 1024:.1f} KiB, "
+                         f"ps1 {item_bytes / 1024:.1f} KiB"), lines[-1]

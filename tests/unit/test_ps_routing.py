@@ -204,3 +204,45 @@ def test_a_batch_whose_lengths_and_values_disagree_is_refused_before_anything_is
                             weights=None if weights is None else torch.tensor(weights))
     with pytest.raises(BadBatchError, match=message):
         router.route(kjt, where="c")  # routing comes before anything is sent
+
+
+@pytest.mark.parametrize("num_servers,sharding,key_order", [(1, "row_wise", None), (3, "row_wise", ["s3", "s1", "s0", "s2"]),
+                                                            (2, "table_wise", None)])
+def test_unpooled_rows_and_gradients_equal_the_local_embedding_collection(num_servers, sharding, key_order):
+    """``Router.embed``: each id's row in batch order (empty and long sequences), and each unique
+    row's gradient the sum over its positions, sent once."""
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    torch.manual_seed(0)
+    tables = [EmbeddingConfig(name="t0", embedding_dim=4, num_embeddings=50, feature_names=["s0"]),
+              EmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=30, feature_names=["s1", "s2"]),
+              EmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=7, feature_names=["s3"])]
+    ec = EmbeddingCollection(tables=tables)
+    config = RemoteEmbeddingBagCollection.config_from(ec, cid="c", num_servers=num_servers, sharding=sharding,
+                                                      optimizer={"name": "sgd"}, num_trainers=1)
+    assert {t.pooling for t in config.tables} == {"none"}
+    router = Router(config)
+    data = global_batch(5, tables, 6, max_len=3)
+    data["s1"][0][2] = 0
+    data["s1"] = (torch.cat([data["s1"][0][:5], torch.tensor([40])]),
+                  torch.cat([data["s1"][1][: int(data["s1"][0][:5].sum())], torch.randint(0, 30, (40,))]), None)
+    kjt = kjt_slice(data, 0, 6, keys=key_order)
+    weights = {n: e.weight.detach() for n, e in ec.embeddings.items()}
+    routed = router.route(kjt, where="c")
+    rows = _serve(router, routed, weights)
+    got = router.embed(routed, rows)
+    want = ec(kjt)
+    assert list(got) == [f for t in tables for f in t.feature_names] == list(want)
+    loss_got, loss_want = 0, 0
+    for f in want:
+        torch.testing.assert_close(got[f], want[f].values(), rtol=0, atol=0)
+        g = torch.randn_like(got[f])
+        loss_got, loss_want = loss_got + (got[f] * g).sum(), loss_want + (want[f].values() * g).sum()
+    loss_got.backward()
+    loss_want.backward()
+    for name, grad in _table_grads(router, routed, rows).items():
+        torch.testing.assert_close(grad, ec.embeddings[name].weight.grad, rtol=1e-5, atol=1e-6)
+    sent = sum(req.ids.numel() for req in routed.requests.values())
+    distinct = sum(torch.unique(torch.cat([kjt[f].values() for f in t.feature_names])).numel() for t in tables)
+    assert sent == distinct < kjt.values().numel()
