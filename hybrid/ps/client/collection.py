@@ -413,9 +413,9 @@ class RemoteEmbedding(RemoteTable):
 
     def zero_padding_row(self) -> None:
         """Write zeros into the ``padding_idx`` row on its server (one trainer, at creation)."""
-        if self.padding_idx is None:
-            return
         coll = self.collection
+        if self.padding_idx is None or coll.config.dynamic is not None:
+            return  # a dynamic table never sees the padding id, so it never gets a row
         t = coll.tables[0]
         server, local = coll.router.locate(0, self.padding_idx)
         coll._wait([(server, coll._call(server, service.rpc_write_rows, coll.handle, t.name, local,
