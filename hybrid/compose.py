@@ -22,6 +22,7 @@ model's.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 import torch
@@ -33,7 +34,16 @@ from hybrid.launch.init import RuntimeOptions, device_type
 from hybrid.launch.roles import Role
 from hybrid.log import logger
 from hybrid.plan import Plan, ResolvedModule, ResolvedPlan, log_plan, resolve
-from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection, StepPipeline, make_pipeline
+from hybrid.ps.client import (
+    RemoteCollection,
+    RemoteEmbedding,
+    RemoteEmbeddingBag,
+    RemoteEmbeddingBagCollection,
+    RemoteEmbeddingCollection,
+    RemoteTable,
+    StepPipeline,
+    make_pipeline,
+)
 
 
 def _parent(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -46,36 +56,27 @@ def _parent(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
 def _apply_parameter_server(
     model: nn.Module, entry: ResolvedModule, *, resolved: ResolvedPlan, role: Role, name: str,
     pipeline: StepPipeline, timeout_s: float, init_tables: str, seed: int, start_step: int,
-) -> RemoteEmbeddingBagCollection:
+) -> RemoteCollection:
     """Swap the module at ``entry.fqn`` for its remote stand-in; trainer 0 creates the tables."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
     opts = entry.options
     module = model.get_submodule(entry.fqn)
     cid = f"{name}/{entry.fqn}" if name else entry.fqn
-    if isinstance(module, EmbeddingBagCollection):
-        local, bag = module, None
-    elif isinstance(module, nn.EmbeddingBag):
-        local, bag = RemoteEmbeddingBag.as_collection(module, cid=cid), module
-    else:
-        raise NotImplementedError(
-            f"modules.{entry.rule_key}: parameter_server for {type(module).__name__} at "
-            f"{entry.fqn!r} is not implemented yet (EmbeddingBagCollection and nn.EmbeddingBag are)"
-        )
-    config = RemoteEmbeddingBagCollection.config_from(
+    local, make_remote, wrap = _stand_in(module, cid, entry)
+    config = RemoteCollection.config_from(
         local, cid=cid, num_servers=resolved.num_servers, sharding=opts.sharding,
         servers=opts.server_list(resolved.num_servers), optimizer=opts.optimizer, num_trainers=role.num_trainers,
         staleness=resolved.plan.sync.staleness, gradient_scaling=resolved.plan.sync.gradient_scaling,
         id_policy=opts.id_policy, init_seed=seed, storage_dtype=opts.storage_dtype)
-    coll = RemoteEmbeddingBagCollection(config, pipeline=pipeline, server_names=pipeline.server_names,
-                                        timeout_s=timeout_s)
-    remote: nn.Module = coll if bag is None else RemoteEmbeddingBag(coll, include_last_offset=bag.include_last_offset)
+    coll = make_remote(config, pipeline=pipeline, server_names=pipeline.server_names, timeout_s=timeout_s)
+    remote: nn.Module = coll if wrap is None else wrap(coll)
     source = _table_source(module, entry.fqn, init_tables)
     if role.index == 0:
         # The servers' step bookkeeping starts where the trainers' numbering does (a resumed run).
         coll.create_on_servers(init="zeros" if source == "module" else "seed", start_step=start_step)
         if source == "module":
             coll.write_tables(_local_weights(module, config))
+        elif isinstance(remote, RemoteEmbedding):
+            remote.zero_padding_row()  # torch keeps the padding row zero
     parent, attr = _parent(model, entry.fqn)
     setattr(parent, attr, remote)  # the local tables, if any, go with the module
     logger.info(
@@ -84,6 +85,30 @@ def _apply_parameter_server(
         opts.optimizer.name, opts.optimizer.lr, "the module" if source == "module" else f"the servers (seed {seed})",
     )
     return coll
+
+
+def _stand_in(module: nn.Module, cid: str, entry: ResolvedModule):
+    """What replaces ``module``: ``(the collection whose tables go to the servers, the remote
+    collection's constructor, the wrapper of a plain one-table module or None)``."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    if isinstance(module, EmbeddingBagCollection):
+        return module, RemoteEmbeddingBagCollection, None
+    if isinstance(module, EmbeddingCollection):
+        return module, partial(RemoteEmbeddingCollection, need_indices=module.need_indices()), None
+    if isinstance(module, nn.EmbeddingBag):
+        return (RemoteEmbeddingBag.as_collection(module, cid=cid, path=entry.fqn), RemoteEmbeddingBagCollection,
+                partial(RemoteEmbeddingBag, include_last_offset=module.include_last_offset))
+    if isinstance(module, nn.Embedding):
+        if module.padding_idx is not None and not module.weight.is_meta \
+                and bool(module.weight[module.padding_idx].detach().any()):
+            raise ValueError(f"{entry.fqn}: row padding_idx={module.padding_idx} of the nn.Embedding is not zero; "
+                             f"on a parameter server the padding row reads as zero (torch's default), so "
+                             f"zero it before composing")
+        return (RemoteEmbedding.as_collection(module, cid=cid, path=entry.fqn), RemoteEmbeddingCollection,
+                partial(RemoteEmbedding, padding_idx=module.padding_idx))
+    raise ValueError(f"modules.{entry.rule_key}: parameter_server for {type(module).__name__} at {entry.fqn!r}: "
+                     f"expected an EmbeddingBagCollection, EmbeddingCollection, nn.EmbeddingBag or nn.Embedding")
 
 
 def _table_source(module: nn.Module, fqn: str, init_tables: str) -> str:
@@ -105,10 +130,11 @@ def _table_source(module: nn.Module, fqn: str, init_tables: str) -> str:
 
 
 def _local_weights(module: nn.Module, config) -> dict[str, torch.Tensor]:
-    """The tables of a local collection (or bag), by table name, to copy onto the servers."""
-    if isinstance(module, nn.EmbeddingBag):
+    """The tables of a local collection (or plain table), by table name, to copy onto the servers."""
+    if isinstance(module, (nn.EmbeddingBag, nn.Embedding)):
         return {config.tables[0].name: module.weight.detach()}
-    return {name: bag.weight.detach() for name, bag in module.embedding_bags.items()}
+    tables = module.embedding_bags if hasattr(module, "embedding_bags") else module.embeddings
+    return {name: t.weight.detach() for name, t in tables.items()}
 
 
 def _materialize(model: nn.Module, device: torch.device, *, seed: int) -> None:
@@ -121,7 +147,7 @@ def _materialize(model: nn.Module, device: torch.device, *, seed: int) -> None:
     shard of them. So every trainer's shards together are the one tensor a single process
     initializing the module gets, and only one module's whole parameters exist at a time.
     """
-    stubs = (RemoteEmbeddingBagCollection, RemoteEmbeddingBag)
+    stubs = (RemoteCollection, RemoteTable)
     on_meta = {
         fqn: ([n for n, p in m.named_parameters(recurse=False) if p.is_meta],
               [n for n, b in m.named_buffers(recurse=False) if b.is_meta])
@@ -262,7 +288,7 @@ def compose(
     _materialize(model, device, seed=seed)
     if device.type != "cpu":
         for n, m in model.named_modules():
-            if not isinstance(m, (RemoteEmbeddingBagCollection, RemoteEmbeddingBag)):
+            if not isinstance(m, (RemoteCollection, RemoteTable)):
                 m.to(device)
     for entry in order:
         if entry.strategy == "local":

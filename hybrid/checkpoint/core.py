@@ -37,7 +37,7 @@ from hybrid.checkpoint import files as F
 from hybrid.checkpoint import server_io
 from hybrid.checkpoint.files import CheckpointError, FileEntry
 from hybrid.log import logger
-from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection, pipeline_of
+from hybrid.ps.client import RemoteCollection, RemoteTable, pipeline_of
 
 DEFAULT_TIMEOUT_S = 1800.0
 
@@ -82,15 +82,15 @@ def _describe(e: BaseException) -> str:
     return text if isinstance(e, CheckpointError) else f"{type(e).__name__}: {text}"
 
 
-def remote_collections(model: nn.Module) -> list[tuple[str, RemoteEmbeddingBagCollection, dict[str, str]]]:
+def remote_collections(model: nn.Module) -> list[tuple[str, RemoteCollection, dict[str, str]]]:
     """``(module path, collection, {table: state-dict key})`` of every remote module of ``model``."""
     out = []
     for fqn, m in model.named_modules():
         prefix = f"{fqn}." if fqn else ""
-        if isinstance(m, RemoteEmbeddingBagCollection):
-            out.append((fqn, m, {t.name: f"{prefix}embedding_bags.{t.name}.weight" for t in m.tables}))
-        elif isinstance(m, RemoteEmbeddingBag):
-            out.append((fqn, m.collection, {m.collection.tables[0].name: f"{prefix}weight"}))
+        if isinstance(m, RemoteCollection):
+            out.append((fqn, m, m.state_keys(prefix)))
+        elif isinstance(m, RemoteTable):
+            out.append((fqn, m.collection, m.state_keys(prefix)))
     return out
 
 
@@ -104,14 +104,13 @@ def dense_only(model: nn.Module, *, placeholders: bool = False):
     servers save and load those themselves; otherwise every trainer would fetch every table).
     With ``placeholders``, ``state_dict()`` holds an empty tensor at each table's key instead,
     so its keys are the plain model's, in order."""
-    remotes = [m for m in model.modules() if isinstance(m, (RemoteEmbeddingBagCollection, RemoteEmbeddingBag))]
+    remotes = [m for m in model.modules() if isinstance(m, (RemoteCollection, RemoteTable))]
     for m in remotes:
-        names = [t.name for t in m.tables] if isinstance(m, RemoteEmbeddingBagCollection) else None
 
-        def save(destination, prefix, keep_vars, names=names):
+        def save(destination, prefix, keep_vars, m=m):
             if placeholders:
-                for key in [f"embedding_bags.{n}.weight" for n in names] if names is not None else ["weight"]:
-                    destination[prefix + key] = torch.empty(0)
+                for key in m.state_keys(prefix).values():
+                    destination[key] = torch.empty(0)
 
         m.__dict__["_save_to_state_dict"] = save
         m.__dict__["_load_from_state_dict"] = _no_load

@@ -255,6 +255,16 @@ def _check_embedding(e: ResolvedModule, module: nn.Module, rule: Rule) -> None:
             "'sum' and 'mean'"
         )
         raise _rule_error(rule, detail, "unsupported_table")
+    # The servers apply their own sparse optimizer to plain rows: nothing renormalizes rows, scales
+    # gradients by frequency or hands torch a sparse gradient.
+    if isinstance(module, nn.Embedding):
+        refused = [f"{k}={v!r}" for k, v in (("max_norm", module.max_norm),
+                                             ("scale_grad_by_freq", module.scale_grad_by_freq),
+                                             ("sparse", module.sparse)) if v not in (None, False)]
+        if refused:
+            detail = (f"nn.Embedding {e.fqn!r} has {', '.join(refused)}, which the parameter servers do not "
+                      "support; build it without (padding_idx is supported)")
+            raise _rule_error(rule, detail, "unsupported_table")
 
 
 def _check_servers(e: ResolvedModule, rule: Rule, num_servers: int) -> None:

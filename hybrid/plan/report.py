@@ -232,10 +232,7 @@ def _tables(fqn: str, module: nn.Module) -> list[TableSpec]:
     if hasattr(module, "embedding_bag_configs"):
         return table_specs(module.embedding_bag_configs())
     if hasattr(module, "embedding_configs"):  # EmbeddingCollection: sequence tables, no pooling
-        return [
-            TableSpec(c.name, c.num_embeddings, c.embedding_dim, tuple(c.feature_names))
-            for c in module.embedding_configs()
-        ]
+        return table_specs(module.embedding_configs())
     # nn.Embedding / nn.EmbeddingBag: one table, named after the module path.
     return [TableSpec(fqn, module.num_embeddings, module.embedding_dim, (fqn,))]
 

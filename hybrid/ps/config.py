@@ -17,7 +17,10 @@ SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 """The row-sparse optimizers the servers implement."""
 
 SparseOptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
-Pooling = Literal["sum", "mean"]
+Pooling = Literal["sum", "mean", "none"]
+"""How a feature's rows reach the model: pooled per bag (``sum``, ``mean``: an
+``EmbeddingBagCollection``) or one row per id (``none``: an ``EmbeddingCollection``). Only the
+trainer pools; a server stores and updates rows the same way for all three."""
 
 
 def state_floats_per_row(name: str, dim: int) -> int:
@@ -102,7 +105,7 @@ class TableSpec:
     feature_names: tuple[str, ...]
     """Features looked up in this table, in the collection's order."""
     pooling: Pooling = "sum"
-    """How a bag of rows becomes one vector on the trainer."""
+    """How a bag of rows becomes one vector on the trainer (``none``: it does not)."""
 
     @property
     def nbytes(self) -> int:
@@ -110,11 +113,16 @@ class TableSpec:
 
 
 def table_specs(configs) -> list[TableSpec]:
-    """TableSpecs from torchrec ``EmbeddingBagConfig``s (in the collection's order)."""
+    """TableSpecs from torchrec ``EmbeddingBagConfig``s (in the collection's order), or from
+    ``EmbeddingConfig``s (an ``EmbeddingCollection``'s: unpooled, pooling ``none``)."""
     from torchrec.modules.embedding_configs import PoolingType
 
     out = []
     for c in configs:
+        if not hasattr(c, "pooling"):  # EmbeddingConfig
+            out.append(TableSpec(name=c.name, num_embeddings=c.num_embeddings, embedding_dim=c.embedding_dim,
+                                 feature_names=tuple(c.feature_names or [c.name]), pooling="none"))
+            continue
         pooling = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}.get(c.pooling)
         if pooling is None:
             raise ValueError(f"table {c.name!r}: pooling {c.pooling} is not supported on a parameter server "
@@ -171,6 +179,13 @@ class CollectionConfig:
         return {self.layouts[i].table.name: self.layouts[i].rows_on(server) *
                 row_bytes(self.optimizer.name, self.layouts[i].table.embedding_dim, self.storage_dtype)
                 for i in self.held(server)}
+
+
+def single_table_name(path: str) -> str:
+    """The table name of a plain ``nn.Embedding`` / ``nn.EmbeddingBag`` at module path ``path``
+    (the same whatever ``compose``'s ``name``, so a checkpoint loads into a model composed under
+    another name: the collection id namespaces it on the servers)."""
+    return path.replace(".", "_").replace("/", "_") or "weight"
 
 
 def collection_handle(cid: str) -> int:

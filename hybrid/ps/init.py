@@ -44,21 +44,36 @@ def initial_rows(name: str, num_embeddings: int, dim: int, rows: torch.Tensor, *
     return out
 
 
-def init_tables(ebc: torch.nn.Module, *, seed: int = 0) -> torch.nn.Module:
+def init_tables(ebc: torch.nn.Module, *, seed: int = 0, path: str | None = None) -> torch.nn.Module:
     """Fill every table of a local ``EmbeddingBagCollection`` (or ``EmbeddingCollection``) with
     the values the parameter servers give it in a hybrid run with the same ``seed`` (compose's
     ``seed``): the one-process twin of a hybrid run's tables, bit for bit, whatever the sharding
     and the number of servers. Tables on the meta device are allocated on the CPU first. Returns
-    ``ebc``. Public as ``hybrid.init_tables``."""
-    configs = ebc.embedding_bag_configs() if hasattr(ebc, "embedding_bag_configs") else ebc.embedding_configs()
-    modules = ebc.embedding_bags if hasattr(ebc, "embedding_bags") else ebc.embeddings
+    ``ebc``. Public as ``hybrid.init_tables``.
+
+    A plain ``nn.Embedding`` / ``nn.EmbeddingBag`` works too, given ``path``, its module path in
+    the model (its table is named after it); its ``padding_idx`` row is zero, as on the servers."""
+    import torch.nn as nn
+
+    from hybrid.ps.config import single_table_name
+
+    if isinstance(ebc, (nn.Embedding, nn.EmbeddingBag)):
+        if path is None:
+            raise ValueError(f"init_tables: a plain {type(ebc).__name__}'s table is named after its module path; "
+                             f"pass path='<its path in the model>'")
+        tables = [(single_table_name(path), ebc.num_embeddings, ebc.embedding_dim, ebc)]
+    else:
+        configs = ebc.embedding_bag_configs() if hasattr(ebc, "embedding_bag_configs") else ebc.embedding_configs()
+        modules = ebc.embedding_bags if hasattr(ebc, "embedding_bags") else ebc.embeddings
+        tables = [(c.name, c.num_embeddings, c.embedding_dim, modules[c.name]) for c in configs]
     with torch.no_grad():
-        for c in configs:
-            module = modules[c.name]
+        for name, num_embeddings, dim, module in tables:
             if module.weight.is_meta:
                 module.to_empty(device="cpu")
-            for start in range(0, c.num_embeddings, CHUNK_ROWS):
-                rows = torch.arange(start, min(start + CHUNK_ROWS, c.num_embeddings))
-                initial_rows(c.name, c.num_embeddings, c.embedding_dim, rows, seed=seed,
+            for start in range(0, num_embeddings, CHUNK_ROWS):
+                rows = torch.arange(start, min(start + CHUNK_ROWS, num_embeddings))
+                initial_rows(name, num_embeddings, dim, rows, seed=seed,
                              out=module.weight[start : start + rows.numel()])
+            if getattr(module, "padding_idx", None) is not None:
+                module.weight[module.padding_idx].zero_()
     return ebc

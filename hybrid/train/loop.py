@@ -37,7 +37,7 @@ from hybrid.launch.failure import fail
 from hybrid.launch.serve import release_servers, serve
 from hybrid.log import init_logging, logger
 from hybrid.plan import Plan, PlanError, ResolvedPlan, load_plan, resolve, summarize
-from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection, pipeline_of
+from hybrid.ps.client import RemoteCollection, RemoteTable, pipeline_of
 from hybrid.train import metrics as M
 from hybrid.train.config import RunConfig, config_dict, load_config
 from hybrid.train.report import MetricsWriter, fmt, plot_curves, table
@@ -156,12 +156,12 @@ def dense_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.Adagrad(params, lr=lr)
 
 
-def remote_collections(model: nn.Module) -> list[RemoteEmbeddingBagCollection]:
+def remote_collections(model: nn.Module) -> list[RemoteCollection]:
     out = []
     for m in model.modules():
-        if isinstance(m, RemoteEmbeddingBagCollection):
+        if isinstance(m, RemoteCollection):
             out.append(m)
-        elif isinstance(m, RemoteEmbeddingBag):
+        elif isinstance(m, RemoteTable):
             out.append(m.collection)
     return out
 

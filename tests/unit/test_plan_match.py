@@ -170,6 +170,18 @@ def test_unsupported_pooling_is_refused():
     assert e.value.category == "unsupported_table"
 
 
+@pytest.mark.parametrize("option,shown", [({"max_norm": 1.0}, "max_norm=1.0"),
+                                          ({"scale_grad_by_freq": True}, "scale_grad_by_freq=True"),
+                                          ({"sparse": True}, "sparse=True")])
+def test_embedding_options_the_servers_lack_are_refused(option, shown):
+    model = PlainEmbeddings()
+    model.emb = nn.Embedding(500, 4, padding_idx=0, **option)
+    with pytest.raises(PlanError, match=rf"modules\.emb: nn\.Embedding 'emb' has {shown}, which the parameter "
+                                        rf"servers do not support; build it without \(padding_idx is supported\)") as e:
+        resolved({"emb": PS_RULE, "*": DDP}, model=model)
+    assert e.value.category == "unsupported_table"
+
+
 def test_resolve_errors_name_the_file_line(tmp_path):
     from hybrid.plan import load_plan
     from tests.unit.test_plan_models import write

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from hybrid.ps.client.collection import BadBatchError, BadIdError, RemoteEmbeddingBag, RemoteEmbeddingBagCollection
+from hybrid.ps.client.collection import (
+    BadBatchError,
+    BadIdError,
+    RemoteCollection,
+    RemoteEmbedding,
+    RemoteEmbeddingBag,
+    RemoteEmbeddingBagCollection,
+    RemoteEmbeddingCollection,
+    RemoteTable,
+)
 from hybrid.ps.client.pipeline import (
     GRADIENT_PUSHES,
     DistAutogradPush,
@@ -36,7 +45,7 @@ def make_pipeline(*, trainer: int, num_servers: int, staleness: int, gradient_pu
 
 
 __all__ = [
-    "BadBatchError", "BadIdError", "DistAutogradPush", "GRADIENT_PUSHES", "RemoteEmbeddingBag",
-    "RemoteEmbeddingBagCollection", "RidingPush", "ServerError", "StepPipeline", "StepTimes", "make_pipeline",
+    "BadBatchError", "BadIdError", "DistAutogradPush", "GRADIENT_PUSHES", "RemoteCollection", "RemoteEmbedding",
+    "RemoteEmbeddingBag", "RemoteEmbeddingBagCollection", "RemoteEmbeddingCollection", "RemoteTable", "RidingPush", "ServerError", "StepPipeline", "StepTimes", "make_pipeline",
     "pipeline_of", "step",
 ]

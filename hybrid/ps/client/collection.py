@@ -1,12 +1,17 @@
 """Trainer side: modules that stand in for embedding collections whose tables live on servers,
 and return exactly what the originals return.
 
-:class:`RemoteEmbeddingBagCollection` replaces a torchrec ``EmbeddingBagCollection``,
-:class:`RemoteEmbeddingBag` a plain ``nn.EmbeddingBag``. In a training step their lookups go
-through the model's :class:`~hybrid.ps.client.pipeline.StepPipeline` (one message per server,
-gradients pushed back); outside one (evaluation, ``torch.no_grad()``) they read the rows as of the
-last step this trainer finished. Creating tables, loading given weights, ``state_dict`` and the
-counters go over RPC, the control plane.
+:class:`RemoteCollection` is what every stand-in shares -- the tables' layout, the control plane
+(creating tables, loading given weights, reading them back, the counters, over RPC) and the
+lookup of a batch's rows, through the model's :class:`~hybrid.ps.client.pipeline.StepPipeline`
+in a training step (one message per server, gradients pushed back) or, outside one (evaluation,
+``torch.no_grad()``), as of the last step this trainer finished. The subclasses differ only in
+what they make of the rows:
+
+- :class:`RemoteEmbeddingBagCollection` replaces a torchrec ``EmbeddingBagCollection`` (pooled:
+  a ``KeyedTensor``), :class:`RemoteEmbeddingBag` a plain ``nn.EmbeddingBag``;
+- :class:`RemoteEmbeddingCollection` replaces a torchrec ``EmbeddingCollection`` (unpooled: a
+  ``Dict[str, JaggedTensor]``), :class:`RemoteEmbedding` a plain ``nn.Embedding``.
 """
 
 from __future__ import annotations
@@ -14,12 +19,12 @@ from __future__ import annotations
 import torch
 import torch.distributed.rpc as rpc
 from torch import nn
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from hybrid.errors import PlanError
 from hybrid.ps.client.pipeline import StepPipeline, _server_error
 from hybrid.ps.client.routing import BadBatchError, BadIdError, RoutedBatch, Router
-from hybrid.ps.config import CollectionConfig, OptimizerSpec, collection_handle, table_specs
+from hybrid.ps.config import CollectionConfig, OptimizerSpec, collection_handle, single_table_name, table_specs
 from hybrid.ps.server import service
 from hybrid.ps.sharding import shard_tables
 
@@ -28,15 +33,17 @@ WRITE_CHUNK_BYTES = 16 << 20
 WRITE_WINDOW_BYTES = 64 << 20
 """At most this much of a load in flight per server (bounded memory on both ends)."""
 
-__all__ = ["BadBatchError", "BadIdError", "RemoteEmbeddingBag", "RemoteEmbeddingBagCollection"]
+__all__ = ["BadBatchError", "BadIdError", "RemoteCollection", "RemoteEmbedding", "RemoteEmbeddingBag",
+           "RemoteEmbeddingBagCollection", "RemoteEmbeddingCollection", "RemoteTable", "single_table_name"]
 
 
-class RemoteEmbeddingBagCollection(nn.Module):
-    """Drop-in for ``torchrec.EmbeddingBagCollection`` with its tables on parameter servers.
+class RemoteCollection(nn.Module):
+    """Tables of one collection on parameter servers: what every stand-in shares (see the module
+    docstring). ``state_dict()`` yields the original's keys (``<tables_attr>.<table>.weight``),
+    fetched from the servers."""
 
-    ``state_dict()`` yields the same keys as the original (``embedding_bags.<table>.weight``),
-    fetched from the servers.
-    """
+    tables_attr = ""
+    """The original module's attribute holding its tables (``embedding_bags``, ``embeddings``)."""
 
     def __init__(self, config: CollectionConfig, *, pipeline: StepPipeline, server_names: list[str],
                  timeout_s: float = 300.0) -> None:
@@ -58,18 +65,30 @@ class RemoteEmbeddingBagCollection(nn.Module):
         return self.pipeline
 
     @staticmethod
-    def config_from(ebc: nn.Module, *, cid: str, num_servers: int, sharding: str = "row_wise",
+    def config_from(module: nn.Module, *, cid: str, num_servers: int, sharding: str = "row_wise",
                     servers: list[int] | None = None, optimizer: OptimizerSpec | dict, num_trainers: int,
                     **options) -> CollectionConfig:
-        """The :class:`CollectionConfig` of a local ``EmbeddingBagCollection`` (real or on meta)."""
-        specs = table_specs(ebc.embedding_bag_configs())
-        if ebc.is_weighted() and any(t.pooling == "mean" for t in specs):
+        """The :class:`CollectionConfig` of a local ``EmbeddingBagCollection`` or
+        ``EmbeddingCollection`` (real or on meta)."""
+        if hasattr(module, "embedding_bag_configs"):
+            specs, weighted = table_specs(module.embedding_bag_configs()), module.is_weighted()
+        else:
+            specs, weighted = table_specs(module.embedding_configs()), False
+        if weighted and any(t.pooling == "mean" for t in specs):
             raise ValueError(f"{cid}: per-sample weights with mean pooling are not supported "
                              f"(torch's embedding_bag refuses them)")
+        seen: dict[str, str] = {}
+        for t in specs:
+            for f in t.feature_names:
+                if f in seen:
+                    raise ValueError(f"{cid}: feature {f!r} is read by tables {seen[f]!r} and {t.name!r}; on a "
+                                     f"parameter server a feature reads one table (give each table its own "
+                                     f"feature names)")
+                seen[f] = t.name
         opt = optimizer if isinstance(optimizer, OptimizerSpec) else OptimizerSpec(**optimizer)
         return CollectionConfig(cid=cid, tables=tuple(specs), layouts=tuple(shard_tables(specs, num_servers, sharding,
                                                                                          servers)),
-                                optimizer=opt, num_trainers=num_trainers, weighted=ebc.is_weighted(), **options)
+                                optimizer=opt, num_trainers=num_trainers, weighted=weighted, **options)
 
     # -- control plane --------------------------------------------------------------------------
     def _call(self, server: int, fn, *args) -> torch.futures.Future:
@@ -149,19 +168,21 @@ class RemoteEmbeddingBagCollection(nn.Module):
         futs = [(s, self._call(s, service.rpc_stats, self.handle)) for s in self.servers]
         return {self.server_names[s]: d for (s, _), d in zip(futs, self._wait(futs, f"counters of {self.cid}"))}
 
-    def is_weighted(self) -> bool:
-        return self.config.weighted
-
     # -- state dict: same keys as the local collection --------------------------------------------
+    def state_keys(self, prefix: str = "") -> dict[str, str]:
+        """Table name -> its key in the original module's state dict (under ``prefix``)."""
+        return {t.name: f"{prefix}{self.tables_attr}.{t.name}.weight" for t in self.tables}
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        keys = self.state_keys(prefix)
         for name, w in self.read_tables().items():
-            destination[f"{prefix}embedding_bags.{name}.weight"] = w
+            destination[keys[name]] = w
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         found = {}
         for t in self.tables:
-            key = f"{prefix}embedding_bags.{t.name}.weight"
+            key = f"{prefix}{self.tables_attr}.{t.name}.weight"
             if key in state_dict:
                 found[t.name] = state_dict[key]
             elif strict:
@@ -182,14 +203,14 @@ class RemoteEmbeddingBagCollection(nn.Module):
         """Ask now for the rows of the next step's batch (see :meth:`StepPipeline.prefetch`)."""
         self.pipeline.prefetch(kjt)
 
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+    def rows(self, features: KeyedJaggedTensor) -> tuple[RoutedBatch, dict[int, torch.Tensor]]:
+        """The batch routed, and each server's reply: in a training step (with gradients) this
+        step's rows, leaves whose gradients go back to the servers; otherwise read as of the last
+        step this trainer finished."""
         pipeline = self.pipeline
         if pipeline.current is not None and torch.is_grad_enabled():
-            routed, rows = pipeline.lookup(self, features)
-        else:
-            routed, rows = self._read(features)
-        return KeyedTensor(keys=self.router.embedding_names, length_per_key=self.router.length_per_key,
-                           values=self.router.pool(routed, rows))
+            return pipeline.lookup(self, features)
+        return self._read(features)
 
     def _read(self, kjt: KeyedJaggedTensor) -> tuple[RoutedBatch, dict[int, torch.Tensor]]:
         """Rows without gradient, as of the last step this trainer finished."""
@@ -205,7 +226,84 @@ class RemoteEmbeddingBagCollection(nn.Module):
                 f"sharding={'/'.join(sorted(shard))}, optimizer={self.config.optimizer.name}")
 
 
-class RemoteEmbeddingBag(nn.Module):
+class RemoteEmbeddingBagCollection(RemoteCollection):
+    """Drop-in for ``torchrec.EmbeddingBagCollection`` with its tables on parameter servers:
+    returns the same ``KeyedTensor``; ``state_dict()`` keys ``embedding_bags.<table>.weight``."""
+
+    tables_attr = "embedding_bags"
+
+    def is_weighted(self) -> bool:
+        return self.config.weighted
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        routed, rows = self.rows(features)
+        return KeyedTensor(keys=self.router.embedding_names, length_per_key=self.router.length_per_key,
+                           values=self.router.pool(routed, rows))
+
+
+class RemoteEmbeddingCollection(RemoteCollection):
+    """Drop-in for ``torchrec.EmbeddingCollection`` (unpooled) with its tables on parameter
+    servers: returns the same ``Dict[str, JaggedTensor]`` -- per feature one row per id, the
+    batch's lengths, and the ids as weights with ``need_indices`` -- and ``state_dict()`` keys
+    ``embeddings.<table>.weight``. Each unique id of a batch crosses the wire once; its gradient
+    is the sum over the positions it filled."""
+
+    tables_attr = "embeddings"
+
+    def __init__(self, config: CollectionConfig, *, pipeline: StepPipeline, server_names: list[str],
+                 timeout_s: float = 300.0, need_indices: bool = False) -> None:
+        if any(t.pooling != "none" for t in config.tables):
+            raise ValueError(f"{config.cid}: an EmbeddingCollection's tables are unpooled; got pooling "
+                             f"{sorted({t.pooling for t in config.tables})}")
+        super().__init__(config, pipeline=pipeline, server_names=server_names, timeout_s=timeout_s)
+        self._need_indices = need_indices
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def embedding_dim(self) -> int:
+        return self.tables[0].embedding_dim
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        routed, rows = self.rows(features)
+        values = self.router.embed(routed, rows)
+        jts = features.to_dict()
+        return {f: JaggedTensor(values=values[f], lengths=jts[f].lengths(),
+                                weights=jts[f].values() if self._need_indices else None)
+                for f in self.router.feature_order}
+
+
+class RemoteTable(nn.Module):
+    """A plain one-table module (``nn.EmbeddingBag``, ``nn.Embedding``) on servers: a one-table
+    collection underneath, and the original's one state-dict key, ``weight``."""
+
+    def __init__(self, collection: RemoteCollection) -> None:
+        super().__init__()
+        # Not a registered child: its state-dict keys (embedding_bags.*, embeddings.*) are not this module's.
+        object.__setattr__(self, "collection", collection)
+        self.feature = collection.tables[0].feature_names[0]
+
+    @property
+    def _hybrid_pipeline(self) -> StepPipeline:
+        return self.collection.pipeline
+
+    def state_keys(self, prefix: str = "") -> dict[str, str]:
+        """Table name -> its key in the original module's state dict (under ``prefix``)."""
+        return {self.collection.tables[0].name: f"{prefix}weight"}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[f"{prefix}weight"] = self.collection.read_tables()[self.collection.tables[0].name]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = f"{prefix}weight"
+        if key in state_dict:
+            self.collection.write_tables({self.collection.tables[0].name: state_dict[key]})
+        elif strict:
+            missing_keys.append(key)
+
+
+class RemoteEmbeddingBag(RemoteTable):
     """Drop-in for a plain ``nn.EmbeddingBag`` (sum or mean) whose one table lives on servers.
 
     Same call forms as the original (2-D input, or 1-D input with offsets, optional
@@ -213,19 +311,13 @@ class RemoteEmbeddingBag(nn.Module):
     """
 
     def __init__(self, collection: RemoteEmbeddingBagCollection, *, include_last_offset: bool) -> None:
-        super().__init__()
-        # Not a registered child: its state-dict keys (embedding_bags.*) are not this module's.
-        object.__setattr__(self, "collection", collection)
+        super().__init__(collection)
         self.include_last_offset = include_last_offset
-        self.feature = collection.tables[0].feature_names[0]
-
-    @property
-    def _hybrid_pipeline(self) -> StepPipeline:
-        return self.collection.pipeline
 
     @staticmethod
-    def as_collection(bag: nn.EmbeddingBag, *, cid: str):
-        """A one-table ``EmbeddingBagCollection`` on meta with ``bag``'s shape and pooling."""
+    def as_collection(bag: nn.EmbeddingBag, *, cid: str, path: str | None = None):
+        """A one-table ``EmbeddingBagCollection`` on meta with ``bag``'s shape and pooling, its
+        table named after ``path`` (the module path; default ``cid``)."""
         from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -234,7 +326,7 @@ class RemoteEmbeddingBag(nn.Module):
                              f"(sum, mean)")
         if bag.padding_idx is not None or bag.max_norm is not None:
             raise ValueError(f"{cid}: padding_idx and max_norm are not supported on a parameter server")
-        name = cid.replace(".", "_").replace("/", "_") or "weight"
+        name = single_table_name(cid if path is None else path)
         config = EmbeddingBagConfig(
             name=name, embedding_dim=bag.embedding_dim, num_embeddings=bag.num_embeddings, feature_names=[name],
             pooling=PoolingType.SUM if bag.mode == "sum" else PoolingType.MEAN)
@@ -260,13 +352,65 @@ class RemoteEmbeddingBag(nn.Module):
         kjt = KeyedJaggedTensor.from_lengths_sync(keys=[self.feature], values=values, lengths=lengths, weights=weights)
         return self.collection(kjt).values()
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[f"{prefix}weight"] = self.collection.read_tables()[self.collection.tables[0].name]
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        key = f"{prefix}weight"
-        if key in state_dict:
-            self.collection.write_tables({self.collection.tables[0].name: state_dict[key]})
-        elif strict:
-            missing_keys.append(key)
+class RemoteEmbedding(RemoteTable):
+    """Drop-in for a plain ``nn.Embedding`` whose one table lives on servers: an id tensor of any
+    shape ``S`` gives ``S + (embedding_dim,)``, as the original.
+
+    With ``padding_idx`` as torch: that id's row is zero and gets no gradient -- its positions
+    are not looked up at all (zeros in the output), and the servers' row is zero (written so at
+    creation), so ``state_dict`` shows the zero row torch keeps.
+    """
+
+    def __init__(self, collection: RemoteEmbeddingCollection, *, padding_idx: int | None = None) -> None:
+        super().__init__(collection)
+        self.padding_idx = padding_idx
+        self.embedding_dim = collection.tables[0].embedding_dim
+        self.num_embeddings = collection.tables[0].num_embeddings
+
+    @staticmethod
+    def as_collection(emb: nn.Embedding, *, cid: str, path: str | None = None):
+        """A one-table ``EmbeddingCollection`` on meta with ``emb``'s shape, its table named after
+        ``path`` (the module path; default ``cid``). Refuses what the servers cannot do as torch
+        does (``max_norm``, ``scale_grad_by_freq``, ``sparse``)."""
+        from torchrec.modules.embedding_configs import EmbeddingConfig
+        from torchrec.modules.embedding_modules import EmbeddingCollection
+
+        refused = [f"{k}={v!r}" for k, v in (("max_norm", emb.max_norm), ("scale_grad_by_freq", emb.scale_grad_by_freq),
+                                             ("sparse", emb.sparse)) if v not in (None, False)]
+        if refused:
+            raise ValueError(f"{cid}: nn.Embedding with {', '.join(refused)} is not supported on a parameter server "
+                             f"(the servers apply their own sparse optimizer to plain rows)")
+        name = single_table_name(cid if path is None else path)
+        config = EmbeddingConfig(name=name, embedding_dim=emb.embedding_dim, num_embeddings=emb.num_embeddings,
+                                 feature_names=[name])
+        return EmbeddingCollection(tables=[config], device=torch.device("meta"))
+
+    def zero_padding_row(self) -> None:
+        """Write zeros into the ``padding_idx`` row on its server (one trainer, at creation)."""
+        if self.padding_idx is None:
+            return
+        coll = self.collection
+        t, lay = coll.tables[0], coll.layouts[0]
+        row = self.padding_idx % t.num_embeddings
+        pos = 0 if lay.sharding == "table_wise" else row % lay.num_shards
+        local = row if lay.sharding == "table_wise" else row // lay.num_shards
+        coll._wait([(lay.servers[pos], coll._call(lay.servers[pos], service.rpc_write_rows, coll.handle, t.name,
+                                                  local, torch.zeros(1, t.embedding_dim)))],
+                   f"zeroing padding row {row} of {coll.cid}")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if input.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{self.feature}: nn.Embedding takes int32 or int64 ids; got {input.dtype}")
+        ids = input.reshape(-1)
+        keep = None
+        if self.padding_idx is not None:
+            keep = ids != self.padding_idx % self.num_embeddings
+            ids = ids[keep]
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=[self.feature], values=ids,
+                                                  lengths=torch.tensor([ids.numel()], dtype=torch.int32))
+        rows = self.collection(kjt)[self.feature].values()
+        if keep is not None:
+            full = rows.new_zeros(input.numel(), self.embedding_dim)
+            rows = full.index_put((keep.nonzero().squeeze(1).to(rows.device),), rows)
+        return rows.view(*input.shape, self.embedding_dim)

@@ -12,6 +12,14 @@ Pooling (:class:`PooledRows`) is one ``embedding_bag`` over every bag of a group
 sample by sample so that its output is already the ``KeyedTensor`` layout; its backward is one
 more ``embedding_bag`` -- the bags' gradients as the table, one bag per reply row listing the
 bags its ids fell in -- with no id-sized copy and no second sort.
+
+Unpooled tables (an ``EmbeddingCollection``'s, pooling ``none``) are routed the same way, ids
+kept in the batch's (feature-major) order: :meth:`Router.embed` gives every id its reply row by
+one ``embedding`` lookup, whose backward sums the gradients of an id's positions into its one
+reply row, so a server gets one gradient per unique row exactly as for bags.
+
+A table's id -> (server, local row) mapping lives here alone (:class:`TableGroup`'s constants
+and :func:`hybrid.ops.route`); the collection stand-ins never compute it.
 """
 
 from __future__ import annotations
@@ -96,6 +104,8 @@ class RoutedBatch:
     splits: dict[int, list[int]]
     """Server -> floats of its reply that belong to each group, in group order."""
     batch_size: int
+    counts: list[list[int] | None] = dataclasses.field(default_factory=list)
+    """Per group: ids per feature (unpooled groups; ``None`` for pooled ones)."""
 
 
 class Router:
@@ -128,7 +138,8 @@ class Router:
         if missing:
             raise ValueError(f"{where}: the input KeyedJaggedTensor lacks features {missing}; it has {kjt.keys()}")
         b = kjt.stride()
-        routes = [self._route_group(g, kjt, b) for g in self.groups]
+        routed_groups = [self._route_group(g, kjt, b) for g in self.groups]
+        routes = [r for r, _ in routed_groups]
         requests, num_raw, splits = {}, {}, {}
         for r, s in enumerate(self.servers):
             tables, counts, ids, split = [], [], [], []
@@ -145,17 +156,24 @@ class Router:
                 raw += int(route.raw[r])
             requests[s] = Rows(tables, counts, ids[0] if len(ids) == 1 else torch.cat(ids))
             num_raw[s], splits[s] = raw, split
-        return RoutedBatch(requests=requests, num_raw=num_raw, routes=routes, splits=splits, batch_size=b)
+        return RoutedBatch(requests=requests, num_raw=num_raw, routes=routes, splits=splits, batch_size=b,
+                           counts=[c for _, c in routed_groups])
 
-    def _route_group(self, g: TableGroup, kjt: KeyedJaggedTensor, b: int) -> ops.Route:
+    def _route_group(self, g: TableGroup, kjt: KeyedJaggedTensor, b: int) -> tuple[ops.Route, list[int] | None]:
+        """The group's route, and for an unpooled group its ids per feature. Pooled groups order
+        their bags sample by sample (the ``KeyedTensor`` layout); unpooled ones keep the ids in
+        feature-major order, each feature's a contiguous run."""
         values, lengths, weights = _features(kjt, g.features, weighted=self.config.weighted)
         args = (g.feature_table, g.row_base, g.shards, g.server_rank)
-        kw = dict(num_servers=len(self.servers), batch_size=b, weights=weights, mean=g.pooling == "mean")
+        unpooled = g.pooling == "none"
+        kw = dict(num_servers=len(self.servers), batch_size=b, weights=weights, mean=g.pooling == "mean",
+                  sample_major=not unpooled)
+        counts = lengths.view(len(g.features), b).sum(1).tolist() if unpooled else None
         try:
-            return ops.route(values, lengths, *args, **kw)
+            return ops.route(values, lengths, *args, **kw), counts
         except ops.RowOutOfRange:
             values = self._fix_ids(g, values, lengths, b)
-            return ops.route(values, lengths, *args, **kw)
+            return ops.route(values, lengths, *args, **kw), counts
 
     def _fix_ids(self, g: TableGroup, values: torch.Tensor, lengths: torch.Tensor, b: int) -> torch.Tensor:
         """The group's ids under ``id_policy`` once some id is outside its table: wrapped
@@ -190,14 +208,30 @@ class Router:
         outs = []
         parts = {s: rows[s].split(routed.splits[s]) for s in self.servers}
         for k, (g, route) in enumerate(zip(self.groups, routed.routes)):
-            chunks = [parts[s][k].view(-1, g.dim) for s in self.servers]
-            table_rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            table_rows = self._group_rows(parts, k, g)
             route = _on_device(route, table_rows.device)
             outs.append(PooledRows.apply(table_rows, route, g.pooling).view(routed.batch_size, -1))
         values = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self.columns is None:
             return values
         return values.index_select(1, self.columns.to(values.device, non_blocking=True))
+
+    def embed(self, routed: RoutedBatch, rows: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Feature -> its ids' rows ``[ids of the feature, dim]`` in the batch's order (an
+        unpooled collection), from each server's reply. The backward sums the gradients of each
+        unique row's positions into its reply row."""
+        out: dict[str, torch.Tensor] = {}
+        parts = {s: rows[s].split(routed.splits[s]) for s in self.servers}
+        for k, (g, route) in enumerate(zip(self.groups, routed.routes)):
+            table_rows = self._group_rows(parts, k, g)
+            values = F.embedding(route.idx.to(table_rows.device, non_blocking=True), table_rows)
+            out.update(zip(g.features, values.split(routed.counts[k])))
+        return out
+
+    def _group_rows(self, parts: dict[int, tuple[torch.Tensor, ...]], k: int, g: TableGroup) -> torch.Tensor:
+        """Group ``k``'s reply rows ``[unique rows, dim]``, servers in order (the route's row order)."""
+        chunks = [parts[s][k].view(-1, g.dim) for s in self.servers]
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 def _features(kjt: KeyedJaggedTensor, features: list[str], *, weighted: bool
