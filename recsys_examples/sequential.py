@@ -57,7 +57,9 @@ class TransformerBlock(nn.Module):
         self.heads = heads
         self.dropout = dropout
         self.norm1 = nn.LayerNorm(dim, device=device)
-        self.qkv = nn.Linear(dim, 3 * dim, device=device)
+        # No bias: a key bias gets a zero gradient (softmax ignores a shift shared by all keys), and
+        # Adam would turn the rounding noise of that zero into full-size steps.
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False, device=device)
         self.proj = nn.Linear(dim, dim, device=device)
         self.norm2 = nn.LayerNorm(dim, device=device)
         self.ffn_in = nn.Linear(dim, ffn_mult * dim, device=device)
