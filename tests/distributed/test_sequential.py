@@ -8,6 +8,7 @@ a trainer's negatives are its own batch, so one process computes the mean of the
 """
 
 import dataclasses
+import json
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from hybrid.launch.roles import role_of
 from hybrid.plan import plan_from_dict
 from recsys_examples.sequential import SequentialTask, build_sequential, sequential
 from tests.harness import run_distributed
+from tests.support.cli import run_hybrid
 from tests.support.sparse import ReferenceSparseOptimizer
 
 STEPS, B = 20, 6
@@ -103,3 +105,30 @@ def test_synthetic_sequences_do_not_depend_on_the_split():
         part = whole.slice(r * B, (r + 1) * B)
         assert torch.equal(part.sparse.values(), h.sparse.values())
         assert torch.equal(part.sparse.lengths(), h.sparse.lengths())
+
+
+def test_launch_trains_the_example_and_prints_metrics_beside_the_popularity_baseline(tmp_path):
+    """The shipped plan and config through ``hybrid launch`` (fewer steps): exit 0, the summary
+    has recall@10 and NDCG@10 beside the popularity baseline's, the model beats it."""
+    out = tmp_path / "run"
+    res = run_hybrid(["launch", "-n", "3", "train", "--plan", "conf/plans/sequential.yaml", "--config",
+                      "conf/train/sequential.yaml", "train.steps=60", "train.eval_every=30", "train.progress=false",
+                      "train.plot=false", f"train.out_dir={out}"], timeout=240)
+    assert res.returncode == 0, res.output
+    summary = res.stdout[res.stdout.index("== hybrid run summary =="):]
+    for line in ("eval recall@10", "eval ndcg@10", "eval popularity_recall@10", "eval popularity_ndcg@10", "ps0"):
+        assert line in summary, summary
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 30, 60]
+    assert evals[-1]["recall@10"] > evals[0]["recall@10"] and evals[-1]["ndcg@10"] > evals[0]["ndcg@10"], evals
+
+
+def test_a_bad_sequence_row_ends_the_launch_with_its_file_and_line(tmp_path):
+    data = tmp_path / "hist.csv"
+    data.write_text("user,items\n" + "".join(f"u{i},{i}|{i + 1}|{i + 2}\n" for i in range(20)) + "u20,4|oops|5\n")
+    res = run_hybrid(["launch", "-n", "3", "train", "--plan", "conf/plans/sequential.yaml", "--config",
+                      "conf/train/sequential.yaml", "data.source=csv", f"data.train_paths=[{data}]",
+                      "train.progress=false", f"train.out_dir={tmp_path / 'run'}"], timeout=120)
+    assert res.returncode == 2, res.output
+    assert f"{data}:22: column 'items': 'oops' is not an item id" in res.stderr, res.output
+    assert "Traceback" not in res.output
