@@ -30,7 +30,6 @@ have seen them in training batches (counts summed over the trainers).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch

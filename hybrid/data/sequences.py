@@ -263,8 +263,13 @@ class _SequenceFiles(FileReader):
         if self.split == "eval":
             negatives = _catalog_bags(n, n, self.rows)
         else:
-            g = torch.Generator().manual_seed(_seed_of(self.cfg.seed, "negatives", self.rank, self._step))
-            negatives = torch.randint(0, self.rows, (n, self.cfg.num_negatives), generator=g).tolist()
+            # Drawn for the whole global batch, this trainer's rows taken: a full global batch gets
+            # the negatives one process reading it would.
+            g = torch.Generator().manual_seed(_seed_of(self.cfg.seed, "negatives", self._step))
+            size = self.world_size * self.batch_size
+            drawn = torch.randint(0, self.rows, (size, self.cfg.num_negatives), generator=g)
+            lo = min(self.rank * self.batch_size, size - n)
+            negatives = drawn[lo:lo + n].tolist()
         self._step += 1
         return sequence_batch(self.schema, items, actions, negatives)
 

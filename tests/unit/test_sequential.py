@@ -152,3 +152,13 @@ def test_parquet_reader_reads_list_columns(tmp_path):
     cfg = DataConfig(source="parquet", train_paths=[path], batch_size=2, actions_column="act")
     batch = next(iter(make_dataset(_schema(num_actions=3), cfg, split="train")))
     assert _bags(batch, "item") == [[1, 2], [4, 5, 6]] and _bags(batch, "action") == [[0, 1], [2, 2, 1]]
+
+
+def test_file_negatives_do_not_depend_on_the_split(tmp_path):
+    path = _write(tmp_path, "user,items\n" + "".join(f"u{i},{i}|{i + 1}|{i + 2}|{i + 3}\n" for i in range(8)))
+    cfg = DataConfig(source="csv", train_paths=[path], batch_size=2, num_negatives=3)
+    whole = next(iter(make_dataset(_schema(), dataclasses.replace(cfg, batch_size=4), split="train")))
+    for r in range(2):
+        part = next(iter(make_dataset(_schema(), cfg, split="train", rank=r, world_size=2)))
+        assert _bags(part, "negative") == _bags(whole, "negative")[2 * r:2 * r + 2]
+        assert _bags(part, "item") == _bags(whole, "item")[2 * r:2 * r + 2]
