@@ -13,14 +13,23 @@ local shards, DDP's full replicas):
 and reports its peak RSS (``ru_maxrss``; on CUDA also ``torch.cuda.max_memory_allocated``).
 One JSON line per (strategy, trainers) goes to stdout, the table with FSDP/DDP ratios and the
 issue's targets (<= 0.55 at 2 trainers, <= 0.3 at 4) to stderr.
+
+``--model sequential`` measures the large preset of the sequential recommender instead
+(``conf/train/sequential_large.yaml``: 8 transformer blocks of width 768, 57M dense parameters)
+under its shipped plan (``conf/plans/sequential.yaml``: item table row-wise on one server, every
+block its own FSDP unit with bf16 compute and fp32 reduction, activation checkpointing, heads
+under DDP); its ``ddp`` run puts the encoder under DDP too. ``--batch`` sequences of the preset's
+``max_len`` per trainer.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import resource
 import sys
+from pathlib import Path
 
 import torch
 
@@ -28,6 +37,9 @@ from benchmarks.launch import BenchmarkError, spawn
 from benchmarks.systems.hybrid_ps import plan_dict
 from benchmarks.workload import Data, Workload, build_dlrm, loss_fn
 
+REPO = Path(__file__).resolve().parents[1]
+SEQUENTIAL_PLAN = REPO / "conf/plans/sequential.yaml"
+SEQUENTIAL_LARGE = REPO / "conf/train/sequential_large.yaml"
 TARGETS = {2: 0.55, 4: 0.3}
 """Trainers -> largest allowed FSDP/DDP ratio of per-trainer parameter+gradient+optimizer bytes."""
 
@@ -40,7 +52,30 @@ def _local_bytes(t: torch.Tensor | None) -> int:
     return local.numel() * local.element_size()
 
 
-def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, steps: int) -> dict:
+def sequential_plan(dense: str, world_size: int) -> dict:
+    """The shipped sequential plan for ``world_size`` processes (one server); ``ddp``: the
+    encoder under DDP as well."""
+    import yaml
+
+    plan = yaml.safe_load(SEQUENTIAL_PLAN.read_text())
+    plan = copy.deepcopy(plan)
+    plan["world_size"] = world_size
+    plan["topology"]["parameter_servers"] = 1
+    if dense == "ddp":
+        plan["modules"]["encoder"] = {"strategy": "ddp"}
+    return plan
+
+
+def sequential_large():
+    """``(model keyword arguments, data config)`` of the large preset."""
+    from hybrid.train.config import load_config
+
+    cfg = load_config(SEQUENTIAL_LARGE)
+    return cfg.model_kwargs, cfg.data
+
+
+def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, steps: int,
+          model: str = "dlrm") -> dict:
     from hybrid.launch.init import RuntimeOptions, init_hybrid, shutdown
     from hybrid.launch.roles import role_of
 
@@ -49,7 +84,9 @@ def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, st
     init_hybrid(role, init_method=f"file://{store}/rpc", backend="gloo", options=options)
     report, ok = {"name": role.name}, False
     try:
-        if role.is_trainer:
+        if role.is_trainer and model == "sequential":
+            report.update(_sequential_trainer(role, w, dense=dense, steps=steps, options=options))
+        elif role.is_trainer:
             report.update(_trainer(role, w, dense=dense, steps=steps, options=options))
         ok = True
     finally:
@@ -79,6 +116,43 @@ def _trainer(role, w: Workload, *, dense: str, steps: int, options) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     pipeline_of(model).close()
+    return _count(out, params, optimizer)
+
+
+def _sequential_trainer(role, w: Workload, *, dense: str, steps: int, options) -> dict:
+    import dataclasses
+
+    import hybrid
+    from hybrid.data.sequences import SyntheticSequences
+    from hybrid.plan import plan_from_dict
+    from hybrid.ps.client import pipeline_of
+    from recsys_examples.sequential import SequentialTask, sequential
+
+    kwargs, data_cfg = sequential_large()
+    # Built on meta: FSDP materializes only each trainer's shard, the server fills the tables.
+    model = sequential.make_model(kwargs, device=torch.device("meta"), seed=w.seed)
+    schema = sequential.data_schema(model)
+    hybrid.compose(model, plan_from_dict(sequential_plan(dense, role.world_size)), role=role,
+                   runtime_options=options, seed=w.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    params = list(model.parameters())
+    task = SequentialTask()
+    data = SyntheticSequences(schema, dataclasses.replace(data_cfg, batch_size=w.batch), rank=role.index,
+                              world_size=role.num_trainers)
+    out: dict = {"losses": []}
+    for _, b in zip(range(steps), data):
+        with hybrid.step(model) as s:
+            loss = task.loss(task.forward(model, b), b)
+            s.backward(loss)
+        out["losses"].append(float(loss))
+        out["grad_bytes"] = sum(_local_bytes(p.grad) for p in params)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    pipeline_of(model).close()
+    return _count(out, params, optimizer)
+
+
+def _count(out: dict, params: list, optimizer: torch.optim.Optimizer) -> dict:
     out["param_bytes"] = sum(_local_bytes(p) for p in params)
     out["optim_bytes"] = sum(_local_bytes(v) for st in optimizer.state.values() for v in st.values()
                              if isinstance(v, torch.Tensor))
@@ -89,28 +163,39 @@ def _trainer(role, w: Workload, *, dense: str, steps: int, options) -> dict:
     return out
 
 
-def plan_estimate(w: Workload, dense: str) -> int:
+def plan_estimate(w: Workload, dense: str, model_name: str = "dlrm") -> int:
     """What the plan report (``hybrid plan show``) predicts a trainer holds, for Adam."""
     from hybrid.plan import estimate_memory, plan_from_dict, resolve
 
+    if model_name == "sequential":
+        from recsys_examples.sequential import sequential
+
+        model = sequential.make_model(sequential_large()[0], device=torch.device("meta"))
+        plan = plan_from_dict(sequential_plan(dense, w.trainers + 1))
+        resolved = resolve(plan, model, world_size=w.trainers + 1)
+        return sum(m.trainer_bytes for m in estimate_memory(resolved, model, dense_optimizer="adam"))
     model = build_dlrm(w, tables="meta")
     resolved = resolve(plan_from_dict(plan_dict(w, dense=dense, staleness=0)), model,
                        world_size=w.trainers + w.servers)
     return sum(m.trainer_bytes for m in estimate_memory(resolved, model, dense_optimizer="adam"))
 
 
-def measure(w: Workload, dense: str, trainers: int, *, steps: int, timeout_s: float) -> dict:
+def measure(w: Workload, dense: str, trainers: int, *, steps: int, timeout_s: float,
+            model: str = "dlrm") -> dict:
     """One (strategy, trainer count): the largest per-trainer numbers over its trainers."""
     w = w.with_(trainers=trainers)
-    reports = spawn(_rank, trainers + w.servers, timeout_s=timeout_s, threads=w.threads, w=w, dense=dense,
-                    steps=steps)
+    servers = 1 if model == "sequential" else w.servers
+    reports = spawn(_rank, trainers + servers, timeout_s=timeout_s, threads=w.threads, w=w, dense=dense,
+                    steps=steps, model=model)
     ts = [r for r in reports if "total_bytes" in r]
-    line = {"strategy": dense, "trainers": trainers, "dense_params": ts[0]["dense_params"]}
+    line = {"model": model, "strategy": dense, "trainers": trainers, "dense_params": ts[0]["dense_params"]}
+    if "losses" in ts[0]:
+        line["losses"] = [sum(r["losses"][i] for r in ts) / len(ts) for i in range(len(ts[0]["losses"]))]
     for k in ("param_bytes", "grad_bytes", "optim_bytes", "total_bytes", "peak_rss_mb", "cuda_peak_bytes"):
         if k in ts[0]:
             line[k] = max(r[k] for r in ts)
     line["server_peak_rss_mb"] = max(r["peak_rss_mb"] for r in reports if "total_bytes" not in r)
-    line["plan_estimate_bytes"] = plan_estimate(w, dense)
+    line["plan_estimate_bytes"] = plan_estimate(w, dense, model)
     return line
 
 
@@ -140,6 +225,8 @@ def table(lines: list[dict]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="dlrm", choices=["dlrm", "sequential"],
+                   help="dlrm: the wide-MLP DLRM; sequential: the sequential recommender's large preset")
     p.add_argument("--trainers", default="2,4", help="comma-separated trainer counts")
     p.add_argument("--strategies", default="ddp,fsdp", help="comma-separated dense strategies")
     p.add_argument("--width", type=int, default=2048, help="width of every hidden layer of the top MLP")
@@ -170,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.trainer_counts:
         for dense in args.strategy_list:
             try:
-                line = measure(w, dense, n, steps=args.steps, timeout_s=args.timeout)
+                line = measure(w, dense, n, steps=args.steps, timeout_s=args.timeout, model=args.model)
             except BenchmarkError as e:
                 line = {"strategy": dense, "trainers": n, "error": str(e)}
                 print(f"{dense} x {n} failed:\n{e}", file=sys.stderr, flush=True)

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from hybrid.data.batch import Batch, kjt_from_ids
 from hybrid.data.config import DataConfig, Schema, check_data_config
 from hybrid.data.criteo import CriteoReader
+from hybrid.data.sequences import make_sequence_dataset
 from hybrid.data.synthetic import SyntheticData
 from hybrid.data.tabular import CsvReader, FileReader, ParquetReader
 
@@ -26,6 +27,7 @@ def make_dataset(schema: Schema, cfg: DataConfig, *, split: str, rank: int = 0,
                  world_size: int = 1) -> Iterable[Batch]:
     """The batches of trainer ``rank`` of ``world_size`` for ``split`` (``"train"`` or ``"eval"``).
 
+    Sequence schemas (``schema.task == "sequence"``) read :mod:`hybrid.data.sequences`.
     Synthetic: an endless training stream and ``cfg.eval_batches`` held-out batches. Files:
     ``cfg.train_paths`` or ``cfg.eval_paths``, one pass per ``iter()``. A file source without
     files for the split, or a path that matches nothing, is a ``ValueError`` naming the key.
@@ -33,6 +35,8 @@ def make_dataset(schema: Schema, cfg: DataConfig, *, split: str, rank: int = 0,
     check_data_config(cfg)
     if split not in ("train", "eval"):
         raise ValueError(f"split: got {split!r}; expected 'train' or 'eval'")
+    if schema.task == "sequence":
+        return make_sequence_dataset(schema, cfg, split=split, rank=rank, world_size=world_size)
     if cfg.source == "synthetic":
         return SyntheticData(schema, cfg, rank=rank, world_size=world_size, split=split)
     key = f"data.{split}_paths"

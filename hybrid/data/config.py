@@ -8,7 +8,7 @@ SOURCES = ("synthetic", "criteo", "csv", "parquet")
 """Values of ``data.source``: generated batches, Criteo TSV, CSV, Parquet."""
 MALFORMED = ("error", "skip")
 """Values of ``data.malformed``: what a file reader does with a line it cannot parse."""
-TASKS = ("ctr", "retrieval")
+TASKS = ("ctr", "retrieval", "sequence")
 """Values of :attr:`Schema.task`."""
 
 
@@ -25,8 +25,9 @@ class Schema:
         features: sparse feature names, in the order of ``Batch.sparse``'s keys.
         num_embeddings: rows of each feature's table (same order); ids a reader makes from
             categorical values (Criteo hex, synthetic) lie in ``[0, rows)``.
-        task: ``"ctr"`` (labels are clicks) or ``"retrieval"`` (every sample is a positive
-            (query, item) pair, label 1).
+        task: ``"ctr"`` (labels are clicks), ``"retrieval"`` (every sample is a positive
+            (query, item) pair, label 1) or ``"sequence"`` (every sample is a user's item
+            history: :mod:`hybrid.data.sequences`).
         query_features: retrieval only: the features of the query side; the others are the item's.
     """
 
@@ -106,6 +107,19 @@ class DataConfig:
     id_separator: str = "|"
     """CSV (and Parquet string columns): separates several ids in one cell (``"3|17|5"``); an
     empty cell is an empty bag."""
+    max_len: int = 50
+    """Sequence data: items a model reads per sequence; longer histories keep their newest
+    ``max_len`` items (plus the one to predict)."""
+    num_negatives: int = 4
+    """Sequence data: uniformly sampled negative items per training sequence (shared by the
+    trainer's batch, with its in-batch targets, as the sampled softmax's candidates)."""
+    items_column: str = "items"
+    """Sequence files: the column of each user's item ids (oldest first, or ordered by the
+    timestamps), separated by ``id_separator`` (Parquet: also a list)."""
+    timestamps_column: str = ""
+    """Sequence files: optional column of one number per item; items are sorted by it."""
+    actions_column: str = ""
+    """Sequence files: the column of one action id per item (models that embed actions)."""
     drop_last: bool = True
     """File sources: drop an incomplete last global batch. Otherwise it is split as evenly as
     possible over the trainers (dropped only when it has fewer samples than trainers)."""
@@ -119,12 +133,14 @@ def check_data_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.check_lines: got {cfg.check_lines!r}; expected an integer >= 0")
     if cfg.malformed not in MALFORMED:
         raise ValueError(f"data.malformed: got {cfg.malformed!r}; expected one of {_one_of(MALFORMED)}")
-    for key in ("batch_size", "ids_per_feature"):
+    for key in ("batch_size", "ids_per_feature", "max_len"):
         value = getattr(cfg, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"data.{key}: got {value!r}; expected an integer >= 1")
     if not isinstance(cfg.eval_batches, int) or isinstance(cfg.eval_batches, bool) or cfg.eval_batches < 0:
         raise ValueError(f"data.eval_batches: got {cfg.eval_batches!r}; expected an integer >= 0")
+    if not isinstance(cfg.num_negatives, int) or isinstance(cfg.num_negatives, bool) or cfg.num_negatives < 0:
+        raise ValueError(f"data.num_negatives: got {cfg.num_negatives!r}; expected an integer >= 0")
     if not cfg.zipf_alpha >= 0:  # also refuses NaN
         raise ValueError(f"data.zipf_alpha: got {cfg.zipf_alpha!r}; expected a number >= 0 (0 = uniform)")
     if not cfg.id_separator:

@@ -6,7 +6,8 @@ Estimates count what stays resident; they are what a user checks a plan against,
   (``sgd`` 0, ``adagrad`` 1, ``adam`` 2 tensors per parameter) on every trainer. DDP's
   communication buckets are not counted.
 - ``fsdp``: the same, sharded on dim 0 as FSDP2 does: each parameter's rows split into T chunks
-  of ceil(rows / T), so a trainer holds ceil(rows / T) rows. With mixed precision the unsharded
+  of ceil(rows / T), so a trainer holds ceil(rows / T) rows. With ``wrap``, an indented row per
+  FSDP unit follows (each wrapped block, then the outer unit), already counted in the module's. With mixed precision the unsharded
   low-precision copy exists only around each forward/backward and is not counted; with
   ``cpu_offload`` the sharded state is in host memory but counted the same.
 - ``parameter_server``: nothing on trainers; on each server the rows it holds times
@@ -84,7 +85,10 @@ def format_plan(
 ) -> str:
     """The plan as a table, with a header line and a totals row (module docs explain the bytes)."""
     estimates = estimate_memory(resolved, model, dense_optimizer=dense_optimizer)
-    rows = [_COLUMNS] + [_row(m) for m in estimates]
+    rows = [_COLUMNS]
+    for m in estimates:
+        rows.append(_row(m))
+        rows += _fsdp_unit_rows(m, model, resolved.num_trainers, DENSE_OPTIMIZER_STATE[dense_optimizer])
     servers: Counter[int] = Counter()
     for m in estimates:
         servers.update(m.server_bytes)
@@ -113,6 +117,28 @@ def _row(m: ModuleEstimate) -> list[str]:
         human_bytes(m.trainer_bytes),
         server,
     ]
+
+
+def _fsdp_unit_rows(m: ModuleEstimate, model: nn.Module, trainers: int, state: int) -> list[list[str]]:
+    """An fsdp module with ``wrap``: one indented row per FSDP unit (each ``wrap`` block, then the
+    outer unit with what is left), with its parameters and bytes per trainer (already counted in
+    the module's row)."""
+    e = m.entry
+    if e.strategy != "fsdp" or not e.options.wrap:
+        return []
+    module = model.get_submodule(e.fqn)
+    blocks = [(n, b) for n, b in module.named_modules() if n and type(b).__name__ in e.options.wrap]
+    blocks = [(n, b) for n, b in blocks if not any(n.startswith(o + ".") for o, _ in blocks)]  # outermost
+
+    def row(name: str, kind: str, params: list[nn.Parameter]) -> list[str]:
+        size = sum(_shard_numel(p, trainers) * p.element_size() for p in params) * (2 + state)
+        return [f"  {name}", kind, "", "fsdp unit", "", f"{sum(p.numel() for p in params):,}", human_bytes(size), "-"]
+
+    inner = {id(p) for _, b in blocks for p in b.parameters()}
+    prefix = f"{e.fqn}." if e.fqn else ""
+    rows = [row(prefix + n, type(b).__name__, list(b.parameters())) for n, b in blocks]
+    rest = [p for p in module.parameters() if id(p) not in inner]
+    return rows + [row(e.fqn or "<root>", "(outer unit)", rest)]
 
 
 def log_plan(resolved: ResolvedPlan, model: nn.Module, *, dense_optimizer: str = "adagrad") -> None:

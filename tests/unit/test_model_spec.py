@@ -97,7 +97,7 @@ def test_module_that_is_not_there():
     err = _error("no_such_pkg.models:build")
     assert err.detail.startswith("cannot import module 'no_such_pkg.models' for 'no_such_pkg.models:build' "
                                  "(ModuleNotFoundError: No module named 'no_such_pkg'); is it on PYTHONPATH? "
-                                 "registered names: dcn, dlrm, two_tower"), err.detail
+                                 "registered names: dcn, dlrm, sequential, two_tower"), err.detail
 
 
 def test_module_that_fails_on_import_is_one_line(tmp_path, monkeypatch):
@@ -110,10 +110,10 @@ def test_module_that_fails_on_import_is_one_line(tmp_path, monkeypatch):
 def test_missing_attribute_and_one_that_is_no_model(user_module):
     err = _error(f"{user_module}:buidl")
     assert err.detail == (f"'{user_module}' has no attribute 'buidl' (did you mean 'build'?) "
-                          f"(looking up '{user_module}:buidl'); registered names: dcn, dlrm, two_tower")
+                          f"(looking up '{user_module}:buidl'); registered names: dcn, dlrm, sequential, two_tower")
     err = _error(f"{user_module}:NOT_A_MODEL")
     assert err.detail == (f"'{user_module}:NOT_A_MODEL' is a int; expected a hybrid.train.ModelSpec or a callable "
-                          "that builds an nn.Module; registered names: dcn, dlrm, two_tower")
+                          "that builds an nn.Module; registered names: dcn, dlrm, sequential, two_tower")
     assert "expected package.module:attr" in _error(f"{user_module}:").detail
     assert "no model" in _error("").detail
 
@@ -130,7 +130,7 @@ def test_the_examples_are_registered_entry_points():
 def test_unknown_name_says_what_was_tried_and_what_is_known():
     err = _error("dlrn", key="model.name")
     assert err.detail == ("unknown model 'dlrn' (did you mean 'dlrm'?); registered in entry-point group "
-                          "'hybrid.models': dcn, dlrm, two_tower; or name one as package.module:attr")
+                          "'hybrid.models': dcn, dlrm, sequential, two_tower; or name one as package.module:attr")
 
 
 def test_a_distribution_registers_a_model_by_name(tmp_path, user_module, monkeypatch, capsys):

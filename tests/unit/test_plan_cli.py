@@ -92,7 +92,7 @@ def test_unknown_model_lists_known_names(plan, devices, capsys):
     assert cli.main(["plan", "show", plan, "--model", "dlrn"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --model: unknown model 'dlrn' (did you mean 'dlrm'?); registered in entry-point "
-                          "group 'hybrid.models': dcn, dlrm, two_tower; or name one as package.module:attr"), err
+                          "group 'hybrid.models': dcn, dlrm, sequential, two_tower; or name one as package.module:attr"), err
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
@@ -100,7 +100,7 @@ def test_plan_without_model_and_without_world_size(tmp_path, devices, capsys):
     path = str(write(tmp_path, '{modules: {"*": {strategy: ddp}}}\n'))
     assert cli.main(["plan", "check", path]) == 2
     assert ("error: model: no model: set `model:` in the plan or pass --model (package.module:attr or a registered "
-            "name: dcn, dlrm, two_tower)") in capsys.readouterr().err
+            "name: dcn, dlrm, sequential, two_tower)") in capsys.readouterr().err
     assert cli.main(["plan", "check", path, "--model", TINY]) == 0
     assert "(world size 2 = parameter_servers + 1 trainer; set world_size or pass --world-size)" in capsys.readouterr().out
 

@@ -111,7 +111,11 @@ def test_format_plan_table():
     assert "bucket=10MB no-buffer-sync bf16-hook" in row["dense_arch"]
     assert row["dense_arch"].split()[-4:] == ["360", "4.2", "KiB", "-"]
     assert "reshard bf16/fp32 wrap=Linear" in row["over_arch"]
-    total = lines[7].split()
+    # over_arch wraps Linear: one indented row per FSDP unit (its Linears, then the outer unit).
+    units = [ln.split() for ln in lines if "fsdp unit" in ln]
+    assert [u[1] for u in units] == ["Linear", "Linear", "(outer"], units
+    assert [u[0] for u in units][-1] == "over_arch"
+    total = next(ln for ln in lines if ln.startswith("total")).split()
     assert total == ["total", f"{numel(model):,}", "6.2", "KiB", "14.1", "KiB"]
     assert "bytes: params + grads + adagrad state" in lines[-2]
     assert lines[-1] == "per server (rows + sparse optimizer state): ps0 14.1 KiB"

@@ -1,0 +1,362 @@
+"""User-sequence data for next-item models (``schema.task == "sequence"``): a synthetic generator
+and a reader for sequence files (CSV or Parquet).
+
+A sample is one user's item history. Its :class:`~hybrid.data.Batch` holds, per sample:
+
+- ``item``: the sequence itself, oldest first, at most ``data.max_len + 1`` items (longer ones
+  keep their newest items): the model reads items ``0..L-2`` and predicts items ``1..L-1``;
+- ``action`` (when the schema has it): one action type per item, aligned with ``item``;
+- ``negative``: candidate items. Training: ``data.num_negatives`` uniform ids per sample, the
+  uniformly sampled negatives of the batch. Evaluation: the whole catalog (``0..rows-1``) in the
+  bag of the first sample of every trainer's batch, the others empty, so that the held-out item
+  is ranked against every item.
+
+``dense`` is ``[n, 0]`` and ``labels`` are ones. Evaluation scores the last item of each
+sequence (the held-out item) from the items before it.
+
+**Synthetic** (:class:`SyntheticSequences`): items have a power-law popularity (``zipf_alpha``,
+ranks scattered over the ids as in :mod:`hybrid.data.synthetic`). A sequence starts at a
+popularity draw and walks a fixed sparse item-to-item transition matrix: item ``i`` has
+``SUCCESSORS`` successors (uniform over the catalog, a hash of ``(seed, i, j)``), the ``j``-th
+taken with probability ``~ 1/(j+1)``; with probability ``NOISE`` the next item is a fresh
+popularity draw instead. So the next item is mostly predictable from the current one (a model
+can reach a recall@10 near ``1 - NOISE``), while a popularity ranking only catches the
+popular starts and fresh draws. Lengths are uniform in ``[2, max_len + 1]``. The global batch of step
+``t`` depends on ``(seed, split, t, global batch size)`` only, and trainer ``r`` yields samples
+``[r*B, (r+1)*B)``, so sync training equals one process on the global batch. Nothing of size
+``rows x rows`` is stored: every successor is a hash.
+
+**Files** (:class:`SequenceCsvReader`, :class:`SequenceParquetReader`): one row per user with the
+columns ``data.user_column`` (any value; unused), ``data.items_column`` (ids separated by
+``data.id_separator``, or a Parquet list), optionally ``data.timestamps_column`` (as many
+numbers; items are ordered by them, stably) and ``data.actions_column`` (as many action ids).
+The last item of every row is held out: ``split="train"`` reads every row without its last item,
+``split="eval"`` reads the whole row and scores that last item (``data.eval_paths`` default to
+the training files). Rows too short to give a target (fewer than 2 items once the held-out item
+is removed for training) are skipped and counted (``counts["short"]``). A malformed row -- an id
+that is not an integer in ``[0, rows)``, timestamps or actions of another length -- stops the
+run naming ``file:line`` (``data.malformed=skip`` skips and counts it).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from hybrid.data.batch import Batch
+from hybrid.data.config import DataConfig, Schema
+from hybrid.data.synthetic import _seed_of, _uniform, power_law_rank
+from hybrid.data.tabular import FileReader, _id, _number, _pyarrow_parquet, open_binary, show
+from hybrid.errors import InputError
+
+ITEM, NEGATIVE, ACTION = "item", "negative", "action"
+"""The features of a sequence batch (``action`` only when the model embeds actions)."""
+SUCCESSORS = 4
+"""Synthetic: successors of every item in the transition matrix."""
+NOISE = 0.2
+"""Synthetic: probability that the next item is a fresh popularity draw instead of a successor."""
+
+
+def check_sequence_schema(schema: Schema) -> None:
+    """A sequence schema has ``item`` and ``negative`` (same rows) and maybe ``action``."""
+    if schema.features[:2] != [ITEM, NEGATIVE] or schema.features[2:] not in ([], [ACTION]):
+        raise ValueError(f"schema: a sequence model reads features {[ITEM, NEGATIVE]} (+ {ACTION!r}); "
+                         f"got {schema.features}")
+    if schema.num_embeddings[0] != schema.num_embeddings[1]:
+        raise ValueError(f"schema: {ITEM!r} and {NEGATIVE!r} are ids of one catalog; got rows "
+                         f"{schema.num_embeddings[:2]}")
+
+
+def sequence_batch(schema: Schema, items: Sequence[Sequence[int]], actions: Sequence[Sequence[int]] | None,
+                   negatives: Sequence[Sequence[int]]) -> Batch:
+    """The :class:`Batch` of ``len(items)`` sequences (see the module docstring)."""
+    n = len(items)
+    bags = [items, negatives] + ([actions] if ACTION in schema.features else [])
+    lengths = torch.tensor([len(b) for feature in bags for b in feature], dtype=torch.int64)
+    values = torch.tensor([i for feature in bags for b in feature for i in b], dtype=torch.int64)
+    sparse = KeyedJaggedTensor.from_lengths_sync(keys=list(schema.features), values=values, lengths=lengths)
+    return Batch(torch.zeros(n, 0), sparse, torch.ones(n))
+
+
+def _catalog_bags(n: int, per: int, rows: int) -> list[list[int]]:
+    """Evaluation negatives: the whole catalog in the first bag of every ``per`` samples."""
+    everything = list(range(rows))
+    return [everything if i % per == 0 else [] for i in range(n)]
+
+
+class SyntheticSequences:
+    """Synthetic user sequences for trainer ``rank`` of ``world_size`` (see the module docstring).
+
+    ``split="train"``: an endless stream from step ``start``; ``split="eval"``:
+    ``cfg.eval_batches`` held-out batches, the same at every pass.
+    """
+
+    def __init__(self, schema: Schema, cfg: DataConfig, *, rank: int = 0, world_size: int = 1,
+                 split: str = "train", start: int = 0) -> None:
+        check_sequence_schema(schema)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        self.schema, self.cfg = schema, cfg
+        self.rank, self.world_size, self.split = rank, world_size, split
+        self.steps = cfg.eval_batches if split == "eval" else None
+        self.start = 0 if split == "eval" else start
+        self.rows = schema.num_embeddings[0]
+        self.actions = schema.num_embeddings[2] if ACTION in schema.features else 0
+        rng = random.Random(_seed_of(cfg.seed, "sequence-items"))
+        n = self.rows
+        a_max = max(1, min(n - 1, (1 << 62) // n))
+        self._a = next((a for a in (rng.randint(1, a_max) for _ in range(64)) if math.gcd(a, n) == 1), 1)
+        self._b = rng.randrange(n)
+        self._key = rng.getrandbits(63)
+        self._action_key = rng.getrandbits(63)
+        w = torch.tensor([1.0 / (j + 1) for j in range(SUCCESSORS)], dtype=torch.float64)
+        self._choice = torch.cumsum(w / w.sum(), 0)
+
+    def _item_of_rank(self, rank: torch.Tensor) -> torch.Tensor:
+        return (rank * self._a + self._b) % self.rows
+
+    def successors(self, items: torch.Tensor) -> torch.Tensor:
+        """``[n, SUCCESSORS]``: the successors of every item of ``items`` ``[n]`` (row of the
+        transition matrix), most likely first."""
+        j = torch.arange(SUCCESSORS, dtype=torch.int64)
+        u = _uniform(items[:, None] * SUCCESSORS + j, self._key)
+        return (u * self.rows).long().clamp_(max=self.rows - 1)
+
+    def popularity_draw(self, g: torch.Generator, n: int) -> torch.Tensor:
+        u = torch.rand(n, generator=g, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+        return self._item_of_rank(power_law_rank(u, self.rows, self.cfg.zipf_alpha))
+
+    def __iter__(self) -> Iterator[Batch]:
+        b = self.cfg.batch_size
+        lo = self.rank * b
+        t = self.start
+        while self.steps is None or t < self.start + self.steps:
+            yield self.global_batch(t).slice(lo, lo + b)
+            t += 1
+
+    def global_batch(self, t: int) -> Batch:
+        """All ``world_size x batch_size`` sequences of step ``t``."""
+        n, T = self.world_size * self.cfg.batch_size, self.cfg.max_len + 1
+        g = torch.Generator().manual_seed(_seed_of(self.cfg.seed, "sequences", self.split, t))
+        lengths = torch.randint(2, T + 1, (n,), generator=g)
+        seq = torch.empty(n, T, dtype=torch.int64)
+        seq[:, 0] = self.popularity_draw(g, n)
+        for p in range(1, T):
+            pick = torch.searchsorted(self._choice, torch.rand(n, generator=g, dtype=torch.float64)).clamp_(max=SUCCESSORS - 1)
+            follow = self.successors(seq[:, p - 1]).gather(1, pick[:, None]).squeeze(1)
+            fresh = self.popularity_draw(g, n)
+            seq[:, p] = torch.where(torch.rand(n, generator=g) < NOISE, fresh, follow)
+        items = [seq[i, : int(lengths[i])].tolist() for i in range(n)]
+        actions = None
+        if self.actions:
+            act = torch.randint(0, self.actions, (n, T), generator=g)
+            actions = [act[i, : int(lengths[i])].tolist() for i in range(n)]
+        if self.split == "eval":
+            negatives = _catalog_bags(n, self.cfg.batch_size, self.rows)
+        else:
+            negatives = torch.randint(0, self.rows, (n, self.cfg.num_negatives), generator=g).tolist()
+        return sequence_batch(self.schema, items, actions, negatives)
+
+
+class _SequenceFiles(FileReader):
+    """What the CSV and Parquet sequence readers share: columns, the parse of a row, batches."""
+
+    def __init__(self, schema: Schema, cfg: DataConfig, paths: Sequence[str], *, rank: int = 0,
+                 world_size: int = 1, split: str = "train") -> None:
+        check_sequence_schema(schema)
+        super().__init__(schema, cfg, paths, rank=rank, world_size=world_size)
+        self.split = split
+        self.rows = schema.num_embeddings[0]
+        self.num_actions = schema.num_embeddings[2] if ACTION in schema.features else 0
+        self._step = 0
+
+    @staticmethod
+    def _zero_counts() -> dict[str, int]:
+        return {**FileReader._zero_counts(), "short": 0}
+
+    def __iter__(self) -> Iterator[Batch]:
+        self._step = 0
+        return super().__iter__()
+
+    def _columns(self) -> list[tuple[str, str]]:
+        """``(key, column)`` of every column a row is read from (``items`` first)."""
+        cols = [("data.items_column", self.cfg.items_column)]
+        if self.cfg.timestamps_column:
+            cols.append(("data.timestamps_column", self.cfg.timestamps_column))
+        if self.num_actions:
+            if not self.cfg.actions_column:
+                raise InputError(f"data.actions_column: the model embeds actions (model.num_actions="
+                                 f"{self.num_actions}); name the column of the action ids")
+            cols.append(("data.actions_column", self.cfg.actions_column))
+        return cols
+
+    def _indices(self, path: str, header: Sequence[str]) -> list[int]:
+        where = {name: i for i, name in enumerate(header)}
+        out = []
+        for key, name in self._columns():
+            if name not in where:
+                raise InputError(f"data.{self.source}: {path}: no column {name!r} ({key}); the header "
+                                 f"has: {', '.join(map(str, header))}")
+            out.append(where[name])
+        return out
+
+    def _tokens(self, value: Any) -> list[Any]:
+        if value is None or value == "":
+            return []
+        if isinstance(value, str):
+            return value.split(self.cfg.id_separator)
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+
+    def _parse(self, cells: Sequence[Any]) -> tuple | str | None:
+        """``(items, actions)`` of one row, ``None`` for a row too short, or what is wrong."""
+        cols = self._columns()
+        tokens = [self._tokens(c) for c in cells]
+        items = [_id(t) for t in tokens[0]]
+        for t, i in zip(tokens[0], items):
+            if i is None or i >= self.rows:
+                return f"column {cols[0][1]!r}: {show(t)} is not an item id (an integer in [0, {self.rows}))"
+        actions: list[int] | None = None
+        for (key, name), toks in zip(cols[1:], tokens[1:]):
+            if len(toks) != len(items):
+                return f"column {name!r}: {len(toks)} values for {len(items)} items"
+            if key == "data.timestamps_column":
+                stamps = [_number(t) for t in toks]
+                if None in stamps:
+                    return f"column {name!r}: {show(toks[stamps.index(None)])} is not a number"
+                order = sorted(range(len(items)), key=stamps.__getitem__)
+                items = [items[k] for k in order]
+                if actions is not None:
+                    actions = [actions[k] for k in order]
+                tokens = [tokens[0], *[[tk[k] for k in order] for tk in tokens[1:]]]
+            else:
+                acts = [_id(t) for t in tokens[-1]]
+                for t, a in zip(tokens[-1], acts):
+                    if a is None or a >= self.num_actions:
+                        return f"column {name!r}: {show(t)} is not an action id (an integer in [0, {self.num_actions}))"
+                actions = acts
+        if self.split == "train":  # the last item is held out for evaluation
+            items = items[:-1]
+            actions = None if actions is None else actions[:-1]
+        if len(items) < 2:
+            self.counts["short"] += 1
+            return None
+        keep = self.cfg.max_len + 1
+        return items[-keep:], (None if actions is None else actions[-keep:])
+
+    def _keep(self, parsed: tuple | str | None, where: str, chunk: list) -> None:
+        if isinstance(parsed, str):
+            self._malformed(where, parsed)
+        elif parsed is not None:
+            chunk.append(parsed)
+
+    def _batch(self, records: list[tuple]) -> Batch:
+        n = len(records)
+        items = [r[0] for r in records]
+        actions = [r[1] for r in records] if self.num_actions else None
+        if self.split == "eval":
+            negatives = _catalog_bags(n, n, self.rows)
+        else:
+            # Drawn for the whole global batch, this trainer's rows taken: a full global batch gets
+            # the negatives one process reading it would.
+            g = torch.Generator().manual_seed(_seed_of(self.cfg.seed, "negatives", self._step))
+            size = self.world_size * self.batch_size
+            drawn = torch.randint(0, self.rows, (size, self.cfg.num_negatives), generator=g)
+            lo = min(self.rank * self.batch_size, size - n)
+            negatives = drawn[lo:lo + n].tolist()
+        self._step += 1
+        return sequence_batch(self.schema, items, actions, negatives)
+
+
+class SequenceCsvReader(_SequenceFiles):
+    """Sequence rows from CSV (first line the header; ``.gz`` decompressed)."""
+
+    source = "csv"
+
+    def _check_file(self, path: str) -> None:
+        with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
+            header = next(csv.reader(f), None)
+            if header is None:
+                raise InputError(f"data.csv: {path}: empty file (the first line must be the header)")
+            self._indices(path, header)
+
+    def _chunks(self) -> Iterator[list[tuple]]:
+        chunk: list[tuple] = []
+        for path in self.paths:
+            with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
+                reader = csv.reader(f)
+                header = next(reader, None)
+                if header is None:
+                    raise InputError(f"data.csv: {path}: empty file (the first line must be the header)")
+                cols = self._indices(path, header)
+                while True:
+                    try:
+                        row = next(reader)
+                    except StopIteration:
+                        break
+                    except csv.Error as e:
+                        self.counts["lines"] += 1
+                        self._malformed(f"{path}:{reader.line_num}", f"not CSV: {e}")
+                        continue
+                    if not row:
+                        continue
+                    self.counts["lines"] += 1
+                    if len(row) != len(header):
+                        self._malformed(f"{path}:{reader.line_num}", f"{len(row)} cells; the header has {len(header)}")
+                        continue
+                    self._keep(self._parse([row[i] for i in cols]), f"{path}:{reader.line_num}", chunk)
+                    if len(chunk) >= 8192:
+                        yield chunk
+                        chunk = []
+        yield chunk
+
+
+class SequenceParquetReader(_SequenceFiles):
+    """Sequence rows from Parquet (list or string columns); rows are numbered from 1."""
+
+    source = "parquet"
+
+    def _check_file(self, path: str) -> None:
+        pf = _pyarrow_parquet().ParquetFile(path)
+        self._indices(path, pf.schema_arrow.names)
+        if pf.metadata.num_rows == 0:
+            raise InputError(f"data.parquet: {path}: empty file (no rows)")
+
+    def _chunks(self) -> Iterator[list[tuple]]:
+        pq = _pyarrow_parquet()
+        for path in self.paths:
+            pf = pq.ParquetFile(path)
+            header = pf.schema_arrow.names
+            names = [header[i] for i in self._indices(path, header)]
+            row = 0
+            for rb in pf.iter_batches(batch_size=8192, columns=list(dict.fromkeys(names))):
+                cols = [rb.column(name).to_pylist() for name in names]
+                chunk: list[tuple] = []
+                for j in range(rb.num_rows):
+                    self.counts["lines"] += 1
+                    self._keep(self._parse([c[j] for c in cols]), f"{path}: row {row + j + 1}", chunk)
+                row += rb.num_rows
+                yield chunk
+
+
+def make_sequence_dataset(schema: Schema, cfg: DataConfig, *, split: str, rank: int = 0, world_size: int = 1):
+    """The sequence reader for ``cfg.source`` (``synthetic``, ``csv`` or ``parquet``)."""
+    if cfg.source == "synthetic":
+        return SyntheticSequences(schema, cfg, rank=rank, world_size=world_size, split=split)
+    readers = {"csv": SequenceCsvReader, "parquet": SequenceParquetReader}
+    if cfg.source not in readers:
+        raise ValueError(f"data.source: got {cfg.source!r}; sequence data is 'synthetic', 'csv' or 'parquet'")
+    paths = list(cfg.eval_paths if split == "eval" and cfg.eval_paths else cfg.train_paths)
+    if not paths:
+        raise ValueError(f"data.train_paths: data.source={cfg.source} reads files; list the sequence files")
+    return readers[cfg.source](schema, cfg, paths, rank=rank, world_size=world_size, split=split)
+
+
+__all__ = ["ACTION", "ITEM", "NEGATIVE", "SequenceCsvReader", "SequenceParquetReader", "SyntheticSequences",
+           "make_sequence_dataset", "sequence_batch"]

@@ -1,0 +1,164 @@
+"""The sequential example without processes: its data (synthetic sequences, sequence files with
+truncation, held-out last items and file:line errors), its model and its task's metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import hybrid
+from hybrid.data import DataConfig, make_dataset
+from hybrid.data.sequences import SUCCESSORS, SyntheticSequences
+from hybrid.errors import InputError
+from recsys_examples.sequential import SequentialTask, build_sequential, ndcg, ranks_of, sequential
+
+SMALL = {"num_items": 50, "embedding_dim": 8, "max_len": 5, "num_blocks": 2, "num_heads": 2, "ffn_mult": 2}
+
+
+def _schema(**kw):
+    return sequential.data_schema(build_sequential(**{**SMALL, **kw}, device="meta"))
+
+
+def _bags(batch, feature):
+    jt = batch.sparse[feature]
+    return [v.tolist() for v in torch.split(jt.values(), jt.lengths().tolist())]
+
+
+def test_schema_reads_items_negatives_and_optional_actions():
+    assert _schema().features == ["item", "negative"]
+    s = _schema(num_actions=3)
+    assert s.features == ["item", "negative", "action"] and s.num_embeddings == [50, 50, 3] and s.task == "sequence"
+
+
+def test_synthetic_sequences_follow_the_transition_matrix():
+    cfg = DataConfig(batch_size=256, max_len=10, num_negatives=2, zipf_alpha=1.0)
+    data = SyntheticSequences(_schema(), cfg)
+    batch = next(iter(data))
+    seqs = _bags(batch, "item")
+    assert all(2 <= len(s) <= 11 for s in seqs) and len(set(map(len, seqs))) > 3
+    assert all(len(b) == 2 for b in _bags(batch, "negative"))
+    pairs = [(a, b) for s in seqs for a, b in zip(s, s[1:])]
+    succ = data.successors(torch.tensor([a for a, _ in pairs]))
+    follows = sum(b in row for (_, b), row in zip(pairs, succ.tolist())) / len(pairs)
+    assert follows > 0.75, follows  # 1 - NOISE, plus fresh draws that land on a successor
+    assert succ.shape[1] == SUCCESSORS
+    # Evaluation: the whole catalog is the candidate pool of each trainer's batch.
+    ev = next(iter(SyntheticSequences(_schema(), cfg, split="eval", rank=1, world_size=2)))
+    negs = _bags(ev, "negative")
+    assert negs[0] == list(range(50)) and not any(negs[1:])
+
+
+def test_model_outputs_one_query_per_target_and_a_distinct_pool():
+    model = hybrid.materialize(build_sequential(**SMALL, device="meta"), seed=0)
+    schema = sequential.data_schema(model)
+    cfg = DataConfig(batch_size=8, max_len=5, num_negatives=3)
+    batch = next(iter(make_dataset(schema, cfg, split="train")))
+    out = model(batch.dense, batch.sparse)
+    lengths = batch.sparse["item"].lengths()
+    assert out.queries.shape == (int((lengths - 1).sum()), 8)
+    assert torch.equal(out.pool_ids, torch.unique(torch.cat([out.targets, batch.sparse["negative"].values()])))
+    assert torch.equal(out.pool_ids[out.target_index], out.targets)
+    assert torch.equal(out.targets[out.last], torch.tensor([s[-1] for s in _bags(batch, "item")]))
+    task = SequentialTask()
+    loss = task.loss(out, batch)
+    loss.backward()
+    assert loss.item() > 0 and model.encoder.blocks[0].qkv.weight.grad.abs().sum() > 0
+
+
+def test_causal_a_position_sees_only_earlier_items():
+    model = hybrid.materialize(build_sequential(**SMALL, device="meta"), seed=0).eval()
+    schema = sequential.data_schema(model)
+    from hybrid.data.sequences import sequence_batch
+
+    a = sequence_batch(schema, [[1, 2, 3, 4]], None, [[]])
+    b = sequence_batch(schema, [[1, 2, 9, 4]], None, [[]])
+    qa, qb = model(a.dense, a.sparse).queries, model(b.dense, b.sparse).queries
+    torch.testing.assert_close(qa[:2], qb[:2])  # positions 0, 1 read items 1, 2 only
+    assert not torch.allclose(qa[2], qb[2])
+
+
+def test_ranks_ties_and_ndcg():
+    scores = torch.tensor([[3.0, 1.0, 2.0, 2.0]])
+    assert ranks_of(scores, torch.tensor([2.0])).item() == 1.5  # one above, one tie
+    assert ranks_of(torch.zeros(1, 10), torch.tensor([0.0])).item() == 4.5  # all tied: the middle
+    torch.testing.assert_close(ndcg(torch.tensor([0.0, 1.0, 10.0]), 10),
+                               torch.tensor([1.0, 1 / torch.log2(torch.tensor(3.0)).item(), 0.0]))
+
+
+def test_popularity_baseline_ranks_by_training_counts():
+    task = SequentialTask(k=2)
+    model = hybrid.materialize(build_sequential(**SMALL, device="meta"), seed=0)
+    schema = sequential.data_schema(model)
+    from hybrid.data.sequences import sequence_batch
+
+    train = sequence_batch(schema, [[7, 7, 7, 3], [7, 3]], None, [[1], [2]])
+    task.loss(model(train.dense, train.sparse), train)  # counts: 7 x4, 3 x2
+    ev = sequence_batch(schema, [[1, 7], [1, 3], [1, 5]], None, [list(range(50)), [], []])
+    with torch.no_grad():
+        out = task.eval_outputs(model(ev.dense, ev.sparse), ev)
+    assert out["popularity_recall@2"].tolist() == [1.0, 1.0, 0.0]
+    assert out["candidates"].tolist() == [50.0] * 3
+
+
+def _write(tmp_path, text, name="seq.csv"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_csv_reader_truncates_holds_out_the_last_item_and_sorts_by_time(tmp_path):
+    path = _write(tmp_path, "user,items,ts\nu1,1|2|3|4|5|6|7|8,1|2|3|4|5|6|7|8\nu2,9|8|7,30|10|20\nu3,4|5,1|2\n")
+    cfg = DataConfig(source="csv", train_paths=[path], batch_size=3, max_len=3, timestamps_column="ts", drop_last=False)
+    train = list(make_dataset(_schema(), cfg, split="train"))
+    # u1: 7 items without the held-out 8, newest max_len + 1 kept; u2 ordered by time (8, 7, 9)
+    # without 9; u3 has one item left: too short.
+    assert _bags(train[0], "item") == [[4, 5, 6, 7], [8, 7]]
+    ev = list(make_dataset(_schema(), cfg, split="eval"))
+    assert _bags(ev[0], "item") == [[5, 6, 7, 8], [8, 7, 9], [4, 5]]
+    assert _bags(ev[0], "negative")[0] == list(range(50))
+
+
+@pytest.mark.parametrize("row, message", [
+    ("u1,1|x|3,", "seq.csv:3: column 'items': 'x' is not an item id (an integer in [0, 50))"),
+    ("u1,1|2|99,", "seq.csv:3: column 'items': '99' is not an item id"),
+    ("u1,1|2|3,1|2", "seq.csv:3: column 'ts': 2 values for 3 items"),
+])
+def test_a_bad_row_names_file_and_line(tmp_path, row, message):
+    path = _write(tmp_path, f"user,items,ts\nu0,1|2|3,1|2|3\n{row}\n")
+    cfg = DataConfig(source="csv", train_paths=[path], batch_size=1, timestamps_column="ts")
+    with pytest.raises(InputError, match=message.replace("|", r"\|").replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        list(make_dataset(_schema(), cfg, split="train"))
+    skip = dataclasses.replace(cfg, malformed="skip")
+    reader = make_dataset(_schema(), skip, split="eval")
+    assert len(list(reader)) == 1 and reader.counts["malformed"] == 1
+
+
+def test_a_missing_column_is_named(tmp_path):
+    path = _write(tmp_path, "user,history\nu0,1|2|3\n")
+    cfg = DataConfig(source="csv", train_paths=[path], batch_size=1)
+    with pytest.raises(InputError, match=r"no column 'items' \(data.items_column\)"):
+        make_dataset(_schema(), cfg, split="train").check_files()
+
+
+def test_parquet_reader_reads_list_columns(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "seq.parquet")
+    pq.write_table(pa.table({"user": [1, 2], "items": [[1, 2, 3], [4, 5, 6, 7]], "act": [[0, 1, 2], [2, 2, 1, 0]]}), path)
+    cfg = DataConfig(source="parquet", train_paths=[path], batch_size=2, actions_column="act")
+    batch = next(iter(make_dataset(_schema(num_actions=3), cfg, split="train")))
+    assert _bags(batch, "item") == [[1, 2], [4, 5, 6]] and _bags(batch, "action") == [[0, 1], [2, 2, 1]]
+
+
+def test_file_negatives_do_not_depend_on_the_split(tmp_path):
+    path = _write(tmp_path, "user,items\n" + "".join(f"u{i},{i}|{i + 1}|{i + 2}|{i + 3}\n" for i in range(8)))
+    cfg = DataConfig(source="csv", train_paths=[path], batch_size=2, num_negatives=3)
+    whole = next(iter(make_dataset(_schema(), dataclasses.replace(cfg, batch_size=4), split="train")))
+    for r in range(2):
+        part = next(iter(make_dataset(_schema(), cfg, split="train", rank=r, world_size=2)))
+        assert _bags(part, "negative") == _bags(whole, "negative")[2 * r:2 * r + 2]
+        assert _bags(part, "item") == _bags(whole, "item")[2 * r:2 * r + 2]
