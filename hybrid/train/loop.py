@@ -222,8 +222,10 @@ def build_trainer(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan
     schema = spec.data_schema(model)
     n, me = role.num_trainers, role.index
     return Trainer(role, plan, cfg, resolved, model=model, task=spec.make_task(temperature=cfg.train.temperature),
-                   train_data=make_dataset(schema, cfg.data, split="train", rank=me, world_size=n),
-                   eval_data=make_dataset(schema, cfg.data, split="eval", rank=me, world_size=n))
+                   train_data=make_dataset(schema, cfg.data, split="train", rank=me, world_size=n,
+                                           stats_dir=cfg.out_dir),
+                   eval_data=make_dataset(schema, cfg.data, split="eval", rank=me, world_size=n,
+                                          stats_dir=cfg.out_dir))
 
 
 class Trainer:
