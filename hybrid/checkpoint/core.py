@@ -276,6 +276,8 @@ def _wait_servers(futures, remotes) -> list[dict[str, Any]]:
             for k in range(lay.num_shards):
                 ranges = [f["rows"] for f in files if f["shard"] == k]
                 want, end = lay.rows_on(lay.servers[k]), 0
+                if coll.config.dynamic is not None:  # a dynamic shard saves the rows it holds
+                    want = max((f.get("dynamic_rows", -1) for f in files if f["shard"] == k), default=-1)
                 for a, b in ranges:
                     end = b if a == end else -1
                 if not ranges or end != want:
@@ -283,7 +285,8 @@ def _wait_servers(futures, remotes) -> list[dict[str, Any]]:
                                           f"{t.name}, not [0, {want})")
             tables.append({"name": t.name, "key": keys[t.name], "num_embeddings": t.num_embeddings,
                            "embedding_dim": t.embedding_dim, "sharding": lay.sharding, "num_shards": lay.num_shards,
-                           "servers": list(lay.servers), "optimizer": coll.config.optimizer.name, "files": files})
+                           "servers": list(lay.servers), "optimizer": coll.config.optimizer.name, "files": files,
+                           **({"dynamic": dataclasses.asdict(coll.config.dynamic)} if coll.config.dynamic else {})})
         out.append({"cid": coll.cid, "fqn": fqn, "optimizer": dataclasses.asdict(coll.config.optimizer), "tables": tables})
     return out
 

@@ -53,6 +53,8 @@ def load_tables(ckpt: str | Path, manifest: dict[str, Any] | None = None
     out = {}
     for coll in manifest.get("collections") or []:
         for t in coll["tables"]:
+            if t.get("dynamic") is not None:
+                raise CheckpointError(f"{ckpt}: table {t['key']} has ids: dynamic; read it with dynamic_table()")
             weight = torch.empty(t["num_embeddings"], t["embedding_dim"])
             state: dict[str, torch.Tensor] = {}
             for k, f in enumerate(t["files"]):
@@ -79,9 +81,38 @@ def _ordered(manifest: dict[str, Any], keys) -> list[str]:
     return order + [k for k in keys if k not in order]
 
 
+def dynamic_table(ckpt: Path, table: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A saved ``ids: dynamic`` table (its manifest entry): (ids ascending, their rows float32),
+    every server's rows together (at most the table's capacity)."""
+    ids, rows = [], []
+    for f in table["files"]:
+        data = F.load_tensors(ckpt, FileEntry(f["path"], int(f["size"]), f["sha256"]))
+        ids.append(data["ids"])
+        rows.append(data["rows"].float())
+    ids_t = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)
+    rows_t = torch.cat(rows) if rows else torch.empty(0, table["embedding_dim"])
+    order = torch.argsort(ids_t)
+    return ids_t[order], rows_t[order]
+
+
+def ids_key(key: str) -> str:
+    """The export key of a dynamic table's ids: ``...weight`` -> ``...ids``."""
+    return key[: -len("weight")] + "ids" if key.endswith("weight") else key + ".ids"
+
+
+def _dynamic(path: Path, manifest: dict[str, Any], dense: dict[str, torch.Tensor]) -> None:
+    """Add every dynamic table to ``dense`` as two tensors: its rows under the table's key and
+    their ids under :func:`ids_key` (a dynamic table has no row numbers: ids name the rows)."""
+    for coll in manifest.get("collections") or []:
+        for t in coll["tables"]:
+            if t.get("dynamic") is not None:
+                dense[ids_key(t["key"])], dense[t["key"]] = dynamic_table(path, t)
+
+
 def _tables(path: Path, manifest: dict[str, Any], dense: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
-    """Every saved table's manifest entry, by state-dict key."""
-    tables = {t["key"]: t for coll in manifest.get("collections") or [] for t in coll["tables"]}
+    """Every saved range table's manifest entry, by state-dict key."""
+    tables = {t["key"]: t for coll in manifest.get("collections") or [] for t in coll["tables"]
+              if t.get("dynamic") is None}
     clash = sorted(set(tables) & set(dense))
     if clash:
         raise CheckpointError(f"{path}: key {clash[0]!r} is both a dense and a table key")
@@ -110,6 +141,7 @@ def export_state_dict(ckpt: str | Path, *, key: bytes | None = None) -> dict[str
     path = F.resolve(ckpt)
     manifest = F.read_manifest(path, key=key)
     state = dense_state_dict(path, manifest)
+    _dynamic(path, manifest, state)
     for name, t in _tables(path, manifest, state).items():
         state[name] = table_rows(path, t, 0, t["num_embeddings"])
     return {k: state[k] for k in _ordered(manifest, state)}
@@ -129,6 +161,7 @@ def export(ckpt: str | Path, out: str | Path, *, key: bytes | None = None,
     path = F.resolve(ckpt)
     manifest = F.read_manifest(path, key=key)
     dense = dense_state_dict(path, manifest)
+    _dynamic(path, manifest, dense)
     tables = _tables(path, manifest, dense)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

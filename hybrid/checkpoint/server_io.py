@@ -60,6 +60,9 @@ def _write_shards(shard, ckpt: Path, step: int) -> list[dict[str, Any]]:
     out = []
     with shard.lock:  # no update can interleave with the copy to disk
         for t in shard.tables:
+            if t.dynamic is not None:
+                out += _write_dynamic(shard, t, ckpt, step)
+                continue
             step_rows = _part_rows(t)
             bounds = list(range(0, t.rows, step_rows)) or [0]  # an empty shard: one empty part
             for part, a in enumerate(bounds):
@@ -74,6 +77,71 @@ def _write_shards(shard, ckpt: Path, step: int) -> list[dict[str, Any]]:
                 out.append({"path": e.path, "size": e.size, "sha256": e.sha256, "table": t.name,
                             "shard": t.shard_pos, "rows": [a, b]})
     return out
+
+
+def _write_dynamic(shard, t: TableShard, ckpt: Path, step: int) -> list[dict[str, Any]]:
+    """A dynamic table shard: its occupied rows ascending by id, in parts, each holding per row its
+    id, part, place in the part, last step, row and optimizer state; the first part also the
+    sightings and counters (``TableShard.dynamic_rows``)."""
+    d = t.dynamic_rows()
+    n = d["ids"].numel()
+    step_rows = _part_rows(t)
+    per_row = [k for k in d if k not in ("seen_ids", "seen_counts", "counters", "slots")]
+    out = []
+    for part, a in enumerate(list(range(0, n, step_rows)) or [0]):
+        b = min(a + step_rows, n)
+        payload = {k: d[k][a:b].clone() for k in per_row}
+        if part == 0:
+            payload.update(seen_ids=d["seen_ids"], seen_counts=d["seen_counts"], counters=d["counters"])
+        payload["info"] = {**_info(shard.cid, t, step), "rows": [a, b], "dynamic_rows": n}
+        path = ckpt / shard_file(shard.cid, t.name, t.shard_pos, t.layout.num_shards, part)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_tensors(payload, path)
+        e = entry_for(ckpt, path)
+        out.append({"path": e.path, "size": e.size, "sha256": e.sha256, "table": t.name, "shard": t.shard_pos,
+                    "rows": [a, b], "dynamic_rows": n})
+    return out
+
+
+def _fill_dynamic(t: TableShard, ckpt: Path, src: dict[str, Any]) -> int:
+    """Load a dynamic table shard: of every saved row, those whose part this server holds now
+    (any server count: parts move whole), at the same place in their part."""
+    dyn = t.dynamic
+    saved = src.get("dynamic")
+    if saved is None:
+        raise ValueError(f"table {t.name} was saved with ids: range; the plan says ids: dynamic")
+    if (saved["capacity"], saved["partitions"]) != (dyn.spec.capacity, dyn.spec.partitions):
+        raise ValueError(f"table {t.name} was saved with capacity {saved['capacity']} in {saved['partitions']} "
+                         f"partitions; the plan says capacity {dyn.spec.capacity} in {dyn.spec.partitions}: "
+                         f"use the saved capacity and partitions to resume")
+    held = torch.zeros(dyn.spec.partitions, dtype=torch.bool)
+    held[dyn.parts] = True
+    from hybrid.ps.server.dynamic import part_of
+
+    counters = torch.zeros(4, dtype=torch.int64)
+    n_shards_now = t.layout.num_shards
+    for f in src["files"]:
+        data = load_tensors(ckpt, FileEntry(f["path"], int(f["size"]), f["sha256"]))
+        if set(k[6:] for k in data if k.startswith("state.")) != set(t.optim.state):
+            raise ValueError(f"{f['path']}: optimizer state {sorted(k for k in data if k.startswith('state.'))}; "
+                             f"the table's optimizer keeps {sorted(t.optim.state)}")
+        mine = held[data["part"]]
+        slots = dyn.part_base[data["part"][mine]] + data["index"][mine]
+        ids = data["ids"][mine]
+        dyn.map.insert(ids, slots)
+        dyn.slot_id[slots], dyn.occupied[slots], dyn.last[slots] = ids, True, data["last"][mine]
+        t.weight.index_copy_(0, slots, data["rows"][mine].to(t.weight.dtype))
+        for key, v in t.optim.state.items():
+            v.index_copy_(0, slots, data[f"state.{key}"][mine].to(v.dtype))
+        if "seen_ids" in data:
+            keep = held[part_of(data["seen_ids"], dyn.spec.partitions)]
+            if bool(keep.any()):
+                dyn.seen.insert(data["seen_ids"][keep], data["seen_counts"][keep])
+            if int(f["shard"]) % n_shards_now == t.shard_pos:  # the counters stay summed over servers
+                counters += data["counters"]
+    c = dyn.counters
+    c.admitted, c.evicted, c.hits, c.looked_up = (int(x) for x in counters)
+    return dyn.rows
 
 
 def _info(cid: str, t: TableShard, step: int) -> dict[str, Any]:
@@ -130,6 +198,11 @@ def _load_collection(cid: str, ckpt: str, step: int, saved: list[dict[str, Any]]
                 raise KeyError(f"{_worker()}: the checkpoint has no table {t.name!r} in {cid} "
                                f"(it has {sorted(by_name)})")
             _check_fits(cid, t, src)
+            if t.dynamic is not None:
+                loaded += _fill_dynamic(t, Path(ckpt), src)
+                continue
+            if src.get("dynamic") is not None:
+                raise ValueError(f"table {t.name} was saved with ids: dynamic; the plan says ids: range")
             loaded += _fill(t, Path(ckpt), src)
         shard.complete_through = step - 1
         shard.arrived.clear()

@@ -239,3 +239,65 @@ def initial_rows_(out, rows, *, key, bound) -> None:
         h = fmix32(h ^ cols)
         u = (h >> 8).to(torch.float32) * (2.0 / (1 << 24)) - 1.0  # [-1, 1), exact in float32
         out[start : start + step] = u * bound
+
+
+_U64 = (1 << 64) - 1
+
+
+def _as_signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_C1, _C2 = _as_signed(0xFF51AFD7ED558CCD), _as_signed(0xC4CEB9FE1A85EC53)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def id_hash(ids: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 64-bit finalizer (fmix64) of each id, as int64; int64 products wrap as the
+    unsigned ones do."""
+    k = ids.to(torch.int64)
+    k = k ^ _shr(k, 33)
+    k = k * _C1
+    k = k ^ _shr(k, 33)
+    k = k * _C2
+    return k ^ _shr(k, 33)
+
+
+class IdMap:
+    """Raw int64 id -> row slot, as sorted arrays (``searchsorted``): the twin of
+    :class:`hybrid.ops.id_map.IdMap`'s hash table, with the same methods and results."""
+
+    def __init__(self) -> None:
+        self.keys = torch.empty(0, dtype=torch.int64)
+        self.slots = torch.empty(0, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return self.keys.numel()
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each id's slot, -1 where absent."""
+        ids = ids.to(torch.int64).reshape(-1)
+        if not len(self):
+            return torch.full_like(ids, -1)
+        pos = torch.searchsorted(self.keys, ids).clamp(max=len(self) - 1)
+        return torch.where(self.keys[pos] == ids, self.slots[pos], -1)
+
+    def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Map distinct ``ids`` to ``slots`` (an id already present is remapped)."""
+        self.erase(ids)
+        keys = torch.cat([self.keys, ids.to(torch.int64)])
+        order = torch.argsort(keys)
+        self.keys, self.slots = keys[order], torch.cat([self.slots, slots.to(torch.int64)])[order]
+
+    def erase(self, ids: torch.Tensor) -> None:
+        """Remove ``ids`` (absent ones are skipped)."""
+        keep = ~torch.isin(self.keys, ids.to(torch.int64))
+        self.keys, self.slots = self.keys[keep], self.slots[keep]
+
+    def items(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids ascending, their slots)."""
+        return self.keys.clone(), self.slots.clone()

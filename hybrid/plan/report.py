@@ -139,6 +139,7 @@ def summarize_options(e: ResolvedModule) -> str:
         parts += [] if o.servers == "all" else ["servers=" + ",".join(map(str, o.servers))]
         parts += [] if o.id_policy == "error" else [f"ids={o.id_policy}"]
         parts += [] if o.storage_dtype == "float32" else [f"rows={_short(o.storage_dtype)}"]
+        parts += [] if o.ids == "range" else [f"dynamic cap={o.capacity} evict={o.evict}"]
     elif e.strategy == "fsdp":
         parts = ["reshard" if o.reshard_after_forward else "no-reshard"]
         mp = o.mixed_precision
@@ -192,6 +193,16 @@ def _table_bytes(e: ResolvedModule, module: nn.Module, num_servers: int) -> dict
         _tables(e.fqn, module), num_servers, options.sharding,
         options.server_list(num_servers) if num_servers > 1 else None,
     )
+    dyn = options.dynamic_ids()
+    if dyn is not None:  # each server holds its parts' capacity, whatever num_embeddings says
+        def rows_on(t, s):
+            if s not in t.servers:
+                return 0
+            k = t.servers.index(s)
+            return sum(dyn.part_capacity(p) for p in range(k, dyn.partitions, t.num_shards))
+        return {s: {t.table.name: rows_on(t, s) * row_bytes(options.optimizer.name, t.table.embedding_dim,
+                                                              options.storage_dtype)
+                    for t in layouts if rows_on(t, s)} for s in range(num_servers)}
     return {
         s: {t.table.name: t.rows_on(s) * row_bytes(options.optimizer.name, t.table.embedding_dim,
                                                     options.storage_dtype)

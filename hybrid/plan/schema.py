@@ -141,8 +141,34 @@ class PSOptions:
     """How the servers store the rows: ``bfloat16`` / ``float16`` halve their memory; the
     optimizer state and every update's arithmetic stay float32 and each new row is rounded to
     nearest once (rows reach the trainers as float32). ``float32`` is exact."""
+    ids: Literal["range", "dynamic"] = "range"
+    """``range``: ids in ``[0, num_embeddings)``, every row allocated up front; ``dynamic``: raw
+    int64 ids, a row created on an id's first touch (docs/dynamic_ids.md)."""
+    capacity: int = 0
+    """``ids: dynamic``: rows per table over all servers (required there)."""
+    admit_after: int = 1
+    """``ids: dynamic``: sightings before an id gets a row (until then it reads zeros)."""
+    evict: str = "none"
+    """``ids: dynamic``: ``none`` | ``lru`` | ``ttl:<steps>`` when a table is full."""
+    partitions: int = 0
+    """``ids: dynamic``: hash parts per table (0: ``min(64, capacity)``)."""
+
+    def dynamic_ids(self):
+        """The collection's :class:`hybrid.ps.config.DynamicIds` (None under ``ids: range``)."""
+        from hybrid.ps.config import DynamicIds
+
+        if self.ids != "dynamic":
+            return None
+        return DynamicIds(capacity=self.capacity, admit_after=self.admit_after, evict=self.evict,
+                          partitions=self.partitions)
 
     def __post_init__(self) -> None:
+        if self.ids not in ("range", "dynamic"):
+            raise _bad("ids", self.ids, "'range' or 'dynamic'")
+        if self.ids == "dynamic":
+            if self.capacity < 1:
+                raise _bad("capacity", self.capacity, "a number of rows >= 1 with ids: dynamic")
+            self.dynamic_ids()  # checks admit_after, evict, partitions
         if isinstance(self.servers, str):
             if self.servers != "all":
                 expected = "'all' or a list of server indices such as [0, 1]"

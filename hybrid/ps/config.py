@@ -89,6 +89,58 @@ class OptimizerSpec:
         return self.name == "sgd" and not self.weight_decay
 
 
+IdsMode = Literal["range", "dynamic"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DynamicIds:
+    """``ids: dynamic`` -- tables keyed by raw int64 ids (see docs/dynamic_ids.md).
+
+    Each table's ``capacity`` rows are split into ``partitions`` fixed parts by the id's hash;
+    a part lives whole on one server (part ``p`` on the collection's server ``p % S``), and
+    admission and eviction happen within a part, so they do not depend on how many servers
+    there are: one process and any number of servers admit and evict the same ids."""
+
+    capacity: int
+    """Rows per table over all servers (each part holds ``capacity / partitions``, rounded)."""
+    admit_after: int = 1
+    """Sightings (steps whose pushes include the id) before a row is created; before that a
+    lookup returns zeros and the id's gradient is dropped. 1: created on first touch."""
+    evict: str = "none"
+    """When a part is full: ``none`` (the step fails, nothing changes), ``lru`` (the row
+    touched longest ago goes, ties by smaller id; never one touched this step) or
+    ``ttl:<steps>`` (rows untouched for more than ``steps`` steps expire; a full part with
+    none expired fails the step as ``none``)."""
+    partitions: int = 0
+    """Parts per table; 0: ``min(64, capacity)``."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.capacity, int) or self.capacity < 1:
+            raise _bad("capacity", self.capacity, "a number of rows >= 1 (ids: dynamic)")
+        if not isinstance(self.admit_after, int) or self.admit_after < 1:
+            raise _bad("admit_after", self.admit_after, "a number of sightings >= 1")
+        self.ttl  # validates evict
+        if self.partitions == 0:
+            object.__setattr__(self, "partitions", min(64, self.capacity))
+        if not 1 <= self.partitions <= self.capacity:
+            raise _bad("partitions", self.partitions, f"0 or a number of parts in [1, capacity={self.capacity}]")
+
+    @property
+    def ttl(self) -> int | None:
+        """The ``ttl:<steps>`` of ``evict``, else None."""
+        e = self.evict
+        if e in ("none", "lru"):
+            return None
+        if isinstance(e, str) and e.startswith("ttl:") and e[4:].isdigit() and int(e[4:]) >= 1:
+            return int(e[4:])
+        raise _bad("evict", e, "'none', 'lru' or 'ttl:<steps>' with steps >= 1, e.g. 'ttl:1000'")
+
+    def part_capacity(self, part: int) -> int:
+        """Rows of part ``part``."""
+        q, r = divmod(self.capacity, self.partitions)
+        return q + (part < r)
+
+
 @dataclass(frozen=True)
 class TableSpec:
     """One embedding table as both ends see it."""
@@ -152,6 +204,8 @@ class CollectionConfig:
     """Servers holding at least one table, ascending (derived from ``layouts`` when empty)."""
     storage_dtype: StorageDtype = "float32"
     """How the servers store the rows (optimizer state and update math stay float32)."""
+    dynamic: DynamicIds | None = None
+    """``ids: dynamic``: raw int64 ids, rows created on first touch (None: ``ids: range``)."""
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -162,12 +216,24 @@ class CollectionConfig:
         """What a server multiplies each trainer's gradient by."""
         return 1.0 / self.num_trainers if self.gradient_scaling == "mean" else 1.0
 
+    def parts_on(self, server: int, table: int) -> list[int]:
+        """Dynamic tables: the parts of table ``table`` that ``server`` holds, ascending."""
+        lay = self.layouts[table]
+        if server not in lay.servers:
+            return []
+        k, s = lay.servers.index(server), lay.num_shards
+        return list(range(k, self.dynamic.partitions, s))
+
     def held(self, server: int) -> list[int]:
         """Indices of the tables with rows on ``server``, in collection order."""
         return [i for i, lay in enumerate(self.layouts) if server in lay.servers]
 
     def bytes_on(self, server: int) -> dict[str, int]:
         """Table name -> bytes ``server`` holds of it (rows and optimizer state), for its tables."""
+        if self.dynamic is not None:
+            return {self.layouts[i].table.name: sum(self.dynamic.part_capacity(p) for p in self.parts_on(server, i)) *
+                    row_bytes(self.optimizer.name, self.layouts[i].table.embedding_dim, self.storage_dtype)
+                    for i in self.held(server)}
         return {self.layouts[i].table.name: self.layouts[i].rows_on(server) *
                 row_bytes(self.optimizer.name, self.layouts[i].table.embedding_dim, self.storage_dtype)
                 for i in self.held(server)}

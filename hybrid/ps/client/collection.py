@@ -126,6 +126,9 @@ class RemoteEmbeddingBagCollection(nn.Module):
     def read_tables(self, with_state: bool = False) -> dict[str, torch.Tensor] | tuple[dict, dict]:
         """Whole tables assembled from the servers (and, optionally, optimizer state per table),
         as of every step this trainer has finished (in sync mode: applied by all trainers)."""
+        if self.config.dynamic is not None:
+            raise ValueError(f"{self.cid} has ids: dynamic: its rows are named by ids, not numbered; read them "
+                             f"with read_dynamic() (or export a checkpoint: ids and rows per table)")
         after = self.pipeline.finished_step()
         weights, states = {}, {}
         for t, lay in zip(self.tables, self.layouts):
@@ -143,6 +146,28 @@ class RemoteEmbeddingBagCollection(nn.Module):
             weights[t.name] = full
             states[t.name] = st_full
         return (weights, states) if with_state else weights
+
+    def read_dynamic(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``ids: dynamic``: per table, every server's ids, rows, optimizer state (``state.<name>``)
+        and map entries merged, ascending by id (see ``TableShard.dynamic_rows``), as of every
+        step this trainer has finished."""
+        if self.config.dynamic is None:
+            raise ValueError(f"{self.cid} has ids: range; read_tables() reads its rows")
+        after = self.pipeline.finished_step()
+        out = {}
+        for t, lay in zip(self.tables, self.layouts):
+            futs = [(s, self._call(s, service.rpc_read_dynamic, self.handle, t.name, after)) for s in lay.servers]
+            parts = self._wait(futs, f"reading {t.name} of {self.cid}")
+            per_row = [k for k in parts[0] if k not in ("seen_ids", "seen_counts", "counters")]
+            merged = {k: torch.cat([p[k] for p in parts]) for k in per_row + ["seen_ids", "seen_counts"]}
+            order = torch.argsort(merged["ids"])
+            merged.update({k: merged[k][order] for k in per_row})
+            seen = torch.argsort(merged["seen_ids"])
+            merged.update(seen_ids=merged["seen_ids"][seen], seen_counts=merged["seen_counts"][seen])
+            merged["counters"] = sum(p["counters"] for p in parts)
+            del merged["slots"]  # slot numbers are a server's own
+            out[t.name] = merged
+        return out
 
     def stats(self) -> dict[str, dict]:
         """Each server's counters for this collection."""

@@ -151,6 +151,9 @@ class Router:
         values, lengths, weights = _features(kjt, g.features, weighted=self.config.weighted)
         args = (g.feature_table, g.row_base, g.shards, g.server_rank)
         kw = dict(num_servers=len(self.servers), batch_size=b, weights=weights, mean=g.pooling == "mean")
+        if self.config.dynamic is not None:
+            return route_hashed(values, lengths, g.feature_table, g.shards, g.server_rank,
+                                partitions=self.config.dynamic.partitions, **kw)
         try:
             return ops.route(values, lengths, *args, **kw)
         except ops.RowOutOfRange:
@@ -198,6 +201,65 @@ class Router:
         if self.columns is None:
             return values
         return values.index_select(1, self.columns.to(values.device, non_blocking=True))
+
+
+def route_hashed(ids, lengths, feature_table, shards, server_rank, *, partitions, num_servers, batch_size,
+                 weights=None, mean=False) -> ops.Route:
+    """:func:`hybrid.ops.route` for raw int64 ids (``ids: dynamic``): deduplicated by (table, id)
+    with two stable sorts, each distinct id sent as itself to the server of its part
+    (``fmix64(id) mod partitions``, part ``p`` on shard ``p % shards``). Tensor operations only."""
+    from hybrid.ps.server.dynamic import part_of
+
+    total = ids.numel()
+    nf, b = feature_table.numel(), batch_size
+    ntab = shards.numel()
+    per_feature = lengths.view(nf, b).sum(1) if nf else lengths.new_zeros(0)
+    table_of_id = torch.repeat_interleave(feature_table, per_feature, output_size=total)
+    by_row = torch.argsort(ids, stable=True)
+    by_row = by_row[torch.argsort(table_of_id[by_row], stable=True)]
+    s_tab, s_id = table_of_id[by_row], ids[by_row]
+    first = torch.ones(total, dtype=torch.bool)
+    first[1:] = (s_tab[1:] != s_tab[:-1]) | (s_id[1:] != s_id[:-1])
+    ranks = torch.cumsum(first, 0) - 1
+    starts = first.nonzero().squeeze(1)
+    uniq, t_u = s_id[starts], s_tab[starts]
+    per_row = torch.diff(torch.cat([starts, starts.new_tensor([total])]))
+    inverse = torch.empty_like(by_row).scatter_(0, by_row, ranks)
+    shard_pos = part_of(uniq, partitions) % shards.index_select(0, t_u)
+    rank_u = server_rank[t_u, shard_pos]
+    key = rank_u * ntab + t_u
+    order = torch.argsort(key, stable=True)
+    per = torch.bincount(key, minlength=num_servers * ntab).view(num_servers, ntab)
+    requests_ids = uniq.index_select(0, order)
+    raw = torch.bincount(rank_u.index_select(0, inverse), minlength=num_servers)
+    place = torch.empty_like(order)
+    place[order] = torch.arange(order.numel())
+    idx = place.index_select(0, inverse)
+    bag_fm = torch.repeat_interleave(torch.arange(nf * b).view(b, nf).t().reshape(-1), lengths, output_size=total)
+    group_sizes = per_row.index_select(0, order)
+    gstarts = torch.cat([per_row.new_zeros(1), per_row.cumsum(0)])[:-1].index_select(0, order)
+    pos = torch.repeat_interleave(gstarts - torch.cat([group_sizes.new_zeros(1), group_sizes.cumsum(0)])[:-1],
+                                  group_sizes, output_size=total) + torch.arange(total)
+    members = by_row.index_select(0, pos)
+    grad_bags = bag_fm.index_select(0, members)
+    grad_offsets = torch.cat([group_sizes.new_zeros(1), group_sizes.cumsum(0)])
+    if mean:
+        inv_len = 1.0 / lengths.clamp(min=1).to(torch.float32)
+        grad_scale = torch.repeat_interleave(inv_len, lengths, output_size=total).index_select(0, members)
+    else:
+        grad_scale = weights.index_select(0, members) if weights is not None else None
+    out_weights = weights
+    if nf > 1:
+        sm_lengths = lengths.view(nf, b).t().reshape(-1)
+        fm_start = (lengths.cumsum(0) - lengths).view(nf, b).t().reshape(-1)
+        sm_start = sm_lengths.cumsum(0) - sm_lengths
+        perm = torch.arange(total) + torch.repeat_interleave(fm_start - sm_start, sm_lengths, output_size=total)
+        idx = idx.index_select(0, perm)
+        out_weights = weights.index_select(0, perm) if weights is not None else None
+        lengths = sm_lengths
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    return ops.Route(requests_ids=requests_ids, per=per, raw=raw, idx=idx, offsets=offsets, weights=out_weights,
+                     grad_bags=grad_bags, grad_offsets=grad_offsets, grad_scale=grad_scale, num_unique=uniq.numel())
 
 
 def _features(kjt: KeyedJaggedTensor, features: list[str], *, weighted: bool

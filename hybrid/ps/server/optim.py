@@ -44,6 +44,12 @@ class RowSparseOptimizer:
             self.state["exp_avg_sq"] = tensor(rows, dim).zero_()
             self.state["step"] = tensor(rows).zero_()
 
+    def reset(self, rows: torch.Tensor) -> None:
+        """Fresh state for ``rows`` (a dynamic table's new rows)."""
+        init = self.spec.initial_accumulator_value
+        for k, v in self.state.items():
+            v.index_fill_(0, rows, init if k == "sum" else 0.0)
+
     def compute(self, weight: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, grad_scale: float = 1.0,
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The new values of ``weight[rows]`` and of the state's rows (``rows`` distinct, one

@@ -333,10 +333,32 @@ def rpc_read_shard(handle: int, table: str, after_step: int = -1):
     return fut
 
 
+@rpc.functions.async_execution
+def rpc_read_dynamic(handle: int, table: str, after_step: int = -1):
+    """A dynamic table shard's ids, rows, optimizer state, map and counters
+    (:meth:`TableShard.dynamic_rows`), once updates through ``after_step`` are applied."""
+    shard = server().shard(handle)
+    t = shard.table(table)
+    fut: torch.futures.Future = torch.futures.Future()
+
+    def answer(err: BaseException | None) -> None:
+        if err is not None:
+            fut.set_exception(RuntimeError(f"ps{shard.server}: collection {shard.cid} failed: {err!r}"))
+            return
+        with shard.lock:
+            fut.set_result(t.dynamic_rows())
+
+    shard.when_ready(after_step, answer)
+    return fut
+
+
 def rpc_stats(handle: int) -> dict:
     shard = server().shard(handle)
     d = shard.counters.as_dict()
     d["complete_through"] = shard.complete_through
+    if shard.config.dynamic is not None:
+        with shard.lock:
+            d["dynamic"] = {t.name: t.dynamic.counters.as_dict(t.dynamic.rows) for t in shard.tables}
     held = huge_page_bytes()  # the whole process's, every collection's tables together
     if held is not None:
         d["huge_page_bytes"] = held

@@ -23,6 +23,7 @@ from hybrid import ops
 from hybrid.ps.config import CollectionConfig
 from hybrid.ps.init import initial_rows
 from hybrid.ps.protocol import Rows
+from hybrid.ps.server.dynamic import DynamicSlots
 from hybrid.ps.server.memory import table_tensor
 from hybrid.ps.server.optim import RowSparseOptimizer
 from hybrid.ps.sharding import TableLayout
@@ -66,7 +67,15 @@ class TableShard:
         self.name = layout.table.name
         self.dim = layout.table.embedding_dim
         self.shard_pos = layout.servers.index(server)
-        self.rows = layout.rows_on(server)
+        self.seed = config.init_seed
+        self.dynamic: DynamicSlots | None = None
+        if config.dynamic is not None:
+            index = config.layouts.index(layout)
+            self.dynamic = DynamicSlots(config.dynamic, config.parts_on(server, index), table=self.name,
+                                        where=f"{config.cid} on ps{server}")
+            self.rows = self.dynamic.capacity
+        else:
+            self.rows = layout.rows_on(server)
         dtype = getattr(torch, config.storage_dtype)
         self.weight = table_tensor(self.rows, self.dim, dtype=dtype, huge_pages=huge_pages)  # see server.memory
         self.optim = RowSparseOptimizer(config.optimizer, self.rows, self.dim, huge_pages=huge_pages)
@@ -75,13 +84,51 @@ class TableShard:
         return self.layout.global_ids(self.shard_pos, local)
 
     def initialize(self, seed: int) -> None:
-        """Each row's layout-independent initial value (:mod:`hybrid.ps.init`)."""
+        """Each row's layout-independent initial value (:mod:`hybrid.ps.init`); a dynamic table
+        starts empty and creates each row when its id is admitted."""
         t = self.layout.table
+        if self.dynamic is not None:
+            return
         step = max(1, (64 << 20) // (4 * max(self.dim, 1)))
         for start in range(0, self.rows, step):
             local = torch.arange(start, min(start + step, self.rows), dtype=torch.int64)
             initial_rows(t.name, t.num_embeddings, self.dim, self.global_ids(local), seed=seed,
                          out=self.weight[start : start + local.numel()])
+
+
+    # -- dynamic tables -------------------------------------------------------------------------
+    def read_dynamic(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Rows of raw ``ids`` into ``out`` ([n, dim], float32): the row where the id has one, its
+        initial value where this step's update admits it, zeros otherwise."""
+        slots, fresh = self.dynamic.find(ids)
+        hit = slots >= 0
+        if bool(hit.all()):
+            out.copy_(self.weight.index_select(0, slots))
+            return
+        out.zero_()
+        if bool(hit.any()):
+            out[hit] = self.weight.index_select(0, slots[hit]).float()
+        if bool(fresh.any()):
+            t = self.layout.table
+            out[fresh] = initial_rows(t.name, t.num_embeddings, self.dim, ids[fresh], seed=self.seed)
+
+    def dynamic_rows(self) -> dict[str, torch.Tensor]:
+        """A dynamic table's state as tensors, ascending by id: the map (:meth:`DynamicSlots.state`),
+        each row (``rows``, float32) and its optimizer state (``state.<name>``)."""
+        d = self.dynamic.state()
+        d["rows"] = self.weight.index_select(0, d["slots"]).float()
+        for k, v in self.optim.state.items():
+            d[f"state.{k}"] = v.index_select(0, d["slots"])
+        return d
+
+    def create_rows(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """New rows of a dynamic table: their initial value and fresh optimizer state."""
+        if not ids.numel():
+            return
+        t = self.layout.table
+        init = initial_rows(t.name, t.num_embeddings, self.dim, ids, seed=self.seed)
+        ops.scatter_rows_(self.weight, slots, init)
+        self.optim.reset(slots)
 
 
 Contribution = tuple[Rows, torch.Tensor]
@@ -102,7 +149,8 @@ class CollectionShard:
         self.staleness = config.staleness
         self.scale = config.scale
         # 16-bit rows: a step's contributions are summed first, so each row is rounded once a step.
-        self.accumulates = config.optimizer.accumulates and config.storage_dtype == "float32"
+        self.accumulates = (config.optimizer.accumulates and config.storage_dtype == "float32"
+                            and config.dynamic is None)
         self.complete_through = start_step - 1
         self.arrived: dict[int, int] = defaultdict(int)
         self.pending: dict[int, list[Contribution]] = defaultdict(list)
@@ -126,6 +174,8 @@ class CollectionShard:
     def gather(self, rows: Rows, out: torch.Tensor | None = None) -> torch.Tensor:
         """The rows asked for, flat (into ``out`` where given)."""
         shards = self.shards_of(rows)
+        if self.config.dynamic is not None:
+            return self._gather_dynamic(rows, shards, out)
         with self.lock:
             try:
                 got = ops.gather_rows([t.weight for t in shards], rows.ids, rows.counts, out=out)
@@ -134,6 +184,18 @@ class CollectionShard:
         self.counters.rows_served += int(rows.ids.numel())
         self.counters.bytes_out += got.numel() * got.element_size()
         return got
+
+    def _gather_dynamic(self, rows: Rows, shards: list[TableShard], out: torch.Tensor | None) -> torch.Tensor:
+        numel = sum(n * t.dim for n, t in zip(rows.counts, shards))
+        out = torch.empty(numel) if out is None else out[:numel]
+        p = q = 0
+        with self.lock:
+            for t, n in zip(shards, rows.counts):
+                t.read_dynamic(rows.ids[p : p + n], out[q : q + n * t.dim].view(n, t.dim))
+                p, q = p + n, q + n * t.dim
+        self.counters.rows_served += int(rows.ids.numel())
+        self.counters.bytes_out += out.numel() * out.element_size()
+        return out
 
     def _outside(self, table: TableShard, row: int, what: str) -> IndexError:
         return IndexError(f"{what} of {self.cid} on ps{self.server}: row {row} is outside this server's "
@@ -179,9 +241,9 @@ class CollectionShard:
                         parts = [(Rows(r.tables, r.counts, r.ids.clone()), g.clone()) for r, g in parts]
                     self.pending[step].extend(parts)
                     if last:
-                        self.apply(self.pending.pop(step))
+                        self.apply(self.pending.pop(step), step=step)
                 else:
-                    self.apply(parts)
+                    self.apply(parts, step=step)
                 if self.staleness or last:
                     self.counters.updates_applied += 1
                 self.arrived[step] += 1
@@ -193,8 +255,12 @@ class CollectionShard:
                 self.failed = e
             raise
 
-    def apply(self, contributions: list[Contribution]) -> None:
-        """Apply the trainers' contributions of one step (or one async push): all or nothing."""
+    def apply(self, contributions: list[Contribution], *, step: int = 0) -> None:
+        """Apply the trainers' contributions of one step (or one async push): all or nothing
+        (dynamic tables: a failed optimizer check after admission keeps the admitted rows)."""
+        if self.config.dynamic is not None:
+            self._apply_dynamic(contributions, step)
+            return
         if self.accumulates:
             self._accumulate(contributions)
             return
@@ -223,6 +289,44 @@ class CollectionShard:
                 raise self._outside(table, e.row, "gradient push") from None
             except ops.NonFinite as e:
                 raise FloatingPointError(f"{self._what()}: {e}") from None
+        for table, rows, w, state in computed:
+            table.optim.commit(table.weight, rows, w, state)
+
+    def _apply_dynamic(self, contributions: list[Contribution], step: int) -> None:
+        """Dynamic tables: each table's distinct ids of the update are admitted (or not) in one
+        plan, every table planned before any changes (a full table changes nothing), then the
+        optimizer runs on the slots of the admitted ids."""
+        per_table: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for rows, grad in contributions:
+            shards = self.shards_of(rows)
+            sizes = [n * t.dim for n, t in zip(rows.counts, shards)]
+            for index, t, ids, g, n in zip(rows.tables, shards, rows.ids.split(rows.counts), grad.split(sizes),
+                                          rows.counts):
+                entry = per_table.setdefault(index, ([], []))
+                entry[0].append(ids)
+                entry[1].append(g.view(n, t.dim))
+        plans = []
+        for index in sorted(per_table):
+            table = self.by_index[index]
+            ids = torch.cat(per_table[index][0])
+            uniq = torch.unique(ids)
+            plans.append((table, index, ids, uniq, table.dynamic.plan(uniq, step)))
+        for table, _, _, _, a in plans:
+            table.dynamic.commit(a)
+            table.create_rows(a.new_ids, a.new_slots)
+        computed = []
+        for table, index, ids, uniq, a in plans:
+            slot = a.slots[torch.searchsorted(uniq, ids)]
+            keep = slot >= 0
+            grads = torch.cat(per_table[index][1])
+            if not bool(keep.all()):
+                slot, grads = slot[keep], grads[keep]
+            rows, summed = ops.sum_rows(slot, grads, scale=self.scale, num_rows=table.rows)
+            if rows.numel():
+                try:
+                    computed.append((table, rows, *table.optim.compute(table.weight, rows, summed, 1.0)))
+                except ops.NonFinite as e:
+                    raise FloatingPointError(f"{self._what()}: {e}") from None
         for table, rows, w, state in computed:
             table.optim.commit(table.weight, rows, w, state)
 

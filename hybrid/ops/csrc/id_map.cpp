@@ -1,0 +1,138 @@
+// The id -> row slot map of a dynamic table (hybrid/ps/server/dynamic.py) and the hash that
+// routes raw ids to servers. The map is two int64 tensors of one power-of-two size: keys (raw
+// ids) and slots (-1: empty), open addressing with linear probing from fmix64(id); erasing
+// shifts the following entries back (no tombstones), so a probe never runs past the first empty
+// entry. The tensors belong to the caller, which grows them (and checkpoints them as tensors).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace {
+
+using at::Tensor;
+
+// MurmurHash3's 64-bit finalizer: every input bit moves every output bit.
+inline uint64_t fmix64(uint64_t k) {
+  k ^= k >> 33;
+  k *= 0xFF51AFD7ED558CCDull;
+  k ^= k >> 33;
+  k *= 0xC4CEB9FE1A85EC53ull;
+  k ^= k >> 33;
+  return k;
+}
+
+void check_map(const Tensor& keys, const Tensor& slots) {
+  TORCH_CHECK_TYPE(keys.scalar_type() == at::kLong && slots.scalar_type() == at::kLong,
+                   "keys and slots must be int64");
+  TORCH_CHECK_VALUE(keys.device().is_cpu() && slots.device().is_cpu() && keys.is_contiguous() &&
+                        slots.is_contiguous() && keys.dim() == 1 && slots.dim() == 1,
+                    "keys and slots must be contiguous 1-D CPU tensors");
+  const int64_t n = keys.numel();
+  TORCH_CHECK_VALUE(n == slots.numel() && n > 0 && (n & (n - 1)) == 0,
+                    "keys and slots must have one power-of-two size, got ", n, " and ", slots.numel());
+}
+
+void check_ids(const Tensor& ids, const char* what) {
+  TORCH_CHECK_TYPE(ids.scalar_type() == at::kLong, what, " must be int64, got ", ids.scalar_type());
+  TORCH_CHECK_VALUE(ids.device().is_cpu() && ids.is_contiguous() && ids.dim() == 1, what,
+                    " must be a contiguous 1-D CPU tensor");
+}
+
+// Position of id in the map, or of the empty entry where it would go.
+inline int64_t probe(const int64_t* k, const int64_t* s, uint64_t mask, int64_t id) {
+  uint64_t p = fmix64(static_cast<uint64_t>(id)) & mask;
+  while (s[p] >= 0 && k[p] != id) p = (p + 1) & mask;
+  return static_cast<int64_t>(p);
+}
+
+Tensor id_map_find(const Tensor& keys, const Tensor& slots, const Tensor& ids) {
+  check_map(keys, slots);
+  check_ids(ids, "ids");
+  const int64_t n = ids.numel();
+  Tensor out = at::empty({n}, ids.options());
+  const int64_t *k = keys.data_ptr<int64_t>(), *s = slots.data_ptr<int64_t>(), *q = ids.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const uint64_t mask = static_cast<uint64_t>(keys.numel() - 1);
+  for (int64_t i = 0; i < n; i++) o[i] = s[probe(k, s, mask, q[i])];  // -1 where absent
+  return out;
+}
+
+// Inserts (or overwrites) ids[i] -> values[i]; returns the entries in use afterwards. The caller
+// keeps the load at most one half, so there is always an empty entry.
+int64_t id_map_insert_(const Tensor& keys, const Tensor& slots, const Tensor& ids, const Tensor& values,
+                       int64_t used) {
+  check_map(keys, slots);
+  check_ids(ids, "ids");
+  check_ids(values, "values");
+  TORCH_CHECK_VALUE(ids.numel() == values.numel(), "ids and values must have one size");
+  const int64_t n = ids.numel(), cap = keys.numel();
+  TORCH_CHECK_VALUE(used + n < cap, "id map of ", cap, " entries cannot take ", n, " more after ", used,
+                    " (the caller grows it first)");
+  int64_t *k = keys.data_ptr<int64_t>(), *s = slots.data_ptr<int64_t>();
+  const int64_t *q = ids.data_ptr<int64_t>(), *v = values.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; i++) TORCH_CHECK_VALUE(v[i] >= 0, "slot values must be >= 0, got ", v[i]);
+  const uint64_t mask = static_cast<uint64_t>(cap - 1);
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t p = probe(k, s, mask, q[i]);
+    if (s[p] < 0) used++;
+    k[p] = q[i];
+    s[p] = v[i];
+  }
+  return used;
+}
+
+// Removes ids (absent ones are skipped); returns the entries in use afterwards.
+int64_t id_map_erase_(const Tensor& keys, const Tensor& slots, const Tensor& ids, int64_t used) {
+  check_map(keys, slots);
+  check_ids(ids, "ids");
+  int64_t *k = keys.data_ptr<int64_t>(), *s = slots.data_ptr<int64_t>();
+  const int64_t* q = ids.data_ptr<int64_t>();
+  const uint64_t mask = static_cast<uint64_t>(keys.numel() - 1);
+  for (int64_t i = 0; i < ids.numel(); i++) {
+    uint64_t p = static_cast<uint64_t>(probe(k, s, mask, q[i]));
+    if (s[p] < 0) continue;
+    used--;
+    // Backward shift: move each later entry of the run into the hole when its home position
+    // does not lie cyclically in (hole, entry].
+    uint64_t hole = p, j = p;
+    while (true) {
+      j = (j + 1) & mask;
+      if (s[j] < 0) break;
+      const uint64_t home = fmix64(static_cast<uint64_t>(k[j])) & mask;
+      const bool stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
+      if (stays) continue;
+      k[hole] = k[j];
+      s[hole] = s[j];
+      hole = j;
+    }
+    s[hole] = -1;
+  }
+  return used;
+}
+
+// fmix64 of each id, as int64 (two's complement of the unsigned hash).
+Tensor id_hash(const Tensor& ids) {
+  check_ids(ids, "ids");
+  Tensor out = at::empty_like(ids);
+  const int64_t* q = ids.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); i++) o[i] = static_cast<int64_t>(fmix64(static_cast<uint64_t>(q[i])));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hybrid, m) {
+  m.def("id_map_find(Tensor keys, Tensor slots, Tensor ids) -> Tensor");
+  m.def("id_map_insert_(Tensor(a!) keys, Tensor(b!) slots, Tensor ids, Tensor values, int used) -> int");
+  m.def("id_map_erase_(Tensor(a!) keys, Tensor(b!) slots, Tensor ids, int used) -> int");
+  m.def("id_hash(Tensor ids) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hybrid, CompositeExplicitAutograd, m) {
+  m.impl("id_map_find", id_map_find);
+  m.impl("id_map_insert_", id_map_insert_);
+  m.impl("id_map_erase_", id_map_erase_);
+  m.impl("id_hash", id_hash);
+}

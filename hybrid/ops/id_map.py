@@ -1,0 +1,81 @@
+"""The id -> row slot map of a dynamic table, and the hash that routes raw ids to servers.
+
+:class:`IdMap` keeps an open-addressing hash table as two int64 tensors (``keys``, ``slots``;
+``slots == -1`` marks an empty entry) probed by the native operators of ``csrc/id_map.cpp``
+(``torch.ops.hybrid.id_map_find`` / ``id_map_insert_`` / ``id_map_erase_``): a million lookups
+are one C++ loop. The table doubles when half full. Without the extension the sorted-array twin
+:class:`hybrid.ops.reference.IdMap` runs instead (same methods, same results).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid.ops import reference
+
+_NATIVE_OPS = ("id_map_find", "id_map_insert_", "id_map_erase_", "id_hash")
+def _native() -> bool:
+    try:
+        import hybrid._C  # noqa: F401
+    except ImportError:
+        return False
+    return all(hasattr(torch.ops.hybrid, n) for n in _NATIVE_OPS)
+
+
+NATIVE: bool = _native()
+"""Whether the native map operators run."""
+
+
+def id_hash(ids: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's fmix64 of each int64 id, as int64 (the same on every machine and run)."""
+    ids = ids.to(torch.int64).contiguous().reshape(-1)
+    return torch.ops.hybrid.id_hash(ids) if NATIVE else reference.id_hash(ids)
+
+
+class HashIdMap:
+    """Raw int64 id -> row slot (an int64 >= 0), an open-addressing table probed in C++."""
+
+    def __init__(self, capacity: int = 16) -> None:
+        size = 16
+        while size < 2 * capacity:
+            size *= 2
+        self.keys = torch.zeros(size, dtype=torch.int64)
+        self.slots = torch.full((size,), -1, dtype=torch.int64)
+        self.used = 0
+
+    def __len__(self) -> int:
+        return self.used
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each id's slot, -1 where absent."""
+        return torch.ops.hybrid.id_map_find(self.keys, self.slots, ids.to(torch.int64).contiguous().reshape(-1))
+
+    def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Map distinct ``ids`` to ``slots`` (an id already present is remapped)."""
+        ids = ids.to(torch.int64).contiguous().reshape(-1)
+        if 2 * (self.used + ids.numel()) > self.keys.numel():
+            self._grow(self.used + ids.numel())
+        self.used = torch.ops.hybrid.id_map_insert_(self.keys, self.slots, ids,
+                                                     slots.to(torch.int64).contiguous().reshape(-1), self.used)
+
+    def erase(self, ids: torch.Tensor) -> None:
+        """Remove ``ids`` (absent ones are skipped)."""
+        self.used = torch.ops.hybrid.id_map_erase_(self.keys, self.slots, ids.to(torch.int64).contiguous().reshape(-1),
+                                                    self.used)
+
+    def items(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids ascending, their slots)."""
+        present = self.slots >= 0
+        keys, slots = self.keys[present], self.slots[present]
+        order = torch.argsort(keys)
+        return keys[order], slots[order]
+
+    def _grow(self, need: int) -> None:
+        keys, slots = self.items()
+        fresh = HashIdMap(need * 2)
+        fresh.used = torch.ops.hybrid.id_map_insert_(fresh.keys, fresh.slots, keys, slots, 0)
+        self.keys, self.slots, self.used = fresh.keys, fresh.slots, fresh.used
+
+
+IdMap = HashIdMap if NATIVE else reference.IdMap
+"""The map the servers use: native where the extension is built, else the reference."""

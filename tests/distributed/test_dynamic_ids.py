@@ -1,0 +1,120 @@
+"""Dynamic tables (``ids: dynamic``) with real processes: 2 trainers + 2 servers, sync, against
+the same tables trained in one process (one shard holding every part, one trainer, the global
+batch): equal ids, rows, optimizer state, map (part, place, last step), admissions and evictions."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybrid.launch.roles import role_of
+from hybrid.ps.client import make_pipeline, step
+from hybrid.ps.client.collection import RemoteEmbeddingBagCollection
+from hybrid.ps.client.routing import PooledRows, Router
+from hybrid.ps.config import DynamicIds
+from hybrid.ps.server.shard import CollectionShard
+from tests.harness import run_distributed
+from tests.support.remote import remote_of
+from tests.support.sparse import global_batch, kjt_slice
+from tests.support import sparse
+
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+OPTIMIZERS = {"sgd": 0.5, "rowwise_adagrad": 0.1, "adam": 0.05}
+STEPS, BATCH = 12, 6
+
+
+def _raw(data: dict, s: int) -> dict:
+    """The batch with its small ids drifting with the step (new ids keep arriving) and spread
+    over the int64 range (negative ones too)."""
+    return {f: (ln, (ids + 5 * s) * 1_000_000_007 - (1 << 40), w) for f, (ln, ids, w) in data.items()}
+
+
+def _loss(values: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return ((values @ c) ** 2).mean() + values.sum(1).mean()
+
+
+class OneProcess:
+    """The reference: every part in one in-process shard, one trainer, the global batch."""
+
+    def __init__(self, ebc, name: str, lr: float, dynamic: DynamicIds):
+        config = RemoteEmbeddingBagCollection.config_from(ebc, cid=f"ref/{name}", num_servers=1,
+                                                          optimizer={"name": name, "lr": lr}, num_trainers=1,
+                                                          dynamic=dynamic)
+        self.router = Router(config)
+        self.shard = CollectionShard(config, 0, start_step=0, huge_pages=False)
+
+    def step(self, kjt, s: int, c: torch.Tensor) -> None:
+        routed = self.router.route(kjt, where="reference")
+        req = routed.requests[0]
+        rows = self.shard.gather(req).clone().requires_grad_(True)
+        _loss(self.router.pool(routed, {0: rows}), c).backward()
+        self.shard.push(0, s, [(req, rows.grad)])
+
+    def state(self) -> dict:
+        out = {}
+        for t in self.shard.tables:
+            d = t.dynamic_rows()
+            del d["slots"]
+            out[t.name] = d
+        return out
+
+
+def _train(rank, world_size, *, num_servers, dynamic):
+    role = role_of(rank, world_size, num_servers)
+    if not role.is_trainer:
+        return None
+    t_n, me = role.num_trainers, role.index
+    pipeline = make_pipeline(trainer=me, num_servers=num_servers, staleness=0)
+    tables = sparse.test_tables()
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    c = torch.linspace(-1, 1, sum(t.embedding_dim * len(t.feature_names) for t in tables))
+    remotes = {n: remote_of(ebc, pipeline, cid=n, num_servers=num_servers, optimizer={"name": n, "lr": lr},
+                            trainer=me, num_trainers=t_n, dynamic=dynamic) for n, lr in OPTIMIZERS.items()}
+    refs = {n: OneProcess(ebc, n, lr, dynamic) for n, lr in OPTIMIZERS.items()}
+    dist.barrier()
+    for s in range(STEPS):
+        data = _raw(global_batch(s, tables, t_n * BATCH), s)
+        kjt = kjt_slice(data, me * BATCH, (me + 1) * BATCH)
+        with step(pipeline) as st:
+            outs = {n: r(kjt) for n, r in remotes.items()}
+            st.backward(sum(_loss(o.values(), c) for o in outs.values()))
+        for n, ref in refs.items():
+            ref.step(kjt_slice(data, 0, t_n * BATCH), s, c)
+    pipeline.flush()
+    dist.barrier()
+    result = {}
+    if me == 0:
+        for n, remote in remotes.items():
+            got, expect = remote.read_dynamic(), refs[n].state()
+            for t in tables:
+                g, e = got[t.name], expect[t.name]
+                assert set(g) == set(e), (set(g), set(e))
+                for k in e:
+                    if e[k].is_floating_point():
+                        torch.testing.assert_close(g[k], e[k], rtol=1e-6, atol=1e-6, msg=lambda m: f"{n} {t.name} {k}: {m}")
+                    elif k == "counters":  # admitted, evicted (hits depend on who looked up what)
+                        assert torch.equal(g[k][:2], e[k][:2]), (n, t.name, g[k], e[k])
+                    else:
+                        assert torch.equal(g[k], e[k]), (n, t.name, k, g[k], e[k])
+            result[n] = {t.name: (int(got[t.name]["counters"][0]), int(got[t.name]["counters"][1]),
+                                  got[t.name]["ids"].numel()) for t in tables}
+            result[n + "/stats"] = remote.stats()
+    pipeline.close()
+    return result
+
+
+@pytest.mark.parametrize("dynamic", [DynamicIds(capacity=64, evict="lru", partitions=4),
+                                     DynamicIds(capacity=200, admit_after=2, evict="ttl:3", partitions=8)],
+                         ids=["lru", "admit2-ttl"])
+def test_sync_dynamic_tables_equal_one_process(dynamic):
+    out = run_distributed(_train, 4, setup="hybrid", num_servers=2, timeout=240, dynamic=dynamic)
+    res = out[0]
+    for n in OPTIMIZERS:
+        for table, (admitted, evicted, rows) in res[n].items():
+            assert admitted > 0 and rows <= dynamic.capacity, (n, table, admitted, evicted, rows)
+        # t0 sees about 110 distinct ids in 12 steps: more than its 64 rows, so lru evicts.
+        if dynamic.evict == "lru":
+            assert res[n]["t0"][1] > 0, res[n]
+        for server, st in res[n + "/stats"].items():
+            assert set(st["dynamic"]) == {"t0", "t1", "t2"}, st
+            assert 0 < st["dynamic"]["t0"]["hit_ratio"] <= 1

@@ -1,0 +1,157 @@
+"""Dynamic tables (``ids: dynamic``): the native id map against its plain-torch twin, and the
+admission / eviction of :class:`hybrid.ps.server.dynamic.DynamicSlots` against a plain-Python
+model of the documented rules (docs/dynamic_ids.md)."""
+
+import pytest
+import torch
+
+from hybrid.errors import PlanError
+from hybrid.ops import reference
+from hybrid.ops.id_map import NATIVE, HashIdMap, id_hash
+from hybrid.ps.config import DynamicIds
+from hybrid.ps.server.dynamic import CapacityError, DynamicSlots, part_of
+
+native = pytest.mark.skipif(not NATIVE, reason="hybrid._C not built")
+
+
+@native
+def test_id_map_matches_reference_through_inserts_erases_and_growth():
+    g = torch.Generator().manual_seed(0)
+    m, r = HashIdMap(4), reference.IdMap()
+    pool = torch.cat([torch.randint(-2**63, 2**63 - 1, (3000,), generator=g), torch.arange(-5, 5)]).unique()
+    for k in range(20):
+        pick = pool[torch.randperm(pool.numel(), generator=g)[:400]].unique()
+        if k % 3 == 2:
+            m.erase(pick)
+            r.erase(pick)
+        else:
+            slots = torch.randint(0, 10**6, (pick.numel(),), generator=g)
+            m.insert(pick, slots)
+            r.insert(pick, slots)
+        assert len(m) == len(r)
+        assert torch.equal(m.find(pool), r.find(pool))
+        assert all(torch.equal(a, b) for a, b in zip(m.items(), r.items()))
+    assert len(m) > 100 and m.keys.numel() >= 2 * len(m)
+
+
+@native
+def test_id_map_finds_a_million_ids_natively():
+    ids = torch.randint(-2**62, 2**62, (1 << 20,)).unique()
+    m = HashIdMap()
+    m.insert(ids, torch.arange(ids.numel()))
+    assert torch.equal(m.find(ids), torch.arange(ids.numel()))
+    assert bool((m.find(ids + 1) >= -1).all())
+
+
+@native
+def test_id_hash_is_fmix64_and_matches_reference():
+    ids = torch.tensor([0, 1, -1, 2**62, -(2**63)], dtype=torch.int64)
+    assert torch.equal(id_hash(ids), reference.id_hash(ids))
+    # MurmurHash3 fmix64(1), as unsigned 0xB456BCFC34C2CB2C.
+    assert int(id_hash(torch.tensor([1]))[0]) & ((1 << 64) - 1) == 0xB456BCFC34C2CB2C
+
+
+class RefSlots:
+    """The rules of docs/dynamic_ids.md, one id at a time, in plain Python."""
+
+    def __init__(self, spec: DynamicIds, parts: list[int]):
+        self.spec = spec
+        self.slots = {p: [None] * spec.part_capacity(p) for p in parts}  # [id, last] or None
+        self.seen: dict[int, int] = {}
+        self.admitted = self.evicted = 0
+
+    def where(self):
+        return {e[0]: (p, i, e[1]) for p, sl in self.slots.items() for i, e in enumerate(sl) if e}
+
+    def step(self, ids: list[int], t: int):
+        spec, where = self.spec, self.where()
+        for i in ids:
+            if i in where:
+                p, k, _ = where[i]
+                self.slots[p][k][1] = t
+        if spec.ttl is not None:
+            for sl in self.slots.values():
+                for k, e in enumerate(sl):
+                    if e and e[1] < t - spec.ttl:
+                        sl[k] = None
+                        self.evicted += 1
+        new = []
+        for i in ids:
+            if i in where:
+                continue
+            self.seen[i] = self.seen.get(i, 0) + 1
+            if self.seen[i] >= spec.admit_after:
+                del self.seen[i]
+                new.append(i)
+        parts = part_of(torch.tensor(new, dtype=torch.int64), spec.partitions).tolist()
+        for p, i in sorted(zip(parts, new)):
+            sl = self.slots[p]
+            free = [k for k, e in enumerate(sl) if e is None]
+            if free:
+                k = free[0]
+            else:
+                old = [(e[1], e[0], k) for k, e in enumerate(sl) if e[1] < t] if spec.evict == "lru" else []
+                if not old:
+                    raise CapacityError("full")
+                k = min(old)[2]
+                self.evicted += 1
+            sl[k] = [i, t]
+            self.admitted += 1
+
+
+def _state(d: DynamicSlots):
+    s = d.state()
+    return {int(i): (int(p), int(k), int(la)) for i, p, k, la in zip(s["ids"], s["part"], s["index"], s["last"])}
+
+
+@pytest.mark.parametrize("evict,admit_after", [("lru", 1), ("lru", 2), ("ttl:1", 1), ("none", 1)])
+@pytest.mark.parametrize("parts", [[0, 1, 2, 3], [1, 3]])
+def test_admission_and_eviction_follow_the_rules(evict, admit_after, parts):
+    spec = DynamicIds(capacity=22, admit_after=admit_after, evict=evict, partitions=4)
+    dyn, ref = DynamicSlots(spec, parts, table="t", where="test"), RefSlots(spec, parts)
+    g = torch.Generator().manual_seed(1)
+    held = torch.tensor(parts)
+    failed = 0
+    for t in range(30):
+        ids = torch.randint(-40, 40, (5,), generator=g) * 1_000_003 + 2**40
+        ids = ids[torch.isin(part_of(ids, 4), held)].unique()
+        before = _state(dyn)
+        try:
+            ref.step(ids.tolist(), t)
+        except CapacityError:
+            with pytest.raises(CapacityError, match="dynamic table 't' is full.*nothing was changed"):
+                dyn.plan(ids, t)
+            assert _state(dyn) == before
+            failed += 1
+            break
+        a = dyn.plan(ids, t)
+        dyn.commit(a)
+        assert _state(dyn) == {i: (p, k, la) for i, (p, k, la) in ref.where().items()}, t
+        assert (dyn.counters.admitted, dyn.counters.evicted) == (ref.admitted, ref.evicted)
+        # Every id of the step that has a row reads it; the others are dropped.
+        assert torch.equal(a.slots >= 0, torch.tensor([i in ref.where() for i in ids.tolist()]))
+    if evict == "none":
+        assert failed == 1
+    else:
+        assert dyn.counters.evicted > 0 and dyn.rows <= dyn.capacity
+
+
+def test_admit_after_reads_zeros_until_admitted():
+    spec = DynamicIds(capacity=8, admit_after=3, evict="lru", partitions=1)
+    dyn = DynamicSlots(spec, [0], table="t", where="test")
+    ids = torch.tensor([5, 7])
+    for t, expect_fresh in enumerate([False, False, True]):
+        slots, fresh = dyn.find(ids)
+        assert bool((slots < 0).all()) and bool((fresh == expect_fresh).all())
+        dyn.commit(dyn.plan(ids, t))
+    assert dyn.rows == 2 and dyn.counters.admitted == 2
+    assert bool((dyn.find(ids)[0] >= 0).all())
+
+
+def test_plan_options_are_checked():
+    with pytest.raises(PlanError, match="evict"):
+        DynamicIds(capacity=10, evict="sometimes")
+    with pytest.raises(PlanError, match="capacity"):
+        DynamicIds(capacity=0)
+    assert DynamicIds(capacity=10, evict="ttl:5").ttl == 5
+    assert DynamicIds(capacity=1000).partitions == 64
