@@ -196,7 +196,7 @@ class Router:
             chunks = [parts[s][k].view(-1, g.dim) for s in self.servers]
             table_rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
             route = _on_device(route, table_rows.device)
-            outs.append(PooledRows.apply(table_rows, route, g.pooling).view(routed.batch_size, -1))
+            outs.append(PooledRows.apply(table_rows, route, g.pooling).view(routed.batch_size, len(g.features) * g.dim))
         values = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self.columns is None:
             return values
