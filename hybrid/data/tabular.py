@@ -253,11 +253,12 @@ class _Block:
     """Parsed rows, by column: labels ``[n]``, dense ``[n, D]`` (as read, before
     ``data.dense_transform``), and per sparse feature the bag lengths ``[n]`` and ids."""
 
-    __slots__ = ("labels", "dense", "lengths", "values")
+    __slots__ = ("labels", "dense", "lengths", "values", "starts")
 
     def __init__(self, labels: torch.Tensor, dense: torch.Tensor, lengths: list[torch.Tensor],
                  values: list[torch.Tensor]) -> None:
         self.labels, self.dense, self.lengths, self.values = labels, dense, lengths, values
+        self.starts: list[Any] | None = None
 
     def __len__(self) -> int:
         return self.labels.shape[0]
@@ -285,10 +286,11 @@ class _Block:
                       [torch.cat([x, y]) for x, y in zip(a.values, b.values)])
 
     def take(self, lo: int, hi: int) -> _Block:
-        values = []
-        for lengths, ids in zip(self.lengths, self.values):
-            before = int(lengths[:lo].sum())
-            values.append(ids[before:before + int(lengths[lo:hi].sum())])
+        if self.starts is None:  # where each row's ids start, per feature; once per block
+            import numpy as np
+
+            self.starts = [np.concatenate([[0], np.cumsum(x.numpy())]) for x in self.lengths]
+        values = [ids[int(st[lo]):int(st[hi])] for ids, st in zip(self.values, self.starts)]
         return _Block(self.labels[lo:hi], self.dense[lo:hi], [x[lo:hi] for x in self.lengths], values)
 
 
@@ -506,6 +508,12 @@ class CsvReader(_Columns):
         names = list(dict.fromkeys(header[i] for i in ([] if label is None else [label]) + dense + sparse))
         if len(set(header)) != len(header) or any(not h for h in header):
             raise _Slow  # pyarrow needs unique, named columns
+        # Numbers parsed by pyarrow (a blank is null: 0 for a dense cell), ids and labels of a
+        # label_map as text; a cell pyarrow cannot parse makes the block fail -> line by line.
+        types = {n: pa.string() for n in names}
+        types.update({header[i]: pa.float64() for i in dense})
+        if label is not None and not self.label_map:
+            types[header[label]] = pa.float64()
         invalid: list[int] = []
 
         def on_invalid(row) -> str:  # noqa: ANN001 - pyarrow's InvalidRow
@@ -518,7 +526,7 @@ class CsvReader(_Columns):
                     raw, read_options=pacsv.ReadOptions(use_threads=False, block_size=1 << 20),
                     parse_options=pacsv.ParseOptions(invalid_row_handler=on_invalid),
                     convert_options=pacsv.ConvertOptions(
-                        column_types={n: pa.string() for n in names}, include_columns=names,
+                        column_types=types, include_columns=names, null_values=[""],
                         strings_can_be_null=False, quoted_strings_can_be_null=False))
                 for rb in reader:
                     if invalid:
@@ -535,8 +543,9 @@ class CsvReader(_Columns):
                 yield None
 
     def _convert(self, rb: Any, label: str | None, dense: list[str], sparse: list[str]) -> _Block | None:
-        """One record batch (every column text) as a block, or ``None`` when any cell is not
-        certainly good (the line-by-line path then decides and names it)."""
+        """One record batch as a block, or ``None`` when any cell is not certainly good (the
+        line-by-line path then decides and names it)."""
+        import numpy as np
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -552,7 +561,9 @@ class CsvReader(_Columns):
                 table = torch.tensor(list(self.label_map.values()), dtype=torch.float32)
                 labels = table[torch.from_numpy(pos.to_numpy(zero_copy_only=False, writable=True).astype("int64"))]
             else:
-                y = torch.from_numpy(pc.cast(rb.column(label), pa.float64()).to_numpy(zero_copy_only=False, writable=True))
+                if rb.column(label).null_count:
+                    return None
+                y = torch.from_numpy(rb.column(label).to_numpy(zero_copy_only=False, writable=True))
                 if self.cfg.label_threshold is not None:
                     labels = (y > self.cfg.label_threshold).float()
                 else:
@@ -561,10 +572,8 @@ class CsvReader(_Columns):
                     labels = y.float()
             cols = []
             for name in dense:
-                c = rb.column(name)
-                c = pc.if_else(pc.equal(c, ""), "0", c)
-                cols.append(torch.from_numpy(pc.cast(c, pa.float64()).to_numpy(zero_copy_only=False, writable=True)))
-            dense_t = torch.stack(cols, 1).float() if cols else torch.empty(n, 0)
+                cols.append(pc.fill_null(rb.column(name), 0.0).to_numpy(zero_copy_only=False))
+            dense_t = torch.from_numpy(np.stack(cols, 1).astype(np.float32)) if cols else torch.empty(n, 0)
             lengths, values = [], []
             for name in sparse:
                 c = rb.column(name)
