@@ -153,3 +153,18 @@ def test_model_features_and_dense_width_come_from_the_data_config(tmp_path):
         load_config(None, ["model.name=dlrm", "model.features=[job]", *data])
     with pytest.raises(PlanError, match=r"model\.num_dense: got 13, but data\.dense_columns gives 2"):
         load_config(None, ["model.name=dlrm", "model.num_dense=13", *data])
+
+
+def test_criteo_evaluation_reads_the_last_row_even_when_a_trainer_gets_none(tmp_path):
+    from hybrid.data import CriteoReader
+
+    line = "\t".join(["1", *["3"] * 13, *["0000000a"] * 26])
+    path = tmp_path / "day.tsv"
+    path.write_text(line + "\n")
+    schema = Schema(num_dense=13, features=[f"C{i}" for i in range(26)], num_embeddings=[100] * 26)
+    cfg = DataConfig(source="criteo", eval_paths=[str(path)], batch_size=2)
+    shares = [list(make_dataset(schema, cfg, split="eval", rank=r, world_size=2)) for r in range(2)]
+    assert [[len(b) for b in s] for s in shares] == [[0], [1]]
+    assert isinstance(shares[0][0].sparse, type(shares[1][0].sparse)) and shares[0][0].dense.shape == (0, 13)
+    assert not list(make_dataset(schema, DataConfig(source="criteo", train_paths=[str(path)], batch_size=2),
+                                 split="train", rank=0, world_size=2))
