@@ -62,3 +62,18 @@ def test_a_zero_server_plan_with_tables_and_two_trainers_is_refused(tmp_path):
     assert res.returncode == 2, res.output
     assert "topology.parameter_servers: 0 with 2 trainers" in res.stderr, res.output
     assert "Traceback" not in res.output
+
+
+def test_one_process_checkpoint_and_resume_equal_the_straight_run(tmp_path):
+    """The tables' checkpoint is written and read by the same server code, held in the trainer."""
+    base = ["launch", "-n", "1", "train", *DEMO, *SMALL, "data.batch_size=32", "train.eval_every=0"]
+    ck = [f"checkpoint.dir={tmp_path / 'ck'}"]
+    res = run_hybrid([*base, "train.steps=4", "checkpoint.every=2", *ck, f"train.out_dir={tmp_path / 'a'}"],
+                     timeout=240)
+    assert res.returncode == 0, res.output
+    res = run_hybrid([*base, "checkpoint.resume=latest", *ck, f"train.out_dir={tmp_path / 'a'}"], timeout=240)
+    assert res.returncode == 0 and "resuming at step 4" in res.output, res.output
+    res = run_hybrid([*base, f"train.out_dir={tmp_path / 'b'}"], timeout=240)
+    assert res.returncode == 0, res.output
+    got, want = ([r["loss"] for r in rows(tmp_path / d, "train")] for d in "ab")
+    assert len(want) == STEPS and got == want
