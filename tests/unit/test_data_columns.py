@@ -168,3 +168,21 @@ def test_criteo_evaluation_reads_the_last_row_even_when_a_trainer_gets_none(tmp_
     assert isinstance(shares[0][0].sparse, type(shares[1][0].sparse)) and shares[0][0].dense.shape == (0, 13)
     assert not list(make_dataset(schema, DataConfig(source="criteo", train_paths=[str(path)], batch_size=2),
                                  split="train", rank=0, world_size=2))
+
+
+def test_parquet_hashes_text_and_integers_by_their_text(tmp_path):
+    import pyarrow.parquet as pq
+
+    from hybrid.data import ParquetReader
+
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"rating": [4.0, 2.0], "job": ["Private", None], "ids": [[2**62 + 5, 7], []],
+                             "hours": [1.0, 2.0], "age": [3, 4]}), path)
+    cfg = DataConfig(source="parquet", batch_size=2, dense_columns=["hours", "age"], label_column="rating",
+                     label_threshold=3.0, categorical="hash", dense_transform="log1p")
+    (batch,) = list(ParquetReader(SCHEMA, cfg, [str(path)]))
+    assert batch.labels.tolist() == [1.0, 0.0]
+    bags = batch.sparse.to_dict()
+    assert bags["job"].values().tolist() == [hash_id("Private")] and bags["job"].lengths().tolist() == [1, 0]
+    assert bags["ids"].values().tolist() == [hash_id(str(2**62 + 5)), hash_id("7")]
+    torch.testing.assert_close(batch.dense, torch.log1p(torch.tensor([[1.0, 3.0], [2.0, 4.0]])))
