@@ -36,8 +36,8 @@ from hybrid.checkpoint import files as F
 from hybrid.checkpoint import server_io
 from hybrid.checkpoint.files import CheckpointError, FileEntry
 from hybrid.log import logger
-from hybrid.ps.transport import call
 from hybrid.ps.client import RemoteEmbeddingBag, RemoteEmbeddingBagCollection, pipeline_of
+from hybrid.ps.transport import call
 
 DEFAULT_TIMEOUT_S = 1800.0
 
