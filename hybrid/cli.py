@@ -2,7 +2,8 @@
 
     hybrid plan show PLAN [--model MODEL] [--world-size N] [key=value ...]
     hybrid plan check PLAN [--model MODEL] [--world-size N] [key=value ...]
-    hybrid train --plan PLAN [--config CONFIG] [--model MODEL] [key=value ...]  (one process, under torchrun)
+    hybrid train --plan PLAN [--config CONFIG] [--model MODEL] [key=value ...]  (one process of a job
+                                                      under torchrun; without torchrun: the whole job, tables held in-process)
     hybrid launch -n N [--max-restarts K] train --plan PLAN ...     (torchrun on this machine)
     hybrid export CKPT OUT                                          (a checkpoint -> one plain state_dict)
 
@@ -164,7 +165,7 @@ def _check_train(argv: Sequence[str], world_size: int):
     except PlanError as e:
         print_error(e)
         return EXIT_USAGE, RuntimeOptions(), []
-    names = [role_of(r, world_size, plan.topology.parameter_servers).name for r in range(world_size)]
+    names = [role_of(r, world_size, resolved.num_servers).name for r in range(world_size)]
     return 0, cfg.runtime, names
 
 
@@ -196,9 +197,9 @@ def _launch_main(args: argparse.Namespace) -> NoReturn:
 def _launch(args: argparse.Namespace) -> int:
     import subprocess
 
-    if args.nproc < 2:
-        print(f"error: launch -n: got {args.nproc}; a hybrid job needs at least 2 processes "
-              "(1 trainer + 1 parameter server)", file=sys.stderr)
+    if args.nproc < 1:
+        print(f"error: launch -n: got {args.nproc}; expected 1 (one process: the trainer holds the tables) "
+              "or more (trainers + parameter servers)", file=sys.stderr)
         return EXIT_USAGE
     command = list(args.command)
     if command and command[0] == "--":
@@ -220,8 +221,14 @@ def _launch(args: argparse.Namespace) -> int:
     # ends, every peer's RPC agent would print its raw "EOF"/"connection reset" lines before
     # hybrid's own message that names the process.
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    cmd = launch_command(args.nproc, command, args.max_restarts, numeric_address(runtime.address),
-                         runtime.kill_grace_s, names)
+    if args.nproc == 1 and command[0] == "train":
+        # One-process mode: `hybrid train` without torchrun runs the whole job in its process.
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)
+        cmd = [sys.executable, "-m", "hybrid.cli", *command]
+    else:
+        cmd = launch_command(args.nproc, command, args.max_restarts, numeric_address(runtime.address),
+                             runtime.kill_grace_s, names)
     # torchrun in a session of its own: Ctrl-C reaches it once, from here, not also from the
     # terminal (a second SIGINT would cut its shutdown of the workers short).
     return _wait_forwarding_signals(subprocess.Popen(cmd, env=env, start_new_session=True))

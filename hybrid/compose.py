@@ -54,7 +54,7 @@ def _parent(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
 
 
 def _apply_parameter_server(
-    model: nn.Module, entry: ResolvedModule, *, resolved: ResolvedPlan, role: Role, name: str,
+    model: nn.Module, entry: ResolvedModule, *, resolved: ResolvedPlan, num_servers: int, role: Role, name: str,
     pipeline: StepPipeline, timeout_s: float, init_tables: str, seed: int, start_step: int,
 ) -> RemoteCollection:
     """Swap the module at ``entry.fqn`` for its remote stand-in; trainer 0 creates the tables."""
@@ -63,8 +63,9 @@ def _apply_parameter_server(
     cid = f"{name}/{entry.fqn}" if name else entry.fqn
     local, make_remote, wrap = _stand_in(module, cid, entry)
     config = RemoteCollection.config_from(
-        local, cid=cid, num_servers=resolved.num_servers, sharding=opts.sharding,
-        servers=opts.server_list(resolved.num_servers), optimizer=opts.optimizer, num_trainers=role.num_trainers,
+        local, cid=cid, num_servers=num_servers, sharding=opts.sharding,
+        servers=None if resolved.in_process else opts.server_list(num_servers), optimizer=opts.optimizer,
+        num_trainers=role.num_trainers,
         staleness=resolved.plan.sync.staleness, gradient_scaling=resolved.plan.sync.gradient_scaling,
         id_policy=opts.id_policy, init_seed=seed, storage_dtype=opts.storage_dtype, dynamic=opts.dynamic_ids())
     coll = make_remote(config, pipeline=pipeline, server_names=pipeline.server_names, timeout_s=timeout_s)
@@ -271,13 +272,24 @@ def compose(
         log_plan(resolved, model)
     device = torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
     mesh = init_device_mesh(device_type(), (role.num_trainers,))
-    pipeline = make_pipeline(trainer=role.index, num_servers=resolved.num_servers,
-                             staleness=resolved.plan.sync.staleness, gradient_push=options.gradient_push,
+    num_servers, gradient_push = resolved.num_servers, options.gradient_push
+    if resolved.in_process:
+        # One-process mode: this trainer is server ps0 itself and trains the tables with the
+        # servers' own shards and optimizers; gradients ride on the next lookup (there is no
+        # RPC peer for distributed autograd), which applies the same updates.
+        from hybrid.ps.server.service import ServerOptions
+        from hybrid.ps.transport import serve_here
+
+        serve_here("ps0", ServerOptions(huge_pages=options.huge_pages, memory_fraction=options.server_memory_fraction))
+        num_servers, gradient_push = resolved.table_servers, "rpc"
+    pipeline = make_pipeline(trainer=role.index, num_servers=num_servers,
+                             staleness=resolved.plan.sync.staleness, gradient_push=gradient_push,
                              transport=options.ps_transport, timeout_s=options.rpc_timeout_s, start_step=start_step,
                              device=device)
     object.__setattr__(model, "_hybrid_pipeline", pipeline)  # hybrid.step(model) finds it; not a submodule
     for entry in resolved.by_strategy("parameter_server"):
-        _apply_parameter_server(model, entry, resolved=resolved, role=role, name=name, pipeline=pipeline,
+        _apply_parameter_server(model, entry, resolved=resolved, num_servers=num_servers, role=role, name=name,
+                                pipeline=pipeline,
                                 timeout_s=options.rpc_timeout_s, init_tables=init_tables, seed=seed,
                                 start_step=start_step)
     dist.barrier()  # tables exist on the servers before any trainer looks up

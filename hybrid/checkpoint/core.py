@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.rpc as rpc
 from torch import nn
 
 from hybrid.checkpoint import files as F
@@ -38,6 +37,7 @@ from hybrid.checkpoint import server_io
 from hybrid.checkpoint.files import CheckpointError, FileEntry
 from hybrid.log import logger
 from hybrid.ps.client import RemoteCollection, RemoteTable, pipeline_of
+from hybrid.ps.transport import call
 
 DEFAULT_TIMEOUT_S = 1800.0
 
@@ -203,9 +203,9 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
     if rank == 0:  # the servers write while the trainers write the dense part
         for _fqn, coll, _ in remotes:
             for s in coll.servers:
-                futures.append((coll, s, rpc.rpc_async(
+                futures.append((coll, s, call(
                     coll.server_names[s], server_io.rpc_save_collection,
-                    args=(coll.cid, str(ckpt), step, after_step), timeout=timeout_s)))
+                    (coll.cid, str(ckpt), step, after_step), timeout_s=timeout_s)))
     mine: list[FileEntry] = []
     err = None
     try:
@@ -393,9 +393,9 @@ class Checkpoint:
                 raise CheckpointError(f"{self.path} holds no tables for {fqn or coll.cid!r} (it has "
                                       f"{[c['fqn'] for c in saved]})")
             for s in coll.servers:
-                futures.append((coll, s, rpc.rpc_async(
+                futures.append((coll, s, call(
                     coll.server_names[s], server_io.rpc_load_collection,
-                    args=(coll.cid, str(self.path), self.step, match[0]["tables"]), timeout=timeout_s)))
+                    (coll.cid, str(self.path), self.step, match[0]["tables"]), timeout_s=timeout_s)))
         for coll, s, fut in futures:
             try:
                 answer = fut.wait()

@@ -43,7 +43,9 @@ def shard_file(cid: str, table: str, pos: int, num_shards: int, part: int) -> st
 
 
 def _worker() -> str:
-    return rpc.get_worker_info().name
+    from hybrid.ps.server import service
+
+    return f"ps{service.server().index}"
 
 
 def _part_rows(t: TableShard) -> int:

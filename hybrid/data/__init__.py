@@ -24,13 +24,16 @@ READERS: dict[str, type[FileReader]] = {"criteo": CriteoReader, "csv": CsvReader
 
 
 def make_dataset(schema: Schema, cfg: DataConfig, *, split: str, rank: int = 0,
-                 world_size: int = 1) -> Iterable[Batch]:
+                 world_size: int = 1, stats_dir: str | os.PathLike | None = None) -> Iterable[Batch]:
     """The batches of trainer ``rank`` of ``world_size`` for ``split`` (``"train"`` or ``"eval"``).
 
     Sequence schemas (``schema.task == "sequence"``) read :mod:`hybrid.data.sequences`.
     Synthetic: an endless training stream and ``cfg.eval_batches`` held-out batches. Files:
     ``cfg.train_paths`` or ``cfg.eval_paths``, one pass per ``iter()``. A file source without
     files for the split, or a path that matches nothing, is a ``ValueError`` naming the key.
+    Evaluation reads every held-out row (``data.drop_last`` applies to training files only).
+    ``stats_dir``: where ``data.dense_transform: standardize`` keeps its statistics (the run's
+    output folder).
     """
     check_data_config(cfg)
     if split not in ("train", "eval"):
@@ -47,7 +50,13 @@ def make_dataset(schema: Schema, cfg: DataConfig, *, split: str, rank: int = 0,
     for p in paths:
         if not (glob.glob(p) if glob.has_magic(p) else os.path.isfile(p)):
             raise ValueError(f"{key}: {p!r} {'matches no file' if glob.has_magic(p) else 'is not a file'}")
-    return READERS[cfg.source](schema, cfg, paths, rank=rank, world_size=world_size)
+    if cfg.source == "criteo":
+        reader: FileReader = CriteoReader(schema, cfg, paths, rank=rank, world_size=world_size)
+    else:
+        reader = READERS[cfg.source](schema, cfg, paths, rank=rank, world_size=world_size,  # type: ignore[call-arg]
+                                     stats_dir=stats_dir)
+    reader.keep_tail = split == "eval"
+    return reader
 
 
 def check_files(schema: Schema, cfg: DataConfig) -> None:

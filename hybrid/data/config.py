@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 SOURCES = ("synthetic", "criteo", "csv", "parquet")
 """Values of ``data.source``: generated batches, Criteo TSV, CSV, Parquet."""
@@ -10,6 +11,11 @@ MALFORMED = ("error", "skip")
 """Values of ``data.malformed``: what a file reader does with a line it cannot parse."""
 TASKS = ("ctr", "retrieval", "sequence")
 """Values of :attr:`Schema.task`."""
+CATEGORICAL = ("id", "hash")
+"""Values of ``data.categorical``: how a CSV/Parquet sparse cell's tokens become ids."""
+DENSE_TRANSFORMS = ("none", "log1p", "standardize")
+"""Values of ``data.dense_transform``."""
+
 
 
 def _one_of(choices: tuple[str, ...]) -> str:
@@ -97,10 +103,12 @@ class DataConfig:
     so that a format mistake there ends the command at once; later lines are checked as the
     trainers read them. 0 checks the header only."""
     dense_columns: list[str] = field(default_factory=list)
-    """CSV/Parquet: the dense feature columns, in the model's order (as many as it reads)."""
+    """CSV/Parquet: the dense feature columns, in the model's order. A model builder that takes
+    ``num_dense`` gets ``len(dense_columns)`` (``model.num_dense`` may be left out)."""
     sparse_columns: list[str] = field(default_factory=list)
     """CSV/Parquet: the column of each sparse feature, in the model's feature order; empty =
-    columns named like the features."""
+    columns named like the features. A model builder that takes ``features`` gets these names
+    (``model.features`` may be left out; given, it must be the same list)."""
     label_column: str = "label"
     """CSV/Parquet: the label column (0/1 clicks, or any value in [0, 1]). Retrieval data may
     leave it out: every row is then a positive pair (label 1)."""
@@ -121,8 +129,27 @@ class DataConfig:
     actions_column: str = ""
     """Sequence files: the column of one action id per item (models that embed actions)."""
     drop_last: bool = True
-    """File sources: drop an incomplete last global batch. Otherwise it is split as evenly as
-    possible over the trainers (dropped only when it has fewer samples than trainers)."""
+    """File sources, training files: drop an incomplete last global batch. Otherwise it is split
+    as evenly as possible over the trainers (dropped only when it has fewer samples than
+    trainers). Evaluation always reads every held-out row (a trainer may get a short or empty
+    last batch)."""
+    categorical: str = "id"
+    """CSV/Parquet sparse cells: ``id`` (each token is an id, a non-negative integer below
+    ``2**63``) or ``hash`` (each token's UTF-8 text -- an integer's decimal digits -- becomes
+    the id ``fnv1a64(text) & (2**63 - 1)``: the same on every machine and run;
+    :func:`hybrid.data.tabular.hash_ids`). Strings and raw 64-bit ids need ``hash`` (or
+    ``ids: dynamic`` tables for raw ids); ``hash`` ids are spread over ``[0, 2**63)``."""
+    dense_transform: str = "none"
+    """CSV/Parquet dense columns: ``none`` (as read), ``log1p`` (``log(1 + max(x, 0))``, as for
+    Criteo counts) or ``standardize`` (``(x - mean) / std`` with each column's statistics over
+    the training files, computed once and kept in ``data_stats.json`` in the run's output folder,
+    reused on resume and at evaluation)."""
+    label_threshold: Optional[float] = None
+    """CSV/Parquet: label = 1 when the label column's number is above this, else 0 (ratings,
+    watch time); unset: the label must already be in [0, 1]."""
+    label_map: dict[str, float] = field(default_factory=dict)
+    """CSV/Parquet: label of each text of the label column (``{">50K": 1, "<=50K": 0}``); a
+    text not listed is a malformed line. Not together with ``label_threshold``."""
 
 
 def check_data_config(cfg: DataConfig) -> None:
@@ -154,5 +181,15 @@ def check_data_config(cfg: DataConfig) -> None:
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ValueError(f"data.{key}: {twice} listed more than once")
+    if cfg.categorical not in CATEGORICAL:
+        raise ValueError(f"data.categorical: got {cfg.categorical!r}; expected one of {_one_of(CATEGORICAL)}")
+    if cfg.dense_transform not in DENSE_TRANSFORMS:
+        raise ValueError(f"data.dense_transform: got {cfg.dense_transform!r}; expected one of "
+                         f"{_one_of(DENSE_TRANSFORMS)}")
+    if cfg.label_map and cfg.label_threshold is not None:
+        raise ValueError("data.label_map: set either it or data.label_threshold, not both")
+    bad = {k: v for k, v in dict(cfg.label_map).items() if not 0.0 <= float(v) <= 1.0}
+    if bad:
+        raise ValueError(f"data.label_map: labels must lie in [0, 1]; got {bad}")
     if cfg.label_column and cfg.label_column in [*cfg.dense_columns, *cfg.sparse_columns]:
         raise ValueError(f"data.label_column: {cfg.label_column!r} is also a feature column")

@@ -112,6 +112,10 @@ class CriteoReader(FileReader):
 
     def _batch(self, lines: list[bytes]) -> Batch:
         n = len(lines)
+        if n == 0:  # an evaluation trainer's empty share of the last global batch
+            return Batch(torch.zeros(0, NUM_DENSE), KeyedJaggedTensor.from_lengths_sync(
+                keys=list(self.schema.features), values=torch.zeros(0, dtype=torch.int64),
+                lengths=torch.zeros(0, dtype=torch.int64)), torch.zeros(0))
         flat = b"\t".join(lines).split(b"\t")
         labels = torch.tensor([x == b"1" for x in flat[0::NUM_FIELDS]], dtype=torch.float32)
         dense = array("q", [int(x or b"0") for x in _columns(flat, 1, 1 + NUM_DENSE)])

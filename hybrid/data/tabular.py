@@ -32,11 +32,15 @@ CSV and Parquet (:class:`CsvReader`, :class:`ParquetReader`):
 from __future__ import annotations
 
 import csv
+import dataclasses
 import glob
 import gzip
 import io
+import json
 import logging
+import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import IO, Any
 
 import torch
@@ -99,24 +103,40 @@ class FileReader:
     def _zero_counts() -> dict[str, int]:
         return {"lines": 0, "good": 0, "malformed": 0, "dropped": 0, "batches": 0}
 
+    keep_tail = False
+    """Yield the incomplete last global batch whatever ``data.drop_last`` says, split as evenly as
+    possible, even when some trainers get no sample (evaluation: every held-out row is read)."""
+
     def __iter__(self) -> Iterator[Batch]:
         self.counts = counts = self._zero_counts()
         w, b = self.world_size, self.batch_size
         size, lo, hi = w * b, self.rank * b, (self.rank + 1) * b
-        buf: list[Any] = []
+        buf: Any = self._empty()
         for chunk in self._chunks():
             counts["good"] += len(chunk)
-            buf += chunk
-            while len(buf) >= size:
+            buf = self._cat(buf, chunk)
+            start = 0
+            while len(buf) - start >= size:
                 counts["batches"] += 1
-                yield self._batch(buf[lo:hi])
-                del buf[:size]
+                yield self._batch(self._take(buf, start + lo, start + hi))
+                start += size
+            buf = self._take(buf, start, len(buf)) if start else buf
         g = len(buf)
-        if g and (self.cfg.drop_last or g < w):
+        if g and not self.keep_tail and (self.cfg.drop_last or g < w):
             counts["dropped"] = g
         elif g:
             counts["batches"] += 1
-            yield self._batch(buf[self.rank * g // w:(self.rank + 1) * g // w])
+            yield self._batch(self._take(buf, self.rank * g // w, (self.rank + 1) * g // w))
+
+    # Records are buffered as a list (Criteo) or a columnar block (CSV, Parquet).
+    def _empty(self) -> Any:
+        return []
+
+    def _cat(self, buf: Any, chunk: Any) -> Any:
+        return buf + chunk
+
+    def _take(self, buf: Any, lo: int, hi: int) -> Any:
+        return buf[lo:hi]
 
     def check_files(self) -> None:
         """Raise :class:`InputError` unless every file can be read and is not empty (CSV, Parquet:
@@ -192,11 +212,98 @@ def _id(value: Any) -> int | None:
     return value if 0 <= value <= _MAX_ID else None
 
 
+_FNV_OFFSET, _FNV_PRIME, _MASK64 = 0xCBF29CE484222325, 0x100000001B3, (1 << 64) - 1
+
+
+def hash_id(text: str) -> int:
+    """The id ``data.categorical: hash`` gives a token: 64-bit FNV-1a of its UTF-8 bytes with the
+    top bit cleared (``fnv1a64(text) & (2**63 - 1)``), the same on every machine and run.
+    :func:`hash_ids` is the vectorized form."""
+    h = _FNV_OFFSET
+    for byte in text.encode("utf-8"):
+        h = ((h ^ byte) * _FNV_PRIME) & _MASK64
+    return h & _MAX_ID
+
+
+def hash_ids(tokens: Any) -> torch.Tensor:
+    """:func:`hash_id` of every string of a pyarrow string array (no nulls), as int64: one numpy
+    pass per character position (categorical tokens are short), not a Python loop per token."""
+    import numpy as np
+    import pyarrow as pa
+
+    tokens = tokens.cast(pa.large_string()) if tokens.type != pa.large_string() else tokens
+    n = len(tokens)
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64)
+    _, off_buf, data_buf = tokens.buffers()
+    offsets = np.frombuffer(off_buf, dtype=np.int64)[tokens.offset:tokens.offset + n + 1]
+    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
+    starts, lengths = offsets[:-1], offsets[1:] - offsets[:-1]
+    h = np.full(n, _FNV_OFFSET, dtype=np.uint64)
+    prime = np.uint64(_FNV_PRIME)
+    active = np.arange(n)
+    with np.errstate(over="ignore"):
+        for j in range(int(lengths.max())):
+            active = active[lengths[active] > j]
+            h[active] = (h[active] ^ data[starts[active] + j].astype(np.uint64)) * prime
+    return torch.from_numpy((h & np.uint64(_MAX_ID)).astype(np.int64))
+
+
+class _Block:
+    """Parsed rows, by column: labels ``[n]``, dense ``[n, D]`` (as read, before
+    ``data.dense_transform``), and per sparse feature the bag lengths ``[n]`` and ids."""
+
+    __slots__ = ("labels", "dense", "lengths", "values", "starts")
+
+    def __init__(self, labels: torch.Tensor, dense: torch.Tensor, lengths: list[torch.Tensor],
+                 values: list[torch.Tensor]) -> None:
+        self.labels, self.dense, self.lengths, self.values = labels, dense, lengths, values
+        self.starts: list[Any] | None = None
+
+    def __len__(self) -> int:
+        return self.labels.shape[0]
+
+    @staticmethod
+    def empty(num_dense: int, num_sparse: int) -> _Block:
+        z = torch.empty(0, dtype=torch.int64)
+        return _Block(torch.empty(0), torch.empty(0, num_dense), [z] * num_sparse, [z] * num_sparse)
+
+    @staticmethod
+    def from_records(records: list[tuple], num_dense: int, num_sparse: int) -> _Block:
+        n = len(records)
+        labels = torch.tensor([r[0] for r in records], dtype=torch.float32)
+        dense = torch.tensor([r[1] for r in records], dtype=torch.float32).reshape(n, num_dense)
+        lengths = [torch.tensor([len(r[2][f]) for r in records], dtype=torch.int64) for f in range(num_sparse)]
+        values = [torch.tensor([i for r in records for i in r[2][f]], dtype=torch.int64) for f in range(num_sparse)]
+        return _Block(labels, dense, lengths, values)
+
+    @staticmethod
+    def cat(a: _Block, b: _Block) -> _Block:
+        if not len(a):
+            return b
+        return _Block(torch.cat([a.labels, b.labels]), torch.cat([a.dense, b.dense]),
+                      [torch.cat([x, y]) for x, y in zip(a.lengths, b.lengths)],
+                      [torch.cat([x, y]) for x, y in zip(a.values, b.values)])
+
+    def take(self, lo: int, hi: int) -> _Block:
+        if self.starts is None:  # where each row's ids start, per feature; once per block
+            import numpy as np
+
+            self.starts = [np.concatenate([[0], np.cumsum(x.numpy())]) for x in self.lengths]
+        values = [ids[int(st[lo]):int(st[hi])] for ids, st in zip(self.values, self.starts)]
+        return _Block(self.labels[lo:hi], self.dense[lo:hi], [x[lo:hi] for x in self.lengths], values)
+
+
+STATS_FILE = "data_stats.json"
+"""The statistics of ``data.dense_transform: standardize``, in the run's output folder."""
+
+
 class _Columns(FileReader):
-    """What CSV and Parquet share: the column mapping and the parse of one row's cells."""
+    """What CSV and Parquet share: the column mapping, the parse of one row's cells (the
+    reference for every check) and the columnar batches."""
 
     def __init__(self, schema: Schema, cfg: DataConfig, paths: Sequence[str], *, rank: int = 0,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, stats_dir: str | Path | None = None) -> None:
         super().__init__(schema, cfg, paths, rank=rank, world_size=world_size)
         self.dense_columns = list(cfg.dense_columns)
         self.sparse_columns = list(cfg.sparse_columns) or list(schema.features)
@@ -207,6 +314,22 @@ class _Columns(FileReader):
             raise ValueError(f"data.sparse_columns: the model reads {len(schema.features)} sparse features "
                              f"{schema.features}; got {len(self.sparse_columns)} columns {self.sparse_columns}")
         self.sep = cfg.id_separator
+        self.hashing = cfg.categorical == "hash"
+        self.label_map = {str(k): float(v) for k, v in dict(cfg.label_map).items()}
+        self.stats_dir = stats_dir
+        self._stats: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _empty(self) -> _Block:
+        return _Block.empty(self.schema.num_dense, len(self.schema.features))
+
+    def _cat(self, buf: _Block, chunk: _Block) -> _Block:
+        return _Block.cat(buf, chunk)
+
+    def _take(self, buf: _Block, lo: int, hi: int) -> _Block:
+        return buf.take(lo, hi)
+
+    def _block(self, records: list[tuple]) -> _Block:
+        return _Block.from_records(records, self.schema.num_dense, len(self.schema.features))
 
     def _indices(self, path: str, header: Sequence[str]) -> tuple[int | None, list[int], list[int]]:
         """Positions in ``header`` of the label (``None``: none, retrieval only), dense and sparse columns."""
@@ -226,12 +349,28 @@ class _Columns(FileReader):
         return (label, [find(n, "data.dense_columns") for n in self.dense_columns],
                 [find(n, "data.sparse_columns") for n in self.sparse_columns])
 
+    def _label(self, value: Any) -> float | str:
+        """The label of a label cell, or what is wrong with it."""
+        column = f"column {self.cfg.label_column!r}"
+        if self.label_map:
+            text = value if isinstance(value, str) else "" if value is None else str(value)
+            if text not in self.label_map:
+                return f"{column}: {show(value)} is not in data.label_map ({', '.join(map(repr, self.label_map))})"
+            return self.label_map[text]
+        y = _number(value)
+        if y is None:
+            return f"{column}: {show(value)} is not a number"
+        if self.cfg.label_threshold is not None:
+            return float(y > self.cfg.label_threshold)
+        if not 0.0 <= y <= 1.0:
+            return f"{column}: {show(value)} is not a label in [0, 1] (data.label_threshold or data.label_map map other values)"
+        return y
+
     def _parse(self, label: Any, dense: Sequence[Any], sparse: Sequence[Any]) -> tuple | str:
         """``(label, dense floats, id lists)`` from one row's cells, or what is wrong with them."""
-        y = _number(label)
-        if y is None or not 0.0 <= y <= 1.0:
-            what = "a number" if y is None else "a label in [0, 1]"
-            return f"column {self.cfg.label_column!r}: {show(label)} is not {what}"
+        y = self._label(label)
+        if isinstance(y, str):
+            return y
         xs = []
         for name, v in zip(self.dense_columns, dense, strict=True):
             x = 0.0 if v is None or v == "" else _number(v)
@@ -244,26 +383,80 @@ class _Columns(FileReader):
                 bags.append([])
                 continue
             tokens = v.split(self.sep) if isinstance(v, str) else v if isinstance(v, list) else [v]
+            if self.hashing:
+                texts = [t if isinstance(t, str) else str(t) if isinstance(t, int) and not isinstance(t, bool)
+                         else "" for t in tokens]
+                for t, text in zip(tokens, texts):
+                    if not text:
+                        return f"column {name!r}: {show(t)} is not a value to hash (text or an integer, not empty)"
+                bags.append([hash_id(t) for t in texts])
+                continue
             ids = [_id(t) for t in tokens]
             if None in ids:
                 bad = tokens[ids.index(None)]
-                return f"column {name!r}: {show(bad)} is not an id (an integer in [0, 2**63))"
+                return (f"column {name!r}: {show(bad)} is not an id (an integer in [0, 2**63)); "
+                        f"data.categorical=hash takes any text")
             bags.append(ids)
         return y, xs, bags
 
-    def _batch(self, records: list[tuple]) -> Batch:
-        n = len(records)
-        labels = torch.tensor([r[0] for r in records], dtype=torch.float32)
-        dense = torch.tensor([r[1] for r in records], dtype=torch.float32).reshape(n, self.schema.num_dense)
-        ids, lengths = [], []
-        for f in range(len(self.schema.features)):
-            lengths.append(torch.tensor([len(r[2][f]) for r in records], dtype=torch.int64))
-            ids.append(torch.tensor([i for r in records for i in r[2][f]], dtype=torch.int64))
-        return Batch(dense, kjt_from_ids(self.schema.features, ids, lengths), labels)
+    # -- dense transform ------------------------------------------------------------------------
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        how = self.cfg.dense_transform
+        if how == "log1p" and x.numel():
+            return torch.log1p(x.clamp_min(0.0))
+        if how == "standardize" and x.shape[1]:
+            mean, std = self.standardize_stats()
+            return (x - mean) / std
+        return x
+
+    def standardize_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each dense column's mean and standard deviation over the training files: read from
+        ``data_stats.json`` in the run's folder when it is there for these columns and files,
+        else computed (one pass over the files) and written there."""
+        if self._stats is not None:
+            return self._stats
+        paths = expand_paths(self.cfg.train_paths)
+        key = {"dense_columns": self.dense_columns, "train_paths": [os.path.abspath(p) for p in paths]}
+        where = Path(self.stats_dir) / STATS_FILE if self.stats_dir is not None else None
+        if where is not None and where.is_file():
+            saved = json.loads(where.read_text())
+            if {k: saved.get(k) for k in key} == key:
+                self._stats = torch.tensor(saved["mean"]), torch.tensor(saved["std"])
+                return self._stats
+        cfg = dataclasses.replace(self.cfg, dense_transform="none", malformed="skip")
+        reader = type(self)(self.schema, cfg, self.cfg.train_paths)
+        n, total, squares = 0, torch.zeros(len(self.dense_columns), dtype=torch.float64), None
+        squares = torch.zeros_like(total)
+        for block in reader._chunks():
+            d = block.dense.double()
+            n += d.shape[0]
+            total += d.sum(0)
+            squares += (d * d).sum(0)
+        mean = total / max(n, 1)
+        std = (squares / max(n, 1) - mean * mean).clamp_min(0).sqrt()
+        std = torch.where(std > 0, std, torch.ones_like(std))
+        self._stats = mean.float(), std.float()
+        if where is not None:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            tmp = where.with_name(f"{where.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({**key, "rows": n, "mean": mean.tolist(), "std": std.tolist()}, indent=1))
+            os.replace(tmp, where)  # every trainer computes the same numbers; the last rename wins
+        return self._stats
+
+    def _batch(self, block: _Block) -> Batch:
+        return Batch(self._dense(block.dense), kjt_from_ids(self.schema.features, block.values, block.lengths),
+                     block.labels)
 
 
 class CsvReader(_Columns):
-    """CSV files (stdlib ``csv``, first line the header, ``.gz`` decompressed); see the module docstring."""
+    """CSV files, first line the header, ``.gz`` decompressed; see the module docstring.
+
+    Each file is read by pyarrow's CSV reader in blocks and converted column by column (ids
+    split, cast or hashed in bulk). The first block with anything the bulk path does not take
+    as certainly good -- a bad cell, a row of the wrong width, text pyarrow cannot parse --
+    sends the file to the line-by-line path (stdlib ``csv``, the reference for every check and
+    message), which re-reads it and goes on after the rows already yielded.
+    """
 
     source = "csv"
 
@@ -278,38 +471,171 @@ class CsvReader(_Columns):
             raise InputError(f"data.csv: {path}: empty file (the first line must be the header)")
         return header
 
-    def _chunks(self) -> Iterator[list[tuple]]:
-        chunk: list[tuple] = []
+    slow_paths: list[str]
+    """Files of the current pass read line by line (diagnostics)."""
+
+    def _chunks(self) -> Iterator[_Block]:
+        self.slow_paths = []
         for path in self.paths:
-            with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
-                reader = csv.reader(f)
-                header = self._header(path, reader)
-                label, dense, sparse = self._indices(path, header)
-                while True:
-                    try:
-                        row = next(reader)
-                    except StopIteration:
+            lines_before = self.counts["lines"]
+            done, fast = 0, self._fast(path)
+            try:
+                for block in fast:
+                    if block is None:
                         break
-                    except csv.Error as e:
-                        self.counts["lines"] += 1
-                        self._malformed(f"{path}:{reader.line_num}", f"not CSV: {e}")
-                        continue
-                    if not row:
-                        continue
+                    done += len(block)
+                    self.counts["lines"] += len(block)
+                    yield block
+                else:
+                    continue
+            except _Slow:
+                pass
+            finally:
+                fast.close()
+            self.counts["lines"] = lines_before
+            self.slow_paths.append(path)
+            yield from self._slow(path, skip=done)
+
+    def _fast(self, path: str) -> Iterator[_Block | None]:
+        """The file's rows in blocks, converted in bulk; ``None`` (then nothing more) at the first
+        block that needs the line-by-line path."""
+        import pyarrow as pa
+        import pyarrow.csv as pacsv
+
+        with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
+            header = self._header(path, csv.reader(f))
+        label, dense, sparse = self._indices(path, header)
+        names = list(dict.fromkeys(header[i] for i in ([] if label is None else [label]) + dense + sparse))
+        if len(set(header)) != len(header) or any(not h for h in header):
+            raise _Slow  # pyarrow needs unique, named columns
+        # Numbers parsed by pyarrow (a blank is null: 0 for a dense cell), ids and labels of a
+        # label_map as text; a cell pyarrow cannot parse makes the block fail -> line by line.
+        types = {n: pa.string() for n in names}
+        types.update({header[i]: pa.float64() for i in dense})
+        if label is not None and not self.label_map:
+            types[header[label]] = pa.float64()
+        invalid: list[int] = []
+
+        def on_invalid(row) -> str:  # noqa: ANN001 - pyarrow's InvalidRow
+            invalid.append(row.number or 0)
+            return "skip"
+
+        with open_binary(path) as raw:
+            try:
+                reader = pacsv.open_csv(
+                    raw, read_options=pacsv.ReadOptions(use_threads=False, block_size=1 << 20),
+                    parse_options=pacsv.ParseOptions(invalid_row_handler=on_invalid),
+                    convert_options=pacsv.ConvertOptions(
+                        column_types=types, include_columns=names, null_values=[""],
+                        strings_can_be_null=False, quoted_strings_can_be_null=False))
+                for rb in reader:
+                    if invalid:
+                        yield None
+                        return
+                    block = self._convert(rb, None if label is None else header[label],
+                                          [header[i] for i in dense], [header[i] for i in sparse])
+                    yield block
+                    if block is None:
+                        return
+                if invalid:
+                    yield None
+            except (pa.ArrowInvalid, UnicodeDecodeError):
+                yield None
+
+    def _convert(self, rb: Any, label: str | None, dense: list[str], sparse: list[str]) -> _Block | None:
+        """One record batch as a block, or ``None`` when any cell is not certainly good (the
+        line-by-line path then decides and names it)."""
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        n = rb.num_rows
+        try:
+            if label is None:
+                labels = torch.ones(n)
+            elif self.label_map:
+                keys = pa.array(list(self.label_map))
+                pos = pc.index_in(rb.column(label), value_set=keys)
+                if pos.null_count:
+                    return None
+                table = torch.tensor(list(self.label_map.values()), dtype=torch.float32)
+                labels = table[torch.from_numpy(pos.to_numpy(zero_copy_only=False, writable=True).astype("int64"))]
+            else:
+                if rb.column(label).null_count:
+                    return None
+                y = torch.from_numpy(rb.column(label).to_numpy(zero_copy_only=False, writable=True))
+                if self.cfg.label_threshold is not None:
+                    labels = (y > self.cfg.label_threshold).float()
+                else:
+                    if not bool(((y >= 0) & (y <= 1)).all()):
+                        return None
+                    labels = y.float()
+            cols = []
+            for name in dense:
+                cols.append(pc.fill_null(rb.column(name), 0.0).to_numpy(zero_copy_only=False))
+            dense_t = torch.from_numpy(np.stack(cols, 1).astype(np.float32)) if cols else torch.empty(n, 0)
+            lengths, values = [], []
+            for name in sparse:
+                c = rb.column(name)
+                c = pc.if_else(pc.equal(c, ""), pa.scalar(None, pa.string()), c)
+                lists = pc.split_pattern(c, self.sep)
+                lens = pc.fill_null(pc.list_value_length(lists), 0)
+                tokens = pc.list_flatten(lists)
+                if self.hashing:
+                    if pc.any(pc.equal(tokens, "")).as_py():
+                        return None
+                    ids = hash_ids(tokens)
+                else:
+                    ids = torch.from_numpy(pc.cast(tokens, pa.int64()).to_numpy(zero_copy_only=False, writable=True))
+                    if ids.numel() and int(ids.min()) < 0:
+                        return None
+                lengths.append(torch.from_numpy(lens.to_numpy(zero_copy_only=False, writable=True).astype("int64")))
+                values.append(ids)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return None
+        return _Block(labels.float(), dense_t, lengths, values)
+
+    def _slow(self, path: str, *, skip: int) -> Iterator[_Block]:
+        """The line-by-line path from the top of ``path``, yielding what follows its first
+        ``skip`` good rows."""
+        chunk: list[tuple] = []
+        with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
+            reader = csv.reader(f)
+            header = self._header(path, reader)
+            label, dense, sparse = self._indices(path, header)
+            while True:
+                try:
+                    row = next(reader)
+                except StopIteration:
+                    break
+                except csv.Error as e:
                     self.counts["lines"] += 1
-                    if len(row) != len(header):
-                        self._malformed(f"{path}:{reader.line_num}", f"{len(row)} cells; the header has {len(header)}")
-                        continue
-                    parsed = self._parse(1.0 if label is None else row[label], [row[i] for i in dense],
-                                         [row[i] for i in sparse])
-                    if isinstance(parsed, str):
-                        self._malformed(f"{path}:{reader.line_num}", parsed)
-                        continue
-                    chunk.append(parsed)
-                    if len(chunk) == _CHUNK_ROWS:
-                        yield chunk
-                        chunk = []
-        yield chunk
+                    self._malformed(f"{path}:{reader.line_num}", f"not CSV: {e}")
+                    continue
+                if not row:
+                    continue
+                self.counts["lines"] += 1
+                if len(row) != len(header):
+                    self._malformed(f"{path}:{reader.line_num}", f"{len(row)} cells; the header has {len(header)}")
+                    continue
+                parsed = self._parse(1.0 if label is None else row[label], [row[i] for i in dense],
+                                     [row[i] for i in sparse])
+                if isinstance(parsed, str):
+                    self._malformed(f"{path}:{reader.line_num}", parsed)
+                    continue
+                if skip:
+                    skip -= 1
+                    continue
+                chunk.append(parsed)
+                if len(chunk) == _CHUNK_ROWS:
+                    yield self._block(chunk)
+                    chunk = []
+        if chunk:
+            yield self._block(chunk)
+
+
+class _Slow(Exception):
+    """A file the bulk CSV path does not read (it goes line by line)."""
 
 
 def _pyarrow_parquet() -> Any:
@@ -326,8 +652,8 @@ class ParquetReader(_Columns):
     source = "parquet"
 
     def __init__(self, schema: Schema, cfg: DataConfig, paths: Sequence[str], *, rank: int = 0,
-                 world_size: int = 1) -> None:
-        super().__init__(schema, cfg, paths, rank=rank, world_size=world_size)
+                 world_size: int = 1, stats_dir: str | Path | None = None) -> None:
+        super().__init__(schema, cfg, paths, rank=rank, world_size=world_size, stats_dir=stats_dir)
         self._pq = _pyarrow_parquet()
 
     def _check_file(self, path: str) -> None:
@@ -339,7 +665,7 @@ class ParquetReader(_Columns):
         if pf.metadata.num_rows == 0:
             raise InputError(f"data.parquet: {path}: empty file (no rows)")
 
-    def _chunks(self) -> Iterator[list[tuple]]:
+    def _chunks(self) -> Iterator[_Block]:
         for path in self.paths:
             pf = self._pq.ParquetFile(path)
             header = pf.schema_arrow.names
@@ -360,7 +686,7 @@ class ParquetReader(_Columns):
                     else:
                         chunk.append(parsed)
                 row += rb.num_rows
-                yield chunk
+                yield self._block(chunk)
 
 
-__all__ = ["CsvReader", "FileReader", "ParquetReader", "expand_paths", "open_binary"]
+__all__ = ["CsvReader", "FileReader", "ParquetReader", "expand_paths", "hash_id", "hash_ids", "open_binary"]

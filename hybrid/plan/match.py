@@ -60,6 +60,18 @@ class ResolvedPlan:
     def __post_init__(self) -> None:
         self._by_fqn = {e.fqn: e for e in self.entries}
 
+    @property
+    def in_process(self) -> bool:
+        """One-process mode: no server process, so this (only) trainer holds every
+        ``parameter_server`` table itself, trained by the same server code (:mod:`hybrid.ps.transport`)."""
+        return self.num_servers == 0 and bool(self.by_strategy("parameter_server"))
+
+    @property
+    def table_servers(self) -> int:
+        """How many servers hold the tables: ``num_servers``, or 1 (``ps0``, this trainer) in
+        one-process mode."""
+        return 1 if self.in_process else self.num_servers
+
     def by_strategy(self, name: str) -> list[ResolvedModule]:
         """The entries with strategy ``name``, in module order."""
         return [e for e in self.entries if e.strategy == name]
@@ -88,7 +100,9 @@ def resolve(plan: Plan, model: nn.Module, *, world_size: int) -> ResolvedPlan:
     parameters, parameters no rule covers, and topologies that leave no trainer.
     """
     modules = dict(model.named_modules())
-    num_servers = plan.topology.parameter_servers
+    # One process (``hybrid launch -n 1``, ``hybrid train`` without torchrun): no server process;
+    # the trainer holds every parameter_server table itself (ResolvedPlan.in_process).
+    num_servers = 0 if world_size == 1 else plan.topology.parameter_servers
     _check_world(world_size, num_servers)
     direct = _explicit_rules(plan, modules)
     _check_nesting(direct)
@@ -100,7 +114,7 @@ def resolve(plan: Plan, model: nn.Module, *, world_size: int) -> ResolvedPlan:
         for fqn, r in sorted(covered.items(), key=lambda kv: order[kv[0]])
     ]
     for e in entries:
-        _check_entry(e, modules[e.fqn], plan, num_servers)
+        _check_entry(e, modules[e.fqn], plan, num_servers, world_size)
     if num_servers and not any(e.strategy == "parameter_server" for e in entries):
         warn_once(f"plan: {num_servers} parameter server(s) but no module uses parameter_server")
     return ResolvedPlan(entries, plan, world_size, num_servers, world_size - num_servers)
@@ -228,11 +242,11 @@ def _cover_rest(
         _cover_rest(child, join_key(fqn, name), direct, holds_rule, default, covered)
 
 
-def _check_entry(e: ResolvedModule, module: nn.Module, plan: Plan, num_servers: int) -> None:
+def _check_entry(e: ResolvedModule, module: nn.Module, plan: Plan, num_servers: int, world_size: int) -> None:
     rule = plan.modules[e.rule_key]
     if e.strategy == "parameter_server":
         _check_embedding(e, module, rule)
-        _check_servers(e, rule, num_servers)
+        _check_servers(e, rule, num_servers, world_size)
     if isinstance(e.options, FSDPOptions):
         _check_wrap(e, module, rule)
 
@@ -267,11 +281,14 @@ def _check_embedding(e: ResolvedModule, module: nn.Module, rule: Rule) -> None:
             raise _rule_error(rule, detail, "unsupported_table")
 
 
-def _check_servers(e: ResolvedModule, rule: Rule, num_servers: int) -> None:
+def _check_servers(e: ResolvedModule, rule: Rule, num_servers: int, world_size: int) -> None:
     if num_servers == 0:
+        if world_size == 1:
+            return  # one-process mode: the trainer holds the tables
         detail = (
-            f"0, but {e.fqn!r} (rule {rule.key!r}) uses parameter_server; set "
-            f"parameter_servers >= 1 or give {e.fqn!r} another strategy"
+            f"0 with {world_size} trainers, but {e.fqn!r} (rule {rule.key!r}) uses parameter_server; "
+            f"set parameter_servers >= 1, run one process (one-process mode holds the tables in "
+            f"the trainer), or give {e.fqn!r} another strategy"
         )
         raise PlanError(detail, category="topology", key="topology.parameter_servers")
     options: PSOptions = e.options

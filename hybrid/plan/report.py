@@ -66,7 +66,7 @@ def estimate_memory(
         params = owned[e.fqn]
         count = sum(p.numel() for p in params)
         if e.strategy == "parameter_server":
-            servers = _server_bytes(e, modules[e.fqn], resolved.num_servers)
+            servers = _server_bytes(e, modules[e.fqn], resolved.table_servers)
             out.append(ModuleEstimate(e, count, 0, servers))
             continue
         shards = resolved.num_trainers if e.strategy == "fsdp" else 1
@@ -99,7 +99,7 @@ def format_plan(
     lines = [_header(resolved), *_table(rows, right=(5, 6, 7)), _footer(dense_optimizer)]
     if servers:
         lines.append("per server (rows + sparse optimizer state): " + ", ".join(
-            f"ps{s} {human_bytes(servers[s])}" for s in range(resolved.num_servers)))
+            f"ps{s} {human_bytes(servers[s])}" for s in range(resolved.table_servers)))
     return "\n".join(lines)
 
 
@@ -216,7 +216,8 @@ def _table_bytes(e: ResolvedModule, module: nn.Module, num_servers: int) -> dict
     """Server -> table -> bytes of its rows and their sparse optimizer state on that server."""
     options = e.options
     layouts = shard_tables(
-        _tables(e.fqn, module), num_servers, options.sharding, options.server_list(num_servers)
+        _tables(e.fqn, module), num_servers, options.sharding,
+        options.server_list(num_servers) if num_servers > 1 else None,
     )
     dyn = options.dynamic_ids()
     if dyn is not None:  # each server holds its parts' capacity, whatever num_embeddings says
@@ -240,9 +241,9 @@ def server_table_bytes(resolved: ResolvedPlan, model: nn.Module) -> dict[int, di
     """Server index -> ``module.table`` -> bytes that server holds of it (rows and sparse
     optimizer state, as the servers compute before allocating), every server listed."""
     modules = dict(model.named_modules())
-    out: dict[int, dict[str, int]] = {s: {} for s in range(resolved.num_servers)}
+    out: dict[int, dict[str, int]] = {s: {} for s in range(resolved.table_servers)}
     for e in resolved.by_strategy("parameter_server"):
-        for s, tables in _table_bytes(e, modules[e.fqn], resolved.num_servers).items():
+        for s, tables in _table_bytes(e, modules[e.fqn], resolved.table_servers).items():
             out[s].update({f"{e.fqn}.{name}": n for name, n in tables.items()})
     return out
 

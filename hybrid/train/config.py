@@ -180,6 +180,9 @@ def _build(raw: Any, overrides: Sequence[str], source: str, *, flag: str | None,
             raise PlanError(f"{name} takes no option {k!r}{did_you_mean(k, params)}; it takes {', '.join(params)}",
                             category="unknown_key", key=f"model.{k}")
     header = {k: v for k, v in raw.items() if k in ("train", "runtime", "checkpoint")}
+    data_raw = raw.get("data") or {}
+    if isinstance(data_raw, dict):
+        _derive_model_inputs(model_raw, data_raw, params)
     cfg = _load_section(_ConfigFile, header, "")
     check_address(cfg.runtime.address)  # every socket of the run listens there: refuse one that cannot be used
     data = _load_section(DataConfig, raw.get("data") or {}, "data")
@@ -189,6 +192,28 @@ def _build(raw: Any, overrides: Sequence[str], source: str, *, flag: str | None,
         key = str(e).split(":", 1)[0] if str(e).startswith("data.") else "data"
         raise PlanError(str(e).split(": ", 1)[-1] if key != "data" else str(e), category="bad_value", key=key) from None
     return RunConfig(name, model_raw, spec, data, cfg.train, cfg.runtime, cfg.checkpoint, source)
+
+
+def _derive_model_inputs(model_raw: dict[str, Any], data_raw: dict[str, Any], params: list[str] | None) -> None:
+    """A model that takes ``features`` / ``num_dense`` gets them from ``data.sparse_columns`` /
+    ``data.dense_columns`` (a user names each column once). Given in both places, they must
+    agree (PlanError naming the key)."""
+    for key, column_key, value in (
+        ("features", "sparse_columns", lambda cols: list(cols)),
+        ("num_dense", "dense_columns", lambda cols: len(cols)),
+    ):
+        columns = data_raw.get(column_key)
+        if not columns or not isinstance(columns, (list, tuple)) or (params is not None and key not in params):
+            continue
+        derived = value(columns)
+        if key not in model_raw:
+            model_raw[key] = derived
+            continue
+        given = list(model_raw[key]) if key == "features" else model_raw[key]
+        if given != derived:
+            raise PlanError(f"got {given!r}, but data.{column_key} gives {derived!r}; name the columns once, in "
+                            f"data.{column_key} (the model takes its {key} from there), and drop model.{key}",
+                            category="bad_value", key=f"model.{key}")
 
 
 def _model(config_name: str | None, flag: str | None, plan_model: str | None,

@@ -85,10 +85,14 @@ def _check_data_files(cfg: RunConfig, meta: nn.Module) -> None:
 
 
 def main(plan_path: str, config_path: str | None, overrides: Sequence[str], *, model: str | None = None) -> int:
-    """Entry of ``hybrid train`` in one process started by torchrun (RANK, WORLD_SIZE, MASTER_*)."""
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    """Entry of ``hybrid train``: one process started by torchrun (RANK, WORLD_SIZE, MASTER_*),
+    or, without torchrun (no RANK), the whole job in this one process: one trainer that holds
+    every ``parameter_server`` table itself (one-process mode, :attr:`ResolvedPlan.in_process`)."""
+    if "RANK" not in os.environ:
+        return _main_one_process(plan_path, config_path, overrides, model=model)
+    missing = [k for k in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
-        print(f"error: hybrid train runs under torchrun (missing {', '.join(missing)} in the environment); "
+        print(f"error: hybrid train under torchrun misses {', '.join(missing)} in the environment; "
               f"start it with `hybrid launch -n N train ...` or `torchrun --nproc-per-node N -m hybrid.cli train ...`",
               file=sys.stderr)
         return EXIT_USAGE
@@ -104,9 +108,30 @@ def main(plan_path: str, config_path: str | None, overrides: Sequence[str], *, m
         if rank == 0:
             print_error(e)
         return EXIT_USAGE
-    role = role_of(rank, world_size, plan.topology.parameter_servers)
+    role = role_of(rank, world_size, resolved.num_servers)
     init_logging(role.name)
     return run_process(role, plan, cfg, resolved, init_method="env://")
+
+
+def _main_one_process(plan_path: str, config_path: str | None, overrides: Sequence[str], *,
+                      model: str | None) -> int:
+    """The job in this process: a world of one trainer, its process group and RPC agent on a
+    file store of its own (no port), the tables held here."""
+    import tempfile
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    init_logging("trainer0")
+    _quiet_known_warnings()
+    try:
+        plan, cfg, _, resolved = load_run(plan_path, config_path, overrides, 1, model=model)
+    except PlanError as e:
+        print_error(e)
+        return EXIT_USAGE
+    if plan.topology.parameter_servers and resolved.in_process:
+        logger.info("one process: the %d parameter server(s) of the plan are held in this trainer",
+                    plan.topology.parameter_servers)
+    with tempfile.TemporaryDirectory(prefix="hybrid-one-") as tmp:
+        return run_process(role_of(0, 1, 0), plan, cfg, resolved, init_method=f"file://{tmp}/store")
 
 
 def _quiet_known_warnings() -> None:
@@ -197,8 +222,10 @@ def build_trainer(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan
     schema = spec.data_schema(model)
     n, me = role.num_trainers, role.index
     return Trainer(role, plan, cfg, resolved, model=model, task=spec.make_task(temperature=cfg.train.temperature),
-                   train_data=make_dataset(schema, cfg.data, split="train", rank=me, world_size=n),
-                   eval_data=make_dataset(schema, cfg.data, split="eval", rank=me, world_size=n))
+                   train_data=make_dataset(schema, cfg.data, split="train", rank=me, world_size=n,
+                                           stats_dir=cfg.out_dir),
+                   eval_data=make_dataset(schema, cfg.data, split="eval", rank=me, world_size=n,
+                                          stats_dir=cfg.out_dir))
 
 
 class Trainer:
@@ -509,9 +536,10 @@ class Trainer:
         last_eval = self.evals[-1] if self.evals else {}
         lines = [
             ("model", f"{self.cfg.model_name} ({self.task.name}), plan {self.plan.source or '<dict>'}"),
-            ("processes", f"{_plural(self.role.num_trainers, 'trainer')} + "
-                          f"{_plural(self.role.num_servers, 'parameter server')}, "
-                          f"staleness {self.staleness}"),
+            ("processes", (f"{_plural(self.role.num_trainers, 'trainer')} + "
+                           f"{_plural(self.role.num_servers, 'parameter server')}" if self.role.num_servers or
+                           not self.remotes else "1 trainer holding the tables (one process)")
+                          + f", staleness {self.staleness}"),
             ("steps", f"{self.step} ({samples:,} samples, {self.skipped} batches skipped)"),
             ("time", f"{train_time:.1f}s training, {total:.1f}s with evaluation"),
             ("throughput", f"{samples / train_time:,.0f} samples/s" if train_time > 0 else "n/a"),

@@ -66,12 +66,14 @@ def test_config_mistake_names_file_line_and_key(tmp_path):
     assert f"{bad}:5" in res.stderr and "optimiser" in res.stderr and "optimizer" in res.stderr, res.output
 
 
-def test_train_outside_torchrun_says_how_to_start_it():
+def test_train_with_half_a_torchrun_environment_says_how_to_start_it():
+    """No RANK: one-process mode (tests/distributed/test_one_process.py); RANK without the rest
+    of torchrun's variables is a mistake."""
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     res = subprocess.run([sys.executable, "-m", "hybrid.cli", "train", "--plan", "conf/plans/dlrm.yaml"], cwd=REPO,
-                         env=clean, capture_output=True, text=True, timeout=60)
+                         env={**clean, "RANK": "0"}, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2, res.stderr
-    assert "runs under torchrun" in res.stderr and "hybrid launch -n N train" in res.stderr
+    assert "misses WORLD_SIZE, MASTER_ADDR, MASTER_PORT" in res.stderr and "hybrid launch -n N train" in res.stderr
 
 
 def _csv(path, rows):

@@ -84,8 +84,14 @@ def test_check_reports_plan_errors_without_traceback(plan, devices, capsys):
 
 
 def test_topology_that_does_not_fit_the_world_size(plan, devices, capsys):
-    assert cli.main(["plan", "check", plan, "--world-size", "1"]) == 2
-    assert "leave no trainer in world_size=1" in capsys.readouterr().err
+    assert cli.main(["plan", "check", plan, "--world-size", "2", "topology.parameter_servers=2"]) == 2
+    assert "leave no trainer in world_size=2" in capsys.readouterr().err
+
+
+def test_one_process_holds_the_tables(plan, devices, capsys):
+    assert cli.main(["plan", "check", plan, "--world-size", "1"]) == 0
+    assert cli.main(["plan", "show", plan, "--world-size", "1"]) == 0
+    assert "1 trainer + 0 parameter servers" in capsys.readouterr().out
 
 
 def test_unknown_model_lists_known_names(plan, devices, capsys):

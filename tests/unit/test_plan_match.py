@@ -137,11 +137,11 @@ RESOLVE_ERRORS = [
     ({EBC: PS_RULE, "dense_arch.*": DDP, "dense_arch.mod*": FSDP, "*": DDP}, {}, "conflicting_rules",
      r"modules\.dense_arch\.mod\*: module 'dense_arch\.model' is matched by 'dense_arch\.\*' \(ddp\) and 'dense_arch\.mod\*' \(fsdp\).*add an exact rule for 'dense_arch\.model'"),
     ({EBC: PS_RULE, "dense_arch": DDP}, {}, "no_rule", r"modules: module 'over_arch' \(OverArch, 321 parameters\) matches no rule; add a rule for it or a default rule \"\*\": \{strategy: ddp\}"),
-    ({EBC: PS_RULE, "*": DDP}, {"world_size": 1}, "topology",
-     r"topology\.parameter_servers: 1 parameter server\(s\) leave no trainer in world_size=1: start at least 2 processes or lower topology\.parameter_servers"),
+    ({EBC: PS_RULE, "*": DDP}, {"world_size": 2, "topology": {"parameter_servers": 2}}, "topology",
+     r"topology\.parameter_servers: 2 parameter server\(s\) leave no trainer in world_size=2: start at least 3 processes or lower topology\.parameter_servers"),
     ({EBC: PS_RULE, "*": DDP}, {"world_size": 0}, "topology", r"world_size: got 0; expected a number of processes >= 1"),
     ({EBC: PS_RULE, "*": DDP}, {"topology": {"parameter_servers": 0}}, "topology",
-     r"topology\.parameter_servers: 0, but 'sparse_arch\.embedding_bag_collection' \(rule 'sparse_arch\.embedding_bag_collection'\) uses parameter_server; set parameter_servers >= 1"),
+     r"topology\.parameter_servers: 0 with \d+ trainers, but 'sparse_arch\.embedding_bag_collection' \(rule 'sparse_arch\.embedding_bag_collection'\) uses parameter_server; set parameter_servers >= 1"),
     ({EBC: {**PS_RULE, "servers": [0, 2]}, "*": DDP}, {"world_size": 4, "topology": {"parameter_servers": 2}}, "topology",
      r"modules\.sparse_arch\.embedding_bag_collection\.servers: server indices \[2\] do not exist: topology\.parameter_servers=2 gives ps0\.\.ps1"),
     ({EBC: PS_RULE, "over_arch": {"strategy": "fsdp", "wrap": ["Linaer"]}, "*": DDP}, {}, "bad_value",
@@ -208,3 +208,10 @@ def test_a_module_tree_without_embeddings_needs_no_servers():
     r = resolved({"0": FSDP, "*": DDP}, model=model, world_size=2, topology={"parameter_servers": 0})
     assert placement(r) == {"0": ("fsdp", "0"), "2": ("ddp", "*")}
     assert r.num_trainers == 2
+
+
+def test_one_process_holds_the_tables_whatever_the_topology():
+    for servers in (0, 2):
+        r = resolved({EBC: PS_RULE, "*": DDP}, world_size=1, topology={"parameter_servers": servers})
+        assert (r.num_trainers, r.num_servers, r.in_process) == (1, 0, True)
+    assert not resolved({EBC: PS_RULE, "*": DDP}).in_process

@@ -17,7 +17,6 @@ what they make of the rows:
 from __future__ import annotations
 
 import torch
-import torch.distributed.rpc as rpc
 from torch import nn
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
@@ -27,6 +26,7 @@ from hybrid.ps.client.routing import BadBatchError, BadIdError, RoutedBatch, Rou
 from hybrid.ps.config import CollectionConfig, OptimizerSpec, collection_handle, single_table_name, table_specs
 from hybrid.ps.server import service
 from hybrid.ps.sharding import shard_tables
+from hybrid.ps.transport import call
 
 WRITE_CHUNK_BYTES = 16 << 20
 """Rows written to a server per message when loading given weights."""
@@ -92,7 +92,7 @@ class RemoteCollection(nn.Module):
 
     # -- control plane --------------------------------------------------------------------------
     def _call(self, server: int, fn, *args) -> torch.futures.Future:
-        return rpc.rpc_async(self.server_names[server], fn, args=args, timeout=self.timeout_s)
+        return call(self.server_names[server], fn, args, timeout_s=self.timeout_s)
 
     def _wait(self, futures: list[tuple[int, torch.futures.Future]], what: str) -> list:
         out = []

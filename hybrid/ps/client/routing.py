@@ -220,7 +220,7 @@ class Router:
         for k, (g, route) in enumerate(zip(self.groups, routed.routes)):
             table_rows = self._group_rows(parts, k, g)
             route = _on_device(route, table_rows.device)
-            outs.append(PooledRows.apply(table_rows, route, g.pooling).view(routed.batch_size, -1))
+            outs.append(PooledRows.apply(table_rows, route, g.pooling).view(routed.batch_size, len(g.features) * g.dim))
         values = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self.columns is None:
             return values

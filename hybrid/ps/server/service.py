@@ -252,7 +252,7 @@ def start(index: int, options: ServerOptions) -> ParameterServer:
 
 def server() -> ParameterServer:
     if _SERVER is None:
-        raise RuntimeError(f"{rpc.get_worker_info().name} is not a parameter server")
+        raise RuntimeError("this process is not a parameter server")
     return _SERVER
 
 

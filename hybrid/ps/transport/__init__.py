@@ -6,6 +6,12 @@ works everywhere and the control plane for everything else (creating tables, che
 evaluation reads, counters). Between processes of one host, :class:`~hybrid.ps.transport.shm.ShmTransport`
 carries the same frames through shared memory and falls back to RPC for what it cannot carry.
 :func:`connect` picks one per server (``runtime.ps_transport``).
+
+One-process mode (no parameter-server process: ``hybrid train`` without torchrun, ``hybrid
+launch -n 1``, or a plan with ``parameter_servers: 0``): the trainer process is itself server
+``ps0`` (:func:`serve_here`). Its step messages go through :class:`LocalTransport` and its control
+calls through :func:`call` straight into the same :class:`hybrid.ps.server.service.ParameterServer`
+-- the same shards, optimizers and step bookkeeping the servers run, without RPC.
 """
 
 from __future__ import annotations
@@ -41,10 +47,69 @@ class Transport(ABC):
         """Release what the transport holds (nothing for RPC)."""
 
 
+_HERE: set[str] = set()
+"""Servers held by this process (one-process mode)."""
+
+
+def serve_here(server: str, options=None) -> None:  # noqa: ANN001 - a service.ServerOptions
+    """Make this (trainer) process hold server ``server`` itself: :func:`connect` and :func:`call`
+    then reach it without RPC. ``options``: its :class:`~hybrid.ps.server.service.ServerOptions`."""
+    from hybrid.ps.server import service
+
+    if server not in _HERE:
+        service.start(int(server.removeprefix("ps")), options or service.ServerOptions())
+        _HERE.add(server)
+
+
+def is_here(server: str) -> bool:
+    """Whether ``server`` is held by this process (:func:`serve_here`)."""
+    return server in _HERE
+
+
+def call(server: str, fn, args: tuple = (), *, timeout_s: float) -> torch.futures.Future:  # noqa: ANN001
+    """Run the server entry point ``fn(*args)`` on ``server`` and return a future of its answer:
+    over RPC, or in this process when the server is held here (an ``async_execution`` entry
+    point's own future is returned as it is; an error comes back through the future either way)."""
+    if server not in _HERE:
+        import torch.distributed.rpc as rpc
+
+        return rpc.rpc_async(server, fn, args=args, timeout=timeout_s)
+    try:
+        out = fn(*args)
+    except Exception as e:  # noqa: BLE001 - delivered through the future, as RPC does
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_exception(e)
+        return fut
+    if isinstance(out, torch._C.Future):  # Future.then() gives the C++ class
+        return out
+    fut = torch.futures.Future()
+    fut.set_result(out)
+    return fut
+
+
+class LocalTransport(Transport):
+    """Step messages to the server held by this process: encoded and decoded as over RPC (the
+    same checks; the server owns what it keeps), handled by the same ``handle_step``."""
+
+    def __init__(self, server: str) -> None:
+        self.server = server
+
+    def send(self, msg: StepMessage) -> ReplyFuture:
+        from hybrid.ps import protocol
+        from hybrid.ps.server import service
+
+        frame = protocol.encode(msg)
+        return service.rpc_step(frame.ints, [t.clone() for t in frame.tensors])
+
+
 def connect(server: str, trainer: int, *, mode: str, timeout_s: float) -> Transport:
-    """The transport to ``server``: shared memory where ``mode`` is ``auto`` and the server
-    shares this host (and the channel could be set up), else RPC."""
+    """The transport to ``server``: in this process when it is held here (:func:`serve_here`),
+    shared memory where ``mode`` is ``auto`` and the server shares this host (and the channel
+    could be set up), else RPC."""
     from hybrid.ps.transport.rpc import RpcTransport
+
+    if server in _HERE:
+        return LocalTransport(server)
 
     rpc_transport = RpcTransport(server, timeout_s=timeout_s)
     if mode != "auto":
