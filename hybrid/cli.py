@@ -84,6 +84,11 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
         )  # fmt: skip
         p.add_argument("--model", metavar="MODEL", help=f"{MODEL_HELP} (default: the plan's model)")
         p.add_argument(
+            "--config", metavar="CONFIG",
+            help="training config whose model section sizes the model, e.g. conf/train/dlrm.yaml "
+                 "(default: the builder's defaults)",
+        )  # fmt: skip
+        p.add_argument(
             "--world-size", type=int,
             help="processes, trainers + servers (default: the plan's world_size)",
         )  # fmt: skip
@@ -105,7 +110,14 @@ def _plan_main(args: argparse.Namespace) -> int:
         if not name:
             raise PlanError(f"no model: set `model:` in the plan or pass --model (package.module:attr or a registered "
                             f"name: {', '.join(known_models()) or 'none'})", category="unknown_model", key="model")
-        model = meta_model(resolve_model(name, key=key), name=name, key=key)
+        if args.config:
+            from hybrid.train.config import load_config
+
+            cfg = load_config(args.config, model=plan.model, model_flag=args.model, plan_source=plan.source)
+            name = cfg.model_name
+            model = meta_model(cfg.spec, cfg.model_kwargs, name=name, where=cfg.source)
+        else:
+            model = meta_model(resolve_model(name, key=key), name=name, key=key)
         world_size, note = _world_size(args.world_size, plan)
         resolved = resolve(plan, model, world_size=world_size)
         if args.action == "show":

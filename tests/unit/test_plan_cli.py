@@ -192,3 +192,17 @@ def test_show_lists_embedding_collections_and_embeddings_with_bytes_per_server(t
     assert actions.endswith("256 B"), actions
     assert lines[-1] == (f"per server (rows + sparse optimizer state): ps0 {(item_bytes + 256) / 1024:.1f} KiB, "
                          f"ps1 {item_bytes / 1024:.1f} KiB"), lines[-1]
+
+
+def test_show_with_a_config_sizes_the_model_as_the_job_does(capsys):
+    """``--config``: the model is built from the training config's model section (the shipped
+    large sequential preset: 8 FSDP blocks, 20,000 x 768 items on the server), not the builder's
+    defaults; a config for another model is refused by line."""
+    assert cli.main(["plan", "show", "conf/plans/sequential.yaml"]) == 0
+    default = capsys.readouterr().out
+    assert cli.main(["plan", "show", "conf/plans/sequential.yaml", "--config", "conf/train/sequential_large.yaml"]) == 0
+    large = capsys.readouterr().out
+    assert "encoder.blocks.7" in large and "encoder.blocks.7" not in default
+    assert "15,360,000" in large.splitlines()[3], large  # the item table's parameters
+    assert cli.main(["plan", "check", "conf/plans/sequential.yaml", "--config", "conf/train/dlrm.yaml"]) == 2
+    assert "conf/train/dlrm.yaml:6: model.name" in capsys.readouterr().err
