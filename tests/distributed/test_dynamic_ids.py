@@ -1,6 +1,7 @@
 """Dynamic tables (``ids: dynamic``) with real processes: 2 trainers + 2 servers, sync, against
 the same tables trained in one process (one shard holding every part, one trainer, the global
-batch): equal ids, rows, optimizer state, map (part, place, last step), admissions and evictions."""
+batch): equal ids, rows, optimizer state, map (part, place, last step), admissions and evictions;
+for an ``EmbeddingBagCollection`` and for an unpooled ``EmbeddingCollection``."""
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from tests.support.remote import remote_of
 from tests.support.sparse import global_batch, kjt_slice
 from tests.support import sparse
 
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 OPTIMIZERS = {"sgd": 0.5, "rowwise_adagrad": 0.1, "adam": 0.05}
 STEPS, BATCH = 12, 6
@@ -33,10 +35,27 @@ def _loss(values: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return ((values @ c) ** 2).mean() + values.sum(1).mean()
 
 
+def _seq_loss(values: dict[str, torch.Tensor], batch: int) -> torch.Tensor:
+    """An unpooled collection's loss over ``batch`` samples: every id's row of every feature
+    (empty features add 0), per sample, so trainers' mean gradients make the global batch's."""
+    return sum(((v @ torch.linspace(-1, 1, v.shape[1])) ** 2).sum() + v.sum() for v in values.values()) / batch
+
+
+def _collection(kind: str, tables):
+    if kind == "bag":
+        return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    # torchrec's EmbeddingCollection takes one embedding dim for all its tables.
+    return EmbeddingCollection(tables=[EmbeddingConfig(name=t.name, embedding_dim=4,
+                                                       num_embeddings=t.num_embeddings,
+                                                       feature_names=t.feature_names) for t in tables],
+                               device=torch.device("meta"))
+
+
 class OneProcess:
     """The reference: every part in one in-process shard, one trainer, the global batch."""
 
     def __init__(self, ebc, name: str, lr: float, dynamic: DynamicIds):
+        self.pooled = hasattr(ebc, "embedding_bag_configs")
         config = RemoteEmbeddingBagCollection.config_from(ebc, cid=f"ref/{name}", num_servers=1,
                                                           optimizer={"name": name, "lr": lr}, num_trainers=1,
                                                           dynamic=dynamic)
@@ -47,7 +66,10 @@ class OneProcess:
         routed = self.router.route(kjt, where="reference")
         req = routed.requests[0]
         rows = self.shard.gather(req).clone().requires_grad_(True)
-        _loss(self.router.pool(routed, {0: rows}), c).backward()
+        if self.pooled:
+            _loss(self.router.pool(routed, {0: rows}), c).backward()
+        else:
+            _seq_loss(self.router.embed(routed, {0: rows}), kjt.stride()).backward()
         self.shard.push(0, s, [(req, rows.grad)])
 
     def state(self) -> dict:
@@ -59,14 +81,14 @@ class OneProcess:
         return out
 
 
-def _train(rank, world_size, *, num_servers, dynamic):
+def _train(rank, world_size, *, num_servers, dynamic, kind="bag"):
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
         return None
     t_n, me = role.num_trainers, role.index
     pipeline = make_pipeline(trainer=me, num_servers=num_servers, staleness=0)
     tables = sparse.test_tables()
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    ebc = _collection(kind, tables)
     c = torch.linspace(-1, 1, sum(t.embedding_dim * len(t.feature_names) for t in tables))
     remotes = {n: remote_of(ebc, pipeline, cid=n, num_servers=num_servers, optimizer={"name": n, "lr": lr},
                             trainer=me, num_trainers=t_n, dynamic=dynamic) for n, lr in OPTIMIZERS.items()}
@@ -77,7 +99,10 @@ def _train(rank, world_size, *, num_servers, dynamic):
         kjt = kjt_slice(data, me * BATCH, (me + 1) * BATCH)
         with step(pipeline) as st:
             outs = {n: r(kjt) for n, r in remotes.items()}
-            st.backward(sum(_loss(o.values(), c) for o in outs.values()))
+            if kind == "bag":
+                st.backward(sum(_loss(o.values(), c) for o in outs.values()))
+            else:
+                st.backward(sum(_seq_loss({f: jt.values() for f, jt in o.items()}, BATCH) for o in outs.values()))
         for n, ref in refs.items():
             ref.step(kjt_slice(data, 0, t_n * BATCH), s, c)
     pipeline.flush()
@@ -118,3 +143,12 @@ def test_sync_dynamic_tables_equal_one_process(dynamic):
         for server, st in res[n + "/stats"].items():
             assert set(st["dynamic"]) == {"t0", "t1", "t2"}, st
             assert 0 < st["dynamic"]["t0"]["hit_ratio"] <= 1
+
+
+def test_sync_dynamic_embedding_collection_equals_one_process():
+    """Unpooled tables (sequence features) on dynamic ids: routed by hash in feature-major order,
+    each id's positions summed into its one row; the same rows, state and map as one process."""
+    dynamic = DynamicIds(capacity=64, evict="lru", partitions=4)
+    res = run_distributed(_train, 4, setup="hybrid", num_servers=2, timeout=240, dynamic=dynamic, kind="sequence")[0]
+    for n in OPTIMIZERS:
+        assert res[n]["t0"][0] > 0 and res[n]["t0"][1] > 0, res[n]  # admitted and evicted
