@@ -348,14 +348,23 @@ int64_t weight_step(Optim kind, const Table& weight, const State& out, int64_t n
 // accumulators with its cascade levels, combined, then the scalar tail and the lanes added in
 // order. Leaves the vector part in vacc (lanes) and the tail's sum in *tail, so a caller can add
 // the lanes of many rows at once (the additions' order is the same).
-inline void torch_row_sum_parts(const float* x, int64_t d, int lanes, float* vacc, float* tail) {
-  constexpr int kIlp = 4, kLevels = 4, kMaxLanes = 16;
-  const int64_t nvec = d / lanes;
+template <int L>
+inline void torch_row_sum_parts(const float* x, int64_t d, float* vacc, float* tail) {
+  constexpr int kIlp = 4, kLevels = 4;
+  const int64_t nvec = d / L;
   const int64_t size = nvec / kIlp;  // rows of kIlp vectors
-  float acc[kLevels][kIlp][kMaxLanes];
-  for (int l = 0; l < kLevels; l++)
-    for (int k = 0; k < kIlp; k++)
-      for (int e = 0; e < lanes; e++) acc[l][k][e] = 0.0f;
+  float t = 0.0f;
+  for (int64_t k = nvec * L; k < d; k++) t += x[k];
+  *tail = t;
+  if (size == 0) {  // fewer than kIlp vectors: the other accumulators stay +0, adding them is exact
+    float v[L];
+    for (int e = 0; e < L; e++) v[e] = 0.0f;
+    for (int64_t q = 0; q < nvec; q++)
+      for (int e = 0; e < L; e++) v[e] += x[q * L + e];
+    for (int e = 0; e < L; e++) vacc[e] = v[e];
+    return;
+  }
+  float acc[kLevels][kIlp][L] = {};
   int64_t ceil_log2 = 0;
   while ((int64_t{1} << ceil_log2) < size) ceil_log2++;
   const int64_t level_power = ceil_log2 / kLevels > 4 ? ceil_log2 / kLevels : 4;
@@ -364,12 +373,12 @@ inline void torch_row_sum_parts(const float* x, int64_t d, int lanes, float* vac
   for (; i + level_step <= size;) {
     for (int64_t j = 0; j < level_step; ++j, ++i)
       for (int k = 0; k < kIlp; k++) {
-        const float* v = x + (i * kIlp + k) * lanes;
-        for (int e = 0; e < lanes; e++) acc[0][k][e] += v[e];
+        const float* v = x + (i * kIlp + k) * L;
+        for (int e = 0; e < L; e++) acc[0][k][e] += v[e];
       }
     for (int l = 1; l < kLevels; l++) {
       for (int k = 0; k < kIlp; k++)
-        for (int e = 0; e < lanes; e++) {
+        for (int e = 0; e < L; e++) {
           acc[l][k][e] += acc[l - 1][k][e];
           acc[l - 1][k][e] = 0.0f;
         }
@@ -378,28 +387,27 @@ inline void torch_row_sum_parts(const float* x, int64_t d, int lanes, float* vac
   }
   for (; i < size; ++i)
     for (int k = 0; k < kIlp; k++) {
-      const float* v = x + (i * kIlp + k) * lanes;
-      for (int e = 0; e < lanes; e++) acc[0][k][e] += v[e];
+      const float* v = x + (i * kIlp + k) * L;
+      for (int e = 0; e < L; e++) acc[0][k][e] += v[e];
     }
   for (int l = 1; l < kLevels; l++)
     for (int k = 0; k < kIlp; k++)
-      for (int e = 0; e < lanes; e++) acc[0][k][e] += acc[l][k][e];
+      for (int e = 0; e < L; e++) acc[0][k][e] += acc[l][k][e];
   // row_sum: the vectors after the last whole group of kIlp into the first accumulator, then
   // the accumulators into the first
   for (int64_t v = size * kIlp; v < nvec; v++)
-    for (int e = 0; e < lanes; e++) acc[0][0][e] += x[v * lanes + e];
+    for (int e = 0; e < L; e++) acc[0][0][e] += x[v * L + e];
   for (int k = 1; k < kIlp; k++)
-    for (int e = 0; e < lanes; e++) acc[0][0][e] += acc[0][k][e];
-  float t = 0.0f;
-  for (int64_t k = nvec * lanes; k < d; k++) t += x[k];
-  for (int e = 0; e < lanes; e++) vacc[e] = acc[0][0][e];
-  *tail = t;
+    for (int e = 0; e < L; e++) acc[0][0][e] += acc[0][k][e];
+  for (int e = 0; e < L; e++) vacc[e] = acc[0][0][e];
 }
 
-// Prefetches, for writing, what row r of an in-place step reads and writes.
+// Prefetches, for writing, the state rows of row r of an in-place step (and its weight row
+// where the new state needs it: weight decay).
 template <typename S>
-inline void prefetch_step_w(Optim kind, typename S::T* w, const State& st, int64_t r, int64_t d) {
-  prefetch_row_w(w + r * d, d * static_cast<int64_t>(sizeof(typename S::T)));
+inline void prefetch_state_w(Optim kind, typename S::T* w, const State& st, int64_t r, int64_t d,
+                             bool weight) {
+  if (weight) prefetch_row_w(w + r * d, d * static_cast<int64_t>(sizeof(typename S::T)));
   if (kind == Optim::rowwise_adagrad) {
     __builtin_prefetch(st.s1 + r, 1);
   } else if (kind != Optim::sgd) {
@@ -411,7 +419,9 @@ inline void prefetch_step_w(Optim kind, typename S::T* w, const State& st, int64
   }
 }
 
-constexpr int64_t kStepChunk = 16;  // rows computed together, around one square-root call
+// Rows computed together around one square-root call: a call of MKL's vmsSqrt costs about 2 us
+// whatever its length, and 512 rows of state and weights (and the chunk's buffers) stay in L2.
+constexpr int64_t kStepChunk = 512;
 
 template <typename S, typename G>
 StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int64_t n,
@@ -441,7 +451,8 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
     const int64_t m = n - c0 < C ? n - c0 : C;
     for (int64_t i = 0; i < m; i++) {  // new state rows of the chunk
       const int64_t p = c0 + i, r = rows[p];
-      if (p + kPrefetchAhead < n) prefetch_step_w<S>(kind, w, st, rows[p + kPrefetchAhead], d);
+      if (p + kPrefetchAhead < n)
+        prefetch_state_w<S>(kind, w, st, rows[p + kPrefetchAhead], d, needs_w);
       const float* wr = needs_w ? weight_row<S>(w, r, d, wbuf) : nullptr;
       float* gi = g + i * d;
       grad_row<G>(grads + p * d, wr, d, gscale, h, gi);
@@ -449,7 +460,10 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
         float* sq = root + i * d;
         for (int64_t j = 0; j < d; j++) sq[j] = gi[j] * gi[j];
         float vacc[16];
-        torch_row_sum_parts(sq, d, lanes, vacc, total + i);
+        if (lanes == 16)
+          torch_row_sum_parts<16>(sq, d, vacc, total + i);
+        else
+          torch_row_sum_parts<8>(sq, d, vacc, total + i);
         for (int e = 0; e < lanes; e++) lanes_t[e * C + i] = vacc[e];
       } else if (kind == Optim::adagrad) {
         const float* ar = st.s1 + r * d;
@@ -477,8 +491,12 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
     } else if (kind == Optim::adam) {
       t.sqrt(m * d, b, root);
     }
-    for (int64_t i = 0; i < m; i++) {  // new weight rows; written unless a step failed
+    // New weight rows; written unless a step failed. The weight rows are prefetched here, a few
+    // rows ahead: issued in the first loop, hundreds of rows before their use, most are lost.
+    for (int64_t i = 0; i < m && i < kPrefetchAhead; i++) prefetch_row_w(w + rows[c0 + i] * d, wbytes);
+    for (int64_t i = 0; i < m; i++) {
       const int64_t p = c0 + i, r = rows[p];
+      if (i + kPrefetchAhead < m) prefetch_row_w(w + rows[p + kPrefetchAhead] * d, wbytes);
       const float* wr = weight_row<S>(w, r, d, wbuf);
       const float* gi = g + i * d;
       if (kind == Optim::adam) {
