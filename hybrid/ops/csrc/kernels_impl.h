@@ -364,6 +364,20 @@ inline void torch_row_sum_parts(const float* x, int64_t d, float* vacc, float* t
     for (int e = 0; e < L; e++) vacc[e] = v[e];
     return;
   }
+  if (size < 16) {  // below the first cascade level: the upper levels stay +0 (exact to add)
+    float a0[kIlp][L];
+    for (int k = 0; k < kIlp; k++)
+      for (int e = 0; e < L; e++) a0[k][e] = 0.0f;
+    for (int64_t i = 0; i < size; i++)
+      for (int k = 0; k < kIlp; k++)
+        for (int e = 0; e < L; e++) a0[k][e] += x[(i * kIlp + k) * L + e];
+    for (int64_t v = size * kIlp; v < nvec; v++)
+      for (int e = 0; e < L; e++) a0[0][e] += x[v * L + e];
+    for (int k = 1; k < kIlp; k++)
+      for (int e = 0; e < L; e++) a0[0][e] += a0[k][e];
+    for (int e = 0; e < L; e++) vacc[e] = a0[0][e];
+    return;
+  }
   float acc[kLevels][kIlp][L] = {};
   int64_t ceil_log2 = 0;
   while ((int64_t{1} << ceil_log2) < size) ceil_log2++;
