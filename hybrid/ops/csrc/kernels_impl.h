@@ -451,12 +451,11 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
   constexpr int64_t C = kStepChunk;
   const int lanes = t.sum_lanes > 0 ? t.sum_lanes : 1;
   // per chunk: gradients as the update sees them, new state (a, b), square roots; row sums
-  float* g = scratch<float>(4 * C * d + C * 16 + C + 2 * d);
+  float* g = scratch<float>(4 * C * d + C + 2 * d);
   float* a = g + C * d;
   float* b = a + C * d;
   float* root = b + C * d;
-  float* lanes_t = root + C * d;  // lanes x C, transposed
-  float* total = lanes_t + C * 16;
+  float* total = root + C * d;  // each row's scalar tail
   float* wbuf = total + C;
   float* ow = wbuf + d;
   StepResult res;
@@ -470,7 +469,7 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
       const float* wr = needs_w ? weight_row<S>(w, r, d, wbuf) : nullptr;
       float* gi = g + i * d;
       grad_row<G>(grads + p * d, wr, d, gscale, h, gi);
-      if (kind == Optim::rowwise_adagrad) {  // grad.pow(2), summed in torch's order below
+      if (kind == Optim::rowwise_adagrad) {  // sum + grad.pow(2).mean(dim=1), in torch's order
         float* sq = root + i * d;
         for (int64_t j = 0; j < d; j++) sq[j] = gi[j] * gi[j];
         float vacc[16];
@@ -478,7 +477,9 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
           torch_row_sum_parts<16>(sq, d, vacc, total + i);
         else
           torch_row_sum_parts<8>(sq, d, vacc, total + i);
-        for (int e = 0; e < lanes; e++) lanes_t[e * C + i] = vacc[e];
+        float sum = total[i];  // the tail first, then the lanes in order (torch's order)
+        for (int e = 0; e < lanes; e++) sum += vacc[e];
+        a[i] = st.s1[r] + sum / static_cast<float>(d);
       } else if (kind == Optim::adagrad) {
         const float* ar = st.s1 + r * d;
         float* oa = a + i * d;
@@ -494,11 +495,7 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
         }
       }
     }
-    if (kind == Optim::rowwise_adagrad) {  // sum + mean; then its square root
-      for (int e = 0; e < lanes; e++)
-        for (int64_t i = 0; i < m; i++) total[i] += lanes_t[e * C + i];
-      const float fd = static_cast<float>(d);
-      for (int64_t i = 0; i < m; i++) a[i] = st.s1[rows[c0 + i]] + total[i] / fd;
+    if (kind == Optim::rowwise_adagrad) {
       t.sqrt(m, a, root);
     } else if (kind == Optim::adagrad) {
       t.sqrt(m * d, a, root);
