@@ -58,7 +58,7 @@ struct FromTorch {
   const float* bc2 = nullptr;
   // step_inplace only: torch's float32 square root of n values (MKL's vmsSqrt in the mode
   // ATen calls it with, checked against at::sqrt once), and the lanes of torch's vectorized
-  // row sum (16 with AVX512 kernels, 8 with AVX2; checked against at::mean once per dim).
+  // row sum (8 or 16, whichever reproduces at::mean: checked once per optimizer and dim).
   void (*sqrt)(int64_t n, const float* x, float* y) = nullptr;
   int sum_lanes = 0;
 };
