@@ -2,8 +2,8 @@
 machine's random-row gather ceiling and against FBGEMM's CPU table-batched embedding.
 
 One table of ``--rows`` x ``--dim`` float32 (128 MB by default: far beyond the caches), and
-batches of ``--ids`` distinct random ids (about the unique rows a server reads per step in
-``benchmarks.run``), cycling through one random permutation of the rows so that no batch finds
+batches of ``--ids`` distinct random ids, ascending as in a trainer's request (about the unique
+rows a server reads per step in ``benchmarks.run``), cycling through one random permutation of the rows so that no batch finds
 the previous ones' rows in cache. Every measurement runs one thread (``torch.set_num_threads(1)``)
 for about ``--seconds`` of timed calls:
 
@@ -13,9 +13,8 @@ for about ``--seconds`` of timed calls:
 - ``server_lookup``: what a server runs for a lookup, ``CollectionShard.gather`` (the operator,
   bounds checked, into a fresh tensor as for an RPC reply, and the server's bookkeeping);
 - ``server_update``: what a server runs for one trainer's gradient push of those rows,
-  ``CollectionShard.push`` (sync, one trainer): the optimizer's new rows and state computed and
-  checked (``optimizer_rows``), then written (``scatter_rows_``); plain SGD adds in place
-  (``sgd_rows_``);
+  ``CollectionShard.push`` (sync, one trainer): one optimizer step in place (``optimizer_step_``,
+  all or nothing); plain SGD adds in place (``sgd_rows_``);
 - ``fbgemm_lookup`` / ``fbgemm_update``: ``SplitTableBatchedEmbeddingBagsCodegen`` on CPU (bags of
   one id, sum pooling: the forward reads the rows, the backward applies the fused optimizer to
   them), for the optimizers its CPU path has (``EXACT_SGD``, ``EXACT_ADAGRAD``,
@@ -85,7 +84,8 @@ class Data:
         g = torch.Generator().manual_seed(s.seed)
         self.weight = torch.randn(s.rows, s.dim, generator=g) * 0.1
         perm = torch.randperm(s.rows, generator=g)
-        self.batches = [c.contiguous() for c in perm.split(s.ids) if c.numel() == s.ids]
+        # ascending within a batch, as a trainer's request for a table's rows arrives
+        self.batches = [c.sort().values for c in perm.split(s.ids) if c.numel() == s.ids]
         if not self.batches:
             raise ValueError(f"--ids {s.ids} is more than --rows {s.rows}")
         self.grad = torch.randn(s.ids, s.dim, generator=g) * 0.01

@@ -21,9 +21,10 @@ import torch
 from hybrid.ops.reference import NonFinite, Route, RowOutOfRange
 
 __all__ = ["AVAILABLE", "NonFinite", "Route", "RowOutOfRange", "gather_rows", "initial_rows_", "optimizer_rows",
-           "route", "scatter_rows_", "sgd_rows_", "sum_rows"]
+           "optimizer_step_", "route", "scatter_rows_", "sgd_rows_", "sum_rows"]
 
-OPS = ("route", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows", "scatter_rows_", "initial_rows_")
+OPS = ("route", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows", "optimizer_step_", "scatter_rows_",
+       "initial_rows_")
 """The operators ``hybrid._C`` registers under ``torch.ops.hybrid``."""
 
 STATE_KEYS = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",),
@@ -147,6 +148,31 @@ def optimizer_rows(kind, rows, grads, *, grad_scale, weight, state, lr, eps, wei
     return w, dict(zip(keys, new_state))
 
 
+def optimizer_step_(kind, weights, states, rows, grads, grad_scales, *, lr, eps, weight_decay, beta1, beta2) -> None:
+    """One ``kind`` step of several tables, in place: table ``t``'s distinct ``rows[t]`` of
+    ``weights[t]`` and of its state ``states[t]`` (by name) with gradients ``grads[t] *
+    grad_scales[t]`` -- what :func:`optimizer_rows` computes, written as :func:`scatter_rows_`
+    would. All or nothing: raises :class:`RowOutOfRange` (``table`` the table's index), or
+    :class:`NonFinite` when a new weight is not finite, and then no table has changed."""
+    if kind not in STATE_KEYS:
+        raise ValueError(f"unknown optimizer {kind!r}; expected one of {', '.join(STATE_KEYS)}")
+    keys = STATE_KEYS[kind]
+    flat = []
+    for state in states:
+        missing = [k for k in keys if k not in state]
+        if missing:
+            raise ValueError(f"{kind} state lacks {', '.join(missing)} (it has {', '.join(state) or 'nothing'})")
+        flat += [state[k] for k in keys]
+    rows = [_index(r) for r in rows]
+    status = torch.ops.hybrid.optimizer_step_(kind, list(weights), flat, rows, [g.contiguous() for g in grads],
+                                              [float(x) for x in grad_scales], lr, eps, weight_decay, beta1, beta2)
+    if status[0] == _BAD_ROW:
+        raise _out_of_range(status, rows[status[1]], lambda t: weights[status[1]].shape[0])
+    if status[0] == _NON_FINITE:
+        raise NonFinite(f"{kind} update produced non-finite weights for {status[3]} rows (the first: row "
+                        f"{int(rows[status[1]][status[2]])}); nothing was applied")
+
+
 def scatter_rows_(dst, rows, src) -> None:
     """``dst[rows[i]] = src[i]`` (rows of a 2-D ``dst``, elements of a 1-D one), ``src``
     converted to ``dst``'s dtype. Raises :class:`RowOutOfRange` before writing anything."""
@@ -176,6 +202,7 @@ if not AVAILABLE:
         gather_rows,
         initial_rows_,
         optimizer_rows,
+        optimizer_step_,
         route,
         scatter_rows_,
         sgd_rows_,

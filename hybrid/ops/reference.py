@@ -203,6 +203,22 @@ def optimizer_rows(kind, rows, grads, *, grad_scale, weight, state, lr, eps, wei
     return w, new_state
 
 
+def optimizer_step_(kind, weights, states, rows, grads, grad_scales, *, lr, eps, weight_decay, beta1, beta2) -> None:
+    """Table by table, :func:`optimizer_rows`; every table's rows computed and checked, then written."""
+    computed = []
+    for t, (weight, state, r, g, scale) in enumerate(zip(weights, states, rows, grads, grad_scales, strict=True)):
+        try:
+            computed.append(optimizer_rows(kind, r, g, grad_scale=scale, weight=weight, state=state, lr=lr, eps=eps,
+                                           weight_decay=weight_decay, beta1=beta1, beta2=beta2))
+        except RowOutOfRange as e:
+            raise RowOutOfRange(t, e.position, e.row, e.rows) from None
+    for weight, state, r, (w, new_state) in zip(weights, states, rows, computed):
+        if r.numel():
+            scatter_rows_(weight, r, w)
+            for k, v in new_state.items():
+                scatter_rows_(state[k], r, v)
+
+
 def scatter_rows_(dst, rows, src) -> None:
     dst.index_copy_(0, rows, src.to(dst.dtype))
 

@@ -187,17 +187,17 @@ def _raw_state(cid):
 
 
 def _break_updates(cid):
-    """On a server: every later update of ``cid`` fails once its new rows are computed, before any
-    is written (what a failing optimizer kernel does)."""
+    """On a server: every later update fails before any row is written (what a failing optimizer
+    step does; the server holds only ``cid``)."""
+    import hybrid.ps.server.shard as shard_module
     from hybrid.ps.server.service import server
 
     shard = server().shard(cid)
 
-    def commit(*_args, **_kwargs):
+    def step_(*_args, **_kwargs):
         raise RuntimeError(f"injected fault in the update of {cid} on ps{shard.server}")
 
-    for t in shard.tables:
-        t.optim.commit = commit
+    shard_module.step_ = step_
 
 
 def _failing_update(rank, world_size, *, num_servers):

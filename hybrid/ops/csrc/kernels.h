@@ -56,6 +56,28 @@ struct FromTorch {
   const float* root = nullptr;
   const float* step = nullptr;
   const float* bc2 = nullptr;
+  // step_inplace only: torch's float32 square root of n values (MKL's vmsSqrt in the mode
+  // ATen calls it with, checked against at::sqrt once), and the lanes of torch's vectorized
+  // row sum (8 or 16, whichever reproduces at::mean: checked once per optimizer and dim).
+  void (*sqrt)(int64_t n, const float* x, float* y) = nullptr;
+  int sum_lanes = 0;
+};
+
+// Where step_inplace saves the rows it overwrites (position-indexed, n rows each, nullptr
+// where the optimizer has no such state), so that a failed step can be undone.
+struct Undo {
+  void* w;  // n x dim elements of the table's dtype
+  float* s1;
+  float* s2;
+  float* s3;
+};
+
+// What step_inplace did: rows [0, committed) written (the undo log holds their old values),
+// how many rows' new weights are not finite and the first of them (-1: none).
+struct StepResult {
+  int64_t committed = 0;
+  int64_t bad = 0;
+  int64_t first_bad = -1;
 };
 
 // The per-instruction-set row kernels (one instance per ISA; see dispatch()). Each works on
@@ -85,6 +107,16 @@ struct RowKernels {
                          const int64_t* rows, const void* grads, DType grad_dtype,
                          float grad_scale, const Hyper& h, const FromTorch& t, float* out_w,
                          int64_t* first_bad);
+  // One optimizer step of n distinct (ascending) checked rows of one table, written in place:
+  // each row's weight and state read, updated and written in one visit (rows taken in chunks
+  // of a few, so torch's square root runs over a chunk at a time). A row whose new weight is
+  // not finite is not written, nor is any row after it once *stop is set (by this call or a
+  // sibling on another thread; it sets *stop itself); the old values of every written row go
+  // to undo, so the caller can restore them.
+  StepResult (*step_inplace)(Optim kind, const Table& weight, const State& state, int64_t n,
+                             const int64_t* rows, const void* grads, DType grad_dtype,
+                             float grad_scale, const Hyper& h, const FromTorch& t,
+                             const Undo& undo, int* stop);
   // dst[rows[i]] = src[i] (width elements a row; src converted to dst's dtype). Rows already
   // checked.
   void (*scatter)(void* dst, DType dst_dtype, int64_t width, const int64_t* rows, int64_t n,

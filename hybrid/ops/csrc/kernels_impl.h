@@ -341,6 +341,237 @@ int64_t weight_step(Optim kind, const Table& weight, const State& out, int64_t n
   });
 }
 
+// -- one-pass optimizer step, in place ----------------------------------------------------------
+
+// torch's float32 sum of one contiguous row of d elements (ATen's vectorized_inner_sum for a
+// reduction over the last dimension, vectors of `lanes` elements): four interleaved vector
+// accumulators with its cascade levels, combined, then the scalar tail and the lanes added in
+// order. Leaves the vector part in vacc (lanes) and the tail's sum in *tail, so a caller can add
+// the lanes of many rows at once (the additions' order is the same).
+template <int L>
+inline void torch_row_sum_parts(const float* x, int64_t d, float* vacc, float* tail) {
+  constexpr int kIlp = 4, kLevels = 4;
+  const int64_t nvec = d / L;
+  const int64_t size = nvec / kIlp;  // rows of kIlp vectors
+  float t = 0.0f;
+  for (int64_t k = nvec * L; k < d; k++) t += x[k];
+  *tail = t;
+  if (size == 0) {  // fewer than kIlp vectors: the other accumulators stay +0, adding them is exact
+    float v[L];
+    for (int e = 0; e < L; e++) v[e] = 0.0f;
+    for (int64_t q = 0; q < nvec; q++)
+      for (int e = 0; e < L; e++) v[e] += x[q * L + e];
+    for (int e = 0; e < L; e++) vacc[e] = v[e];
+    return;
+  }
+  if (size < 16) {  // below the first cascade level: the upper levels stay +0 (exact to add)
+    float a0[kIlp][L];
+    for (int k = 0; k < kIlp; k++)
+      for (int e = 0; e < L; e++) a0[k][e] = 0.0f;
+    for (int64_t i = 0; i < size; i++)
+      for (int k = 0; k < kIlp; k++)
+        for (int e = 0; e < L; e++) a0[k][e] += x[(i * kIlp + k) * L + e];
+    for (int64_t v = size * kIlp; v < nvec; v++)
+      for (int e = 0; e < L; e++) a0[0][e] += x[v * L + e];
+    for (int k = 1; k < kIlp; k++)
+      for (int e = 0; e < L; e++) a0[0][e] += a0[k][e];
+    for (int e = 0; e < L; e++) vacc[e] = a0[0][e];
+    return;
+  }
+  float acc[kLevels][kIlp][L] = {};
+  int64_t ceil_log2 = 0;
+  while ((int64_t{1} << ceil_log2) < size) ceil_log2++;
+  const int64_t level_power = ceil_log2 / kLevels > 4 ? ceil_log2 / kLevels : 4;
+  const int64_t level_step = int64_t{1} << level_power, level_mask = level_step - 1;
+  int64_t i = 0;
+  for (; i + level_step <= size;) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < kIlp; k++) {
+        const float* v = x + (i * kIlp + k) * L;
+        for (int e = 0; e < L; e++) acc[0][k][e] += v[e];
+      }
+    for (int l = 1; l < kLevels; l++) {
+      for (int k = 0; k < kIlp; k++)
+        for (int e = 0; e < L; e++) {
+          acc[l][k][e] += acc[l - 1][k][e];
+          acc[l - 1][k][e] = 0.0f;
+        }
+      if ((i & (level_mask << (l * level_power))) != 0) break;
+    }
+  }
+  for (; i < size; ++i)
+    for (int k = 0; k < kIlp; k++) {
+      const float* v = x + (i * kIlp + k) * L;
+      for (int e = 0; e < L; e++) acc[0][k][e] += v[e];
+    }
+  for (int l = 1; l < kLevels; l++)
+    for (int k = 0; k < kIlp; k++)
+      for (int e = 0; e < L; e++) acc[0][k][e] += acc[l][k][e];
+  // row_sum: the vectors after the last whole group of kIlp into the first accumulator, then
+  // the accumulators into the first
+  for (int64_t v = size * kIlp; v < nvec; v++)
+    for (int e = 0; e < L; e++) acc[0][0][e] += x[v * L + e];
+  for (int k = 1; k < kIlp; k++)
+    for (int e = 0; e < L; e++) acc[0][0][e] += acc[0][k][e];
+  for (int e = 0; e < L; e++) vacc[e] = acc[0][0][e];
+}
+
+// Prefetches, for writing, the state rows of row r of an in-place step (and its weight row
+// where the new state needs it: weight decay).
+template <typename S>
+inline void prefetch_state_w(Optim kind, typename S::T* w, const State& st, int64_t r, int64_t d,
+                             bool weight) {
+  if (weight) prefetch_row_w(w + r * d, d * static_cast<int64_t>(sizeof(typename S::T)));
+  if (kind == Optim::rowwise_adagrad) {
+    __builtin_prefetch(st.s1 + r, 1);
+  } else if (kind != Optim::sgd) {
+    prefetch_row_w(st.s1 + r * d, d * 4);
+    if (kind == Optim::adam) {
+      prefetch_row_w(st.s2 + r * d, d * 4);
+      __builtin_prefetch(st.s3 + r, 1);
+    }
+  }
+}
+
+// Rows computed together around one square-root call: a call of MKL's vmsSqrt costs about 2 us
+// whatever its length, and 512 rows of state and weights (and the chunk's buffers) stay in L2.
+constexpr int64_t kStepChunk = 512;
+
+template <typename S, typename G>
+StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int64_t n,
+                          const int64_t* rows, const typename G::T* grads, float gscale,
+                          const Hyper& h, const FromTorch& t, const Undo& undo, int* stop) {
+  using T = typename S::T;
+  const int64_t d = weight.dim;
+  T* w = static_cast<T*>(weight.data);
+  T* undo_w = static_cast<T*>(undo.w);
+  const int64_t wbytes = d * static_cast<int64_t>(sizeof(T));
+  const bool needs_w = h.weight_decay != 0.0f;
+  const float neg_lr = -h.lr;
+  constexpr int64_t C = kStepChunk;
+  const int lanes = t.sum_lanes > 0 ? t.sum_lanes : 1;
+  // per chunk: gradients as the update sees them, new state (a, b), square roots; row sums
+  float* g = scratch<float>(4 * C * d + C + 2 * d);
+  float* a = g + C * d;
+  float* b = a + C * d;
+  float* root = b + C * d;
+  float* total = root + C * d;  // each row's scalar tail
+  float* wbuf = total + C;
+  float* ow = wbuf + d;
+  StepResult res;
+  bool writing = __atomic_load_n(stop, __ATOMIC_RELAXED) == 0;
+  for (int64_t c0 = 0; c0 < n; c0 += C) {
+    const int64_t m = n - c0 < C ? n - c0 : C;
+    for (int64_t i = 0; i < m; i++) {  // new state rows of the chunk
+      const int64_t p = c0 + i, r = rows[p];
+      if (p + kPrefetchAhead < n)
+        prefetch_state_w<S>(kind, w, st, rows[p + kPrefetchAhead], d, needs_w);
+      const float* wr = needs_w ? weight_row<S>(w, r, d, wbuf) : nullptr;
+      float* gi = g + i * d;
+      grad_row<G>(grads + p * d, wr, d, gscale, h, gi);
+      if (kind == Optim::rowwise_adagrad) {  // sum + grad.pow(2).mean(dim=1), in torch's order
+        float* sq = root + i * d;
+        for (int64_t j = 0; j < d; j++) sq[j] = gi[j] * gi[j];
+        float vacc[16];
+        if (lanes == 16)
+          torch_row_sum_parts<16>(sq, d, vacc, total + i);
+        else
+          torch_row_sum_parts<8>(sq, d, vacc, total + i);
+        float sum = total[i];  // the tail first, then the lanes in order (torch's order)
+        for (int e = 0; e < lanes; e++) sum += vacc[e];
+        a[i] = st.s1[r] + sum / static_cast<float>(d);
+      } else if (kind == Optim::adagrad) {
+        const float* ar = st.s1 + r * d;
+        float* oa = a + i * d;
+        for (int64_t j = 0; j < d; j++) oa[j] = __builtin_fmaf(gi[j], gi[j], ar[j]);
+      } else if (kind == Optim::adam) {
+        const float* mr = st.s1 + r * d;
+        const float* vr = st.s2 + r * d;
+        float* om = a + i * d;
+        float* ov = b + i * d;
+        for (int64_t j = 0; j < d; j++) {
+          om[j] = lerp(mr[j], gi[j], h.beta1_weight);
+          ov[j] = __builtin_fmaf(h.beta2_weight * gi[j], gi[j], vr[j] * h.beta2);
+        }
+      }
+    }
+    if (kind == Optim::rowwise_adagrad) {
+      t.sqrt(m, a, root);
+    } else if (kind == Optim::adagrad) {
+      t.sqrt(m * d, a, root);
+    } else if (kind == Optim::adam) {
+      t.sqrt(m * d, b, root);
+    }
+    // New weight rows; written unless a step failed. The weight rows are prefetched here, a few
+    // rows ahead: issued in the first loop, hundreds of rows before their use, most are lost.
+    for (int64_t i = 0; i < m && i < kPrefetchAhead; i++) prefetch_row_w(w + rows[c0 + i] * d, wbytes);
+    for (int64_t i = 0; i < m; i++) {
+      const int64_t p = c0 + i, r = rows[p];
+      if (i + kPrefetchAhead < m) prefetch_row_w(w + rows[p + kPrefetchAhead] * d, wbytes);
+      const float* wr = weight_row<S>(w, r, d, wbuf);
+      const float* gi = g + i * d;
+      if (kind == Optim::adam) {
+        const float* m1 = a + i * d;
+        const float* rt = root + i * d;
+        for (int64_t j = 0; j < d; j++)
+          ow[j] = wr[j] - t.step[p] * (m1[j] / (rt[j] / t.bc2[p] + h.eps));
+      } else if (kind == Optim::sgd) {
+        for (int64_t j = 0; j < d; j++) ow[j] = __builtin_fmaf(neg_lr, gi[j], wr[j]);
+      } else if (kind == Optim::adagrad) {
+        const float* rt = root + i * d;
+        for (int64_t j = 0; j < d; j++) ow[j] = wr[j] + (neg_lr * gi[j]) / (rt[j] + h.eps);
+      } else {
+        const float denom = root[i] + h.eps;
+        for (int64_t j = 0; j < d; j++) ow[j] = wr[j] + (neg_lr * gi[j]) / denom;
+      }
+      if (!finite_row(ow, d)) {
+        if (res.bad++ == 0) res.first_bad = p;
+        __atomic_store_n(stop, 1, __ATOMIC_RELAXED);
+        writing = false;
+        continue;
+      }
+      if (!writing) continue;
+      if (__atomic_load_n(stop, __ATOMIC_RELAXED) != 0) {
+        writing = false;
+        continue;
+      }
+      T* wd = w + r * d;
+      std::memcpy(undo_w + p * d, wd, static_cast<size_t>(wbytes));
+      for (int64_t j = 0; j < d; j++) wd[j] = S::store(ow[j]);
+      if (kind == Optim::rowwise_adagrad) {
+        undo.s1[p] = st.s1[r];
+        st.s1[r] = a[i];
+      } else if (kind == Optim::adagrad) {
+        std::memcpy(undo.s1 + p * d, st.s1 + r * d, static_cast<size_t>(d) * 4);
+        std::memcpy(st.s1 + r * d, a + i * d, static_cast<size_t>(d) * 4);
+      } else if (kind == Optim::adam) {
+        std::memcpy(undo.s1 + p * d, st.s1 + r * d, static_cast<size_t>(d) * 4);
+        std::memcpy(undo.s2 + p * d, st.s2 + r * d, static_cast<size_t>(d) * 4);
+        undo.s3[p] = st.s3[r];
+        std::memcpy(st.s1 + r * d, a + i * d, static_cast<size_t>(d) * 4);
+        std::memcpy(st.s2 + r * d, b + i * d, static_cast<size_t>(d) * 4);
+        st.s3[r] = st.s3[r] + 1.0f;
+      }
+      res.committed = p + 1;
+    }
+  }
+  return res;
+}
+
+StepResult step_inplace(Optim kind, const Table& weight, const State& state, int64_t n,
+                        const int64_t* rows, const void* grads, DType grad_dtype, float grad_scale,
+                        const Hyper& h, const FromTorch& t, const Undo& undo, int* stop) {
+  return with_dtype(weight.dtype, [&](auto s) {
+    using S = decltype(s);
+    return with_dtype(grad_dtype, [&](auto gd) {
+      using G = decltype(gd);
+      return step_inplace_t<S, G>(kind, weight, state, n, rows,
+                                  static_cast<const typename G::T*>(grads), grad_scale, h, t,
+                                  undo, stop);
+    });
+  });
+}
+
 // -- writing rows back ------------------------------------------------------------------------
 
 template <typename D, typename Src>
@@ -375,7 +606,7 @@ void scatter(void* dst, DType dst_dtype, int64_t width, const int64_t* rows, int
 
 const RowKernels HY_KERNELS = {
     HY_ISA_NAME,         HY_ISA::gather,      HY_ISA::sgd,     HY_ISA::sum_rows,
-    HY_ISA::state_step, HY_ISA::weight_step, HY_ISA::scatter,
+    HY_ISA::state_step, HY_ISA::weight_step, HY_ISA::step_inplace, HY_ISA::scatter,
 };
 
 }  // namespace kernels

@@ -11,6 +11,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -439,6 +442,260 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, Tensor, std::vector<Tensor>> opti
   return {st.code, st.table, st.position, st.count, new_w, new_state};
 }
 
+// -- one optimizer step in place ---------------------------------------------------------------
+
+// MKL's float square root, exported by libtorch_cpu in torch's MKL builds: at::sqrt runs it
+// (ATen/cpu/vml.h) in this mode. Weak, so a build without it links and takes the two-pass path.
+extern "C" void vmsSqrt(int n, const float* a, float* r, long long mode) __attribute__((weak));
+constexpr long long kVmlHa = 0x2, kVmlFtzdazOff = 0x140000, kVmlErrmodeIgnore = 0x100;
+
+void vml_sqrt(int64_t n, const float* x, float* y) {
+  vmsSqrt(static_cast<int>(n), x, y, kVmlHa | kVmlFtzdazOff | kVmlErrmodeIgnore);
+}
+
+// Deterministic test values: positive, over many binades, with some zeros.
+void fill_test_values(float* p, int64_t n, uint32_t seed, bool signed_values) {
+  uint32_t s = seed;
+  for (int64_t i = 0; i < n; i++) {
+    s = s * 1664525u + 1013904223u;
+    const float u = static_cast<float>(s >> 8) / 16777216.0f;
+    float v = std::ldexp(0.5f + u, static_cast<int>((s >> 3) % 24) - 12);
+    if (signed_values && (s & 4)) v = -v;
+    p[i] = (i % 97 == 5) ? 0.0f : v;
+  }
+}
+
+// Whether the in-place kernel reproduces optimizer_rows (torch's square roots and row means)
+// for this optimizer and row width; for rowwise_adagrad the lanes of torch's row sum. Found
+// once per (kind, dim) by running both on a small table; 0: it does not (two passes then).
+int inplace_lanes(k::Optim kind, int64_t d) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int64_t>, int> known;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(static_cast<int>(kind), d);
+  auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  int found = 0;
+  if (vmsSqrt != nullptr || kind == k::Optim::sgd) {
+    const int64_t n = 37;
+    const char* names[] = {"sgd", "adagrad", "rowwise_adagrad", "adam"};
+    auto f32 = at::TensorOptions().dtype(at::kFloat);
+    Tensor weight = at::empty({n + 3, d}, f32), grads = at::empty({n, d}, f32);
+    fill_test_values(weight.data_ptr<float>(), weight.numel(), 7, true);
+    fill_test_values(grads.data_ptr<float>(), grads.numel(), 11, true);
+    Tensor rows = at::arange(1, n + 1, at::TensorOptions().dtype(at::kLong));
+    std::vector<Tensor> state;
+    for (bool per_el : state_per_element(kind)) {
+      state.push_back(per_el ? at::empty({n + 3, d}, f32) : at::empty({n + 3}, f32));
+      fill_test_values(state.back().data_ptr<float>(), state.back().numel(), 13, false);
+    }
+    if (kind == k::Optim::adam) state[2].copy_(at::arange(n + 3, f32).remainder(5));
+    const double lr = 0.1, eps = 1e-8, wd = 0.01, b1 = 0.9, b2 = 0.999, gs = 0.5;
+    auto want = optimizer_rows(names[static_cast<int>(kind)], rows, grads, gs, weight, state, lr,
+                               eps, wd, b1, b2);
+    const k::Table w{nullptr, k::DType::f32, n + 3, d};
+    const k::Hyper h{static_cast<float>(lr), static_cast<float>(eps), static_cast<float>(wd),
+                     static_cast<float>(1.0 - b1), static_cast<float>(b2),
+                     static_cast<float>(1.0 - b2)};
+    Tensor step, bc2;
+    if (kind == k::Optim::adam) {
+      const Tensor k64 = state[2].index_select(0, rows).add(1).to(at::kDouble);
+      step = at::reciprocal(at::rsub(at::pow(b1, k64), 1)).mul(lr).to(at::kFloat);
+      bc2 = at::sqrt(at::rsub(at::pow(b2, k64), 1)).to(at::kFloat);
+    }
+    for (int lanes : {16, 8}) {
+      Tensor wc = weight.clone();
+      std::vector<Tensor> sc;
+      for (auto& t : state) sc.push_back(t.clone());
+      Tensor uw = at::empty({n, d}, f32), u1 = at::empty({n, d}, f32), u2 = at::empty({n, d}, f32),
+             u3 = at::empty({n}, f32);
+      k::Table wt = w;
+      wt.data = wc.data_ptr();
+      const k::State sv{sc.size() > 0 ? sc[0].data_ptr<float>() : nullptr,
+                        sc.size() > 1 ? sc[1].data_ptr<float>() : nullptr,
+                        sc.size() > 2 ? sc[2].data_ptr<float>() : nullptr};
+      k::FromTorch ft;
+      ft.step = step.defined() ? step.data_ptr<float>() : nullptr;
+      ft.bc2 = bc2.defined() ? bc2.data_ptr<float>() : nullptr;
+      ft.sqrt = vml_sqrt;
+      ft.sum_lanes = lanes;
+      int stop = 0;
+      const k::StepResult r = k::dispatch().step_inplace(
+          kind, wt, sv, n, rows.data_ptr<int64_t>(), grads.data_ptr(), k::DType::f32,
+          static_cast<float>(gs), h, ft,
+          k::Undo{uw.data_ptr(), u1.data_ptr<float>(), u2.data_ptr<float>(), u3.data_ptr<float>()},
+          &stop);
+      bool same = std::get<0>(want) == k::kOk && r.bad == 0 && r.committed == n &&
+                  at::equal(wc.index_select(0, rows), std::get<4>(want));
+      for (size_t i = 0; same && i < sc.size(); i++)
+        same = at::equal(sc[i].index_select(0, rows), std::get<5>(want)[i]);
+      if (same) {
+        found = lanes;
+        break;
+      }
+      if (kind != k::Optim::rowwise_adagrad) break;  // lanes matter to the row mean only
+    }
+  }
+  known[key] = found;
+  return found;
+}
+
+bool strictly_ascending(const int64_t* r, int64_t n) {
+  bool up = true;
+  for (int64_t i = 1; i < n; i++) up &= r[i] > r[i - 1];
+  return up;
+}
+
+// Grow-only scratch for the undo log of the calling thread.
+char* undo_scratch(int64_t bytes) {
+  static thread_local std::vector<char> buf;
+  if (static_cast<int64_t>(buf.size()) < bytes) buf.resize(static_cast<size_t>(bytes));
+  return buf.data();
+}
+
+StatusTuple optimizer_step_(std::string_view kind_name, TensorList weights, TensorList state,
+                            TensorList rows, TensorList grads, at::ArrayRef<double> grad_scales,
+                            double lr, double eps, double weight_decay, double beta1,
+                            double beta2) {
+  const k::Optim kind = optim_kind(kind_name);
+  const int64_t ntab = static_cast<int64_t>(weights.size());
+  const auto shapes = state_per_element(kind);
+  const int64_t ns = static_cast<int64_t>(shapes.size());
+  TORCH_CHECK_VALUE(static_cast<int64_t>(rows.size()) == ntab && static_cast<int64_t>(grads.size()) == ntab &&
+                        static_cast<int64_t>(grad_scales.size()) == ntab,
+                    "rows, grads and grad_scales must hold one entry per table (", ntab, "), got ",
+                    rows.size(), ", ", grads.size(), " and ", grad_scales.size());
+  TORCH_CHECK_VALUE(static_cast<int64_t>(state.size()) == ntab * ns, "state holds ", state.size(),
+                    " tensors; ", ntab, " tables x ", ns, " for ", std::string(kind_name));
+  const auto views = table_views(weights, "weights");
+  std::vector<k::State> sv;
+  std::vector<k::DType> gdt;
+  k::Status st;
+  for (int64_t t = 0; t < ntab; t++) {
+    sv.push_back(state_view(kind, state.slice(t * ns, ns), views[t]));
+    check_int64_1d(rows[t], ("rows[" + std::to_string(t) + "]").c_str());
+    const std::string gw = "grads[" + std::to_string(t) + "]";
+    check_cpu_contiguous(grads[t], gw.c_str());
+    gdt.push_back(float_dtype(grads[t], gw));
+    const int64_t n = rows[t].numel(), d = views[t].dim;
+    TORCH_CHECK_VALUE(grads[t].dim() == 2 && grads[t].size(0) == n && grads[t].size(1) == d, gw,
+                      " must be [len(rows[", t, "]), dim] = [", n, ", ", d, "], got shape ",
+                      grads[t].sizes());
+  }
+  for (int64_t t = 0; t < ntab && st.code == k::kOk; t++) {
+    const int64_t n = rows[t].numel();
+    st = k::first_bad_id(&views[t], 1, &n, rows[t].data_ptr<int64_t>());
+    if (st.code != k::kOk) st.table = t;
+  }
+  if (st.code != k::kOk) return as_tuple(st);
+
+  bool inplace = true;
+  std::vector<int> lanes(ntab, 0);
+  for (int64_t t = 0; t < ntab && inplace; t++) {
+    lanes[t] = inplace_lanes(kind, views[t].dim);
+    inplace = lanes[t] > 0 && strictly_ascending(rows[t].data_ptr<int64_t>(), rows[t].numel());
+    for (int64_t u = 0; u < t && inplace; u++) inplace = !weights[t].is_alias_of(weights[u]);
+  }
+  if (!inplace) {  // two passes: every table's new rows computed and checked, then written
+    std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, Tensor, std::vector<Tensor>>> out;
+    for (int64_t t = 0; t < ntab; t++) {
+      out.push_back(optimizer_rows(kind_name, rows[t], grads[t], grad_scales[t], weights[t],
+                                   state.slice(t * ns, ns), lr, eps, weight_decay, beta1, beta2));
+      if (std::get<0>(out.back()) != k::kOk)
+        return {std::get<0>(out.back()), t, std::get<2>(out.back()), std::get<3>(out.back())};
+    }
+    const k::RowKernels& kern = k::dispatch();
+    for (int64_t t = 0; t < ntab; t++) {
+      const int64_t n = rows[t].numel(), d = views[t].dim;
+      const int64_t* rp = rows[t].data_ptr<int64_t>();
+      kern.scatter(views[t].data, views[t].dtype, d, rp, n, std::get<4>(out[t]).data_ptr(), k::DType::f32);
+      for (int64_t i = 0; i < ns; i++)
+        kern.scatter(state[t * ns + i].data_ptr(), k::DType::f32, shapes[i] ? d : 1, rp, n,
+                     std::get<5>(out[t])[i].data_ptr(), k::DType::f32);
+    }
+    return as_tuple(st);
+  }
+
+  // One visit a row: each table's rows updated in place on torch's threads, the old rows kept
+  // in an undo log; a non-finite new weight anywhere restores every row written.
+  std::vector<int64_t> undo_at(ntab + 1, 0);
+  for (int64_t t = 0; t < ntab; t++) {
+    const int64_t n = rows[t].numel(), d = views[t].dim;
+    const int64_t esize = weights[t].element_size();
+    undo_at[t + 1] = undo_at[t] + ((n * d * esize + 63) & ~int64_t{63}) + 3 * n * d * 4 + 2 * n * 4 + 64;
+  }
+  char* undo_base = undo_scratch(undo_at[ntab]);
+  struct Done {
+    int64_t table, lo, count;
+  };
+  std::vector<Done> done;
+  std::vector<k::Undo> undo(ntab);
+  const k::RowKernels& kern = k::dispatch();
+  k::Hyper h{static_cast<float>(lr),           static_cast<float>(eps),
+             static_cast<float>(weight_decay), static_cast<float>(1.0 - beta1),
+             static_cast<float>(beta2),        static_cast<float>(1.0 - beta2)};
+  for (int64_t t = 0; t < ntab && st.code == k::kOk; t++) {
+    const int64_t n = rows[t].numel(), d = views[t].dim;
+    if (n == 0) continue;
+    const int64_t esize = weights[t].element_size();
+    char* u = undo_base + undo_at[t];
+    const int64_t wbytes = (n * d * esize + 63) & ~int64_t{63};
+    float* uf = reinterpret_cast<float*>(u + wbytes);
+    undo[t] = k::Undo{u, uf, uf + n * d, uf + 2 * n * d};
+    const int64_t* rp = rows[t].data_ptr<int64_t>();
+    Tensor step, bc2;
+    if (kind == k::Optim::adam) {
+      const Tensor k64 = state[t * ns + 2].index_select(0, rows[t]).add(1).to(at::kDouble);
+      step = at::reciprocal(at::rsub(at::pow(beta1, k64), 1)).mul(lr).to(at::kFloat);
+      bc2 = at::sqrt(at::rsub(at::pow(beta2, k64), 1)).to(at::kFloat);
+    }
+    const char* gp = static_cast<const char*>(grads[t].data_ptr());
+    const int64_t grow = d * grads[t].element_size();
+    const int64_t s1w = ns > 0 && shapes[0] ? d : 1;
+    int stop = 0;
+    std::mutex mu;
+    at::parallel_for(0, n, row_grain(d), [&](int64_t lo, int64_t hi) {
+      k::FromTorch ft;
+      ft.step = step.defined() ? step.data_ptr<float>() + lo : nullptr;
+      ft.bc2 = bc2.defined() ? bc2.data_ptr<float>() + lo : nullptr;
+      ft.sqrt = vml_sqrt;
+      ft.sum_lanes = lanes[t];
+      const k::Undo ur{static_cast<char*>(undo[t].w) + lo * d * esize, undo[t].s1 + lo * s1w,
+                       undo[t].s2 + lo * d, undo[t].s3 + lo};
+      const k::StepResult r = kern.step_inplace(kind, views[t], sv[t], hi - lo, rp + lo,
+                                                gp + lo * grow, gdt[t],
+                                                static_cast<float>(grad_scales[t]), h, ft, ur, &stop);
+      std::lock_guard<std::mutex> lock(mu);
+      if (r.committed) done.push_back({t, lo, r.committed});
+      if (r.bad) {
+        if (st.code == k::kOk || lo + r.first_bad < st.position) {
+          st.code = k::kNonFinite;
+          st.table = t;
+          st.position = lo + r.first_bad;
+        }
+        st.count += r.bad;
+      }
+    });
+  }
+  if (st.code != k::kOk) {
+    for (const Done& x : done) {
+      const int64_t n = x.count, d = views[x.table].dim;
+      const int64_t* rp = rows[x.table].data_ptr<int64_t>() + x.lo;
+      const k::Undo& u = undo[x.table];
+      const int64_t esize = weights[x.table].element_size();
+      kern.scatter(views[x.table].data, views[x.table].dtype, d, rp, n,
+                   static_cast<char*>(u.w) + x.lo * d * esize, views[x.table].dtype);
+      const float* old[3] = {u.s1, u.s2, u.s3};
+      float* now[3] = {sv[x.table].s1, sv[x.table].s2, sv[x.table].s3};
+      for (int64_t i = 0; i < ns; i++) {
+        const int64_t width = shapes[i] ? d : 1;
+        kern.scatter(now[i], k::DType::f32, width, rp, n, old[i] + x.lo * width, k::DType::f32);
+      }
+    }
+  }
+  return as_tuple(st);
+}
+
 StatusTuple scatter_rows_(const Tensor& dst, const Tensor& rows, const Tensor& src) {
   check_cpu_contiguous(dst, "dst");
   const k::DType ddt = float_dtype(dst, "dst");
@@ -482,6 +739,10 @@ TORCH_LIBRARY(hybrid, m) {
       "optimizer_rows(str kind, Tensor rows, Tensor grads, float grad_scale, Tensor weight, "
       "Tensor[] state, float lr, float eps, float weight_decay, float beta1, float beta2) -> "
       "(int, int, int, int, Tensor, Tensor[])");
+  m.def(
+      "optimizer_step_(str kind, Tensor(a!)[] weights, Tensor(b!)[] state, Tensor[] rows, "
+      "Tensor[] grads, float[] grad_scales, float lr, float eps, float weight_decay, float beta1, "
+      "float beta2) -> (int, int, int, int)");
   m.def("scatter_rows_(Tensor(a!) dst, Tensor rows, Tensor src) -> (int, int, int, int)");
   m.def("isa() -> str", isa);
 }
@@ -492,6 +753,7 @@ TORCH_LIBRARY_IMPL(hybrid, CompositeExplicitAutograd, m) {
   m.impl("sgd_rows_", sgd_rows_);
   m.impl("sum_rows", sum_rows);
   m.impl("optimizer_rows", optimizer_rows);
+  m.impl("optimizer_step_", optimizer_step_);
   m.impl("scatter_rows_", scatter_rows_);
 }
 

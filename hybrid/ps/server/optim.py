@@ -10,9 +10,8 @@ Semantics (``g`` is the step's summed, scaled gradient of one row):
   ``w -= lr / (1 - b1^k) * m / (sqrt(v) / sqrt(1 - b2^k) + eps)`` (torch.optim.Adam's formula).
 
 Weight decay is lazy too (touched rows only). The arithmetic is :mod:`hybrid.ops`'
-(``optimizer_rows``, ``sgd_rows_``); this module owns the state and the two-phase update --
-every table's new rows are computed and checked (:meth:`RowSparseOptimizer.compute`) before any
-is written (:meth:`RowSparseOptimizer.commit`), so a failure leaves weights and state as they were.
+(``optimizer_step_``, ``optimizer_rows``, ``sgd_rows_``); this module owns the state. A step of
+several tables (:func:`step_`) is all or nothing: a failure leaves weights and state as they were.
 """
 
 from __future__ import annotations
@@ -22,6 +21,16 @@ import torch
 from hybrid import ops
 from hybrid.ps.config import OptimizerSpec
 from hybrid.ps.server.memory import table_tensor
+
+
+def step_(spec: OptimizerSpec, weights: list[torch.Tensor], optims: list[RowSparseOptimizer],
+          rows: list[torch.Tensor], grads: list[torch.Tensor], grad_scales: list[float]) -> None:
+    """One step of tables ``weights`` (each its optimizer in ``optims``): distinct ``rows[t]``,
+    one gradient row each, times ``grad_scales[t]``; written in place, all or nothing. Raises
+    :class:`hybrid.ops.NonFinite` when a new weight is not finite (``RowOutOfRange``: its
+    ``table`` is the index in these lists)."""
+    ops.optimizer_step_(spec.name, weights, [o.state for o in optims], rows, grads, grad_scales, lr=spec.lr,
+                        eps=spec.eps, weight_decay=spec.weight_decay, beta1=spec.beta1, beta2=spec.beta2)
 
 
 class RowSparseOptimizer:

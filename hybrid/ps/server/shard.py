@@ -25,7 +25,7 @@ from hybrid.ps.init import initial_rows, table_key
 from hybrid.ps.protocol import Rows
 from hybrid.ps.server.dynamic import DynamicSlots
 from hybrid.ps.server.memory import table_tensor
-from hybrid.ps.server.optim import RowSparseOptimizer
+from hybrid.ps.server.optim import RowSparseOptimizer, step_
 from hybrid.ps.sharding import TableLayout
 
 
@@ -283,7 +283,7 @@ class CollectionShard:
                 entry = per_table.setdefault(index, ([], []))
                 entry[0].append(ids)
                 entry[1].append(g.view(n, t.dim))
-        computed = []
+        steps = []
         for index, (ids_l, grads_l) in per_table.items():
             table = self.by_index[index]
             try:
@@ -293,14 +293,19 @@ class CollectionShard:
                     rows, summed = ops.sum_rows(torch.cat(ids_l), torch.cat(grads_l), scale=self.scale,
                                                 num_rows=table.rows)
                     gscale = 1.0
-                if rows.numel():
-                    computed.append((table, rows, *table.optim.compute(table.weight, rows, summed, gscale)))
             except ops.RowOutOfRange as e:
                 raise self._outside(table, e.row, "gradient push") from None
-            except ops.NonFinite as e:
-                raise FloatingPointError(f"{self._what()}: {e}") from None
-        for table, rows, w, state in computed:
-            table.optim.commit(table.weight, rows, w, state)
+            if rows.numel():
+                steps.append((table, rows, summed, gscale))
+        if not steps:
+            return
+        try:
+            step_(self.config.optimizer, [t.weight for t, *_ in steps], [t.optim for t, *_ in steps],
+                  [r for _, r, _, _ in steps], [g for _, _, g, _ in steps], [s for *_, s in steps])
+        except ops.RowOutOfRange as e:
+            raise self._outside(steps[e.table][0], e.row, "gradient push") from None
+        except ops.NonFinite as e:
+            raise FloatingPointError(f"{self._what()}: {e}") from None
 
     def _apply_dynamic(self, contributions: list[Contribution], step: int) -> None:
         """Dynamic tables: each table's distinct ids of the update are admitted (or not) in one
