@@ -295,22 +295,8 @@ class SequenceCsvReader(_SequenceFiles):
                 if header is None:
                     raise InputError(f"data.csv: {path}: empty file (the first line must be the header)")
                 cols = self._indices(path, header)
-                while True:
-                    try:
-                        row = next(reader)
-                    except StopIteration:
-                        break
-                    except csv.Error as e:
-                        self.counts["lines"] += 1
-                        self._malformed(f"{path}:{reader.line_num}", f"not CSV: {e}")
-                        continue
-                    if not row:
-                        continue
-                    self.counts["lines"] += 1
-                    if len(row) != len(header):
-                        self._malformed(f"{path}:{reader.line_num}", f"{len(row)} cells; the header has {len(header)}")
-                        continue
-                    self._keep(self._parse([row[i] for i in cols]), f"{path}:{reader.line_num}", chunk)
+                for row, where in self._csv_rows(path, reader, header):
+                    self._keep(self._parse([row[i] for i in cols]), where, chunk)
                     if len(chunk) >= 8192:
                         yield chunk
                         chunk = []

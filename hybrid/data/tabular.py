@@ -177,6 +177,27 @@ class FileReader:
         if self.counts["malformed"] == 1:
             logger.warning("%s (skipped: data.malformed=skip; later ones are only counted)", text)
 
+    def _csv_rows(self, path: str, reader: Any, header: list[str]) -> Iterator[tuple[list[str], str]]:
+        """The rows of a ``csv.reader`` after its header that have one cell per column, each with
+        its ``file:line``; a line that is not CSV or has another number of cells is malformed,
+        an empty line is skipped. Every line read is counted."""
+        while True:
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as e:
+                self.counts["lines"] += 1
+                self._malformed(f"{path}:{reader.line_num}", f"not CSV: {e}")
+                continue
+            if not row:
+                continue
+            self.counts["lines"] += 1
+            if len(row) != len(header):
+                self._malformed(f"{path}:{reader.line_num}", f"{len(row)} cells; the header has {len(header)}")
+                continue
+            yield row, f"{path}:{reader.line_num}"
+
     def _chunks(self) -> Iterator[list[Any]]:
         """The good records, in order, a list at a time."""
         raise NotImplementedError
@@ -603,25 +624,11 @@ class CsvReader(_Columns):
             reader = csv.reader(f)
             header = self._header(path, reader)
             label, dense, sparse = self._indices(path, header)
-            while True:
-                try:
-                    row = next(reader)
-                except StopIteration:
-                    break
-                except csv.Error as e:
-                    self.counts["lines"] += 1
-                    self._malformed(f"{path}:{reader.line_num}", f"not CSV: {e}")
-                    continue
-                if not row:
-                    continue
-                self.counts["lines"] += 1
-                if len(row) != len(header):
-                    self._malformed(f"{path}:{reader.line_num}", f"{len(row)} cells; the header has {len(header)}")
-                    continue
+            for row, where in self._csv_rows(path, reader, header):
                 parsed = self._parse(1.0 if label is None else row[label], [row[i] for i in dense],
                                      [row[i] for i in sparse])
                 if isinstance(parsed, str):
-                    self._malformed(f"{path}:{reader.line_num}", parsed)
+                    self._malformed(where, parsed)
                     continue
                 if skip:
                     skip -= 1
