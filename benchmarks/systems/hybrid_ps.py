@@ -31,7 +31,10 @@ def plan_dict(w: Workload, *, dense: str, staleness: int, comm_hook: str | None 
     ``comm_hook`` other than the plan's default when given); ``dynamic``: ``ids: dynamic``
     tables of ``w.rows`` rows each."""
     dense_opts = {"strategy": dense, **({"comm_hook": comm_hook} if comm_hook else {})}
-    ids = {"ids": "dynamic", "capacity": w.rows, "evict": "lru"} if dynamic else {}
+    # Parts of at least 1,024 rows (64 at the default 100k rows): a tiny table in 64 parts of 3
+    # rows would be full as soon as one step brings 4 new ids of one part.
+    parts = max(1, min(64, w.rows // 1024))
+    ids = {"ids": "dynamic", "capacity": w.rows, "evict": "lru", "partitions": parts} if dynamic else {}
     return {
         "world_size": w.trainers + w.servers,
         "topology": {"parameter_servers": w.servers},

@@ -46,7 +46,7 @@ def test_every_system_trains_the_same_model_on_the_same_batches():
     for name, l in lines.items():  # same initial weights, same first batch
         assert l["first_loss"] == pytest.approx(first, rel=1e-6), (name, l["first_loss"], first)
     final = lines["local"]["final_loss"]
-    for name in ("hybrid_sync", "hybrid_sync_fsdp"):  # same updates as one process
+    for name in ("hybrid_sync", "hybrid_sync_fsdp", "hybrid_sync_dynamic"):  # same updates as one process
         assert lines[name]["final_loss"] == pytest.approx(final, rel=1e-5), (name, lines[name]["final_loss"], final)
     assert lines["torchrec_dmp"]["final_loss"] == pytest.approx(final, rel=1e-3)  # FBGEMM's fused kernel
     # The tutorial's pattern has no step barrier on the server: one trainer's next lookup may
