@@ -94,8 +94,9 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
         )  # fmt: skip
         if action == "show":
             p.add_argument(
-                "--dense-optimizer", default="adagrad", choices=sorted(DENSE_OPTIMIZER_STATE),
-                help="dense optimizer whose state the byte estimates count (default: adagrad)",
+                "--dense-optimizer", default=None, choices=sorted(DENSE_OPTIMIZER_STATE),
+                help="dense optimizer whose state the byte estimates count (default: the --config's "
+                     "train.optimizer, else adagrad)",
             )  # fmt: skip
         p.set_defaults(handler=_plan_main)
 
@@ -110,18 +111,20 @@ def _plan_main(args: argparse.Namespace) -> int:
         if not name:
             raise PlanError(f"no model: set `model:` in the plan or pass --model (package.module:attr or a registered "
                             f"name: {', '.join(known_models()) or 'none'})", category="unknown_model", key="model")
+        dense_optimizer = "adagrad"
         if args.config:
             from hybrid.train.config import load_config
 
             cfg = load_config(args.config, model=plan.model, model_flag=args.model, plan_source=plan.source)
             name = cfg.model_name
             model = meta_model(cfg.spec, cfg.model_kwargs, name=name, where=cfg.source)
+            dense_optimizer = cfg.train.optimizer
         else:
             model = meta_model(resolve_model(name, key=key), name=name, key=key)
         world_size, note = _world_size(args.world_size, plan)
         resolved = resolve(plan, model, world_size=world_size)
         if args.action == "show":
-            print(format_plan(resolved, model, dense_optimizer=args.dense_optimizer) + note)
+            print(format_plan(resolved, model, dense_optimizer=args.dense_optimizer or dense_optimizer) + note)
         else:
             print(f"plan OK: {args.plan} on {name}: {summarize(resolved)}{note}")
     except PlanError as e:

@@ -204,5 +204,11 @@ def test_show_with_a_config_sizes_the_model_as_the_job_does(capsys):
     large = capsys.readouterr().out
     assert "encoder.blocks.7" in large and "encoder.blocks.7" not in default
     assert "15,360,000" in large.splitlines()[3], large  # the item table's parameters
+    # The config's dense optimizer (adam: two state tensors) sizes the trainers' bytes, unless
+    # --dense-optimizer says otherwise.
+    assert "params + grads + adam state" in large, large
+    assert cli.main(["plan", "show", "conf/plans/sequential.yaml", "--config", "conf/train/sequential_large.yaml",
+                     "--dense-optimizer", "sgd"]) == 0
+    assert "params + grads + sgd state" in capsys.readouterr().out
     assert cli.main(["plan", "check", "conf/plans/sequential.yaml", "--config", "conf/train/dlrm.yaml"]) == 2
     assert "conf/train/dlrm.yaml:6: model.name" in capsys.readouterr().err
