@@ -73,13 +73,14 @@ class ReferenceSparseOptimizer:
     """Dense formulation of the servers' row-sparse optimizers: only ``touched`` rows move."""
 
     def __init__(self, name: str, weight: torch.Tensor, *, lr: float, eps: float = 1e-8,
-                 beta1: float = 0.9, beta2: float = 0.999) -> None:
+                 beta1: float = 0.9, beta2: float = 0.999, initial_accumulator_value: float = 0.0) -> None:
         self.name, self.w, self.lr, self.eps, self.b1, self.b2 = name, weight, lr, eps, beta1, beta2
         rows, dim = weight.shape
+        init = initial_accumulator_value
         self.state = {
             "sgd": {},
-            "adagrad": {"sum": torch.zeros(rows, dim)},
-            "rowwise_adagrad": {"sum": torch.zeros(rows)},
+            "adagrad": {"sum": torch.full((rows, dim), init)},
+            "rowwise_adagrad": {"sum": torch.full((rows,), init)},
             "adam": {"exp_avg": torch.zeros(rows, dim), "exp_avg_sq": torch.zeros(rows, dim),
                      "step": torch.zeros(rows)},
         }[name]
