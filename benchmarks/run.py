@@ -18,6 +18,9 @@ seconds apart share the machine's speed of the moment), not ratios of the median
 ``--network emulated[:rate=10gbit,delay=50us]`` runs every process as a host of its own on an
 emulated network (:mod:`benchmarks.network`; root only); each process then also reports the bytes
 its interface carried per step, and each hybrid server its bytes beside their minimum.
+
+``--wire-dtype bfloat16`` runs every hybrid system with its tables' ``wire_dtype: bfloat16``:
+rows and gradients cross between trainers and servers in 16 bits (the line's ``wire_dtype``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from benchmarks.network import EmulatedNetwork, NetworkError, parse_network
 from benchmarks.systems import SYSTEMS
 from benchmarks.systems.torchrec_dmp import SHARDINGS
 from benchmarks.workload import Workload
+from hybrid.ps.config import WIRE_BYTES, WIRE_DTYPES
 
 TARGETS = [
     # (system, baseline, minimum ratio of samples/s)
@@ -47,10 +51,6 @@ TARGETS = [
     ("hybrid_sync_dynamic", "hybrid_sync", 0.8),
 ]
 """The issue's throughput targets, checked in the table."""
-
-WIRE_DTYPE_BYTES = 4
-"""Rows and gradients cross the wire as float32."""
-
 
 def summarize(system: str, w: Workload, reports: list[dict]) -> dict:
     """One system's JSON line from its processes' reports."""
@@ -72,8 +72,10 @@ def summarize(system: str, w: Workload, reports: list[dict]) -> dict:
         line["sharding"] = trainers[0]["sharding"]
     if "breakdown_s" in trainers[0]:
         line["breakdown_s"] = trainers[0]["breakdown_s"]
+        line["wire_dtype"] = trainers[0]["wire_dtype"]
         by_name = {r["name"]: r for r in reports}
-        line["servers"] = {name: _per_step(c, w.steps, dim=w.dim, meter=by_name.get(name, {}))
+        line["servers"] = {name: _per_step(c, w.steps, dim=w.dim, wire_bytes=WIRE_BYTES[line["wire_dtype"]],
+                                           meter=by_name.get(name, {}))
                            for name, c in trainers[0]["server_stats"].items()}
     return line
 
@@ -87,16 +89,16 @@ def _process(r: dict, steps: int) -> dict:
     return out
 
 
-def _per_step(c: dict, steps: int, *, dim: int, meter: dict) -> dict:
+def _per_step(c: dict, steps: int, *, dim: int, wire_bytes: int, meter: dict) -> dict:
     """A server's counters over the timed window, per step (all trainers together), and the
     memory its process holds in huge pages at the end.
 
     ``min_bytes_per_step`` is what rows and gradients need at least, each way: the unique rows
-    served times ``dim`` times the wire dtype's size. ``bytes_*_per_step`` are the payloads the
-    server counts (rows out; lookup ids and gradients in); on an emulated host
+    served times ``dim`` times ``wire_bytes`` (the wire dtype's size). ``bytes_*_per_step`` are the
+    payloads the server counts (rows out; lookup ids and gradients in); on an emulated host
     ``wire_bytes_*_per_step`` are what its interface carried (``meter``: the server's report),
     headers, ids and control messages included. Each has its ratio to the minimum."""
-    least = c["rows_served"] * dim * WIRE_DTYPE_BYTES / steps
+    least = c["rows_served"] * dim * wire_bytes / steps
     out = {
         "rpcs_per_step": (c["lookups"] - c.get("channel_lookups", 0) + c["push_messages"]) / steps,
         "channel_messages_per_step": c.get("channel_lookups", 0) / steps,
@@ -145,16 +147,20 @@ def run_rounds(w: Workload, systems: list[str], *, repeat: int, progress=None, *
 
 
 def run_systems(w: Workload, systems: list[str], *, timeout_s: float, dmp_sharding: str = "table_wise",
-                runtime: dict | None = None, hosts: EmulatedNetwork | None = None) -> list[dict]:
-    """Run ``systems`` one after another (every process on its own emulated host with ``hosts``);
-    returns their JSON lines (``{"system", "error"}`` for a system that failed)."""
+                runtime: dict | None = None, hosts: EmulatedNetwork | None = None,
+                wire_dtype: str = "float32") -> list[dict]:
+    """Run ``systems`` one after another (every process on its own emulated host with ``hosts``;
+    hybrid's rows and gradients in ``wire_dtype``); returns their JSON lines (``{"system",
+    "error"}`` for a system that failed)."""
     lines = []
     for name in systems:
         kwargs: dict = {"timeout_s": timeout_s, "hosts": hosts}
         if name == "torchrec_dmp":
             kwargs["sharding"] = dmp_sharding
-        if name.startswith("hybrid") and runtime:
-            kwargs["runtime"] = runtime
+        if name.startswith("hybrid"):
+            kwargs["wire_dtype"] = wire_dtype
+            if runtime:
+                kwargs["runtime"] = runtime
         t0 = time.perf_counter()
         try:
             line = summarize(name, w, SYSTEMS[name](w, **kwargs))
@@ -201,13 +207,14 @@ def ratio_table(lines: list[dict]) -> str:
         r += f"{l['first_loss']:>12.6f}{l['final_loss']:>12.6f}"
         r += "".join(f"{paired_ratio(l, ok[b]):>14.2f}x" for b in bases)
         rows.append(r)
-    wire = [(l["system"], name, s) for l in lines if "error" not in l for name, s in l.get("servers", {}).items()
-            if "wire_bytes_sent_over_min" in s]
+    wire = [(l["system"], l["wire_dtype"], name, s) for l in lines if "error" not in l
+            for name, s in l.get("servers", {}).items() if "wire_bytes_sent_over_min" in s]
     if wire:
         rows.append("")
-        rows.append("bytes on the wire per step / minimum (unique rows x dim x 4 B), server sent / received:")
-        for system, name, s in wire:
-            rows.append(f"  {system} {name}: {s['wire_bytes_sent_over_min']:.2f}x / {s['wire_bytes_recv_over_min']:.2f}x "
+        rows.append("bytes on the wire per step / minimum (unique rows x dim x the wire dtype's bytes), "
+                    "server sent / received:")
+        for system, dtype, name, s in wire:
+            rows.append(f"  {system} {name} ({dtype}): {s['wire_bytes_sent_over_min']:.2f}x / {s['wire_bytes_recv_over_min']:.2f}x "
                         f"({s['wire_bytes_sent_per_step'] / 1e3:.0f} / {s['wire_bytes_recv_per_step'] / 1e3:.0f} kB; "
                         f"minimum {s['min_bytes_per_step'] / 1e3:.0f} kB)")
     checks = [(s, b, m) for s, b, m in TARGETS if s in ok and b in ok]
@@ -249,6 +256,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ps-transport", choices=("auto", "rpc"), default=None,
                    help="hybrid's step messages to a server on the same host: auto (shared memory) or rpc "
                         "(default: RuntimeOptions')")
+    p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="float32",
+                   help="dtype of the rows and gradients between hybrid's trainers and servers (the plan's "
+                        "wire_dtype)")
     Workload.add_arguments(p)
     args = p.parse_args(argv)
     if args.repeat < 1:
@@ -310,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                 network.start()
             lines = run_rounds(w, [s for s in args.systems.split(",") if s], repeat=args.repeat, progress=progress,
                                timeout_s=args.timeout, dmp_sharding=args.dmp_sharding, runtime=runtime,
-                               hosts=network)
+                               hosts=network, wire_dtype=args.wire_dtype)
     except NetworkError as e:
         print(f"benchmarks.run: {e}", file=sys.stderr)
         return 2

@@ -67,7 +67,8 @@ def _apply_parameter_server(
         servers=None if resolved.in_process else opts.server_list(num_servers), optimizer=opts.optimizer,
         num_trainers=role.num_trainers,
         staleness=resolved.plan.sync.staleness, gradient_scaling=resolved.plan.sync.gradient_scaling,
-        id_policy=opts.id_policy, init_seed=seed, storage_dtype=opts.storage_dtype, dynamic=opts.dynamic_ids())
+        id_policy=opts.id_policy, init_seed=seed, storage_dtype=opts.storage_dtype, dynamic=opts.dynamic_ids(),
+        wire_dtype=opts.wire_dtype)
     coll = make_remote(config, pipeline=pipeline, server_names=pipeline.server_names, timeout_s=timeout_s)
     remote: nn.Module = coll if wrap is None else wrap(coll)
     source = _table_source(module, entry.fqn, init_tables)

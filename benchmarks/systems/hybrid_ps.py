@@ -7,8 +7,10 @@ averaged), the bottom and top MLPs under DDP (``hybrid_sync``, ``hybrid_async``)
 (capacity ``rows`` each, ``evict: lru``: the id map, routing by hash and row creation on first
 touch, without evictions at steady state); ``hybrid_async`` runs with staleness 1 and prefetches the next batch's
 rows while the current step computes. Every step is ``with hybrid.step(model, optimizer)``, as
-in the training loop. Besides the common report, trainer 0 returns the per-step breakdown
-(:class:`hybrid.ps.client.StepTimes`) and the servers' counters over the timed window.
+in the training loop. ``wire_dtype`` (every system) is the tables' ``wire_dtype``: the dtype of
+rows and gradients between trainers and servers. Besides the common report, trainer 0 returns the
+per-step breakdown (:class:`hybrid.ps.client.StepTimes`), the servers' counters over the timed
+window and the wire dtype it ran with.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from benchmarks.workload import Data, Workload, build_dlrm, loss_fn
 
 
 def plan_dict(w: Workload, *, dense: str, staleness: int, comm_hook: str | None = None,
-              dynamic: bool = False) -> dict:
-    """The plan: tables row-wise on every server, both MLPs under ``dense`` (a ddp
-    ``comm_hook`` other than the plan's default when given); ``dynamic``: ``ids: dynamic``
-    tables of ``w.rows`` rows each."""
+              dynamic: bool = False, wire_dtype: str = "float32") -> dict:
+    """The plan: tables row-wise on every server, rows and gradients in ``wire_dtype`` between
+    them and the trainers, both MLPs under ``dense`` (a ddp ``comm_hook`` other than the plan's
+    default when given); ``dynamic``: ``ids: dynamic`` tables of ``w.rows`` rows each."""
     dense_opts = {"strategy": dense, **({"comm_hook": comm_hook} if comm_hook else {})}
     # Parts of at least 1,024 rows (64 at the default 100k rows): a tiny table in 64 parts of 3
     # rows would be full as soon as one step brings 4 new ids of one part.
@@ -41,7 +43,7 @@ def plan_dict(w: Workload, *, dense: str, staleness: int, comm_hook: str | None 
         "modules": {
             "sparse_arch.embedding_bag_collection": {
                 "strategy": "parameter_server", "sharding": "row_wise",
-                "optimizer": {"name": "sgd", "lr": w.sparse_lr}, **ids,
+                "optimizer": {"name": "sgd", "lr": w.sparse_lr}, "wire_dtype": wire_dtype, **ids,
             },
             "dense_arch": dict(dense_opts),
             "over_arch": dict(dense_opts),
@@ -51,7 +53,7 @@ def plan_dict(w: Workload, *, dense: str, staleness: int, comm_hook: str | None 
 
 
 def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, staleness: int,
-          runtime: dict, comm_hook: str | None = None, dynamic: bool = False) -> dict:
+          runtime: dict, comm_hook: str | None = None, dynamic: bool = False, wire_dtype: str = "float32") -> dict:
     from hybrid.launch.init import RuntimeOptions, init_hybrid, shutdown
     from hybrid.launch.roles import role_of
 
@@ -64,7 +66,7 @@ def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, st
     try:
         if role.is_trainer:
             report = _trainer(role, w, dense=dense, staleness=staleness, options=options, comm_hook=comm_hook,
-                              dynamic=dynamic)
+                              dynamic=dynamic, wire_dtype=wire_dtype)
         ok = True
     finally:
         shutdown(role, graceful=ok, timeout_s=options.shutdown_timeout_s)
@@ -87,14 +89,14 @@ def train_step(model, optimizer, batches: list, t: int) -> torch.Tensor:
 
 
 def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hook: str | None = None,
-             dynamic: bool = False) -> dict:
+             dynamic: bool = False, wire_dtype: str = "float32") -> dict:
     import hybrid
     from hybrid.plan import plan_from_dict
     from hybrid.ps.client import pipeline_of
 
     model = build_dlrm(w, tables="meta")  # the servers fill the tables: none on a trainer
     hybrid.compose(model, plan_from_dict(plan_dict(w, dense=dense, staleness=staleness, comm_hook=comm_hook,
-                                                          dynamic=dynamic)), role=role,
+                                                          dynamic=dynamic, wire_dtype=wire_dtype)), role=role,
                    runtime_options=options, seed=w.seed)
     ebc = model.sparse_arch.embedding_bag_collection
     pipeline = pipeline_of(model)
@@ -131,6 +133,7 @@ def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hoo
     report = train(w, batches, step, name=role.name, sync=sync, on_start=start, on_stop=stop)
     pipeline.close()
     report["samples_per_step"] = w.batch
+    report["wire_dtype"] = ebc.config.wire_dtype
     if role.index == 0:
         report["breakdown_s"] = {k: sum(getattr(x, k) for x in times) / len(times) for k in asdict(times[0])}
         report["server_stats"] = {n: _delta(stats["start"][n], stats["stop"][n]) for n in stats["stop"]}
@@ -145,33 +148,41 @@ def _delta(before: dict, after: dict) -> dict:
 
 
 def _run(w: Workload, *, timeout_s: float, dense: str, staleness: int, runtime: dict | None,
-         comm_hook: str | None = None, hosts: EmulatedNetwork | None = None, dynamic: bool = False) -> list[dict]:
+         comm_hook: str | None = None, hosts: EmulatedNetwork | None = None, dynamic: bool = False,
+         wire_dtype: str = "float32") -> list[dict]:
     return spawn(_rank, w.trainers + w.servers, timeout_s=timeout_s, threads=w.threads, hosts=hosts, w=w,
-                 dense=dense, staleness=staleness, runtime=dict(runtime or {}), comm_hook=comm_hook, dynamic=dynamic)
+                 dense=dense, staleness=staleness, runtime=dict(runtime or {}), comm_hook=comm_hook, dynamic=dynamic,
+                 wire_dtype=wire_dtype)
 
 
 def run_hybrid_sync(w: Workload, *, timeout_s: float, runtime: dict | None = None,
-                    comm_hook: str | None = None, hosts: EmulatedNetwork | None = None) -> list[dict]:
+                    comm_hook: str | None = None, hosts: EmulatedNetwork | None = None,
+                    wire_dtype: str = "float32") -> list[dict]:
     """Sync (staleness 0), dense under DDP. ``runtime``: :class:`RuntimeOptions` overrides;
     ``comm_hook``: the plan's ddp ``comm_hook`` (default: the plan's default); ``hosts``: every
-    process on its own emulated host, listening on its address."""
-    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=0, runtime=runtime, comm_hook=comm_hook, hosts=hosts)
+    process on its own emulated host, listening on its address; ``wire_dtype``: the tables'."""
+    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=0, runtime=runtime, comm_hook=comm_hook, hosts=hosts,
+                wire_dtype=wire_dtype)
 
 
 def run_hybrid_async(w: Workload, *, timeout_s: float, runtime: dict | None = None,
-                     comm_hook: str | None = None, hosts: EmulatedNetwork | None = None) -> list[dict]:
+                     comm_hook: str | None = None, hosts: EmulatedNetwork | None = None,
+                     wire_dtype: str = "float32") -> list[dict]:
     """Async (staleness 1, prefetch of the next batch), dense under DDP."""
-    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=1, runtime=runtime, comm_hook=comm_hook, hosts=hosts)
+    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=1, runtime=runtime, comm_hook=comm_hook, hosts=hosts,
+                wire_dtype=wire_dtype)
 
 
 def run_hybrid_sync_fsdp(w: Workload, *, timeout_s: float, runtime: dict | None = None,
-                         hosts: EmulatedNetwork | None = None) -> list[dict]:
+                         hosts: EmulatedNetwork | None = None, wire_dtype: str = "float32") -> list[dict]:
     """Sync (staleness 0), dense under FSDP2."""
-    return _run(w, timeout_s=timeout_s, dense="fsdp", staleness=0, runtime=runtime, hosts=hosts)
+    return _run(w, timeout_s=timeout_s, dense="fsdp", staleness=0, runtime=runtime, hosts=hosts,
+                wire_dtype=wire_dtype)
 
 
 def run_hybrid_sync_dynamic(w: Workload, *, timeout_s: float, runtime: dict | None = None,
-                            comm_hook: str | None = None, hosts: EmulatedNetwork | None = None) -> list[dict]:
+                            comm_hook: str | None = None, hosts: EmulatedNetwork | None = None,
+                            wire_dtype: str = "float32") -> list[dict]:
     """``hybrid_sync`` with ``ids: dynamic`` tables (capacity ``w.rows``, ``evict: lru``)."""
     return _run(w, timeout_s=timeout_s, dense="ddp", staleness=0, runtime=runtime, comm_hook=comm_hook, hosts=hosts,
-                dynamic=True)
+                dynamic=True, wire_dtype=wire_dtype)

@@ -165,6 +165,7 @@ def summarize_options(e: ResolvedModule) -> str:
         parts += [] if o.servers == "all" else ["servers=" + ",".join(map(str, o.servers))]
         parts += [] if o.id_policy == "error" else [f"ids={o.id_policy}"]
         parts += [] if o.storage_dtype == "float32" else [f"rows={_short(o.storage_dtype)}"]
+        parts += [] if o.wire_dtype == "float32" else [f"wire={_short(o.wire_dtype)}"]
         parts += [] if o.ids == "range" else [f"dynamic cap={o.capacity} evict={o.evict}"]
     elif e.strategy == "fsdp":
         parts = ["reshard" if o.reshard_after_forward else "no-reshard"]

@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args
 
 from hybrid.plan.errors import Category, PlanError, did_you_mean, one_of
 from hybrid.ps.config import OptimizerSpec as SparseOptimizer
+from hybrid.ps.config import WireDtype, check_wire_dtype
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -140,7 +141,12 @@ class PSOptions:
     storage_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """How the servers store the rows: ``bfloat16`` / ``float16`` halve their memory; the
     optimizer state and every update's arithmetic stay float32 and each new row is rounded to
-    nearest once (rows reach the trainers as float32). ``float32`` is exact."""
+    nearest once (rows travel as ``wire_dtype`` says). ``float32`` is exact."""
+    wire_dtype: WireDtype = "float32"
+    """The dtype rows travel in from the servers and row gradients back to them: ``bfloat16``
+    halves those bytes, each value rounded to nearest (ties to even) as it is sent; trainers
+    compute in float32 and servers widen the gradients to float32 before the optimizer.
+    ``float32`` is exact."""
     ids: Literal["range", "dynamic"] = "range"
     """``range``: ids in ``[0, num_embeddings)``, every row allocated up front; ``dynamic``: raw
     int64 ids, a row created on an id's first touch (docs/dynamic_ids.md)."""
@@ -165,6 +171,7 @@ class PSOptions:
     def __post_init__(self) -> None:
         if self.ids not in ("range", "dynamic"):
             raise _bad("ids", self.ids, "'range' or 'dynamic'")
+        check_wire_dtype(self.wire_dtype)
         if self.ids == "dynamic":
             if self.capacity < 1:
                 raise _bad("capacity", self.capacity, "a number of rows >= 1 with ids: dynamic")

@@ -9,7 +9,7 @@ the optimizer and the step semantics from it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from hybrid.errors import PlanError, did_you_mean, one_of
 
@@ -44,8 +44,20 @@ def row_bytes(optimizer: str, dim: int, storage_dtype: StorageDtype = "float32")
     return dim * STORAGE_BYTES[storage_dtype] + state_floats_per_row(optimizer, dim) * 4
 
 
+WireDtype = Literal["float32", "bfloat16"]
+WIRE_DTYPES: tuple[str, ...] = get_args(WireDtype)
+WIRE_BYTES = {"float32": 4, "bfloat16": 2}
+"""Bytes of one row or gradient element on the wire, by ``wire_dtype``."""
+
+
 def _bad(key: str, value: object, expected: str) -> PlanError:
     return PlanError(f"got {value!r}; expected {expected}", category="bad_value", key=key)
+
+
+def check_wire_dtype(value: object) -> None:
+    """Raise :class:`PlanError` (key ``wire_dtype``) unless ``value`` is one of :data:`WIRE_DTYPES`."""
+    if value not in WIRE_DTYPES:
+        raise _bad("wire_dtype", value, one_of(WIRE_DTYPES))
 
 
 @dataclass(kw_only=True)
@@ -224,8 +236,13 @@ class CollectionConfig:
     """How the servers store the rows (optimizer state and update math stay float32)."""
     dynamic: DynamicIds | None = None
     """``ids: dynamic``: raw int64 ids, rows created on first touch (None: ``ids: range``)."""
+    wire_dtype: WireDtype = "float32"
+    """The dtype of the rows in a server's replies and of the gradients trainers push:
+    ``bfloat16`` halves their bytes (each value rounded to nearest, ties to even, once per
+    crossing); the servers' storage, optimizer state and update math do not change."""
 
     def __post_init__(self) -> None:
+        check_wire_dtype(self.wire_dtype)
         if not self.servers:
             object.__setattr__(self, "servers", tuple(sorted({s for lay in self.layouts for s in lay.servers})))
 

@@ -6,6 +6,10 @@ owes for rows it looked up earlier (:class:`Push`) and the rows it wants now (:c
 The server applies the pushes, then answers once the step may read: one tensor of rows per part
 (empty for a part without a lookup), in the order of the part's tables and ids.
 
+Ids are int64. Rows and gradients travel in their collection's ``wire_dtype``
+(:class:`hybrid.ps.config.CollectionConfig`, float32 or bfloat16), which every tensor carries
+with it; the layout below does not depend on it.
+
 Every transport (:mod:`hybrid.ps.transport`) carries a message as a :class:`Frame`: a flat list
 of integers and a list of tensors, so the layout below is the whole wire format, versioned by
 :data:`VERSION`::
@@ -60,7 +64,8 @@ class Push:
     step: int
     rows: Rows
     grad: torch.Tensor
-    """Flat: one gradient row per id, table by table, rows of each table's width."""
+    """Flat: one gradient row per id, table by table, rows of each table's width, in the
+    collection's ``wire_dtype``."""
 
 
 @dataclass

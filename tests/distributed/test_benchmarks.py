@@ -77,6 +77,20 @@ def test_every_system_trains_the_same_model_on_the_same_batches():
     assert "hybrid_sync >= 1x torchrec_dmp" in res.stderr  # the ratio table
 
 
+def test_wire_dtype_bfloat16_halves_the_rows_bytes_and_their_minimum():
+    res = run_hybrid([*TINY, "--systems", "hybrid_sync", "--wire-dtype", "bfloat16"], module="benchmarks.run",
+                     timeout=300)
+    assert res.returncode == 0, res.output
+    (line,) = _lines(res.stdout)
+    assert line["wire_dtype"] == "bfloat16", line
+    s = line["servers"]["ps0"]
+    # The minimum counts 2 bytes an element each way; the rows the server sent are exactly that.
+    assert s["min_bytes_per_step"] == pytest.approx(s["unique_rows_per_step"] * 8 * 2), s
+    assert s["bytes_sent_per_step"] == pytest.approx(s["min_bytes_per_step"]) and s["bytes_sent_over_min"] == 1, s
+    # In: the gradients (2 bytes an element) and the lookups' ids (8 bytes each).
+    assert s["bytes_recv_per_step"] > s["min_bytes_per_step"], s
+
+
 def test_memory_benchmark_fsdp_holds_a_shard_of_what_ddp_holds():
     res = run_hybrid(["--width", "64", "--layers", "2", "--trainers", "2", "--steps", "2", "--rows", "100"],
                      module="benchmarks.memory", timeout=300)

@@ -181,7 +181,7 @@ class RidingPush(GradientPush):
     def push(self, pipeline: StepPipeline, state: StepState) -> None:
         for r in state.received:
             grad = r.local.grad if r.local.grad is not None else torch.zeros_like(r.local)
-            grad = grad.reshape(-1).to("cpu")  # the wire carries host tensors
+            grad = grad.reshape(-1).to("cpu")  # the wire carries host tensors, in the leaf's (wire) dtype
             self.owed.setdefault(r.server, []).append((r.collection, Push(state.step, r.rows, grad)))
         state.received = []
         nxt = pipeline.open_steps.get(state.step + 1)
@@ -448,7 +448,9 @@ class StepPipeline:
 
     def _receive(self, state: StepState, lk: Lookup, server: int, remote: torch.Tensor) -> torch.Tensor:
         # The rows come in host memory; on a GPU trainer they are copied to its device (from
-        # pinned memory where the transport gave it, without blocking this thread).
+        # pinned memory where the transport gave it, without blocking this thread). The leaf
+        # keeps the reply's dtype (the collection's wire_dtype): the router widens it inside the
+        # graph, so the leaf's gradient is already in the dtype it is pushed in.
         local = remote.to(self.device, non_blocking=remote.is_pinned()).detach().requires_grad_(True)
         state.received.append(Received(lk.collection, server, lk.routed.requests[server], remote, local))
         local.register_post_accumulate_grad_hook(self._grad_hook(state))

@@ -239,9 +239,13 @@ class Router:
         return out
 
     def _group_rows(self, parts: dict[int, tuple[torch.Tensor, ...]], k: int, g: TableGroup) -> torch.Tensor:
-        """Group ``k``'s reply rows ``[unique rows, dim]``, servers in order (the route's row order)."""
+        """Group ``k``'s reply rows ``[unique rows, dim]``, servers in order (the route's row order),
+        in float32, the dense graph's dtype. Replies come in the collection's ``wire_dtype``; the
+        widening is part of the graph, so its backward rounds each row's gradient back to the
+        wire dtype (to nearest, ties to even) once, in the reply's own leaf, whence it is pushed."""
         chunks = [parts[s][k].view(-1, g.dim) for s in self.servers]
-        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        return rows.to(torch.float32)
 
 
 def route_hashed(ids, lengths, feature_table, shards, server_rank, *, partitions, num_servers, batch_size,

@@ -36,8 +36,9 @@ from hybrid.ps.server.shard import CollectionShard
 
 Reply = Callable[[list[torch.Tensor] | None, BaseException | None], None]
 """Where a step message's answer goes: ``reply(rows_per_part, None)`` or ``reply(None, error)``."""
-Buffers = Callable[[list[int]], list[torch.Tensor]]
-"""Given each part's reply size (floats), where to gather the rows (a transport's own memory)."""
+Buffers = Callable[[list[int], list[torch.dtype]], list[torch.Tensor]]
+"""Given each part's reply size (elements) and dtype (its collection's wire dtype), where to
+gather the rows (a transport's own memory)."""
 
 
 @dataclass(kw_only=True)
@@ -149,7 +150,9 @@ class ParameterServer:
                 for step, parts in by_step.items():
                     self.push(shard, msg.trainer, step, parts)
             sizes = [shard.numel(p.lookup) if p.lookup is not None else 0 for p, shard in zip(msg.parts, shards)]
-            out = buffers(sizes) if buffers is not None else [torch.empty(n) for n in sizes]
+            dtypes = [shard.wire_dtype for shard in shards]
+            out = (buffers(sizes, dtypes) if buffers is not None
+                   else [torch.empty(n, dtype=d) for n, d in zip(sizes, dtypes)])
         except BaseException as e:  # noqa: BLE001 - the trainer gets it as the message's error
             reply(None, RuntimeError(f"ps{self.index}: {e}"))
             return

@@ -158,6 +158,8 @@ class CollectionShard:
         self.num_trainers = config.num_trainers
         self.staleness = config.staleness
         self.scale = config.scale
+        self.wire_dtype = getattr(torch, config.wire_dtype)
+        """What rows are sent and gradients arrive in (``wire_dtype``); the tables keep theirs."""
         # 16-bit rows: a step's contributions are summed first, so each row is rounded once a step.
         self.accumulates = (config.optimizer.accumulates and config.storage_dtype == "float32"
                             and config.dynamic is None)
@@ -178,17 +180,20 @@ class CollectionShard:
                              f"(this server holds {[t.name for t in self.tables]})") from None
 
     def numel(self, rows: Rows) -> int:
-        """Floats of the rows ``rows`` asks for."""
+        """Elements of the rows ``rows`` asks for."""
         return sum(n * t.dim for n, t in zip(rows.counts, self.shards_of(rows)))
 
     def gather(self, rows: Rows, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The rows asked for, flat (into ``out`` where given)."""
+        """The rows asked for, flat, in :attr:`wire_dtype` (into ``out``, of that dtype, where
+        given): each value is rounded to nearest, ties to even, as it is copied out of its table."""
         shards = self.shards_of(rows)
+        assert out is None or out.dtype == self.wire_dtype, (out.dtype, self.wire_dtype)
         if self.config.dynamic is not None:
             return self._gather_dynamic(rows, shards, out)
         with self.lock:
             try:
-                got = ops.gather_rows([t.weight for t in shards], rows.ids, rows.counts, out=out)
+                got = ops.gather_rows([t.weight for t in shards], rows.ids, rows.counts, out=out,
+                                      dtype=self.wire_dtype)
             except ops.RowOutOfRange as e:
                 raise self._outside(shards[e.table], e.row, "lookup") from None
         self.counters.rows_served += int(rows.ids.numel())
@@ -197,12 +202,16 @@ class CollectionShard:
 
     def _gather_dynamic(self, rows: Rows, shards: list[TableShard], out: torch.Tensor | None) -> torch.Tensor:
         numel = sum(n * t.dim for n, t in zip(rows.counts, shards))
-        out = torch.empty(numel) if out is None else out[:numel]
+        out = torch.empty(numel, dtype=self.wire_dtype) if out is None else out[:numel]
+        # Rows are read as float32 (initial values are computed so), then narrowed in one copy.
+        full = out if out.dtype == torch.float32 else torch.empty(numel)
         p = q = 0
         with self.lock:
             for t, n in zip(shards, rows.counts):
-                t.read_dynamic(rows.ids[p : p + n], out[q : q + n * t.dim].view(n, t.dim))
+                t.read_dynamic(rows.ids[p : p + n], full[q : q + n * t.dim].view(n, t.dim))
                 p, q = p + n, q + n * t.dim
+        if full is not out:
+            out.copy_(full)
         self.counters.rows_served += int(rows.ids.numel())
         self.counters.bytes_out += out.numel() * out.element_size()
         return out
@@ -238,10 +247,17 @@ class CollectionShard:
         """One trainer's gradients for ``step``, one contribution per lookup it made of this
         collection in that step; applied when the step is due (sync: every trainer's arrived).
         ``keeps_copy``: the tensors may be reused by the transport after this call, so a push
-        kept for later is copied. Call :meth:`ready_waiters` afterwards."""
+        kept for later is copied. Gradients arrive in :attr:`wire_dtype` and are widened to
+        float32 here, before anything else reads them. Call :meth:`ready_waiters` afterwards."""
         self.counters.gradients += 1
         self.counters.bytes_in += sum(g.numel() * g.element_size() for _, g in parts)
         try:
+            for _, g in parts:
+                if g.dtype != self.wire_dtype:
+                    raise TypeError(f"{self.cid} on ps{self.server}: a gradient of {g.dtype}; this collection's "
+                                    f"wire_dtype is {self.config.wire_dtype} (trainers and servers disagree)")
+            if self.wire_dtype != torch.float32:
+                parts = [(r, g.float()) for r, g in parts]
             with self.lock:
                 if self.failed is not None:
                     raise RuntimeError(f"{self.cid} on ps{self.server} failed earlier") from self.failed

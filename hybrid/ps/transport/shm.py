@@ -311,13 +311,14 @@ class _ServerEnd:
                 except BaseException:  # noqa: BLE001 - keep serving; the trainer's wait times out
                     pass
 
-    def buffers(self, sizes: list[int]) -> list[torch.Tensor]:
-        """Where each part's rows (``sizes`` floats) go: in place in the reply's frame, so that
-        they are gathered straight into it (fresh tensors when they would not fit)."""
-        offsets, end = _layout(0, [4 * n for n in sizes])
+    def buffers(self, sizes: list[int], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+        """Where each part's rows (``sizes`` elements of ``dtypes``) go: in place in the reply's
+        frame, so that they are gathered straight into it (fresh tensors when they would not fit)."""
+        nbytes = [n * d.itemsize for n, d in zip(sizes, dtypes)]
+        offsets, end = _layout(0, nbytes)
         if end > self.rep.numel():
-            return [torch.empty(n) for n in sizes]
-        return [self.rep[off : off + 4 * n].view(torch.float32) for off, n in zip(offsets, sizes)]
+            return [torch.empty(n, dtype=d) for n, d in zip(sizes, dtypes)]
+        return [self.rep[off : off + b].view(d) for off, b, d in zip(offsets, nbytes, dtypes)]
 
     def reply(self, seq: int, rows: list[torch.Tensor] | None, err: BaseException | None = None) -> None:
         """Answer message ``seq`` (from whichever thread completes it)."""
