@@ -74,7 +74,7 @@ def test_every_system_trains_the_same_model_on_the_same_batches():
         assert s["bytes_sent_per_step"] > 0 and s["bytes_recv_per_step"] > 0, s
         assert 0 < s["unique_id_ratio"] <= 1, s
         assert set(lines[name]["breakdown_s"]) >= {"lookup", "dense", "optimizer"}, lines[name]["breakdown_s"]
-    assert "hybrid_sync >= 1x torchrec_dmp" in res.stderr  # the ratio table
+    assert "hybrid_sync >= 1.4x torchrec_dmp" in res.stderr  # the ratio table
 
 
 def test_wire_dtype_bfloat16_halves_the_rows_bytes_and_their_minimum():
