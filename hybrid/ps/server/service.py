@@ -321,25 +321,20 @@ def rpc_write_state(handle: int, table: str, state: dict[str, torch.Tensor]) -> 
 def rpc_read_shard(handle: int, table: str, after_step: int = -1):
     """A copy of this server's rows of ``table`` and their optimizer state, once every trainer's
     updates through ``after_step`` are applied."""
-    shard = server().shard(handle)
-    t = shard.table(table)
-    fut: torch.futures.Future = torch.futures.Future()
-
-    def answer(err: BaseException | None) -> None:
-        if err is not None:
-            fut.set_exception(RuntimeError(f"ps{shard.server}: collection {shard.cid} failed: {err!r}"))
-            return
-        with shard.lock:
-            fut.set_result((t.weight.clone(), {k: v.clone() for k, v in t.optim.state.items()}))
-
-    shard.when_ready(after_step, answer)
-    return fut
+    return _read_when_ready(handle, table, after_step,
+                            lambda t: (t.weight.clone(), {k: v.clone() for k, v in t.optim.state.items()}))
 
 
 @rpc.functions.async_execution
 def rpc_read_dynamic(handle: int, table: str, after_step: int = -1):
     """A dynamic table shard's ids, rows, optimizer state, map and counters
     (:meth:`TableShard.dynamic_rows`), once updates through ``after_step`` are applied."""
+    return _read_when_ready(handle, table, after_step, lambda t: t.dynamic_rows())
+
+
+def _read_when_ready(handle: int, table: str, after_step: int, read) -> torch.futures.Future:
+    """A future of ``read(table shard)``, taken under the shard's lock once every trainer's
+    updates through ``after_step`` are applied."""
     shard = server().shard(handle)
     t = shard.table(table)
     fut: torch.futures.Future = torch.futures.Future()
@@ -349,7 +344,7 @@ def rpc_read_dynamic(handle: int, table: str, after_step: int = -1):
             fut.set_exception(RuntimeError(f"ps{shard.server}: collection {shard.cid} failed: {err!r}"))
             return
         with shard.lock:
-            fut.set_result(t.dynamic_rows())
+            fut.set_result(read(t))
 
     shard.when_ready(after_step, answer)
     return fut
