@@ -222,6 +222,8 @@ def read_rows(tables: list[DynamicSlots], weights: list[torch.Tensor], ids: torc
     """Rows of raw ``ids`` (table ``k``'s the ``counts[k]``-long run after the earlier ones') into
     the flat float32 ``out``: the row where the id has one, its initial value (``keys[k]``,
     ``bounds[k]``) where this step's update admits it, zeros otherwise. Counts the hits."""
+    if not tables:
+        return
     per = ids.split(counts)
     _, found, seen = _found(tables, list(per))
     hits = ops.dynamic_rows(weights, ids, found, seen, counts, admit_after=tables[0].spec.admit_after, keys=keys,

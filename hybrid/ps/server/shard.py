@@ -293,6 +293,8 @@ class CollectionShard:
                 entry = per_table.setdefault(index, ([], []))
                 entry[0].append(ids)
                 entry[1].append(g.view(n, t.dim))
+        if not per_table:
+            return
         order = sorted(per_table)
         tables = [self.by_index[i] for i in order]
         runs = max(len(per_table[i][0]) for i in order)
