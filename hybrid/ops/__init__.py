@@ -18,13 +18,14 @@ import warnings
 
 import torch
 
-from hybrid.ops.reference import NonFinite, Route, RowOutOfRange
+from hybrid.ops.reference import DynamicPlan, ForeignPart, NonFinite, PartFull, Route, RowOutOfRange
 
-__all__ = ["AVAILABLE", "NonFinite", "Route", "RowOutOfRange", "gather_rows", "initial_rows_", "optimizer_rows",
-           "optimizer_step_", "route", "scatter_rows_", "sgd_rows_", "sum_rows"]
+__all__ = ["AVAILABLE", "DynamicPlan", "ForeignPart", "NonFinite", "PartFull", "Route", "RowOutOfRange",
+           "dynamic_commit_", "dynamic_plan", "dynamic_rows", "gather_rows", "merge_ids", "initial_rows_", "optimizer_rows",
+           "optimizer_step_", "route", "route_hashed", "scatter_rows_", "sgd_rows_", "sum_rows"]
 
-OPS = ("route", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows", "optimizer_step_", "scatter_rows_",
-       "initial_rows_")
+OPS = ("route", "route_hashed", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows", "optimizer_step_",
+       "scatter_rows_", "initial_rows_", "merge_ids", "dynamic_plan", "dynamic_commit_", "dynamic_rows")
 """The operators ``hybrid._C`` registers under ``torch.ops.hybrid``."""
 
 STATE_KEYS = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",),
@@ -82,6 +83,22 @@ def route(ids, lengths, feature_table, row_base, shards, server_rank, *, num_ser
                                           num_servers, batch_size, w, mean, sample_major)
     if status[0] != _OK:
         raise _out_of_range(status, ids, lambda t: int(row_base[t + 1] - row_base[t]))
+    return Route(requests_ids=requests_ids, per=per, raw=raw, idx=idx, offsets=offsets,
+                 weights=out_weights if weights is not None else None, grad_bags=grad_bags,
+                 grad_offsets=grad_offsets, grad_scale=grad_scale if mean or weights is not None else None,
+                 num_unique=requests_ids.numel())
+
+
+def route_hashed(ids, lengths, feature_table, shards, server_rank, *, partitions, num_servers, batch_size,
+                 weights=None, mean=False, sample_major=True) -> Route:
+    """:func:`route` for raw int64 ids (``ids: dynamic``): deduplicated by (table, id), each
+    distinct id sent as itself (ascending within its table) to the server of its part
+    (``fmix64(id) mod partitions``; part ``p`` on the table's shard ``p % shards[t]``)."""
+    ids, lengths = _index(ids), _index(lengths)
+    w = weights.contiguous() if weights is not None else None
+    (_, _, _, _, requests_ids, per, raw, idx, offsets, out_weights, grad_bags, grad_offsets,
+     grad_scale) = torch.ops.hybrid.route_hashed(ids, lengths, feature_table, shards, server_rank, partitions,
+                                                 num_servers, batch_size, w, mean, sample_major)
     return Route(requests_ids=requests_ids, per=per, raw=raw, idx=idx, offsets=offsets,
                  weights=out_weights if weights is not None else None, grad_bags=grad_bags,
                  grad_offsets=grad_offsets, grad_scale=grad_scale if mean or weights is not None else None,
@@ -196,14 +213,75 @@ def initial_rows_(out, rows, *, key, bound) -> None:
         out.copy_(filled)
 
 
+_SLOT_STATE = ("slot_id", "occupied", "last", "count", "fill", "part_base", "part_cap", "slot_part", "slot_index")
+"""The tensors of a dynamic table's slot state (:class:`hybrid.ps.server.dynamic.DynamicSlots`)."""
+
+
+def _slot_state(tables) -> list[list[torch.Tensor]]:
+    return [[getattr(s, name) for s in tables] for name in _SLOT_STATE]
+
+
+def dynamic_plan(tables, ids, found, seen, counts, *, step, partitions, admit_after, evict, ttl) -> DynamicPlan:
+    """One update of dynamic tables, decided and nothing changed: table ``t``'s distinct
+    ascending ids are the ``counts[t]``-long run of ``ids`` after the earlier tables', ``found``
+    their slots in its map (-1: none), ``seen`` their sightings (-1: none; empty unless
+    ``admit_after > 1``); ``tables[t]`` its slot state. ``evict``: ``none``, ``lru`` or ``ttl``
+    (rows untouched for more than ``ttl`` steps go). Raises :class:`PartFull` (the first table,
+    then part, that cannot take its new ids) or :class:`ForeignPart`."""
+    (code, table, where, need, slots, sizes, new_ids, new_slots, evicted, seen_ids, seen_counts,
+     admitted_seen) = torch.ops.hybrid.dynamic_plan(_index(ids), _index(found), _index(seen), list(counts),
+                                                     *_slot_state(tables), step, partitions, admit_after, evict,
+                                                     ttl)
+    if code == 1:
+        raise PartFull(table, where, need)
+    if code == 2:
+        raise ForeignPart(table, where)
+    return DynamicPlan(slots, sizes, new_ids, new_slots, evicted, seen_ids, seen_counts, admitted_seen)
+
+
+def merge_ids(ids, counts, *, runs):
+    """The distinct ids of an update whose ids come, table after table, as ``runs`` ascending
+    distinct runs each (``counts[t * runs + r]`` long): (the distinct ids, ascending within a
+    table; how many each table has; each input id's index in the distinct ids)."""
+    return torch.ops.hybrid.merge_ids(_index(ids), list(counts), runs)
+
+
+def dynamic_commit_(tables, plan: DynamicPlan, counts, *, step, weights=(), keys=(), bounds=()) -> torch.Tensor:
+    """Carry out ``plan`` (of :func:`dynamic_plan`, same tables and counts) on the slot state:
+    rows evicted, new ids placed, touched slots stamped ``step``; where ``weights`` are given
+    (one table per slot state), each new row's initial value (:func:`initial_rows_` with
+    ``keys[t]``, ``bounds[t]``, keyed by the raw id) written at its slot. Returns the evicted
+    rows' ids (each table's run as in ``plan.evicted``), for the caller's id maps."""
+    sizes = plan.sizes.tolist()
+    return torch.ops.hybrid.dynamic_commit_(plan.slots, list(counts), plan.new_ids, plan.new_slots,
+                                            [z[0] for z in sizes], plan.evicted, [z[1] for z in sizes],
+                                            *_slot_state(tables), step, list(weights), [int(k) for k in keys],
+                                            [float(b) for b in bounds])
+
+
+def dynamic_rows(weights, ids, slots, seen, counts, *, admit_after, keys, bounds, out) -> torch.Tensor:
+    """The looked-up rows of dynamic tables into the float32 ``out`` (flat, table after table):
+    for id ``i`` of table ``t`` (its ``counts[t]``-long run), ``weights[t][slots[i]]`` where it
+    has a slot, its initial value (:func:`initial_rows_` with ``keys[t]``, ``bounds[t]``) where
+    this step's update admits it (``admit_after <= 1``, or ``seen[i] + 1 >= admit_after``),
+    zeros otherwise. Returns each table's ids that had a row."""
+    return torch.ops.hybrid.dynamic_rows(list(weights), _index(ids), _index(slots), _index(seen), list(counts),
+                                         admit_after, [int(k) for k in keys], [float(b) for b in bounds], out)
+
+
 # Without the extension every public name is the reference's own function.
 if not AVAILABLE:
     from hybrid.ops.reference import (  # noqa: F811
+        dynamic_commit_,
+        dynamic_plan,
+        dynamic_rows,
         gather_rows,
         initial_rows_,
+        merge_ids,
         optimizer_rows,
         optimizer_step_,
         route,
+        route_hashed,
         scatter_rows_,
         sgd_rows_,
         sum_rows,

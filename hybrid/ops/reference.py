@@ -317,3 +317,262 @@ class IdMap:
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids ascending, their slots)."""
         return self.keys.clone(), self.slots.clone()
+
+
+def route_hashed(ids, lengths, feature_table, shards, server_rank, *, partitions, num_servers, batch_size,
+                 weights=None, mean=False, sample_major=True) -> Route:
+    """:func:`route` for raw int64 ids (``ids: dynamic``): deduplicated by (table, id), each
+    distinct id sent as itself to the server of its part (``fmix64(id) mod partitions``, part
+    ``p`` on shard ``p % shards``), ascending within a table."""
+    ids = ids.to(torch.int64)
+    lengths = lengths.to(torch.int64)
+    total = ids.numel()
+    nf, b = feature_table.numel(), batch_size
+    ntab = shards.numel()
+    per_feature = lengths.view(nf, b).sum(1) if nf else lengths.new_zeros(0)
+    table_of_id = torch.repeat_interleave(feature_table, per_feature, output_size=total)
+    by_row = torch.argsort(ids, stable=True)
+    by_row = by_row[torch.argsort(table_of_id[by_row], stable=True)]
+    s_tab, s_id = table_of_id[by_row], ids[by_row]
+    first = torch.ones(total, dtype=torch.bool)
+    first[1:] = (s_tab[1:] != s_tab[:-1]) | (s_id[1:] != s_id[:-1])
+    ranks = torch.cumsum(first, 0) - 1
+    starts = first.nonzero().squeeze(1)
+    uniq, t_u = s_id[starts], s_tab[starts]
+    per_row = torch.diff(torch.cat([starts, starts.new_tensor([total])]))
+    inverse = torch.empty_like(by_row).scatter_(0, by_row, ranks)
+    shard_pos = torch.remainder(id_hash(uniq), partitions) % shards.index_select(0, t_u)
+    rank_u = server_rank[t_u, shard_pos]
+    key = rank_u * ntab + t_u
+    order = torch.argsort(key, stable=True)
+    per = torch.bincount(key, minlength=num_servers * ntab).view(num_servers, ntab)
+    requests_ids = uniq.index_select(0, order)
+    raw = torch.bincount(rank_u.index_select(0, inverse), minlength=num_servers)
+    place = torch.empty_like(order)
+    place[order] = torch.arange(order.numel())
+    idx = place.index_select(0, inverse)
+    bag_fm = torch.repeat_interleave(
+        (torch.arange(nf * b).view(b, nf).t().reshape(-1) if sample_major else torch.arange(nf * b)),
+        lengths, output_size=total)
+    group_sizes = per_row.index_select(0, order)
+    gstarts = torch.cat([per_row.new_zeros(1), per_row.cumsum(0)])[:-1].index_select(0, order)
+    pos = torch.repeat_interleave(gstarts - torch.cat([group_sizes.new_zeros(1), group_sizes.cumsum(0)])[:-1],
+                                  group_sizes, output_size=total) + torch.arange(total)
+    members = by_row.index_select(0, pos)
+    grad_bags = bag_fm.index_select(0, members)
+    grad_offsets = torch.cat([group_sizes.new_zeros(1), group_sizes.cumsum(0)])
+    if mean:
+        inv_len = 1.0 / lengths.clamp(min=1).to(torch.float32)
+        grad_scale = torch.repeat_interleave(inv_len, lengths, output_size=total).index_select(0, members)
+    else:
+        grad_scale = weights.index_select(0, members) if weights is not None else None
+    out_weights = weights
+    if nf > 1 and sample_major:
+        sm_lengths = lengths.view(nf, b).t().reshape(-1)
+        fm_start = (lengths.cumsum(0) - lengths).view(nf, b).t().reshape(-1)
+        sm_start = sm_lengths.cumsum(0) - sm_lengths
+        perm = torch.arange(total) + torch.repeat_interleave(fm_start - sm_start, sm_lengths, output_size=total)
+        idx = idx.index_select(0, perm)
+        out_weights = weights.index_select(0, perm) if weights is not None else None
+        lengths = sm_lengths
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    return Route(requests_ids=requests_ids, per=per, raw=raw, idx=idx, offsets=offsets, weights=out_weights,
+                 grad_bags=grad_bags, grad_offsets=grad_offsets, grad_scale=grad_scale, num_unique=uniq.numel())
+
+
+# -- dynamic tables (ids: dynamic) ----------------------------------------------------------------
+# Each table's slot state is an object with the tensors of hybrid.ps.server.dynamic.DynamicSlots:
+# slot_id, occupied (bool), last (per slot); count, fill, part_base, part_cap (per part);
+# slot_part, slot_index (per slot, fixed).
+
+
+class PartFull(Exception):
+    """Part ``part`` of table ``table`` has no row to give to the ``need`` ids admitted into it."""
+
+    def __init__(self, table: int, part: int, need: int) -> None:
+        self.table, self.part, self.need = table, part, need
+        super().__init__(f"part {part} of table {table} is full ({need} new rows needed)")
+
+
+class ForeignPart(Exception):
+    """``ids[position]`` (of table ``table``) belongs to a part these slots do not hold."""
+
+    def __init__(self, table: int, position: int) -> None:
+        self.table, self.position = table, position
+        super().__init__(f"id at position {position} of table {table} belongs to a part not held here")
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass
+class DynamicPlan:
+    """One update of several dynamic tables, decided by :func:`dynamic_plan`: per table (table
+    ``t``'s entries of each list are the ``sizes[t]``-long run after the earlier tables')."""
+
+    slots: torch.Tensor
+    """Each id's slot after the update; -1: not admitted."""
+    sizes: torch.Tensor
+    """[tables, 4]: the lengths of each table's new_ids, evicted, seen_ids, admitted_seen."""
+    new_ids: torch.Tensor
+    """Ids getting a row: ascending, or by (part, id) where a part needed the full choice."""
+    new_slots: torch.Tensor
+    evicted: torch.Tensor
+    """Slots whose row goes (expired under ttl, or taken for a new id), ascending."""
+    seen_ids: torch.Tensor
+    seen_counts: torch.Tensor
+    """Sightings of the ids not admitted yet (admit_after > 1)."""
+    admitted_seen: torch.Tensor
+    """Ids leaving the sightings (admitted now)."""
+
+
+def _plan_table(s, ids, slots, seen, t: int, off: int, *, step, partitions, admit_after, evict, ttl):
+    present = slots >= 0
+    touched = slots[present]
+    expired = _EMPTY
+    if evict == "ttl":
+        old = s.occupied & (s.last < step - ttl)
+        old[touched] = False
+        expired = old.nonzero().squeeze(1)
+    new_pos = (~present).nonzero().squeeze(1)
+    seen_ids = seen_counts = admitted_seen = _EMPTY
+    if admit_after > 1 and new_pos.numel():
+        counts = seen[new_pos].clamp(min=0) + 1
+        ok = counts >= admit_after
+        seen_ids, seen_counts = ids[new_pos[~ok]], counts[~ok]
+        new_pos = new_pos[ok]
+        admitted_seen = ids[new_pos]
+    new = ids[new_pos]
+    new_slots = taken = _EMPTY
+    if new.numel():
+        part = torch.remainder(id_hash(new), partitions)
+        foreign = s.part_base[part] < 0
+        if bool(foreign.any()):
+            raise ForeignPart(t, off + int(new_pos[foreign][0]))
+        need = torch.bincount(part, minlength=partitions)
+        needy = need > 0
+        if not expired.numel() and bool((s.count[needy] == s.fill[needy]).all()) and \
+                bool((need[needy] <= s.part_cap[needy] - s.fill[needy]).all()):
+            # No holes, room enough: the lowest free slots are the next unused ones, taken by the
+            # part's new ids in ascending order (rank inside the part: a running count).
+            order = torch.argsort(part, stable=True)
+            rank = torch.empty_like(order)
+            rank[order] = torch.arange(order.numel()) - (torch.cumsum(need, 0) - need)[part[order]]
+            new_slots = s.part_base[part] + s.fill[part] + rank
+        else:
+            order = torch.argsort(part, stable=True)  # ids ascending within each part
+            new, part, new_pos = new[order], part[order], new_pos[order]
+            new_slots, taken = _choose(s, t, need, touched, expired, step=step, partitions=partitions, evict=evict)
+        slots[new_pos] = new_slots
+    evicted = torch.unique(torch.cat([expired, taken]))
+    return slots, (new, new_slots, evicted, seen_ids, seen_counts, admitted_seen)
+
+
+def _choose(s, t: int, need, touched, expired, *, step, partitions, evict):
+    """Slots for the new ids (by part, ascending within a part): per part, free slots lowest
+    place first, then (lru) the rows touched longest ago, ties by smaller id; the slots and
+    those of them whose row goes. Raises :class:`PartFull`."""
+    cand = (need[s.slot_part] > 0).nonzero().squeeze(1)
+    occ = s.occupied[cand].clone()
+    if expired.numel():
+        occ &= ~torch.isin(cand, expired)  # expired rows count as free
+    c_last = s.last[cand].clone()
+    c_last[torch.isin(cand, touched)] = step
+    c_last = torch.where(occ, c_last, -1)
+    tie = torch.where(occ, s.slot_id[cand], s.slot_index[cand])
+    o = torch.argsort(tie, stable=True)
+    o = o[torch.argsort(c_last[o], stable=True)]
+    o = o[torch.argsort(s.slot_part[cand[o]], stable=True)]
+    cand, occ, c_last = cand[o], occ[o], c_last[o]
+    c_part = s.slot_part[cand]
+    # Candidates come part by part, each part's slots all there: rank inside the part.
+    held = s.part_cap * (need > 0)
+    rank = torch.arange(cand.numel()) - (torch.cumsum(held, 0) - held)[c_part]
+    pick = rank < need[c_part]
+    got = torch.bincount(c_part[pick], minlength=partitions)
+    usable = ~occ[pick] | ((c_last[pick] < step) if evict == "lru" else torch.zeros_like(occ[pick]))
+    short = (got < need).nonzero()
+    if short.numel():
+        raise PartFull(t, int(short[0]), int(need[int(short[0])]))
+    if not bool(usable.all()):
+        p = int(s.slot_part[cand[pick][~usable][0]])
+        raise PartFull(t, p, int(need[p]))
+    new_slots = cand[pick]
+    return new_slots, new_slots[s.occupied[new_slots]]
+
+
+def dynamic_plan(tables, ids, found, seen, counts, *, step, partitions, admit_after, evict, ttl) -> DynamicPlan:
+    slots_out, sizes, lists = [], [], [[] for _ in range(6)]
+    off = 0
+    for t, (s, n) in enumerate(zip(tables, counts)):
+        slots, parts = _plan_table(s, ids[off : off + n], found[off : off + n].clone(),
+                                   seen[off : off + n] if admit_after > 1 else None, t, off, step=step,
+                                   partitions=partitions, admit_after=admit_after, evict=evict, ttl=ttl)
+        slots_out.append(slots)
+        for acc, x in zip(lists, parts):
+            acc.append(x)
+        sizes.append([parts[0].numel(), parts[2].numel(), parts[3].numel(), parts[5].numel()])
+        off += n
+    flat = [torch.cat(x) if x else _EMPTY for x in lists]
+    return DynamicPlan(torch.cat(slots_out) if slots_out else _EMPTY,
+                       torch.tensor(sizes, dtype=torch.int64).view(len(counts), 4), *flat)
+
+
+def merge_ids(ids, counts, *, runs):
+    per_table = [sum(counts[t * runs : (t + 1) * runs]) for t in range(len(counts) // runs)]
+    uniq, per, inverse, base = [], [], [], 0
+    for chunk in ids.split(per_table):
+        u, inv = torch.unique(chunk, sorted=True, return_inverse=True)
+        uniq.append(u)
+        per.append(u.numel())
+        inverse.append(inv + base)
+        base += u.numel()
+    cat = lambda x: torch.cat(x) if x else _EMPTY  # noqa: E731
+    return cat(uniq), torch.tensor(per, dtype=torch.int64), cat(inverse)
+
+
+def dynamic_commit_(tables, plan: DynamicPlan, counts, *, step, weights=(), keys=(), bounds=()) -> torch.Tensor:
+    sizes = plan.sizes.tolist()
+    slots = plan.slots.split(list(counts))
+    new_ids, new_slots = plan.new_ids.split([z[0] for z in sizes]), plan.new_slots.split([z[0] for z in sizes])
+    evicted = plan.evicted.split([z[1] for z in sizes])
+    out = []
+    for t, (s, sl, ni, ns, ev) in enumerate(zip(tables, slots, new_ids, new_slots, evicted)):
+        partitions = s.count.numel()
+        out.append(s.slot_id[ev].clone())
+        if ev.numel():
+            s.count -= torch.bincount(s.slot_part[ev], minlength=partitions)
+            s.occupied[ev] = False
+            s.last[ev] = -1
+        if ni.numel():
+            s.slot_id[ns] = ni
+            s.occupied[ns] = True
+            parts = s.slot_part[ns]
+            s.count += torch.bincount(parts, minlength=partitions)
+            s.fill.scatter_reduce_(0, parts, s.slot_index[ns] + 1, reduce="amax")
+            if weights:
+                init = torch.empty(ni.numel(), weights[t].shape[1])
+                initial_rows_(init, ni, key=keys[t], bound=bounds[t])
+                scatter_rows_(weights[t], ns, init)
+        s.last[sl[sl >= 0]] = step
+    return torch.cat(out) if out else _EMPTY
+
+
+def dynamic_rows(weights, ids, slots, seen, counts, *, admit_after, keys, bounds, out) -> torch.Tensor:
+    hits = []
+    p = q = 0
+    for t, (w, n) in enumerate(zip(weights, counts)):
+        dim = w.shape[1]
+        o = out[q : q + n * dim].view(n, dim)
+        s = slots[p : p + n]
+        hit = s >= 0
+        fresh = ~hit if admit_after <= 1 else ~hit & (seen[p : p + n].clamp(min=0) + 1 >= admit_after)
+        o.zero_()
+        o[hit] = w.index_select(0, s[hit]).float()
+        if bool(fresh.any()):
+            init = torch.empty(int(fresh.sum()), dim)
+            initial_rows_(init, ids[p : p + n][fresh], key=keys[t], bound=bounds[t])
+            o[fresh] = init
+        hits.append(int(hit.sum()))
+        p, q = p + n, q + n * dim
+    return torch.tensor(hits, dtype=torch.int64)

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from hybrid.errors import PlanError
+from hybrid import ops
 from hybrid.ops import reference
 from hybrid.ops.id_map import NATIVE, HashIdMap, id_hash
 from hybrid.ps.config import DynamicIds
-from hybrid.ps.server.dynamic import CapacityError, DynamicSlots, part_of
+from hybrid.ps.server import dynamic
+from hybrid.ps.server.dynamic import CapacityError, DynamicSlots, commit_updates, part_of, plan_updates
 
 native = pytest.mark.skipif(not NATIVE, reason="hybrid._C not built")
 
@@ -155,3 +157,59 @@ def test_plan_options_are_checked():
         DynamicIds(capacity=0)
     assert DynamicIds(capacity=10, evict="ttl:5").ttl == 5
     assert DynamicIds(capacity=1000).partitions == 64
+
+
+_FIELDS = ("slots", "new_ids", "new_slots", "evicted", "seen_ids", "seen_counts", "admitted_seen")
+_STATE = ("slot_id", "occupied", "last", "count", "fill")
+
+
+@pytest.mark.skipif(not ops.AVAILABLE, reason="hybrid._C not built")
+@pytest.mark.parametrize("evict,admit_after", [("lru", 1), ("lru", 2), ("ttl:2", 1), ("ttl:1", 2), ("none", 1)])
+def test_plan_and_commit_of_several_tables_equal_the_reference(evict, admit_after, monkeypatch):
+    """ops.dynamic_plan / dynamic_commit_ (every table in one call) against their plain-torch
+    twins: the same admissions, evictions, sightings and slot state step after step, and the
+    same CapacityError (first table, then part) with nothing changed."""
+    spec = DynamicIds(capacity=40, admit_after=admit_after, evict=evict, partitions=4)
+    parts = [[0, 1, 2, 3], [1, 3], [0, 2, 3]]
+
+    def build():
+        return [DynamicSlots(spec, p, table=f"t{k}", where="test") for k, p in enumerate(parts)]
+
+    native, plain = build(), build()
+    rows = {id(d): torch.zeros(d.capacity, 3, dtype=torch.bfloat16) for d in native + plain}
+    keys, bounds = [5, 6, 2**32 - 1], [0.5, 0.25, 1 / 3]
+    g = torch.Generator().manual_seed(3)
+    failed = 0
+    for t in range(40):
+        ids = []
+        for p in parts:
+            i = torch.randint(-30, 30, (int(torch.randint(0, 14, (1,), generator=g)),), generator=g) * 7919 + 2**41
+            ids.append(i[torch.isin(part_of(i, 4), torch.tensor(p))].unique())
+        outcome = []
+        for tables, twin in ((native, None), (plain, reference)):
+            with monkeypatch.context() as m:
+                if twin is not None:
+                    m.setattr(dynamic.ops, "dynamic_plan", twin.dynamic_plan)
+                    m.setattr(dynamic.ops, "dynamic_commit_", twin.dynamic_commit_)
+                try:
+                    adm = plan_updates(tables, ids, t)
+                except CapacityError as e:
+                    outcome.append(str(e))
+                    continue
+                commit_updates(tables, adm, weights=[rows[id(d)] for d in tables], keys=keys, bounds=bounds)
+                outcome.append([[getattr(a, f) for f in _FIELDS] for a in adm])
+        if isinstance(outcome[0], str):
+            failed += 1
+        assert type(outcome[0]) is type(outcome[1]), outcome
+        if isinstance(outcome[0], str):
+            assert outcome[0] == outcome[1]
+        else:
+            for a, b in zip(*outcome):
+                assert all(torch.equal(x, y) for x, y in zip(a, b)), (t, a, b)
+        for a, b in zip(native, plain):
+            assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in _STATE), t
+            assert torch.equal(rows[id(a)], rows[id(b)])
+            assert all(torch.equal(x, y) for x, y in zip(a.map.items(), b.map.items()))
+            assert all(torch.equal(x, y) for x, y in zip(a.seen.items(), b.seen.items()))
+            assert (a.counters.admitted, a.counters.evicted) == (b.counters.admitted, b.counters.evicted)
+    assert failed > 0 if evict == "none" else sum(d.counters.evicted for d in native) > 0

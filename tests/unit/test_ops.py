@@ -210,6 +210,78 @@ def test_route_names_the_first_id_outside_its_table_like_the_reference():
     assert errors[0] == errors[1] and errors[0][1:3] == (3, -1)
 
 
+@native
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("pooling", ["sum", "mean", "weighted"])
+@pytest.mark.parametrize("spread", ["narrow", "int64"])
+def test_route_hashed_equals_the_reference(seed, pooling, spread):
+    """Raw ids: a narrow range (one radix sort) and ids over the whole int64 range (the
+    comparison sort); repeats, several servers and shards, both bag orders."""
+    g = torch.Generator().manual_seed(seed)
+    num_servers, ntab = 1 + seed % 3, 1 + seed % 4
+    nf = ntab + seed % 3
+    rows, _, shards, server_rank, feature_table = _layout(g, num_servers=num_servers, ntab=ntab, nf=nf)
+    b = 1 + seed * 3
+    ids, lengths = _batch(g, rows.clamp(min=1), feature_table, b, max_len=1 + seed)
+    ids = ids * 1_000_003 - 500 if spread == "narrow" else (ids - 20) * (2**58 + 12345)
+    weights = torch.rand(ids.shape, generator=g) if pooling == "weighted" else None
+    for sample_major in (True, False):
+        kw = dict(partitions=5 + seed, num_servers=num_servers, batch_size=b, weights=weights,
+                  mean=pooling == "mean", sample_major=sample_major)
+        got = ops.route_hashed(ids, lengths, feature_table, shards, server_rank, **kw)
+        want = ref.route_hashed(ids, lengths, feature_table, shards, server_rank, **kw)
+        assert got.num_unique == want.num_unique == got.requests_ids.numel()
+        for field in ("requests_ids", "per", "raw", "idx", "offsets", "weights", "grad_bags", "grad_offsets",
+                      "grad_scale"):
+            assert _equal(getattr(got, field), getattr(want, field)), field
+    empty = torch.zeros(0, dtype=torch.int64), torch.zeros(nf * 2, dtype=torch.int64)
+    kw = dict(partitions=3, num_servers=num_servers, batch_size=2)
+    got = ops.route_hashed(*empty, feature_table, shards, server_rank, **kw)
+    want = ref.route_hashed(*empty, feature_table, shards, server_rank, **kw)
+    assert got.num_unique == want.num_unique == 0 and _equal(got.offsets, want.offsets) and _equal(got.per, want.per)
+
+
+@native
+@pytest.mark.parametrize("table_dtype", ROW_DTYPES)
+@pytest.mark.parametrize("admit_after", [1, 3])
+def test_dynamic_rows_equals_the_reference(table_dtype, admit_after):
+    """Rows with a slot, the initial value of ids admitted now, zeros for the others."""
+    g = torch.Generator().manual_seed(11)
+    weights = [torch.randn(20, d, generator=g).to(table_dtype) for d in (4, 7, 1)]
+    counts = [9, 0, 6]
+    ids = torch.randint(-2**62, 2**62, (15,), generator=g)
+    slots = torch.randint(-1, 20, (15,), generator=g)
+    seen = torch.randint(-1, 4, (15,), generator=g) if admit_after > 1 else torch.empty(0, dtype=torch.int64)
+    kw = dict(admit_after=admit_after, keys=[7, 2**32 - 1, 0], bounds=[0.1, 0.5, 1 / 3])
+    numel = 9 * 4 + 6 * 1
+    got, want = torch.full((numel + 3,), 9.0), torch.full((numel + 3,), 9.0)
+    hits = ops.dynamic_rows(weights, ids, slots, seen, counts, out=got, **kw)
+    hits_ref = ref.dynamic_rows(weights, ids, slots, seen, counts, out=want, **kw)
+    assert torch.equal(got, want) and torch.equal(hits, hits_ref)
+    assert hits.tolist() == [int((slots[:9] >= 0).sum()), 0, int((slots[9:] >= 0).sum())]
+
+
+@native
+@pytest.mark.parametrize("runs", [1, 2, 3])
+def test_merge_ids_equals_the_reference(runs):
+    """Ascending runs per table (some empty, some ids in several runs) merged into each table's
+    distinct ids, and every input id's index among them."""
+    g = torch.Generator().manual_seed(runs)
+    chunks, counts = [], []
+    for t in range(4):
+        for r in range(runs):
+            n = 0 if (t, r) == (2, 0) else int(torch.randint(0, 12, (1,), generator=g))
+            c = (torch.randperm(30, generator=g)[:n].sort().values - 15) * (2**59 + 7)
+            chunks.append(c)
+            counts.append(c.numel())
+    ids = torch.cat(chunks)
+    got, want = ops.merge_ids(ids, counts, runs=runs), ref.merge_ids(ids, counts, runs=runs)
+    assert all(_equal(a, b) for a, b in zip(got, want)), (got, want)
+    assert torch.equal(got[0].index_select(0, got[2]), ids)
+    with pytest.raises(ValueError, match="distinct and ascending"):
+        ops.merge_ids(torch.tensor([3, 1]), [2], runs=1)
+
+
 def _counts(g: torch.Generator, tables: list[torch.Tensor], n: int) -> tuple[torch.Tensor, list[int]]:
     counts = [int(c) for c in torch.randint(0, n + 1, (len(tables),), generator=g)]
     counts[-1] = 0 if len(tables) > 1 else counts[-1]  # a table asked for nothing
@@ -552,7 +624,8 @@ def test_without_the_extension_the_reference_runs_after_one_warning():
             "hybrid.ops: hybrid._C does not load (import of hybrid._C halted; None in sys.modules); using the "
             "plain-torch operators of hybrid.ops.reference"), caught[0].message
         assert all(getattr(ops, n) is getattr(reference, n) for n in
-                   ("route", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows", "scatter_rows_"))
+                   ("route", "route_hashed", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows",
+                    "scatter_rows_", "dynamic_plan", "dynamic_commit_", "dynamic_rows"))
         print("ok")
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

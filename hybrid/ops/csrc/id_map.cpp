@@ -8,19 +8,13 @@
 
 #include <cstdint>
 
+#include "hash.h"
+
 namespace {
 
 using at::Tensor;
 
-// MurmurHash3's 64-bit finalizer: every input bit moves every output bit.
-inline uint64_t fmix64(uint64_t k) {
-  k ^= k >> 33;
-  k *= 0xFF51AFD7ED558CCDull;
-  k ^= k >> 33;
-  k *= 0xC4CEB9FE1A85EC53ull;
-  k ^= k >> 33;
-  return k;
-}
+using hybrid::hash::fmix64;
 
 void check_map(const Tensor& keys, const Tensor& slots) {
   TORCH_CHECK_TYPE(keys.scalar_type() == at::kLong && slots.scalar_type() == at::kLong,
@@ -54,7 +48,17 @@ Tensor id_map_find(const Tensor& keys, const Tensor& slots, const Tensor& ids) {
   const int64_t *k = keys.data_ptr<int64_t>(), *s = slots.data_ptr<int64_t>(), *q = ids.data_ptr<int64_t>();
   int64_t* o = out.data_ptr<int64_t>();
   const uint64_t mask = static_cast<uint64_t>(keys.numel() - 1);
-  for (int64_t i = 0; i < n; i++) o[i] = s[probe(k, s, mask, q[i])];  // -1 where absent
+  // The map is much larger than the caches: the entries kPrefetch ids ahead are requested
+  // early, so several misses overlap instead of one probe waiting for memory at a time.
+  constexpr int64_t kPrefetch = 16;
+  for (int64_t i = 0; i < n; i++) {
+    if (i + kPrefetch < n) {
+      const uint64_t h = fmix64(static_cast<uint64_t>(q[i + kPrefetch])) & mask;
+      __builtin_prefetch(s + h);
+      __builtin_prefetch(k + h);
+    }
+    o[i] = s[probe(k, s, mask, q[i])];  // -1 where absent
+  }
   return out;
 }
 

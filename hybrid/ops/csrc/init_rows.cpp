@@ -12,33 +12,19 @@
 #include <cstdint>
 
 #include "convert.h"
+#include "hash.h"
 
 namespace {
 
 using at::Tensor;
 namespace k = hybrid::kernels;
 
-inline uint32_t fmix32(uint32_t h) {
-  h ^= h >> 16;
-  h *= 0x7FEB352Du;
-  h ^= h >> 15;
-  h *= 0x846CA68Bu;
-  return h ^ (h >> 16);
-}
-
 template <typename Store>
 void fill(int64_t begin, int64_t end, const int64_t* rows, int64_t dim, uint32_t key, float bound,
           Store store) {
   for (int64_t i = begin; i < end; i++) {
-    const uint64_t r = static_cast<uint64_t>(rows[i]);
-    uint32_t h = fmix32(static_cast<uint32_t>(r) ^ key);
-    h = fmix32(h ^ static_cast<uint32_t>(r >> 32));
-    for (int64_t c = 0; c < dim; c++) {
-      const uint32_t e = fmix32(h ^ static_cast<uint32_t>(c));
-      // (e >> 8) < 2**24 is exact in float32, and so are the scaling and the shift to [-1, 1).
-      const float u = static_cast<float>(e >> 8) * (2.0f / 16777216.0f) - 1.0f;
-      store(i * dim + c, u * bound);
-    }
+    const uint32_t h = hybrid::hash::row_hash(static_cast<uint64_t>(rows[i]), key);
+    for (int64_t c = 0; c < dim; c++) store(i * dim + c, hybrid::hash::initial_value(h, c, bound));
   }
 }
 

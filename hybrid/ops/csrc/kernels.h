@@ -163,10 +163,12 @@ struct RouteIn {
   const float* weights;  // n per-id weights, or nullptr
   bool mean;             // grad_scale = 1 / len(bag) (whether or not there are weights)
   bool sample_major;     // bags ordered (sample, feature); else (feature, sample), ids in input order
+  int64_t partitions;    // 0: ids are rows of their tables; > 0: raw ids (ids: dynamic), each sent
+                         // as itself to the shard (fmix64(id) mod partitions) % shards, row_base unused
 };
 
 struct RouteOut {
-  int64_t* req;           // n (num_unique used): local rows, server-major, table-minor, ascending
+  int64_t* req;           // n (num_unique used): local rows (raw ids), server-major, table-minor, ascending
   int64_t* per;           // nsrv * ntab
   int64_t* raw;           // nsrv
   int64_t* idx;           // n
@@ -177,7 +179,7 @@ struct RouteOut {
   float* grad_scale;      // n, or nullptr
 };
 
-// One batch's route (hybrid/ops/reference.py, route()). Returns the number of distinct rows,
+// One batch's route (hybrid/ops/reference.py, route() and route_hashed()). Returns the number of distinct rows,
 // or -1 with *status saying which id lies outside its table (nothing useful written then).
 int64_t route(const RouteIn& in, const RouteOut& out, Status* status);
 

@@ -110,16 +110,18 @@ void check_sort_key(int64_t rows, int64_t n, const char* op) {
 
 // -- route ----------------------------------------------------------------------------------------
 
-std::tuple<int64_t, int64_t, int64_t, int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-           Tensor, Tensor, Tensor>
-route(const Tensor& ids, const Tensor& lengths, const Tensor& feature_table,
-      const Tensor& row_base, const Tensor& shards, const Tensor& server_rank,
-      int64_t num_servers, int64_t batch_size, const std::optional<Tensor>& weights, bool mean,
-      bool sample_major) {
+using RouteTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, Tensor, Tensor, Tensor, Tensor, Tensor,
+                              Tensor, Tensor, Tensor, Tensor>;
+
+// route and route_hashed: row_base (tables + 1 entries) for tables of rows, or undefined for raw
+// ids (partitions > 0).
+RouteTuple route_batch(const Tensor& ids, const Tensor& lengths, const Tensor& feature_table,
+                       const Tensor& row_base, const Tensor& shards, const Tensor& server_rank,
+                       int64_t partitions, int64_t num_servers, int64_t batch_size,
+                       const std::optional<Tensor>& weights, bool mean, bool sample_major) {
   check_int64_1d(ids, "ids");
   check_int64_1d(lengths, "lengths");
   check_int64_1d(feature_table, "feature_table");
-  check_int64_1d(row_base, "row_base");
   check_int64_1d(shards, "shards");
   check_cpu_contiguous(server_rank, "server_rank");
   TORCH_CHECK_TYPE(server_rank.scalar_type() == at::kLong, "server_rank must be int64, got ",
@@ -129,15 +131,12 @@ route(const Tensor& ids, const Tensor& lengths, const Tensor& feature_table,
   TORCH_CHECK_VALUE(num_servers >= 1, "num_servers must be >= 1, got ", num_servers);
   TORCH_CHECK_VALUE(lengths.numel() == nf * batch_size, "lengths holds ", lengths.numel(),
                     " bags; expected features x batch_size = ", nf, " x ", batch_size);
-  TORCH_CHECK_VALUE(row_base.numel() == ntab + 1, "row_base holds ", row_base.numel(),
-                    " entries; expected tables + 1 = ", ntab + 1);
   TORCH_CHECK_VALUE(server_rank.dim() == 2 && server_rank.size(0) == ntab,
                     "server_rank must be [tables, max shards] = [", ntab, ", *], got shape ",
                     server_rank.sizes());
   const int64_t width = server_rank.size(1);
   const int64_t* len = lengths.data_ptr<int64_t>();
   const int64_t* ft = feature_table.data_ptr<int64_t>();
-  const int64_t* rb = row_base.data_ptr<int64_t>();
   const int64_t* sh = shards.data_ptr<int64_t>();
   const int64_t* sr = server_rank.data_ptr<int64_t>();
   int64_t total = 0;
@@ -149,10 +148,7 @@ route(const Tensor& ids, const Tensor& lengths, const Tensor& feature_table,
   for (int64_t f = 0; f < nf; f++)
     TORCH_CHECK_VALUE(ft[f] >= 0 && ft[f] < ntab, "feature_table[", f, "] = ", ft[f],
                       " is not a table index in [0, ", ntab, ")");
-  TORCH_CHECK_VALUE(rb[0] == 0, "row_base[0] must be 0, got ", rb[0]);
   for (int64_t t = 0; t < ntab; t++) {
-    TORCH_CHECK_VALUE(rb[t + 1] >= rb[t], "row_base must not decrease: row_base[", t + 1,
-                      "] = ", rb[t + 1], " < row_base[", t, "] = ", rb[t]);
     TORCH_CHECK_VALUE(sh[t] >= 1 && sh[t] <= width, "shards[", t, "] = ", sh[t],
                       " is not in [1, ", width, "]");
     for (int64_t s = 0; s < sh[t]; s++)
@@ -160,7 +156,20 @@ route(const Tensor& ids, const Tensor& lengths, const Tensor& feature_table,
                         "server_rank[", t, ", ", s, "] = ", sr[t * width + s],
                         " is not a server in [0, ", num_servers, ")");
   }
-  check_sort_key(rb[ntab], n, "route");
+  const int64_t* rb = nullptr;
+  if (partitions == 0) {
+    check_int64_1d(row_base, "row_base");
+    TORCH_CHECK_VALUE(row_base.numel() == ntab + 1, "row_base holds ", row_base.numel(),
+                      " entries; expected tables + 1 = ", ntab + 1);
+    rb = row_base.data_ptr<int64_t>();
+    TORCH_CHECK_VALUE(rb[0] == 0, "row_base[0] must be 0, got ", rb[0]);
+    for (int64_t t = 0; t < ntab; t++)
+      TORCH_CHECK_VALUE(rb[t + 1] >= rb[t], "row_base must not decrease: row_base[", t + 1,
+                        "] = ", rb[t + 1], " < row_base[", t, "] = ", rb[t]);
+    check_sort_key(rb[ntab], n, "route");
+  } else {
+    TORCH_CHECK_VALUE(partitions >= 1, "partitions must be >= 1, got ", partitions);
+  }
   const float* w = nullptr;
   if (weights.has_value()) {
     check_float32(*weights, "weights");
@@ -177,8 +186,8 @@ route(const Tensor& ids, const Tensor& lengths, const Tensor& feature_table,
   Tensor weights_out = at::empty({w ? n : 0}, f32);
   Tensor grad_bags = at::empty({n}, i64), grad_offsets = at::empty({n + 1}, i64);
   Tensor grad_scale = at::empty({(w || mean) ? n : 0}, f32);
-  const k::RouteIn in{n,  ids.data_ptr<int64_t>(), nf, batch_size, len, ft, ntab, rb, sh, sr, width,
-                      num_servers, w, mean, sample_major};
+  const k::RouteIn in{n,  ids.data_ptr<int64_t>(), nf,    batch_size, len,         ft,        ntab, rb, sh,
+                      sr, width,                   num_servers, w,    mean,        sample_major, partitions};
   const k::RouteOut out{req.data_ptr<int64_t>(),
                         per.data_ptr<int64_t>(),
                         raw.data_ptr<int64_t>(),
@@ -194,6 +203,22 @@ route(const Tensor& ids, const Tensor& lengths, const Tensor& feature_table,
   return {st.code,   st.table,    st.position, st.count,  req.narrow(0, 0, nu),
           per,       raw,         idx,         offsets,   weights_out,
           grad_bags, grad_offsets.narrow(0, 0, nu + 1), grad_scale};
+}
+
+RouteTuple route(const Tensor& ids, const Tensor& lengths, const Tensor& feature_table, const Tensor& row_base,
+                 const Tensor& shards, const Tensor& server_rank, int64_t num_servers, int64_t batch_size,
+                 const std::optional<Tensor>& weights, bool mean, bool sample_major) {
+  return route_batch(ids, lengths, feature_table, row_base, shards, server_rank, 0, num_servers, batch_size,
+                     weights, mean, sample_major);
+}
+
+RouteTuple route_hashed(const Tensor& ids, const Tensor& lengths, const Tensor& feature_table,
+                        const Tensor& shards, const Tensor& server_rank, int64_t partitions,
+                        int64_t num_servers, int64_t batch_size, const std::optional<Tensor>& weights,
+                        bool mean, bool sample_major) {
+  TORCH_CHECK_VALUE(partitions >= 1, "partitions must be >= 1, got ", partitions);
+  return route_batch(ids, lengths, feature_table, Tensor(), shards, server_rank, partitions, num_servers,
+                     batch_size, weights, mean, sample_major);
 }
 
 // -- the server's rows --------------------------------------------------------------------------
@@ -728,6 +753,10 @@ TORCH_LIBRARY(hybrid, m) {
       "Tensor server_rank, int num_servers, int batch_size, Tensor? weights, bool mean, "
       "bool sample_major) -> (int, int, int, int, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
       "Tensor, Tensor, Tensor)");
+  m.def(
+      "route_hashed(Tensor ids, Tensor lengths, Tensor feature_table, Tensor shards, Tensor server_rank, "
+      "int partitions, int num_servers, int batch_size, Tensor? weights, bool mean, bool sample_major) -> "
+      "(int, int, int, int, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("gather_rows(Tensor[] tables, Tensor ids, int[] counts, Tensor(a!) out) -> (int, int, int, int)");
   m.def(
       "sgd_rows_(Tensor(a!)[] tables, Tensor ids, int[] counts, Tensor grad, float alpha) -> "
@@ -749,6 +778,7 @@ TORCH_LIBRARY(hybrid, m) {
 
 TORCH_LIBRARY_IMPL(hybrid, CompositeExplicitAutograd, m) {
   m.impl("route", route);
+  m.impl("route_hashed", route_hashed);
   m.impl("gather_rows", gather_rows);
   m.impl("sgd_rows_", sgd_rows_);
   m.impl("sum_rows", sum_rows);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "hash.h"
 #include "kernels.h"
 
 namespace hybrid {
@@ -106,16 +107,72 @@ int64_t nonfinite_rows(const void* x, DType dtype, int64_t nrows, int64_t d, int
   });
 }
 
+// Raw ids (RouteIn::partitions > 0) grouped by (table, id), positions in order within a group:
+// sorted_pos[i] the i-th position in that order, utab/uid each distinct pair, rank[p] the
+// distinct pair of position p, ustart[u] its first place in the order. packed: n + n scratch.
+// Returns the number of distinct pairs.
+static int64_t group_raw_ids(const RouteIn& in, const int64_t* tab, uint64_t* packed, uint64_t* sorted_pos,
+                             int64_t* rank, int64_t* ustart, int64_t* utab, int64_t* uid) {
+  const int64_t n = in.n;
+  const int64_t* ids = in.ids;
+  if (n == 0) {
+    ustart[0] = 0;
+    return 0;
+  }
+  int64_t lo = ids[0], hi = ids[0];
+  for (int64_t p = 1; p < n; p++) {
+    lo = std::min(lo, ids[p]);
+    hi = std::max(hi, ids[p]);
+  }
+  const int pos_bits = bit_length(static_cast<uint64_t>(n > 1 ? n - 1 : 1));
+  const int id_bits = bit_length(static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo));
+  const int tab_bits = bit_length(static_cast<uint64_t>(in.ntab > 1 ? in.ntab - 1 : 0));
+  if (pos_bits + id_bits + tab_bits <= 64) {
+    // One radix sort of (table, id - lowest id, position).
+    for (int64_t p = 0; p < n; p++) {
+      const uint64_t key = (static_cast<uint64_t>(tab[p]) << id_bits) |
+                           (static_cast<uint64_t>(ids[p]) - static_cast<uint64_t>(lo));
+      packed[p] = (key << pos_bits) | static_cast<uint64_t>(p);
+    }
+    radix_sort(packed, sorted_pos, n, pos_bits, pos_bits + id_bits + tab_bits);
+    const uint64_t pos_mask = (uint64_t{1} << pos_bits) - 1;
+    for (int64_t i = 0; i < n; i++) sorted_pos[i] = packed[i] & pos_mask;
+  } else {
+    // Ids spread over most of the int64 range: a comparison sort, ties by position.
+    int64_t* order = reinterpret_cast<int64_t*>(packed);
+    for (int64_t p = 0; p < n; p++) order[p] = p;
+    std::sort(order, order + n, [&](int64_t a, int64_t b) {
+      if (tab[a] != tab[b]) return tab[a] < tab[b];
+      if (ids[a] != ids[b]) return ids[a] < ids[b];
+      return a < b;
+    });
+    for (int64_t i = 0; i < n; i++) sorted_pos[i] = static_cast<uint64_t>(order[i]);
+  }
+  int64_t nu = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t q = static_cast<int64_t>(sorted_pos[i]);
+    if (nu == 0 || tab[q] != utab[nu - 1] || ids[q] != uid[nu - 1]) {
+      utab[nu] = tab[q];
+      uid[nu] = ids[q];
+      ustart[nu++] = i;
+    }
+    rank[q] = nu - 1;
+  }
+  ustart[nu] = n;
+  return nu;
+}
+
 // See kernels.h (RouteIn/RouteOut) and hybrid/ops/reference.py (Route) for each output's meaning.
 int64_t route(const RouteIn& in, const RouteOut& out, Status* status) {
   const int64_t n = in.n, nf = in.nf, b = in.b, ntab = in.ntab, nsrv = in.nsrv;
   const int64_t nbags = nf * b;
+  const bool hashed = in.partitions > 0;
   const int pos_bits = bit_length(static_cast<uint64_t>(n > 1 ? n - 1 : 1));
-  const int64_t total_rows = in.row_base[ntab];
+  const int64_t total_rows = hashed ? 0 : in.row_base[ntab];
   const int key_bits = bit_length(static_cast<uint64_t>(total_rows > 0 ? total_rows - 1 : 0));
 
-  // Scratch, uninitialized (every entry is written before it is read): one block of 10n + nbags + 1.
-  std::unique_ptr<int64_t[]> block(new int64_t[10 * n + nbags + 1]);
+  // Scratch, uninitialized (every entry is written before it is read): one block of 11n + nbags + 1.
+  std::unique_ptr<int64_t[]> block(new int64_t[11 * n + nbags + 1]);
   uint64_t* packed = reinterpret_cast<uint64_t*>(block.get());  // (global row << pos_bits) | position
   uint64_t* sorted_pos = packed + n;  // radix scratch, then the positions in sorted order
   int64_t* bag = block.get() + 2 * n;
@@ -126,18 +183,24 @@ int64_t route(const RouteIn& in, const RouteOut& out, Status* status) {
   int64_t* place = ukey + n;     // distinct row -> its row in the request
   int64_t* uop = place + n;      // row in the request -> distinct row
   int64_t* bag_start = uop + n;  // first position of each (feature-major) bag
+  int64_t* tab = bag_start + nbags;  // table of each position (raw ids)
 
-  // Positions in, with their bags; every id checked against its table.
+  // Positions in, with their bags; every id checked against its table (rows, not raw ids).
   int64_t p = 0;
   for (int64_t f = 0; f < nf; f++) {
     const int64_t t = in.feat_table[f];
-    const int64_t base = in.row_base[t], rows = in.row_base[t + 1] - base;
+    const int64_t base = hashed ? 0 : in.row_base[t], rows = hashed ? 0 : in.row_base[t + 1] - base;
     for (int64_t s = 0; s < b; s++) {
       const int64_t len = in.lengths[f * b + s];
       const int64_t bg = in.sample_major ? s * nf + f : f * b + s;
       bag_start[f * b + s] = p;
       for (int64_t k = 0; k < len; k++, p++) {
         const int64_t id = in.ids[p];
+        bag[p] = bg;
+        if (hashed) {
+          tab[p] = t;
+          continue;
+        }
         if (static_cast<uint64_t>(id) >= static_cast<uint64_t>(rows)) {
           status->code = kBadRow;
           status->table = t;
@@ -145,48 +208,58 @@ int64_t route(const RouteIn& in, const RouteOut& out, Status* status) {
           return -1;
         }
         packed[p] = (static_cast<uint64_t>(id + base) << pos_bits) | static_cast<uint64_t>(p);
-        bag[p] = bg;
       }
     }
   }
-  radix_sort(packed, sorted_pos, n, pos_bits, pos_bits + key_bits);
 
-  // Distinct rows, and each position's.
-  const uint64_t pos_mask = (uint64_t{1} << pos_bits) - 1;
-  uint64_t prev = 0;
+  // Distinct rows, and each position's; owner server and local row of each distinct row.
   int64_t nu = 0;
-  for (int64_t i = 0; i < n; i++) {
-    const uint64_t g = packed[i] >> pos_bits;
-    const int64_t q = static_cast<int64_t>(packed[i] & pos_mask);
-    if (i == 0 || g != prev) {
-      ulocal[nu] = static_cast<int64_t>(g);  // the global row until placed below
-      ustart[nu++] = i;
-      prev = g;
-    }
-    rank[q] = nu - 1;
-    sorted_pos[i] = static_cast<uint64_t>(q);
-  }
-  ustart[nu] = n;
-
-  // Owner server and local row of each distinct row; counts per (server, table).
   std::fill(out.per, out.per + nsrv * ntab, 0);
   std::fill(out.raw, out.raw + nsrv, 0);
-  int64_t t = 0;
-  for (int64_t u = 0; u < nu; u++) {
-    const int64_t g = ulocal[u];
-    while (g >= in.row_base[t + 1]) t++;  // rows ascend, so tables do
-    int64_t local = g - in.row_base[t];
-    const int64_t sh = in.shards[t];
-    int64_t sp = 0;
-    if (sh > 1) {
-      sp = local % sh;
-      local /= sh;
+  if (hashed) {
+    // ukey holds each pair's table until its server is known.
+    nu = group_raw_ids(in, tab, packed, sorted_pos, rank, ustart, ukey, ulocal);
+    for (int64_t u = 0; u < nu; u++) {
+      const int64_t t = ukey[u];
+      const int64_t sp = hash::part_of(ulocal[u], in.partitions) % in.shards[t];
+      const int64_t srv = in.server_rank[t * in.width + sp];
+      ukey[u] = srv * ntab + t;
+      out.per[ukey[u]]++;
+      out.raw[srv] += ustart[u + 1] - ustart[u];
     }
-    const int64_t srv = in.server_rank[t * in.width + sp];
-    ukey[u] = srv * ntab + t;
-    ulocal[u] = local;
-    out.per[ukey[u]]++;
-    out.raw[srv] += ustart[u + 1] - ustart[u];
+  } else {
+    radix_sort(packed, sorted_pos, n, pos_bits, pos_bits + key_bits);
+    const uint64_t pos_mask = (uint64_t{1} << pos_bits) - 1;
+    uint64_t prev = 0;
+    for (int64_t i = 0; i < n; i++) {
+      const uint64_t g = packed[i] >> pos_bits;
+      const int64_t q = static_cast<int64_t>(packed[i] & pos_mask);
+      if (i == 0 || g != prev) {
+        ulocal[nu] = static_cast<int64_t>(g);  // the global row until placed below
+        ustart[nu++] = i;
+        prev = g;
+      }
+      rank[q] = nu - 1;
+      sorted_pos[i] = static_cast<uint64_t>(q);
+    }
+    ustart[nu] = n;
+    int64_t t = 0;
+    for (int64_t u = 0; u < nu; u++) {
+      const int64_t g = ulocal[u];
+      while (g >= in.row_base[t + 1]) t++;  // rows ascend, so tables do
+      int64_t local = g - in.row_base[t];
+      const int64_t sh = in.shards[t];
+      int64_t sp = 0;
+      if (sh > 1) {
+        sp = local % sh;
+        local /= sh;
+      }
+      const int64_t srv = in.server_rank[t * in.width + sp];
+      ukey[u] = srv * ntab + t;
+      ulocal[u] = local;
+      out.per[ukey[u]]++;
+      out.raw[srv] += ustart[u + 1] - ustart[u];
+    }
   }
 
   // Distinct rows to their place in the request: server-major, table-minor, ascending (stable).

@@ -34,7 +34,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hybrid import ops
 from hybrid.errors import InputError
-from hybrid.ps.config import CollectionConfig, TableSpec, part_of
+from hybrid.ps.config import CollectionConfig, TableSpec
 from hybrid.ps.protocol import Rows
 
 
@@ -177,8 +177,8 @@ class Router:
                   sample_major=not unpooled)
         counts = lengths.view(len(g.features), b).sum(1).tolist() if unpooled else None
         if self.config.dynamic is not None:
-            return route_hashed(values, lengths, g.feature_table, g.shards, g.server_rank,
-                                partitions=self.config.dynamic.partitions, **kw), counts
+            return ops.route_hashed(values, lengths, g.feature_table, g.shards, g.server_rank,
+                                    partitions=self.config.dynamic.partitions, **kw), counts
         try:
             return ops.route(values, lengths, *args, **kw), counts
         except ops.RowOutOfRange:
@@ -246,73 +246,6 @@ class Router:
         chunks = [parts[s][k].view(-1, g.dim) for s in self.servers]
         rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         return rows.to(torch.float32)
-
-
-def route_hashed(ids, lengths, feature_table, shards, server_rank, *, partitions, num_servers, batch_size,
-                 weights=None, mean=False, sample_major=True) -> ops.Route:
-    """:func:`hybrid.ops.route` for raw int64 ids (``ids: dynamic``): deduplicated by (table, id)
-    with two stable sorts, each distinct id sent as itself to the server of its part
-    (``fmix64(id) mod partitions``, part ``p`` on shard ``p % shards``). Tensor operations only."""
-    total = ids.numel()
-    nf, b = feature_table.numel(), batch_size
-    ntab = shards.numel()
-    per_feature = lengths.view(nf, b).sum(1) if nf else lengths.new_zeros(0)
-    table_of_id = torch.repeat_interleave(feature_table, per_feature, output_size=total)
-    if nf and bool((feature_table[1:] >= feature_table[:-1]).all()):
-        # Each table's ids are one run of the values: sort the runs one by one.
-        per_table = torch.zeros(ntab, dtype=torch.int64).index_add_(0, feature_table, per_feature).tolist()
-        runs, start = [], 0
-        for n in per_table:
-            runs.append(torch.argsort(ids[start : start + n], stable=True) + start)
-            start += n
-        by_row = torch.cat(runs) if runs else torch.empty(0, dtype=torch.int64)
-    else:
-        by_row = torch.argsort(ids, stable=True)
-        by_row = by_row[torch.argsort(table_of_id[by_row], stable=True)]
-    s_tab, s_id = table_of_id[by_row], ids[by_row]
-    first = torch.ones(total, dtype=torch.bool)
-    first[1:] = (s_tab[1:] != s_tab[:-1]) | (s_id[1:] != s_id[:-1])
-    ranks = torch.cumsum(first, 0) - 1
-    starts = first.nonzero().squeeze(1)
-    uniq, t_u = s_id[starts], s_tab[starts]
-    per_row = torch.diff(torch.cat([starts, starts.new_tensor([total])]))
-    inverse = torch.empty_like(by_row).scatter_(0, by_row, ranks)
-    shard_pos = part_of(uniq, partitions) % shards.index_select(0, t_u)
-    rank_u = server_rank[t_u, shard_pos]
-    key = rank_u * ntab + t_u
-    # One server: the keys are the tables, already in order.
-    order = torch.arange(key.numel()) if num_servers == 1 else torch.argsort(key, stable=True)
-    per = torch.bincount(key, minlength=num_servers * ntab).view(num_servers, ntab)
-    requests_ids = uniq.index_select(0, order)
-    raw = torch.bincount(rank_u.index_select(0, inverse), minlength=num_servers)
-    place = torch.empty_like(order)
-    place[order] = torch.arange(order.numel())
-    idx = place.index_select(0, inverse)
-    bag_fm = torch.repeat_interleave(torch.arange(nf * b).view(b, nf).t().reshape(-1), lengths, output_size=total)
-    group_sizes = per_row.index_select(0, order)
-    gstarts = torch.cat([per_row.new_zeros(1), per_row.cumsum(0)])[:-1].index_select(0, order)
-    pos = torch.repeat_interleave(gstarts - torch.cat([group_sizes.new_zeros(1), group_sizes.cumsum(0)])[:-1],
-                                  group_sizes, output_size=total) + torch.arange(total)
-    members = by_row.index_select(0, pos)
-    grad_bags = bag_fm.index_select(0, members)
-    grad_offsets = torch.cat([group_sizes.new_zeros(1), group_sizes.cumsum(0)])
-    if mean:
-        inv_len = 1.0 / lengths.clamp(min=1).to(torch.float32)
-        grad_scale = torch.repeat_interleave(inv_len, lengths, output_size=total).index_select(0, members)
-    else:
-        grad_scale = weights.index_select(0, members) if weights is not None else None
-    out_weights = weights
-    if nf > 1 and sample_major:
-        sm_lengths = lengths.view(nf, b).t().reshape(-1)
-        fm_start = (lengths.cumsum(0) - lengths).view(nf, b).t().reshape(-1)
-        sm_start = sm_lengths.cumsum(0) - sm_lengths
-        perm = torch.arange(total) + torch.repeat_interleave(fm_start - sm_start, sm_lengths, output_size=total)
-        idx = idx.index_select(0, perm)
-        out_weights = weights.index_select(0, perm) if weights is not None else None
-        lengths = sm_lengths
-    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-    return ops.Route(requests_ids=requests_ids, per=per, raw=raw, idx=idx, offsets=offsets, weights=out_weights,
-                     grad_bags=grad_bags, grad_offsets=grad_offsets, grad_scale=grad_scale, num_unique=uniq.numel())
 
 
 def _features(kjt: KeyedJaggedTensor, features: list[str], *, weighted: bool

@@ -12,8 +12,10 @@ evictions are a function of the step's ids alone:
   smaller id; never one touched this step), under ``ttl:N`` an expired one; none left: a
   :class:`CapacityError` before anything changed.
 
-Lookups (:meth:`DynamicSlots.find`) change nothing but the hit counters. Everything is tensor
-operations over the step's ids (the map probes in C++, :mod:`hybrid.ops.id_map`).
+Lookups (:meth:`DynamicSlots.find`, :func:`read_rows`) change nothing but the hit counters. The
+maps probe in C++ (:mod:`hybrid.ops.id_map`); the decisions and the reads of every table of a
+collection are one operator call each (``hybrid.ops.dynamic_plan``, ``dynamic_commit_``,
+``dynamic_rows``), so a step's cost does not grow with Python work per table.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid import ops
 from hybrid.errors import InputError
 from hybrid.ops.id_map import IdMap
-from hybrid.ps.config import DynamicIds, part_of
+from hybrid.ps.config import DynamicIds, part_of  # noqa: F401 - part_of: the parts, for callers
 
 
 class CapacityError(InputError):
@@ -33,8 +36,10 @@ class CapacityError(InputError):
 
 @dataclass
 class Admission:
-    """What :meth:`DynamicSlots.plan` decided for one update; :meth:`DynamicSlots.commit` does it."""
+    """What :func:`plan_updates` decided for one table's update (views into ``plan``, the update
+    of every table planned with it); :func:`commit_updates` does it."""
 
+    plan: ops.DynamicPlan
     step: int
     ids: torch.Tensor
     """The update's distinct ids, ascending."""
@@ -44,7 +49,7 @@ class Admission:
     new_slots: torch.Tensor
     """Rows to create (initial value, fresh optimizer state)."""
     evicted: torch.Tensor
-    """Slots whose row goes (the expired under ttl, and those taken for new ids)."""
+    """Slots whose row goes (the expired under ttl, and those taken for new ids), ascending."""
     seen_ids: torch.Tensor
     seen_counts: torch.Tensor
     """Sightings of the ids not yet admitted (admit_after > 1)."""
@@ -114,116 +119,21 @@ class DynamicSlots:
     def plan(self, ids: torch.Tensor, step: int) -> Admission:
         """Decide the update of ``step`` for its distinct ascending ``ids``; changes nothing.
         Raises :class:`CapacityError`."""
-        spec = self.spec
-        slots = self.map.find(ids)
-        present = slots >= 0
-        touched = slots[present]
-        ttl = spec.ttl
-        expired = torch.empty(0, dtype=torch.int64)
-        if ttl is not None:
-            old = self.occupied & (self.last < step - ttl)
-            old[touched] = False
-            expired = old.nonzero().squeeze(1)
-        new = ids[~present]
-        seen_ids = seen_counts = admitted_seen = torch.empty(0, dtype=torch.int64)
-        if spec.admit_after > 1 and new.numel():
-            counts = self.seen.find(new).clamp(min=0) + 1
-            ok = counts >= spec.admit_after
-            seen_ids, seen_counts = new[~ok], counts[~ok]
-            admitted_seen = new[ok]
-            new = new[ok]
-        new_slots = torch.empty(0, dtype=torch.int64)
-        taken = torch.empty(0, dtype=torch.int64)
-        if new.numel():
-            part = part_of(new, spec.partitions)
-            if bool((self.part_base[part] < 0).any()):
-                raise RuntimeError(f"{self.where}: id {int(new[self.part_base[part] < 0][0])} of table {self.table!r} "
-                                   f"belongs to a part this server does not hold (routing disagrees)")
-            need = torch.bincount(part, minlength=spec.partitions)
-            needy = need > 0
-            if not expired.numel() and bool((self.count[needy] == self.fill[needy]).all()) and \
-                    bool((need[needy] <= self.part_cap[needy] - self.fill[needy]).all()):
-                # No holes, room enough: the lowest free slots are the next unused ones, taken by
-                # the part's new ids in ascending order (rank inside the part: a running count).
-                order = torch.argsort(part, stable=True)
-                rank = torch.empty_like(order)
-                rank[order] = torch.arange(order.numel()) - (torch.cumsum(need, 0) - need)[part[order]]
-                new_slots = self.part_base[part] + self.fill[part] + rank
-            else:
-                order = torch.argsort(part, stable=True)  # ids ascending within each part
-                new, part = new[order], part[order]
-                new_slots, taken = self._choose(new, part, need, touched, expired, step)
-        evicted = torch.unique(torch.cat([expired, taken]))
-        slots = slots.clone()
-        if new.numel():
-            pos = torch.searchsorted(ids, new)
-            slots[pos] = new_slots
-        return Admission(step=step, ids=ids, slots=slots, new_ids=new, new_slots=new_slots, evicted=evicted,
-                         seen_ids=seen_ids, seen_counts=seen_counts, admitted_seen=admitted_seen)
-
-    def _choose(self, new, part, need, touched, expired, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots for ``new`` (ascending within each part, parts ascending) by the rules: per part,
-        free slots lowest first, then (lru) the rows touched longest ago, ties by smaller id; the
-        slots and those of them whose row goes. Raises :class:`CapacityError`."""
-        spec = self.spec
-        cand = (need[self.slot_part] > 0).nonzero().squeeze(1)
-        occ = self.occupied[cand].clone()
-        if expired.numel():
-            occ &= ~torch.isin(cand, expired)  # expired rows count as free
-        c_last = self.last[cand].clone()
-        c_last[torch.isin(cand, touched)] = step
-        c_last = torch.where(occ, c_last, -1)
-        tie = torch.where(occ, self.slot_id[cand], self.slot_index[cand])
-        o = torch.argsort(tie, stable=True)
-        o = o[torch.argsort(c_last[o], stable=True)]
-        o = o[torch.argsort(self.slot_part[cand[o]], stable=True)]
-        cand, occ, c_last = cand[o], occ[o], c_last[o]
-        c_part = self.slot_part[cand]
-        # Candidates come part by part, each part's slots all there: rank inside the part.
-        held = self.part_cap * (need > 0)
-        rank = torch.arange(cand.numel()) - (torch.cumsum(held, 0) - held)[c_part]
-        pick = rank < need[c_part]
-        got = torch.bincount(c_part[pick], minlength=spec.partitions)
-        usable = ~occ[pick] | ((c_last[pick] < step) if spec.evict == "lru" else torch.zeros_like(occ[pick]))
-        if bool((got < need).any()) or not bool(usable.all()):
-            self._full(need, got, cand[pick][~usable] if not bool(usable.all()) else None, step, new.numel())
-        new_slots = cand[pick]
-        return new_slots, new_slots[self.occupied[new_slots]]
-
-    def _full(self, need, got, blocked, step: int, n_new: int) -> None:
-        short = (got < need).nonzero()
-        p = int(short[0]) if short.numel() else int(self.slot_part[blocked[0]])
-        cap = int(self.part_cap[p])
-        how = {"none": "evict: none keeps every row", "lru": "every row of it was touched in this step"
-               }.get(self.spec.evict, f"no row of it is older than {self.spec.ttl} steps ({self.spec.evict})")
-        raise CapacityError(
-            f"{self.where}: dynamic table {self.table!r} is full: part {p} of {self.spec.partitions} holds "
-            f"{cap} of the table's capacity {self.spec.capacity} rows, step {step} needs {int(need[p])} new row(s) "
-            f"there and {how}; nothing was changed. Raise the plan's capacity" +
-            ("" if self.spec.evict == "lru" else " or set evict: lru"))
+        return plan_updates([self], [ids], step)[0]
 
     def commit(self, a: Admission) -> None:
         """Carry out ``a`` (the caller then writes the new rows' initial values and state)."""
-        if a.evicted.numel():
-            self.count -= torch.bincount(self.slot_part[a.evicted], minlength=self.spec.partitions)
-            self.map.erase(self.slot_id[a.evicted])
-            self.occupied[a.evicted] = False
-            self.last[a.evicted] = -1
-            self.counters.evicted += a.evicted.numel()
-        if a.new_ids.numel():
-            self.map.insert(a.new_ids, a.new_slots)
-            self.slot_id[a.new_slots] = a.new_ids
-            self.occupied[a.new_slots] = True
-            parts = self.slot_part[a.new_slots]
-            self.count += torch.bincount(parts, minlength=self.spec.partitions)
-            self.fill.scatter_reduce_(0, parts, self.slot_index[a.new_slots] + 1, reduce="amax")
-            self.counters.admitted += a.new_ids.numel()
-        if a.admitted_seen.numel():
-            self.seen.erase(a.admitted_seen)
-        if a.seen_ids.numel():
-            self.seen.insert(a.seen_ids, a.seen_counts)
-        touched = a.slots[a.slots >= 0]
-        self.last[touched] = a.step
+        commit_updates([self], [a])
+
+    def _full(self, p: int, need: int, step: int) -> CapacityError:
+        cap = int(self.part_cap[p])
+        how = {"none": "evict: none keeps every row", "lru": "every row of it was touched in this step"
+               }.get(self.spec.evict, f"no row of it is older than {self.spec.ttl} steps ({self.spec.evict})")
+        return CapacityError(
+            f"{self.where}: dynamic table {self.table!r} is full: part {p} of {self.spec.partitions} holds "
+            f"{cap} of the table's capacity {self.spec.capacity} rows, step {step} needs {need} new row(s) "
+            f"there and {how}; nothing was changed. Raise the plan's capacity" +
+            ("" if self.spec.evict == "lru" else " or set evict: lru"))
 
     # -- state (checkpoints, exports, tests) ----------------------------------------------------
     def restore(self, ids: torch.Tensor, slots: torch.Tensor, last: torch.Tensor) -> None:
@@ -243,3 +153,81 @@ class DynamicSlots:
         return {"ids": ids, "slots": slots, "part": self.slot_part[slots], "index": self.slot_index[slots],
                 "last": self.last[slots], "seen_ids": seen_ids, "seen_counts": seen_counts,
                 "counters": torch.tensor([c.admitted, c.evicted, c.hits, c.looked_up], dtype=torch.int64)}
+
+
+def _found(tables: list[DynamicSlots], ids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every table's ids flat, their slots in its map and (admit_after > 1) their sightings."""
+    flat = ids[0] if len(ids) == 1 else torch.cat(ids)
+    found = [t.map.find(i) for t, i in zip(tables, ids)]
+    found = found[0] if len(found) == 1 else torch.cat(found)
+    seen = torch.empty(0, dtype=torch.int64)
+    if tables and tables[0].spec.admit_after > 1:
+        seen = torch.cat([t.seen.find(i) for t, i in zip(tables, ids)])
+    return flat, found, seen
+
+
+def plan_updates(tables: list[DynamicSlots], ids: list[torch.Tensor], step: int) -> list[Admission]:
+    """Decide the update of ``step`` of every table (``ids[k]``: table ``k``'s distinct ascending
+    ids; the tables of one collection, one spec); changes nothing. Raises
+    :class:`CapacityError` for the first table that cannot admit its ids."""
+    spec = tables[0].spec
+    flat, found, seen = _found(tables, ids)
+    counts = [i.numel() for i in ids]
+    try:
+        plan = ops.dynamic_plan(tables, flat, found, seen, counts, step=step, partitions=spec.partitions,
+                                admit_after=spec.admit_after, evict=spec.evict.split(":")[0],
+                                ttl=spec.ttl if spec.ttl is not None else -1)
+    except ops.PartFull as e:
+        raise tables[e.table]._full(e.part, e.need, step) from None
+    except ops.ForeignPart as e:
+        t = tables[e.table]
+        raise RuntimeError(f"{t.where}: id {int(flat[e.position])} of table {t.table!r} belongs to a part this "
+                           f"server does not hold (routing disagrees)") from None
+    sizes = plan.sizes.tolist()
+    cols = list(zip(*sizes)) if sizes else [(), (), (), ()]
+    new_ids, new_slots = plan.new_ids.split(cols[0]), plan.new_slots.split(cols[0])
+    evicted = plan.evicted.split(cols[1])
+    seen_ids, seen_counts = plan.seen_ids.split(cols[2]), plan.seen_counts.split(cols[2])
+    admitted_seen = plan.admitted_seen.split(cols[3])
+    slots = plan.slots.split(counts)
+    return [Admission(plan=plan, step=step, ids=i, slots=slots[k], new_ids=new_ids[k], new_slots=new_slots[k],
+                      evicted=evicted[k], seen_ids=seen_ids[k], seen_counts=seen_counts[k],
+                      admitted_seen=admitted_seen[k]) for k, i in enumerate(ids)]
+
+
+def commit_updates(tables: list[DynamicSlots], admissions: list[Admission], *, weights=(), keys=(), bounds=()
+                   ) -> None:
+    """Carry out what one :func:`plan_updates` call decided for these tables; with ``weights``
+    (each table's rows), write the new rows' initial values (``keys``, ``bounds``: each table's
+    init key and bound). The caller then resets the new rows' optimizer state."""
+    plan = admissions[0].plan
+    assert all(a.plan is plan for a in admissions), "admissions of one plan_updates call"
+    evicted_ids = ops.dynamic_commit_(tables, plan, [a.ids.numel() for a in admissions], step=admissions[0].step,
+                                      weights=weights, keys=keys, bounds=bounds)
+    for t, a, gone in zip(tables, admissions, evicted_ids.split([a.evicted.numel() for a in admissions])):
+        if gone.numel():
+            t.map.erase(gone)
+            t.counters.evicted += gone.numel()
+        if a.new_ids.numel():
+            t.map.insert(a.new_ids, a.new_slots)
+            t.counters.admitted += a.new_ids.numel()
+        if a.admitted_seen.numel():
+            t.seen.erase(a.admitted_seen)
+        if a.seen_ids.numel():
+            t.seen.insert(a.seen_ids, a.seen_counts)
+
+
+def read_rows(tables: list[DynamicSlots], weights: list[torch.Tensor], ids: torch.Tensor, counts: list[int], *,
+              keys: list[int], bounds: list[float], out: torch.Tensor) -> None:
+    """Rows of raw ``ids`` (table ``k``'s the ``counts[k]``-long run after the earlier ones') into
+    the flat float32 ``out``: the row where the id has one, its initial value (``keys[k]``,
+    ``bounds[k]``) where this step's update admits it, zeros otherwise. Counts the hits."""
+    if not tables:
+        return
+    per = ids.split(counts)
+    _, found, seen = _found(tables, list(per))
+    hits = ops.dynamic_rows(weights, ids, found, seen, counts, admit_after=tables[0].spec.admit_after, keys=keys,
+                            bounds=bounds, out=out).tolist()
+    for t, n, h in zip(tables, counts, hits):
+        t.counters.looked_up += n
+        t.counters.hits += h

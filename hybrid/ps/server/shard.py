@@ -23,7 +23,7 @@ from hybrid import ops
 from hybrid.ps.config import CollectionConfig
 from hybrid.ps.init import initial_rows, table_key
 from hybrid.ps.protocol import Rows
-from hybrid.ps.server.dynamic import DynamicSlots
+from hybrid.ps.server.dynamic import DynamicSlots, commit_updates, plan_updates, read_rows
 from hybrid.ps.server.memory import table_tensor
 from hybrid.ps.server.optim import RowSparseOptimizer, step_
 from hybrid.ps.sharding import TableLayout
@@ -98,23 +98,6 @@ class TableShard:
 
 
     # -- dynamic tables -------------------------------------------------------------------------
-    def read_dynamic(self, ids: torch.Tensor, out: torch.Tensor) -> None:
-        """Rows of raw ``ids`` into ``out`` ([n, dim], float32): the row where the id has one, its
-        initial value where this step's update admits it, zeros otherwise."""
-        slots, fresh = self.dynamic.find(ids)
-        hit = slots >= 0
-        n_hit = int(hit.sum())
-        if n_hit == ids.numel() and self.weight.dtype == torch.float32:
-            torch.index_select(self.weight, 0, slots, out=out)
-            return
-        out.zero_()
-        if n_hit:
-            out[hit] = self.weight.index_select(0, slots[hit]).float()
-        if n_hit < ids.numel():
-            new = ids[fresh]
-            if new.numel():
-                out[fresh] = self._initial(new)
-
     def dynamic_rows(self) -> dict[str, torch.Tensor]:
         """A dynamic table's state as tensors, ascending by id: the map (:meth:`DynamicSlots.state`),
         each row (``rows``, float32) and its optimizer state (``state.<name>``)."""
@@ -124,21 +107,13 @@ class TableShard:
             d[f"state.{k}"] = v.index_select(0, d["slots"])
         return d
 
-    def _initial(self, ids: torch.Tensor) -> torch.Tensor:
-        """The initial rows of raw ids (:mod:`hybrid.ps.init`, the table's key computed once)."""
+    @property
+    def init_key(self) -> tuple[int, float]:
+        """The table's hash key and bound of its initial values (:mod:`hybrid.ps.init`), computed once."""
         if self._init_key is None:
             t = self.layout.table
             self._init_key = (table_key(self.seed, t.name), (1.0 / t.num_embeddings) ** 0.5)
-        out = torch.empty(ids.numel(), self.dim)
-        ops.initial_rows_(out, ids, key=self._init_key[0], bound=self._init_key[1])
-        return out
-
-    def create_rows(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """New rows of a dynamic table: their initial value and fresh optimizer state."""
-        if not ids.numel():
-            return
-        ops.scatter_rows_(self.weight, slots, self._initial(ids))
-        self.optim.reset(slots)
+        return self._init_key
 
 
 Contribution = tuple[Rows, torch.Tensor]
@@ -205,11 +180,9 @@ class CollectionShard:
         out = torch.empty(numel, dtype=self.wire_dtype) if out is None else out[:numel]
         # Rows are read as float32 (initial values are computed so), then narrowed in one copy.
         full = out if out.dtype == torch.float32 else torch.empty(numel)
-        p = q = 0
         with self.lock:
-            for t, n in zip(shards, rows.counts):
-                t.read_dynamic(rows.ids[p : p + n], full[q : q + n * t.dim].view(n, t.dim))
-                p, q = p + n, q + n * t.dim
+            read_rows([t.dynamic for t in shards], [t.weight for t in shards], rows.ids, list(rows.counts),
+                      keys=[t.init_key[0] for t in shards], bounds=[t.init_key[1] for t in shards], out=full)
         if full is not out:
             out.copy_(full)
         self.counters.rows_served += int(rows.ids.numel())
@@ -324,9 +297,9 @@ class CollectionShard:
             raise FloatingPointError(f"{self._what()}: {e}") from None
 
     def _apply_dynamic(self, contributions: list[Contribution], step: int) -> None:
-        """Dynamic tables: each table's distinct ids of the update are admitted (or not) in one
+        """Dynamic tables: every table's distinct ids of the update are admitted (or not) in one
         plan, every table planned before any changes (a full table changes nothing), then the
-        optimizer runs on the slots of the admitted ids."""
+        optimizer runs on the slots of the admitted ids, all tables in one call (all or nothing)."""
         per_table: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for rows, grad in contributions:
             shards = self.shards_of(rows)
@@ -336,37 +309,49 @@ class CollectionShard:
                 entry = per_table.setdefault(index, ([], []))
                 entry[0].append(ids)
                 entry[1].append(g.view(n, t.dim))
-        plans = []
-        for index in sorted(per_table):
-            table = self.by_index[index]
-            ids_l = per_table[index][0]
-            ids = ids_l[0] if len(ids_l) == 1 else torch.cat(ids_l)
-            uniq = ids if len(ids_l) == 1 else torch.unique(ids)
-            plans.append((table, index, ids, uniq, table.dynamic.plan(uniq, step)))
-        for table, _, _, _, a in plans:
-            table.dynamic.commit(a)
-            table.create_rows(a.new_ids, a.new_slots)
-        computed = []
-        for table, index, ids, uniq, a in plans:
+        if not per_table:
+            return
+        order = sorted(per_table)
+        tables = [self.by_index[i] for i in order]
+        runs = max(len(per_table[i][0]) for i in order)
+        if runs == 1:  # one trainer's ids: already distinct and ascending (the route)
+            distinct, inverse = [per_table[i][0][0] for i in order], None
+        else:
+            # Each trainer's ids of a table ascend: merged, every table at once.
+            counts = [per_table[i][0][r].numel() if r < len(per_table[i][0]) else 0 for i in order for r in range(runs)]
+            flat = torch.cat([x for i in order for x in per_table[i][0]])
+            uniq, per, inverse = ops.merge_ids(flat, counts, runs=runs)
+            distinct = list(uniq.split(per.tolist()))
+        admissions = plan_updates([t.dynamic for t in tables], distinct, step)
+        commit_updates([t.dynamic for t in tables], admissions, weights=[t.weight for t in tables],
+                       keys=[t.init_key[0] for t in tables], bounds=[t.init_key[1] for t in tables])
+        if inverse is not None:
+            slots_of = torch.cat([a.slots for a in admissions]).index_select(0, inverse).split(
+                [sum(x.numel() for x in per_table[i][0]) for i in order])
+        steps = []
+        for k, (table, index, a) in enumerate(zip(tables, order, admissions)):
+            if a.new_slots.numel():
+                table.optim.reset(a.new_slots)
             grads_l = per_table[index][1]
-            one = len(grads_l) == 1  # one trainer's ids: already distinct and ascending (the route)
-            slot = a.slots if one else a.slots[torch.searchsorted(uniq, ids)]
-            grads = grads_l[0] if one else torch.cat(grads_l)
+            slot = a.slots if inverse is None else slots_of[k]
+            grads = grads_l[0] if len(grads_l) == 1 else torch.cat(grads_l)
             keep = slot >= 0
             if int(keep.sum()) < slot.numel():
                 slot, grads = slot[keep], grads[keep]
-            if one:
+            if inverse is None:
                 rows, summed, gscale = slot, grads, self.scale
             else:
                 rows, summed = ops.sum_rows(slot, grads, scale=self.scale, num_rows=table.rows)
                 gscale = 1.0
             if rows.numel():
-                try:
-                    computed.append((table, rows, *table.optim.compute(table.weight, rows, summed, gscale)))
-                except ops.NonFinite as e:
-                    raise FloatingPointError(f"{self._what()}: {e}") from None
-        for table, rows, w, state in computed:
-            table.optim.commit(table.weight, rows, w, state)
+                steps.append((table, rows, summed, gscale))
+        if not steps:
+            return
+        try:
+            step_(self.config.optimizer, [t.weight for t, *_ in steps], [t.optim for t, *_ in steps],
+                  [r for _, r, _, _ in steps], [g for _, _, g, _ in steps], [s for *_, s in steps])
+        except ops.NonFinite as e:
+            raise FloatingPointError(f"{self._what()}: {e}") from None
 
     def _what(self) -> str:
         return f"{self.config.optimizer.name} update of {self.cid} on ps{self.server}"

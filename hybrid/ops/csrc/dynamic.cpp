@@ -1,0 +1,509 @@
+// The server's operators for dynamic tables (ids: dynamic, docs/dynamic_ids.md), each over every
+// table of a collection in one call, so that a step costs one call rather than dozens of small
+// tensor operations per table:
+//
+// - dynamic_plan: the admission of one update's distinct ids (found in the id map by the caller):
+//   which ids get a row and where, which rows go, the sightings to count; changes nothing.
+// - merge_ids: the distinct ids of an update from the trainers' ascending runs.
+// - dynamic_commit_: what dynamic_plan decided, written into the slot state, new rows' initial
+//   values into the tables.
+// - dynamic_rows: the rows of looked-up ids (the row, the initial value of an id this step admits,
+//   or zeros).
+//
+// The id maps stay with the caller (id_map.cpp's operators). hybrid/ops/reference.py computes the
+// same results in plain torch; hybrid/ps/server/dynamic.py holds the state and the rules' prose.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "convert.h"
+#include "hash.h"
+
+namespace {
+
+using at::IntArrayRef;
+using at::Tensor;
+using at::TensorList;
+namespace k = hybrid::kernels;
+
+constexpr int64_t kOk = 0, kFull = 1, kForeignPart = 2;
+
+void check_1d(const Tensor& t, at::ScalarType dtype, const std::string& what, int64_t numel) {
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, what, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.is_contiguous() && t.dim() == 1, what,
+                    " must be a contiguous 1-D CPU tensor, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(numel < 0 || t.numel() == numel, what, " must hold ", numel, " entries, got ", t.numel());
+}
+
+int64_t check_counts(IntArrayRef counts, int64_t n, const char* what) {
+  int64_t total = 0;
+  for (size_t t = 0; t < counts.size(); t++) {
+    TORCH_CHECK_VALUE(counts[t] >= 0, "counts[", t, "] is negative: ", counts[t]);
+    total += counts[t];
+  }
+  TORCH_CHECK_VALUE(total == n, "counts sum to ", total, " but ", what, " holds ", n);
+  return total;
+}
+
+// One table's slot state (hybrid.ps.server.dynamic.DynamicSlots), checked.
+struct Slots {
+  int64_t* slot_id;
+  bool* occupied;
+  int64_t* last;
+  int64_t* count;
+  int64_t* fill;
+  const int64_t* part_base;
+  const int64_t* part_cap;
+  const int64_t* slot_part;
+  const int64_t* slot_index;
+  int64_t capacity;
+};
+
+std::vector<Slots> slot_views(size_t ntab, int64_t partitions, TensorList slot_id, TensorList occupied,
+                              TensorList last, TensorList count, TensorList fill, TensorList part_base,
+                              TensorList part_cap, TensorList slot_part, TensorList slot_index) {
+  for (TensorList l : {slot_id, occupied, last, count, fill, part_base, part_cap, slot_part, slot_index})
+    TORCH_CHECK_VALUE(l.size() == ntab, "every slot state list must hold one tensor per table (", ntab,
+                      "), got ", l.size());
+  std::vector<Slots> out;
+  for (size_t t = 0; t < ntab; t++) {
+    const std::string at = "[" + std::to_string(t) + "]";
+    const int64_t cap = slot_id[t].numel();
+    check_1d(slot_id[t], at::kLong, "slot_id" + at, cap);
+    check_1d(occupied[t], at::kBool, "occupied" + at, cap);
+    check_1d(last[t], at::kLong, "last" + at, cap);
+    check_1d(slot_part[t], at::kLong, "slot_part" + at, cap);
+    check_1d(slot_index[t], at::kLong, "slot_index" + at, cap);
+    check_1d(count[t], at::kLong, "count" + at, partitions);
+    check_1d(fill[t], at::kLong, "fill" + at, partitions);
+    check_1d(part_base[t], at::kLong, "part_base" + at, partitions);
+    check_1d(part_cap[t], at::kLong, "part_cap" + at, partitions);
+    const int64_t *base = part_base[t].data_ptr<int64_t>(), *pc = part_cap[t].data_ptr<int64_t>();
+    for (int64_t p = 0; p < partitions; p++)
+      TORCH_CHECK_VALUE(base[p] < 0 || (pc[p] >= 0 && base[p] + pc[p] <= cap), "part ", p, " of table ", t,
+                        " lies outside its ", cap, " slots");
+    out.push_back({slot_id[t].data_ptr<int64_t>(), occupied[t].data_ptr<bool>(), last[t].data_ptr<int64_t>(),
+                   count[t].data_ptr<int64_t>(), fill[t].data_ptr<int64_t>(), base, pc,
+                   slot_part[t].data_ptr<int64_t>(), slot_index[t].data_ptr<int64_t>(), cap});
+  }
+  return out;
+}
+
+// What one table's update does (one entry per id of the table, the rest lists).
+struct Plan {
+  std::vector<int64_t> new_ids, new_slots, evicted, seen_ids, seen_counts, admitted_seen;
+};
+
+struct Candidate {
+  int64_t last, tie, slot;
+  bool operator<(const Candidate& o) const {
+    if (last != o.last) return last < o.last;
+    if (tie != o.tie) return tie < o.tie;
+    return slot < o.slot;
+  }
+};
+
+// Plans table t's update of its distinct ascending ids (slots: their slots, updated in place
+// for the admitted ones). Returns a status tuple's (code, part or position, need).
+std::tuple<int64_t, int64_t, int64_t> plan_table(const Slots& s, const int64_t* ids, const int64_t* found,
+                                                 const int64_t* seen, int64_t n, int64_t* slots, int64_t step,
+                                                 int64_t partitions, int64_t admit_after, bool lru,
+                                                 int64_t ttl, Plan& plan) {
+  std::vector<char> touched, expired_mark;
+  auto mark_touched = [&] {
+    if (!touched.empty()) return;
+    touched.assign(static_cast<size_t>(s.capacity), 0);
+    for (int64_t i = 0; i < n; i++)
+      if (found[i] >= 0) touched[static_cast<size_t>(found[i])] = 1;
+  };
+  std::vector<int64_t> expired;
+  if (ttl >= 0) {
+    mark_touched();
+    for (int64_t j = 0; j < s.capacity; j++)
+      if (s.occupied[j] && s.last[j] < step - ttl && !touched[static_cast<size_t>(j)]) expired.push_back(j);
+  }
+  std::vector<int64_t> fresh;  // positions of the ids admitted now, ascending
+  for (int64_t i = 0; i < n; i++) {
+    slots[i] = found[i];
+    if (found[i] >= 0) continue;
+    if (admit_after > 1) {
+      const int64_t c = std::max<int64_t>(seen[i], 0) + 1;
+      if (c < admit_after) {
+        plan.seen_ids.push_back(ids[i]);
+        plan.seen_counts.push_back(c);
+        continue;
+      }
+      plan.admitted_seen.push_back(ids[i]);
+    }
+    fresh.push_back(i);
+  }
+  std::vector<int64_t> taken;
+  if (!fresh.empty()) {
+    std::vector<int64_t> part(fresh.size()), need(static_cast<size_t>(partitions), 0);
+    for (size_t k = 0; k < fresh.size(); k++) {
+      part[k] = hybrid::hash::part_of(ids[fresh[k]], partitions);
+      if (s.part_base[part[k]] < 0) return {kForeignPart, fresh[k], 0};
+      need[static_cast<size_t>(part[k])]++;
+    }
+    bool direct = expired.empty();
+    for (int64_t p = 0; p < partitions && direct; p++)
+      if (need[p] > 0) direct = s.count[p] == s.fill[p] && need[p] <= s.part_cap[p] - s.fill[p];
+    if (direct) {
+      // No holes, room enough: the lowest free places are the next unused ones, taken by the
+      // part's new ids in ascending order.
+      std::vector<int64_t> next(s.fill, s.fill + partitions);
+      for (size_t k = 0; k < fresh.size(); k++) {
+        const int64_t p = part[k], slot = s.part_base[p] + next[p]++;
+        plan.new_ids.push_back(ids[fresh[k]]);
+        plan.new_slots.push_back(slot);
+        slots[fresh[k]] = slot;
+      }
+    } else {
+      // Per part needing room, parts ascending: its slots by (last step, -1 if free; id if
+      // occupied, place if free), the first need[p] of them for its new ids in ascending order.
+      mark_touched();
+      expired_mark.assign(static_cast<size_t>(s.capacity), 0);
+      for (int64_t j : expired) expired_mark[static_cast<size_t>(j)] = 1;
+      std::vector<std::vector<int64_t>> by_part(static_cast<size_t>(partitions));
+      for (size_t k = 0; k < fresh.size(); k++) by_part[static_cast<size_t>(part[k])].push_back(fresh[k]);
+      int64_t short_part = -1, blocked_part = -1;
+      std::vector<Candidate> cand;
+      for (int64_t p = 0; p < partitions; p++) {
+        if (need[p] == 0) continue;
+        cand.clear();
+        for (int64_t j = s.part_base[p]; j < s.part_base[p] + s.part_cap[p]; j++) {
+          const bool occ = s.occupied[j] && !expired_mark[static_cast<size_t>(j)];
+          const int64_t last = occ ? (touched[static_cast<size_t>(j)] ? step : s.last[j]) : -1;
+          cand.push_back({last, occ ? s.slot_id[j] : s.slot_index[j], j});
+        }
+        const int64_t got = std::min<int64_t>(need[p], static_cast<int64_t>(cand.size()));
+        std::partial_sort(cand.begin(), cand.begin() + got, cand.end());
+        if (got < need[p] && short_part < 0) short_part = p;
+        for (int64_t r = 0; r < got; r++) {
+          const Candidate& c = cand[static_cast<size_t>(r)];
+          const bool occ = s.occupied[c.slot] && !expired_mark[static_cast<size_t>(c.slot)];
+          if (occ && !(lru && c.last < step) && blocked_part < 0) blocked_part = p;
+          if (r < static_cast<int64_t>(by_part[p].size())) {
+            const int64_t pos = by_part[p][static_cast<size_t>(r)];
+            plan.new_ids.push_back(ids[pos]);
+            plan.new_slots.push_back(c.slot);
+            slots[pos] = c.slot;
+            if (s.occupied[c.slot]) taken.push_back(c.slot);
+          }
+        }
+      }
+      const int64_t p = short_part >= 0 ? short_part : blocked_part;
+      if (p >= 0) return {kFull, p, need[p]};
+    }
+  }
+  plan.evicted = expired;
+  plan.evicted.insert(plan.evicted.end(), taken.begin(), taken.end());
+  std::sort(plan.evicted.begin(), plan.evicted.end());
+  plan.evicted.erase(std::unique(plan.evicted.begin(), plan.evicted.end()), plan.evicted.end());
+  return {kOk, 0, 0};
+}
+
+Tensor flat(const std::vector<Plan>& plans, std::vector<int64_t> Plan::*field) {
+  size_t n = 0;
+  for (const Plan& p : plans) n += (p.*field).size();
+  Tensor out = at::empty({static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (const Plan& p : plans) o = std::copy((p.*field).begin(), (p.*field).end(), o);
+  return out;
+}
+
+std::tuple<int64_t, int64_t, int64_t, int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>
+dynamic_plan(const Tensor& ids, const Tensor& found, const Tensor& seen, IntArrayRef counts, TensorList slot_id,
+             TensorList occupied, TensorList last, TensorList count, TensorList fill, TensorList part_base,
+             TensorList part_cap, TensorList slot_part, TensorList slot_index, int64_t step, int64_t partitions,
+             int64_t admit_after, const std::string& evict, int64_t ttl) {
+  TORCH_CHECK_VALUE(partitions >= 1, "partitions must be >= 1, got ", partitions);
+  TORCH_CHECK_VALUE(evict == "none" || evict == "lru" || evict == "ttl", "evict must be none, lru or ttl, got ",
+                    evict);
+  TORCH_CHECK_VALUE(evict != "ttl" || ttl >= 0, "evict ttl needs ttl >= 0, got ", ttl);
+  const int64_t n = ids.numel();
+  check_1d(ids, at::kLong, "ids", -1);
+  check_1d(found, at::kLong, "found", n);
+  check_1d(seen, at::kLong, "seen", admit_after > 1 ? n : 0);
+  check_counts(counts, n, "ids");
+  const size_t ntab = counts.size();
+  const auto views = slot_views(ntab, partitions, slot_id, occupied, last, count, fill, part_base, part_cap,
+                                slot_part, slot_index);
+  const int64_t *ip = ids.data_ptr<int64_t>(), *fp = found.data_ptr<int64_t>();
+  const int64_t* sp = admit_after > 1 ? seen.data_ptr<int64_t>() : nullptr;
+  int64_t off = 0;
+  for (size_t t = 0; t < ntab; t++) {
+    for (int64_t i = off; i < off + counts[t]; i++) {
+      TORCH_CHECK_VALUE(i == off || ip[i - 1] < ip[i], "the ids of table ", t, " must be distinct and ascending");
+      TORCH_CHECK_VALUE(fp[i] < views[t].capacity, "found[", i, "] = ", fp[i], " is not a slot of table ", t);
+    }
+    off += counts[t];
+  }
+  Tensor slots = at::empty({n}, ids.options());
+  int64_t* so = slots.data_ptr<int64_t>();
+  std::vector<Plan> plans(ntab);
+  auto i64 = at::TensorOptions().dtype(at::kLong);
+  Tensor sizes = at::zeros({static_cast<int64_t>(ntab), 4}, i64);
+  off = 0;
+  for (size_t t = 0; t < ntab; t++) {
+    const auto [code, where, need] =
+        plan_table(views[t], ip + off, fp + off, sp ? sp + off : nullptr, counts[t], so + off, step, partitions,
+                   admit_after, evict == "lru", evict == "ttl" ? ttl : -1, plans[t]);
+    if (code != kOk) {
+      Tensor none = at::empty({0}, i64);
+      return {code, static_cast<int64_t>(t), code == kForeignPart ? off + where : where, need, none, none, none,
+              none, none, none, none, none};
+    }
+    int64_t* z = sizes.data_ptr<int64_t>() + 4 * t;
+    z[0] = static_cast<int64_t>(plans[t].new_ids.size());
+    z[1] = static_cast<int64_t>(plans[t].evicted.size());
+    z[2] = static_cast<int64_t>(plans[t].seen_ids.size());
+    z[3] = static_cast<int64_t>(plans[t].admitted_seen.size());
+    off += counts[t];
+  }
+  return {kOk,
+          0,
+          0,
+          0,
+          slots,
+          sizes,
+          flat(plans, &Plan::new_ids),
+          flat(plans, &Plan::new_slots),
+          flat(plans, &Plan::evicted),
+          flat(plans, &Plan::seen_ids),
+          flat(plans, &Plan::seen_counts),
+          flat(plans, &Plan::admitted_seen)};
+}
+
+template <typename S>
+void initial_row(void* table, int64_t slot, int64_t dim, int64_t id, uint32_t key, float bound) {
+  auto* row = static_cast<typename S::T*>(table) + slot * dim;
+  const uint32_t h = hybrid::hash::row_hash(static_cast<uint64_t>(id), key);
+  for (int64_t c = 0; c < dim; c++) row[c] = S::store(hybrid::hash::initial_value(h, c, bound));
+}
+
+k::DType row_dtype(const Tensor& w, const std::string& what) {
+  TORCH_CHECK_VALUE(w.device().is_cpu() && w.is_contiguous() && w.dim() == 2, what,
+                    " must be a contiguous 2-D CPU tensor, got shape ", w.sizes());
+  switch (w.scalar_type()) {
+    case at::kFloat: return k::DType::f32;
+    case at::kBFloat16: return k::DType::bf16;
+    case at::kHalf: return k::DType::f16;
+    default: TORCH_CHECK_TYPE(false, what, " must be float32, bfloat16 or float16, got ", w.scalar_type());
+  }
+}
+
+Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& new_ids, const Tensor& new_slots,
+                       IntArrayRef new_counts, const Tensor& evicted, IntArrayRef evicted_counts,
+                       TensorList slot_id, TensorList occupied, TensorList last, TensorList count, TensorList fill,
+                       TensorList part_base, TensorList part_cap, TensorList slot_part, TensorList slot_index,
+                       int64_t step, TensorList weights, IntArrayRef keys, at::ArrayRef<double> bounds) {
+  const size_t ntab = counts.size();
+  TORCH_CHECK_VALUE(weights.empty() || (weights.size() == ntab && keys.size() == ntab && bounds.size() == ntab),
+                    "weights, keys and bounds must be empty or have one entry per table");
+  std::vector<k::DType> dtypes;
+  for (size_t t = 0; t < weights.size(); t++) {
+    dtypes.push_back(row_dtype(weights[t], "weights[" + std::to_string(t) + "]"));
+    TORCH_CHECK_VALUE(weights[t].size(0) == slot_id[t].numel(), "weights[", t, "] must have one row per slot (",
+                      slot_id[t].numel(), "), got shape ", weights[t].sizes());
+    TORCH_CHECK_VALUE(0 <= keys[t] && keys[t] <= 0xFFFFFFFFll, "keys[", t, "] must be a 32-bit value");
+  }
+  TORCH_CHECK_VALUE(new_counts.size() == ntab && evicted_counts.size() == ntab,
+                    "counts, new_counts and evicted_counts must have one entry per table");
+  TORCH_CHECK_VALUE(count.size() == ntab, "count must hold one tensor per table");
+  const int64_t partitions = ntab ? count[0].numel() : 0;
+  const auto views = slot_views(ntab, partitions, slot_id, occupied, last, count, fill, part_base, part_cap,
+                                slot_part, slot_index);
+  check_1d(slots, at::kLong, "slots", -1);
+  check_1d(new_ids, at::kLong, "new_ids", -1);
+  check_1d(new_slots, at::kLong, "new_slots", new_ids.numel());
+  check_1d(evicted, at::kLong, "evicted", -1);
+  check_counts(counts, slots.numel(), "slots");
+  check_counts(new_counts, new_ids.numel(), "new_ids");
+  check_counts(evicted_counts, evicted.numel(), "evicted");
+  const int64_t *sp = slots.data_ptr<int64_t>(), *ni = new_ids.data_ptr<int64_t>();
+  const int64_t *ns = new_slots.data_ptr<int64_t>(), *ev = evicted.data_ptr<int64_t>();
+  int64_t o1 = 0, o2 = 0, o3 = 0;
+  for (size_t t = 0; t < ntab; t++) {  // every slot checked before anything is written
+    const int64_t cap = views[t].capacity;
+    for (int64_t i = o1; i < o1 + counts[t]; i++)
+      TORCH_CHECK_VALUE(sp[i] < cap, "slots[", i, "] = ", sp[i], " is not a slot of table ", t);
+    for (int64_t i = o2; i < o2 + new_counts[t]; i++)
+      TORCH_CHECK_VALUE(ns[i] >= 0 && ns[i] < cap, "new_slots[", i, "] = ", ns[i], " is not a slot of table ", t);
+    for (int64_t i = o3; i < o3 + evicted_counts[t]; i++)
+      TORCH_CHECK_VALUE(ev[i] >= 0 && ev[i] < cap, "evicted[", i, "] = ", ev[i], " is not a slot of table ", t);
+    o1 += counts[t];
+    o2 += new_counts[t];
+    o3 += evicted_counts[t];
+  }
+  Tensor evicted_ids = at::empty({evicted.numel()}, evicted.options());
+  int64_t* eo = evicted_ids.data_ptr<int64_t>();
+  o1 = o2 = o3 = 0;
+  for (size_t t = 0; t < ntab; t++) {
+    const Slots& s = views[t];
+    for (int64_t i = o3; i < o3 + evicted_counts[t]; i++) {
+      const int64_t j = ev[i];
+      s.count[s.slot_part[j]]--;
+      eo[i] = s.slot_id[j];
+      s.occupied[j] = false;
+      s.last[j] = -1;
+    }
+    for (int64_t i = o2; i < o2 + new_counts[t]; i++) {
+      const int64_t j = ns[i], p = s.slot_part[j];
+      s.slot_id[j] = ni[i];
+      s.occupied[j] = true;
+      s.count[p]++;
+      s.fill[p] = std::max(s.fill[p], s.slot_index[j] + 1);
+      if (!weights.empty()) {
+        const uint32_t key = static_cast<uint32_t>(keys[t]);
+        const float bound = static_cast<float>(bounds[t]);  // as torch converts a Python float for float32 math
+        k::with_dtype(dtypes[t], [&](auto d) {
+          initial_row<decltype(d)>(weights[t].data_ptr(), j, weights[t].size(1), ni[i], key, bound);
+        });
+      }
+    }
+    for (int64_t i = o1; i < o1 + counts[t]; i++)
+      if (sp[i] >= 0) s.last[sp[i]] = step;
+    o1 += counts[t];
+    o2 += new_counts[t];
+    o3 += evicted_counts[t];
+  }
+  return evicted_ids;
+}
+
+template <typename S>
+void copy_row(const void* table, int64_t slot, int64_t dim, float* out) {
+  const auto* row = static_cast<const typename S::T*>(table) + slot * dim;
+  for (int64_t c = 0; c < dim; c++) out[c] = S::load(row[c]);
+}
+
+Tensor dynamic_rows(TensorList weights, const Tensor& ids, const Tensor& slots, const Tensor& seen,
+                    IntArrayRef counts, int64_t admit_after, IntArrayRef keys, at::ArrayRef<double> bounds,
+                    const Tensor& out) {
+  const size_t ntab = counts.size();
+  TORCH_CHECK_VALUE(weights.size() == ntab && keys.size() == ntab && bounds.size() == ntab,
+                    "weights, counts, keys and bounds must have one entry per table");
+  const int64_t n = ids.numel();
+  check_1d(ids, at::kLong, "ids", -1);
+  check_1d(slots, at::kLong, "slots", n);
+  check_1d(seen, at::kLong, "seen", admit_after > 1 ? n : 0);
+  check_counts(counts, n, "ids");
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, "out must be float32, got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous(), "out must be a contiguous CPU tensor");
+  std::vector<k::DType> dtypes;
+  int64_t numel = 0;
+  for (size_t t = 0; t < ntab; t++) {
+    const Tensor& w = weights[t];
+    dtypes.push_back(row_dtype(w, "weights[" + std::to_string(t) + "]"));
+    TORCH_CHECK_VALUE(0 <= keys[t] && keys[t] <= 0xFFFFFFFFll, "keys[", t, "] must be a 32-bit value");
+    numel += counts[t] * w.size(1);
+  }
+  TORCH_CHECK_VALUE(out.numel() >= numel, "out holds ", out.numel(), " elements; the rows need ", numel);
+  const int64_t *ip = ids.data_ptr<int64_t>(), *sp = slots.data_ptr<int64_t>();
+  const int64_t* seen_p = admit_after > 1 ? seen.data_ptr<int64_t>() : nullptr;
+  int64_t off = 0;
+  for (size_t t = 0; t < ntab; t++) {
+    for (int64_t i = off; i < off + counts[t]; i++)
+      TORCH_CHECK_VALUE(sp[i] < weights[t].size(0), "slots[", i, "] = ", sp[i], " is not a row of table ", t);
+    off += counts[t];
+  }
+  Tensor hits = at::zeros({static_cast<int64_t>(ntab)}, ids.options());
+  int64_t* hp = hits.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  off = 0;
+  for (size_t t = 0; t < ntab; t++) {
+    const int64_t dim = weights[t].size(1);
+    const void* w = weights[t].data_ptr();
+    const uint32_t key = static_cast<uint32_t>(keys[t]);
+    const float bound = static_cast<float>(bounds[t]);  // as torch converts a Python float for float32 math
+    for (int64_t i = off; i < off + counts[t]; i++, o += dim) {
+      if (sp[i] >= 0) {
+        hp[t]++;
+        k::with_dtype(dtypes[t], [&](auto s) { copy_row<decltype(s)>(w, sp[i], dim, o); });
+      } else if (!seen_p || std::max<int64_t>(seen_p[i], 0) + 1 >= admit_after) {
+        const uint32_t h = hybrid::hash::row_hash(static_cast<uint64_t>(ip[i]), key);
+        for (int64_t c = 0; c < dim; c++) o[c] = hybrid::hash::initial_value(h, c, bound);
+      } else {
+        std::fill(o, o + dim, 0.0f);
+      }
+    }
+    off += counts[t];
+  }
+  return hits;
+}
+
+// The distinct ids of every table of an update whose ids come as ascending distinct runs (one
+// per trainer): ids holds, table after table, that table's `runs` runs (counts[t * runs + r]
+// long). Returns (the distinct ids, ascending within a table, table after table; how many each
+// table has; each input id's index in the distinct ids).
+std::tuple<Tensor, Tensor, Tensor> merge_ids(const Tensor& ids, IntArrayRef counts, int64_t runs) {
+  TORCH_CHECK_VALUE(runs >= 1, "runs must be >= 1, got ", runs);
+  TORCH_CHECK_VALUE(counts.size() % static_cast<size_t>(runs) == 0, "counts must hold tables x runs entries, got ",
+                    counts.size(), " for ", runs, " runs");
+  const int64_t n = ids.numel(), ntab = static_cast<int64_t>(counts.size()) / runs;
+  check_1d(ids, at::kLong, "ids", -1);
+  check_counts(counts, n, "ids");
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  int64_t off = 0;
+  for (size_t r = 0; r < counts.size(); r++) {
+    for (int64_t i = off + 1; i < off + counts[r]; i++)
+      TORCH_CHECK_VALUE(ip[i - 1] < ip[i], "run ", r, " of ids must be distinct and ascending");
+    off += counts[r];
+  }
+  auto i64 = ids.options();
+  Tensor uniq = at::empty({n}, i64), per = at::empty({ntab}, i64), inverse = at::empty({n}, i64);
+  int64_t *u = uniq.data_ptr<int64_t>(), *pp = per.data_ptr<int64_t>(), *inv = inverse.data_ptr<int64_t>();
+  std::vector<int64_t> head(static_cast<size_t>(runs)), end(static_cast<size_t>(runs));
+  int64_t nu = 0;
+  off = 0;
+  for (int64_t t = 0; t < ntab; t++) {
+    for (int64_t r = 0; r < runs; r++) {
+      head[r] = off;
+      end[r] = off += counts[t * runs + r];
+    }
+    const int64_t first = nu;
+    while (true) {  // the smallest head id next; every run holding it moves on
+      int64_t best = -1;
+      for (int64_t r = 0; r < runs; r++)
+        if (head[r] < end[r] && (best < 0 || ip[head[r]] < ip[head[best]])) best = r;
+      if (best < 0) break;
+      const int64_t id = ip[head[best]];
+      for (int64_t r = 0; r < runs; r++)
+        if (head[r] < end[r] && ip[head[r]] == id) inv[head[r]++] = nu;
+      u[nu++] = id;
+    }
+    pp[t] = nu - first;
+  }
+  return {uniq.narrow(0, 0, nu), per, inverse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hybrid, m) {
+  m.def("merge_ids(Tensor ids, int[] counts, int runs) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "dynamic_plan(Tensor ids, Tensor found, Tensor seen, int[] counts, Tensor[] slot_id, Tensor[] occupied, "
+      "Tensor[] last, Tensor[] count, Tensor[] fill, Tensor[] part_base, Tensor[] part_cap, Tensor[] slot_part, "
+      "Tensor[] slot_index, int step, int partitions, int admit_after, str evict, int ttl) -> "
+      "(int, int, int, int, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "dynamic_commit_(Tensor slots, int[] counts, Tensor new_ids, Tensor new_slots, int[] new_counts, "
+      "Tensor evicted, int[] evicted_counts, Tensor(a!)[] slot_id, Tensor(b!)[] occupied, Tensor(c!)[] last, "
+      "Tensor(d!)[] count, Tensor(e!)[] fill, Tensor[] part_base, Tensor[] part_cap, Tensor[] slot_part, "
+      "Tensor[] slot_index, int step, Tensor(f!)[] weights, int[] keys, float[] bounds) -> Tensor");
+  m.def(
+      "dynamic_rows(Tensor[] weights, Tensor ids, Tensor slots, Tensor seen, int[] counts, int admit_after, "
+      "int[] keys, float[] bounds, Tensor(a!) out) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hybrid, CompositeExplicitAutograd, m) {
+  m.impl("merge_ids", merge_ids);
+  m.impl("dynamic_plan", dynamic_plan);
+  m.impl("dynamic_commit_", dynamic_commit_);
+  m.impl("dynamic_rows", dynamic_rows);
+}
