@@ -28,10 +28,12 @@ def _children(pid: int) -> list[int]:
 
 
 def _is_mp_helper(pid: int) -> bool:
-    """multiprocessing's resource tracker lives for the whole session by design."""
+    """multiprocessing's resource tracker and the test ranks' fork server (tests/harness.py) live
+    for the whole session by design."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"resource_tracker" in f.read()
+            cmd = f.read()
+        return b"resource_tracker" in cmd or b"forkserver" in cmd
     except OSError:
         return True
 
