@@ -68,11 +68,22 @@ def route(ids, lengths, feature_table, row_base, shards, server_rank, *, num_ser
     local = uniq - row_base.index_select(0, t_u)
     shards_u = shards.index_select(0, t_u)
     shard_pos, local = local % shards_u, local // shards_u
-    rank_u = server_rank[t_u, shard_pos]
+    return _route_tail(local, t_u, server_rank[t_u, shard_pos], per_row, by_row, inverse, lengths, weights,
+                       num_servers=num_servers, num_tables=ntab, num_features=nf, batch_size=b, mean=mean,
+                       sample_major=sample_major)
+
+
+def _route_tail(req, t_u, rank_u, per_row, by_row, inverse, lengths, weights, *, num_servers, num_tables,
+                num_features, batch_size, mean, sample_major) -> Route:
+    """What :func:`route` and :func:`route_hashed` share once each distinct (table, id) is known:
+    ``req`` the value each one is asked for by (local row or raw id), ``t_u`` its table, ``rank_u``
+    its server, ``per_row`` its count; ``by_row`` the id positions grouped by distinct id,
+    ``inverse`` each position's distinct id."""
+    total, ntab, nf, b = inverse.numel(), num_tables, num_features, batch_size
     key = rank_u * ntab + t_u
     order = torch.argsort(key, stable=True)
     per = torch.bincount(key, minlength=num_servers * ntab).view(num_servers, ntab)
-    requests_ids = local.index_select(0, order)
+    requests_ids = req.index_select(0, order)
     raw = torch.bincount(rank_u.index_select(0, inverse), minlength=num_servers)
     place = torch.empty_like(order)
     place[order] = torch.arange(order.numel())
@@ -104,7 +115,7 @@ def route(ids, lengths, feature_table, row_base, shards, server_rank, *, num_ser
         lengths = sm_lengths
     offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
     return Route(requests_ids=requests_ids, per=per, raw=raw, idx=idx, offsets=offsets, weights=out_weights,
-                 grad_bags=grad_bags, grad_offsets=grad_offsets, grad_scale=grad_scale, num_unique=uniq.numel())
+                 grad_bags=grad_bags, grad_offsets=grad_offsets, grad_scale=grad_scale, num_unique=req.numel())
 
 
 def _check_rows(ids: torch.Tensor, counts: list[int], nrows: list[int]) -> None:
@@ -342,42 +353,9 @@ def route_hashed(ids, lengths, feature_table, shards, server_rank, *, partitions
     per_row = torch.diff(torch.cat([starts, starts.new_tensor([total])]))
     inverse = torch.empty_like(by_row).scatter_(0, by_row, ranks)
     shard_pos = torch.remainder(id_hash(uniq), partitions) % shards.index_select(0, t_u)
-    rank_u = server_rank[t_u, shard_pos]
-    key = rank_u * ntab + t_u
-    order = torch.argsort(key, stable=True)
-    per = torch.bincount(key, minlength=num_servers * ntab).view(num_servers, ntab)
-    requests_ids = uniq.index_select(0, order)
-    raw = torch.bincount(rank_u.index_select(0, inverse), minlength=num_servers)
-    place = torch.empty_like(order)
-    place[order] = torch.arange(order.numel())
-    idx = place.index_select(0, inverse)
-    bag_fm = torch.repeat_interleave(
-        (torch.arange(nf * b).view(b, nf).t().reshape(-1) if sample_major else torch.arange(nf * b)),
-        lengths, output_size=total)
-    group_sizes = per_row.index_select(0, order)
-    gstarts = torch.cat([per_row.new_zeros(1), per_row.cumsum(0)])[:-1].index_select(0, order)
-    pos = torch.repeat_interleave(gstarts - torch.cat([group_sizes.new_zeros(1), group_sizes.cumsum(0)])[:-1],
-                                  group_sizes, output_size=total) + torch.arange(total)
-    members = by_row.index_select(0, pos)
-    grad_bags = bag_fm.index_select(0, members)
-    grad_offsets = torch.cat([group_sizes.new_zeros(1), group_sizes.cumsum(0)])
-    if mean:
-        inv_len = 1.0 / lengths.clamp(min=1).to(torch.float32)
-        grad_scale = torch.repeat_interleave(inv_len, lengths, output_size=total).index_select(0, members)
-    else:
-        grad_scale = weights.index_select(0, members) if weights is not None else None
-    out_weights = weights
-    if nf > 1 and sample_major:
-        sm_lengths = lengths.view(nf, b).t().reshape(-1)
-        fm_start = (lengths.cumsum(0) - lengths).view(nf, b).t().reshape(-1)
-        sm_start = sm_lengths.cumsum(0) - sm_lengths
-        perm = torch.arange(total) + torch.repeat_interleave(fm_start - sm_start, sm_lengths, output_size=total)
-        idx = idx.index_select(0, perm)
-        out_weights = weights.index_select(0, perm) if weights is not None else None
-        lengths = sm_lengths
-    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-    return Route(requests_ids=requests_ids, per=per, raw=raw, idx=idx, offsets=offsets, weights=out_weights,
-                 grad_bags=grad_bags, grad_offsets=grad_offsets, grad_scale=grad_scale, num_unique=uniq.numel())
+    return _route_tail(uniq, t_u, server_rank[t_u, shard_pos], per_row, by_row, inverse, lengths, weights,
+                       num_servers=num_servers, num_tables=ntab, num_features=nf, batch_size=b, mean=mean,
+                       sample_major=sample_major)
 
 
 # -- dynamic tables (ids: dynamic) ----------------------------------------------------------------
