@@ -286,15 +286,7 @@ class CollectionShard:
                 raise self._outside(table, e.row, "gradient push") from None
             if rows.numel():
                 steps.append((table, rows, summed, gscale))
-        if not steps:
-            return
-        try:
-            step_(self.config.optimizer, [t.weight for t, *_ in steps], [t.optim for t, *_ in steps],
-                  [r for _, r, _, _ in steps], [g for _, _, g, _ in steps], [s for *_, s in steps])
-        except ops.RowOutOfRange as e:
-            raise self._outside(steps[e.table][0], e.row, "gradient push") from None
-        except ops.NonFinite as e:
-            raise FloatingPointError(f"{self._what()}: {e}") from None
+        self._step(steps)
 
     def _apply_dynamic(self, contributions: list[Contribution], step: int) -> None:
         """Dynamic tables: every table's distinct ids of the update are admitted (or not) in one
@@ -345,11 +337,18 @@ class CollectionShard:
                 gscale = 1.0
             if rows.numel():
                 steps.append((table, rows, summed, gscale))
+        self._step(steps)
+
+    def _step(self, steps: list[tuple[TableShard, torch.Tensor, torch.Tensor, float]]) -> None:
+        """One optimizer step of every (table, distinct rows, their gradient rows, gradient scale)
+        in ``steps``, all or nothing."""
         if not steps:
             return
         try:
             step_(self.config.optimizer, [t.weight for t, *_ in steps], [t.optim for t, *_ in steps],
                   [r for _, r, _, _ in steps], [g for _, _, g, _ in steps], [s for *_, s in steps])
+        except ops.RowOutOfRange as e:
+            raise self._outside(steps[e.table][0], e.row, "gradient push") from None
         except ops.NonFinite as e:
             raise FloatingPointError(f"{self._what()}: {e}") from None
 
