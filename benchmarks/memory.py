@@ -75,12 +75,14 @@ def sequential_large():
 
 
 def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, steps: int,
-          model: str = "dlrm") -> dict:
+          model: str = "dlrm", limit_s: float = 300.0) -> dict:
     from hybrid.launch.init import RuntimeOptions, init_hybrid, shutdown
     from hybrid.launch.roles import role_of
 
     role = role_of(rank, world_size, w.servers)
-    options = RuntimeOptions()
+    # The server goes straight to the shutdown barrier and waits there for the trainers' whole
+    # run: its wait is the configuration's time limit, not the default minute.
+    options = RuntimeOptions(shutdown_timeout_s=limit_s)
     init_hybrid(role, init_method=f"file://{store}/rpc", backend="gloo", options=options)
     report, ok = {"name": role.name}, False
     try:
@@ -186,7 +188,7 @@ def measure(w: Workload, dense: str, trainers: int, *, steps: int, timeout_s: fl
     w = w.with_(trainers=trainers)
     servers = 1 if model == "sequential" else w.servers
     reports = spawn(_rank, trainers + servers, timeout_s=timeout_s, threads=w.threads, w=w, dense=dense,
-                    steps=steps, model=model)
+                    steps=steps, model=model, limit_s=timeout_s)
     ts = [r for r in reports if "total_bytes" in r]
     line = {"model": model, "strategy": dense, "trainers": trainers, "dense_params": ts[0]["dense_params"]}
     if "losses" in ts[0]:
