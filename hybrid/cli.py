@@ -184,19 +184,23 @@ def _check_train(argv: Sequence[str], world_size: int):
     return 0, cfg.runtime, names
 
 
-def launch_command(nproc: int, command: Sequence[str], max_restarts: int = 0, address: str = "127.0.0.1",
-                   kill_grace_s: float = 5.0, names: Sequence[str] = ()) -> list[str]:
-    """The torchrun command line ``hybrid launch`` runs: a local rendezvous on a free port, every
-    store torchrun hosts listening on ``address`` only (:mod:`hybrid.launch.torchrun`), no log
+def torchrun_args(nproc: int, command: Sequence[str], max_restarts: int = 0, address: str = "127.0.0.1",
+                  kill_grace_s: float = 5.0, names: Sequence[str] = ()) -> list[str]:
+    """The arguments of :func:`hybrid.launch.torchrun.main` that ``hybrid launch`` runs: a local
+    rendezvous on a free port, every store torchrun hosts listening on ``address`` only, no log
     directory (torchrun would make one in the system's temp folder and leave it), and
     ``kill_grace_s`` between SIGTERM and SIGKILL once a process fails. ``names`` (rank i's role)
     let its messages say ``trainer1`` rather than ``rank 1``."""
     return [
-        sys.executable, "-m", "hybrid.launch.torchrun", "--address", address,
-        *(["--names", ",".join(names)] if names else []), "--standalone",
+        "--address", address, *(["--names", ",".join(names)] if names else []), "--standalone",
         f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", f"--log-dir={os.devnull}",
         f"--shutdown-timeout={math.ceil(kill_grace_s)}", "-m", "hybrid.cli", *command,
     ]
+
+
+def launch_command(*args, **kwargs) -> list[str]:
+    """:func:`torchrun_args` as a command line of its own (``python -m hybrid.launch.torchrun``)."""
+    return [sys.executable, "-m", "hybrid.launch.torchrun", *torchrun_args(*args, **kwargs)]
 
 
 def _launch_main(args: argparse.Namespace) -> NoReturn:
@@ -230,23 +234,26 @@ def _launch(args: argparse.Namespace) -> int:
         status, runtime, names = _check_train(command[1:], args.nproc)
         if status:
             return status
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; said here so it is not a surprise
-    # torch's C++ warnings off (TORCH_CPP_LOG_LEVEL=WARNING brings them back): when a process
-    # ends, every peer's RPC agent would print its raw "EOF"/"connection reset" lines before
-    # hybrid's own message that names the process.
-    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; said here so it is not a surprise
+    # torch's C++ warnings off in the processes started here (TORCH_CPP_LOG_LEVEL=WARNING brings
+    # them back): when a process ends, every peer's RPC agent would print its raw "EOF"/"connection
+    # reset" lines before hybrid's own message that names the process.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if args.nproc == 1 and command[0] == "train":
-        # One-process mode: `hybrid train` without torchrun runs the whole job in its process.
-        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(key, None)
+        # One-process mode: `hybrid train` without torchrun runs the whole job in its process
+        # (a session of its own: Ctrl-C reaches it once, from here).
+        gone = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        env = {k: v for k, v in os.environ.items() if k not in gone}
         cmd = [sys.executable, "-m", "hybrid.cli", *command]
-    else:
-        cmd = launch_command(args.nproc, command, args.max_restarts, numeric_address(runtime.address),
-                             runtime.kill_grace_s, names)
-    # torchrun in a session of its own: Ctrl-C reaches it once, from here, not also from the
-    # terminal (a second SIGINT would cut its shutdown of the workers short).
-    return _wait_forwarding_signals(subprocess.Popen(cmd, env=env, start_new_session=True))
+        return _wait_forwarding_signals(subprocess.Popen(cmd, env=env, start_new_session=True))
+    # torchrun runs in this process: torch is imported already, and a second interpreter would
+    # import it again. It starts the workers in sessions of their own and stops them on
+    # SIGINT/SIGTERM; it exits this process itself when one fails.
+    from hybrid.launch import torchrun
+
+    torchrun.main(torchrun_args(args.nproc, command, args.max_restarts, numeric_address(runtime.address),
+                                runtime.kill_grace_s, names))
+    return 0
 
 
 def _wait_forwarding_signals(proc) -> int:  # noqa: ANN001 - a subprocess.Popen
