@@ -110,6 +110,7 @@ def main(plan_path: str, config_path: str | None, overrides: Sequence[str], *, m
         return EXIT_USAGE
     role = role_of(rank, world_size, resolved.num_servers)
     init_logging(role.name)
+    _name_process(role.name)
     return run_process(role, plan, cfg, resolved, init_method="env://")
 
 
@@ -141,6 +142,16 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup")
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=DeprecationWarning, module="fbgemm_gpu")
+
+
+def _name_process(name: str) -> None:
+    """The process's name (``ps``, ``top``, ``/proc/PID/comm``) becomes its role, e.g. ``trainer1``
+    or ``ps0``: a job's processes all run the same interpreter and command otherwise."""
+    try:
+        with open("/proc/self/comm", "w") as f:  # the main thread's name is the process's (Linux)
+            f.write(name[:15])
+    except OSError:
+        pass
 
 
 def run_process(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, *, init_method: str) -> int:

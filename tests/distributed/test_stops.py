@@ -70,7 +70,7 @@ def test_a_killed_trainer_is_named_first(tmp_path):
               f"train.out_dir={out}"], env={"TMPDIR": str(tmp)}) as job:
         job.wait_training(out)
         pids = job.pids()
-        victim = job.pid_of_rank(1)
+        victim = job.pid_of_role("trainer1")
         t0 = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         code = job.wait(timeout=120)

@@ -59,16 +59,16 @@ class Job:
         """The command's process and every live process below it."""
         return descendants(self.proc.pid)
 
-    def pid_of_rank(self, rank: int) -> int:
-        """The worker with ``RANK=rank`` in its environment (torchrun's workers)."""
+    def pid_of_role(self, role: str) -> int:
+        """The worker named ``role`` (e.g. ``trainer1``: hybrid names each process after its role)."""
         for pid in self.pids():
             try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
             except OSError:
                 continue
-            if f"RANK={rank}".encode() in env:
+            if name == role:
                 return pid
-        raise AssertionError(f"no worker of rank {rank} among {self.pids()}")
+        raise AssertionError(f"no worker named {role} among {self.pids()}")
 
     def wait(self, timeout: float) -> int:
         """The exit status (raises, after killing everything, if it takes longer than ``timeout``)."""
