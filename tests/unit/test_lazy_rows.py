@@ -21,8 +21,8 @@ from hybrid.ps.server.memory import table_tensor
 from hybrid.ps.server.shard import CollectionShard
 from hybrid.ps.sharding import TableSpec, shard_tables
 
-# 1000 and 333 rows: many blocks, neither a multiple of the block nor of 2 or 3 servers.
-TABLES = [TableSpec("a", 1000, 4, ("fa",)), TableSpec("b", 333, 3, ("fb",))]
+# 5000 and 333 rows: many blocks, neither a multiple of the block nor of 2 or 3 servers.
+TABLES = [TableSpec("a", 5000, 4, ("fa",)), TableSpec("b", 333, 3, ("fb",))]
 SEED = 11
 OPTIMIZERS = [OptimizerSpec(name="sgd", lr=0.1), OptimizerSpec(name="adagrad", lr=0.1, initial_accumulator_value=0.25),
               OptimizerSpec(name="rowwise_adagrad", lr=0.1), OptimizerSpec(name="adam", lr=0.01)]
@@ -47,7 +47,7 @@ def _ids(shard: CollectionShard, seed: int, n: int = 20) -> Rows:
     """Distinct, ascending local rows of every table this server holds."""
     g = torch.Generator().manual_seed(seed)
     ids = [torch.randperm(t.rows, generator=g)[: min(n, t.rows)].sort().values for t in shard.tables]
-    return Rows(list(shard.held), [i.numel() for i in ids], torch.cat(ids))
+    return Rows(list(shard.held), [i.numel() for i in ids], torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64))
 
 
 def _state(shard: CollectionShard) -> list[torch.Tensor]:
@@ -69,7 +69,8 @@ def test_lookups_of_never_touched_rows_equal_the_rows_made_at_creation(sharding,
             made = ~t.lazy.pending
             assert torch.equal(made.nonzero().flatten(), torch.unique(ids // BLOCK_ROWS))
             assert not t.lazy.done or t.lazy.blocks <= ids.numel()
-    assert torch.equal(torch.cat(_state(lazy[0])), torch.cat(_state(eager[0])))
+    for a, b in zip(lazy, eager):
+        assert all(torch.equal(x, y) for x, y in zip(_state(a), _state(b)))
 
 
 def test_bfloat16_tables_make_the_same_rounded_rows():
@@ -89,7 +90,7 @@ def test_steps_of_every_optimizer_equal_those_on_rows_made_at_creation(spec):
     for a, b in zip(lazy, eager):
         for step in range(3):
             for trainer in range(2):
-                rows = _ids(a, seed=100 * step + 10 * trainer + a.server, n=30)
+                rows = _ids(a, seed=100 * step + 10 * trainer + a.server, n=5)
                 grad = torch.randn(a.numel(rows), generator=torch.Generator().manual_seed(step + trainer))
                 a.push(trainer, step, [(rows, grad)])
                 b.push(trainer, step, [(rows, grad)])
@@ -198,7 +199,7 @@ def test_the_background_fill_makes_every_row_and_skips_made_ones():
         parts = 0
         while t.lazy.fill_next(lock):
             parts += 1
-        assert t.lazy.done and parts >= 2
+        assert t.lazy.done and (parts >= 2 or t.name != "a")
     assert all(torch.equal(x, y) for x, y in zip([x.clone() for t in lazy.tables for x in (t.weight, *t.optim.state.values())],
                                                   _state(eager)))
 

@@ -121,14 +121,14 @@ class LazyRows:
             return
         hit = torch.zeros(self.blocks * BLOCK_ROWS, dtype=torch.bool)
         hit[rows] = True
+        touched = self.pending & hit.view(self.blocks, BLOCK_ROWS).any(1)
         hit[self.rows :] = True  # past the last row: nothing to make
         blocks = hit.view(self.blocks, BLOCK_ROWS)
-        partial = self.pending & blocks.any(1) & ~blocks.all(1)
+        partial = touched & ~blocks.all(1)
         if bool(partial.any()):
             missing = (~blocks[partial]).nonzero()
             local = partial.nonzero().flatten()[missing[:, 0]] * BLOCK_ROWS + missing[:, 1]
             self._make_rows(local)
-        touched = self.pending & blocks.any(1)
         self.left -= int(touched.sum())
         self.pending &= ~touched
 
