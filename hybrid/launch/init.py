@@ -234,15 +234,19 @@ def _attempt_rendezvous(store: dist.Store) -> str:
 def shutdown(role: Role, *, graceful: bool = True, timeout_s: float = 60.0) -> None:
     """Leave the trainers' group, then RPC. Safe to call after a failed init or twice."""
     try:
-        if not role.is_trainer:
-            from hybrid.ps.server import service
-
-            service.close()  # the background fill's thread ends before the process does
         if role.is_trainer and dist.is_initialized():
             dist.destroy_process_group()
     finally:
-        if rpc.api._is_current_rpc_agent_set():
-            if graceful:
-                rpc.shutdown(graceful=True, timeout=timeout_s)
-            else:
-                rpc.shutdown(graceful=False)
+        try:
+            if rpc.api._is_current_rpc_agent_set():
+                if graceful:
+                    rpc.shutdown(graceful=True, timeout=timeout_s)
+                else:
+                    rpc.shutdown(graceful=False)
+        finally:
+            if not role.is_trainer:
+                from hybrid.ps.server import service
+
+                # A server serves until RPC is down (its rows are still being made in the
+                # background meanwhile); then the fill's thread ends before the process does.
+                service.close()
