@@ -13,7 +13,9 @@ checkpoint and loads it back. Each line holds:
 - ``trainer_peak_rss_mb`` / ``server_peak_rss_mb``: the largest peak RSS (``VmHWM``) of any
   trainer / server over the training (``train_*``) and over the whole run, checkpoint included;
 - ``server_bytes_per_row``: a server's resident memory grown by creating its shards, per row it
-  holds, against ``expected_bytes_per_row`` (the row and its optimizer state);
+  holds, against ``expected_bytes_per_row`` (the row and its optimizer state), measured once the
+  servers' background fill has made every initial row (``filled_s``: when that was, from the
+  start; the servers make rows on first use before then, see ``hybrid.ps.server.lazy``);
 - ``checkpoint_save_s`` / ``checkpoint_load_s``: ``hybrid.checkpoint.save`` and ``restore`` on
   the trainers (the servers write and read their own shards).
 
@@ -63,6 +65,23 @@ def rpc_rss(field: str) -> float:
     return _rss_mb(field)
 
 
+def rpc_rows_to_fill() -> int:
+    """Rows this server's background fill has yet to make, every collection's."""
+    from hybrid.ps.server import service
+
+    return sum(shard.rows_to_fill() for shard in list(service.server().collections.values()))
+
+
+def _wait_filled(names: list[str], timeout_s: float = 600.0) -> None:
+    import torch.distributed.rpc as rpc
+
+    deadline = time.monotonic() + timeout_s
+    while any(rpc.rpc_sync(n, rpc_rows_to_fill) for n in names):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the servers' background fill did not finish in {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
 def _servers(names: list[str], field: str) -> dict[str, float]:
     import torch.distributed.rpc as rpc
 
@@ -102,7 +121,6 @@ def _trainer(role, w: Workload, *, options, started: float, ckpt: str) -> dict:
     hybrid.compose(model, plan_from_dict(plan_dict(w, dense="ddp", staleness=0)), role=role, runtime_options=options,
                    seed=w.seed)
     composed = time.time() - started
-    after = _servers(servers, "VmRSS") if role.index == 0 else {}
     pipeline = pipeline_of(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=w.lr)
     batches = Data(w).batches(trainer=role.index)
@@ -120,6 +138,9 @@ def _trainer(role, w: Workload, *, options, started: float, ckpt: str) -> dict:
     report.update(samples_per_step=w.batch, startup_s=startup_s, train_peak_rss_mb=_rss_mb("VmHWM"),
                   startup_phases_s={"joined": joined, "composed": composed, "batches": startup_s})
     if role.index == 0:
+        _wait_filled(servers)
+        report["filled_s"] = time.time() - started
+        after = _servers(servers, "VmRSS")
         report["server_train_peak_rss_mb"] = _servers(servers, "VmHWM")
         report["server_grown_mb"] = {n: after[n] - before[n] for n in servers}
     t0 = time.perf_counter()
@@ -157,6 +178,7 @@ def measure(name: str, *, trainers: int, warmup: int, steps: int, timeout_s: flo
     line.update({
         "startup_s": max(r["startup_s"] for r in ts),
         "startup_phases_s": first["startup_phases_s"],
+        "filled_s": first["filled_s"],
         "samples_per_s": sum(r["samples_per_step"] for r in ts) * w.steps / window,
         "train_trainer_peak_rss_mb": max(r["train_peak_rss_mb"] for r in ts),
         "train_server_peak_rss_mb": max(first["server_train_peak_rss_mb"].values()),

@@ -69,6 +69,7 @@ def _write_shards(shard, ckpt: Path, step: int) -> list[dict[str, Any]]:
                 b = min(a + step_rows, t.rows)
                 path = ckpt / shard_file(shard.cid, t.name, t.shard_pos, t.layout.num_shards, part)
                 path.parent.mkdir(parents=True, exist_ok=True)
+                t.ensure_range(a, b)  # rows never used yet: their initial values, made now
                 # Copies of the part's rows: torch.save of a view would write the whole table.
                 payload = {"weight": t.weight[a:b].clone(), "state": {k: v[a:b].clone() for k, v in t.optim.state.items()},
                            "info": {**_info(shard.cid, t, step), "rows": [a, b]}}
@@ -223,7 +224,9 @@ def _check_fits(cid: str, t: TableShard, src: dict[str, Any]) -> None:
 
 def _fill(t: TableShard, ckpt: Path, src: dict[str, Any]) -> int:
     """Load this server's rows of table ``t`` from the saved table ``src`` (its manifest entry),
-    one part file at a time: of each part, the rows whose global ids this server holds now."""
+    one part file at a time: of each part, the rows whose global ids this server holds now.
+    Rows not made yet are not made first: once loaded, their blocks count as made."""
+    written = []
     for index, f in enumerate(src["files"]):
         glob = saved_rows(src, index)
         if glob is not None and _rows_held(t, glob)[1].numel() == 0:
@@ -240,6 +243,9 @@ def _fill(t: TableShard, ckpt: Path, src: dict[str, Any]) -> int:
         t.weight.index_copy_(0, to, weight.index_select(0, held).to(t.weight.dtype))
         for key, v in state.items():
             t.optim.state[key].index_copy_(0, to, v.index_select(0, held).to(t.optim.state[key].dtype))
+        written.append(to)
+    if t.lazy is not None and written:
+        t.lazy.loaded(torch.cat(written))
     return t.rows
 
 

@@ -237,8 +237,16 @@ def shutdown(role: Role, *, graceful: bool = True, timeout_s: float = 60.0) -> N
         if role.is_trainer and dist.is_initialized():
             dist.destroy_process_group()
     finally:
-        if rpc.api._is_current_rpc_agent_set():
-            if graceful:
-                rpc.shutdown(graceful=True, timeout=timeout_s)
-            else:
-                rpc.shutdown(graceful=False)
+        try:
+            if rpc.api._is_current_rpc_agent_set():
+                if graceful:
+                    rpc.shutdown(graceful=True, timeout=timeout_s)
+                else:
+                    rpc.shutdown(graceful=False)
+        finally:
+            if not role.is_trainer:
+                from hybrid.ps.server import service
+
+                # A server serves until RPC is down (its rows are still being made in the
+                # background meanwhile); then the fill's thread ends before the process does.
+                service.close()

@@ -22,10 +22,11 @@ from hybrid.ops.reference import DynamicPlan, ForeignPart, NonFinite, PartFull, 
 
 __all__ = ["AVAILABLE", "DynamicPlan", "ForeignPart", "NonFinite", "PartFull", "Route", "RowOutOfRange",
            "dynamic_commit_", "dynamic_plan", "dynamic_rows", "gather_rows", "merge_ids", "initial_rows_", "optimizer_rows",
-           "optimizer_step_", "route", "route_hashed", "scatter_rows_", "sgd_rows_", "sum_rows"]
+           "optimizer_step_", "populate_", "route", "route_hashed", "scatter_rows_", "sgd_rows_", "sum_rows"]
 
 OPS = ("route", "route_hashed", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows", "optimizer_step_",
-       "scatter_rows_", "initial_rows_", "merge_ids", "dynamic_plan", "dynamic_commit_", "dynamic_rows")
+       "scatter_rows_", "initial_rows_", "merge_ids", "dynamic_plan", "dynamic_commit_", "dynamic_rows",
+       "populate_")
 """The operators ``hybrid._C`` registers under ``torch.ops.hybrid``."""
 
 STATE_KEYS = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",),
@@ -213,6 +214,14 @@ def initial_rows_(out, rows, *, key, bound) -> None:
         out.copy_(filled)
 
 
+def populate_(memory: torch.Tensor, *, huge_pages: bool = False, collapse: bool = False) -> bool:
+    """Back the whole pages inside ``memory`` (a contiguous CPU tensor) with memory now, keeping
+    their contents: in transparent huge pages where ``huge_pages`` asks (``collapse``: also
+    merging small pages already there). Safe while other threads write into the same range.
+    Returns whether the kernel populated them (False: the pages come at the first write)."""
+    return bool(torch.ops.hybrid.populate_(memory, huge_pages, collapse))
+
+
 _SLOT_STATE = ("slot_id", "occupied", "last", "count", "fill", "part_base", "part_cap", "slot_part", "slot_index")
 """The tensors of a dynamic table's slot state (:class:`hybrid.ps.server.dynamic.DynamicSlots`)."""
 
@@ -280,6 +289,7 @@ if not AVAILABLE:
         merge_ids,
         optimizer_rows,
         optimizer_step_,
+        populate_,
         route,
         route_hashed,
         scatter_rows_,

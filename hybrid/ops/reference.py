@@ -268,6 +268,12 @@ def initial_rows_(out, rows, *, key, bound) -> None:
         out[start : start + step] = u * bound
 
 
+def populate_(memory: torch.Tensor, *, huge_pages: bool = False, collapse: bool = False) -> bool:
+    """Plain torch cannot ask the kernel for pages: nothing is done (the pages come at the first
+    write) and the contents, as with the native operator, stay as they are."""
+    return False
+
+
 _U64 = (1 << 64) - 1
 
 

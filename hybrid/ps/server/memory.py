@@ -42,10 +42,13 @@ def huge_pages_available() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and thp_mode() in ("always", "madvise")
 
 
-def table_tensor(*shape: int, dtype: torch.dtype = torch.float32, huge_pages: bool = True) -> torch.Tensor:
+def table_tensor(*shape: int, dtype: torch.dtype = torch.float32, huge_pages: bool = True,
+                 defer_huge_pages: bool = False) -> torch.Tensor:
     """An uninitialized CPU tensor of ``shape`` for table rows or per-row optimizer state: in
     huge pages when ``huge_pages`` asks, it spans at least one and they are available, else
-    ``torch.empty``."""
+    ``torch.empty``. ``defer_huge_pages``: the mapping is made and aligned for huge pages but not
+    yet advised, so scattered first writes take small pages; whoever fills it advises each range
+    as it goes (``hybrid.ops.populate_(..., huge_pages=True)``, :mod:`hybrid.ps.server.lazy`)."""
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
     if not huge_pages or nbytes < HUGE_PAGE or not huge_pages_available():
@@ -54,7 +57,8 @@ def table_tensor(*shape: int, dtype: torch.dtype = torch.float32, huge_pages: bo
     # private and anonymous (zero pages until written); the tensor holds the only reference.
     m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
-        m.madvise(mmap.MADV_HUGEPAGE)
+        if not defer_huge_pages:
+            m.madvise(mmap.MADV_HUGEPAGE)
     except OSError:
         return torch.empty(shape, dtype=dtype)  # the mapping goes with ``m``
     start = torch.frombuffer(m, dtype=torch.uint8, count=1).data_ptr()

@@ -36,28 +36,37 @@ def step_(spec: OptimizerSpec, weights: list[torch.Tensor], optims: list[RowSpar
 class RowSparseOptimizer:
     """Optimizer state for one table shard and the update of a set of its rows."""
 
-    def __init__(self, spec: OptimizerSpec, rows: int, dim: int, *, huge_pages: bool = True) -> None:
+    def __init__(self, spec: OptimizerSpec, rows: int, dim: int, *, huge_pages: bool = True,
+                 fill: bool = True) -> None:
+        """``fill``: give every row its initial state now; else the state is left unwritten for
+        whoever makes rows lazily (:mod:`hybrid.ps.server.lazy`, with :meth:`initial_values`)."""
         self.spec = spec
-        init = spec.initial_accumulator_value
         self.state: dict[str, torch.Tensor] = {}
 
         def tensor(*shape: int) -> torch.Tensor:
-            return table_tensor(*shape, huge_pages=huge_pages)
+            return table_tensor(*shape, huge_pages=huge_pages, defer_huge_pages=not fill)
 
         if spec.name == "adagrad":
-            self.state["sum"] = tensor(rows, dim).fill_(init)
+            self.state["sum"] = tensor(rows, dim)
         elif spec.name == "rowwise_adagrad":
-            self.state["sum"] = tensor(rows).fill_(init)
+            self.state["sum"] = tensor(rows)
         elif spec.name == "adam":
-            self.state["exp_avg"] = tensor(rows, dim).zero_()
-            self.state["exp_avg_sq"] = tensor(rows, dim).zero_()
-            self.state["step"] = tensor(rows).zero_()
+            self.state["exp_avg"] = tensor(rows, dim)
+            self.state["exp_avg_sq"] = tensor(rows, dim)
+            self.state["step"] = tensor(rows)
+        if fill:
+            for k, v in self.state.items():
+                v.fill_(self.initial_values()[k])
+
+    def initial_values(self) -> dict[str, float]:
+        """Each state tensor's value for a fresh row."""
+        return {k: self.spec.initial_accumulator_value if k == "sum" else 0.0 for k in self.state}
 
     def reset(self, rows: torch.Tensor) -> None:
         """Fresh state for ``rows`` (a dynamic table's new rows)."""
-        init = self.spec.initial_accumulator_value
+        init = self.initial_values()
         for k, v in self.state.items():
-            v.index_fill_(0, rows, init if k == "sum" else 0.0)
+            v.index_fill_(0, rows, init[k])
 
     def compute(self, weight: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, grad_scale: float = 1.0,
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -16,11 +16,9 @@ there).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -84,6 +82,7 @@ class ParameterServer:
         self.lock = threading.Lock()
         # Answers to lookups completed on a distributed-autograd engine thread, in order.
         self.answers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybrid-ps-answer")
+        self.filler = _Filler(self)
 
     def create(self, config: CollectionConfig, *, start_step: int, init: str) -> int:
         """Create (or replace) this server's shard of ``config``; returns its handle. Raises
@@ -103,18 +102,25 @@ class ParameterServer:
         if short is not None:
             raise DoesNotFit(short)
         started = time.perf_counter()
-        shard = CollectionShard(config, self.index, start_step=start_step, huge_pages=self.options.huge_pages)
-        with _every_core():  # start-up: the trainers wait for these tables, nothing else runs
-            for t in shard.tables:
-                if init == "seed":
-                    t.initialize(config.init_seed)
-                else:
-                    t.weight.zero_()
+        # Range tables are allocated untouched and their rows made on first use and by the
+        # background fill (hybrid.ps.server.lazy): the trainers do not wait for gigabytes of
+        # memory to be written. Dynamic tables create each row at admission.
+        shard = CollectionShard(config, self.index, start_step=start_step, huge_pages=self.options.huge_pages,
+                                init=init)
+        for t in shard.tables:
+            if t.lazy is None and init == "zeros":
+                t.weight.zero_()
         with self.lock:
             self.collections[handle] = shard
-        logger.info("created %s: %d tables, %s (rows + optimizer state) in %.1f s", config.cid, len(shard.tables),
+        self.filler.wake()
+        logger.info("created %s: %d tables, %s (rows + optimizer state) in %.1f s; their initial rows are made "
+                    "as they are first used and in the background", config.cid, len(shard.tables),
                     human_bytes(sum(config.bytes_on(self.index).values())), time.perf_counter() - started)
         return handle
+
+    def close(self) -> None:
+        """Stop the background fill (before RPC shuts down); tables stay usable."""
+        self.filler.stop()
 
     def shard(self, handle: int | str) -> CollectionShard:
         key = collection_handle(handle) if isinstance(handle, str) else handle
@@ -174,6 +180,67 @@ class ParameterServer:
         shard.when_ready(after_step, answer)
 
 
+class _Filler:
+    """The background thread that makes the initial rows no lookup has asked for yet, table
+    after table, one part per hold of the shard's lock (:meth:`LazyRows.fill_next`). It runs
+    while work is left and ends; :meth:`wake` (a new collection) starts it again."""
+
+    def __init__(self, server: ParameterServer) -> None:
+        self.server = server
+        self.cv = threading.Condition()
+        self.running = False
+        self.again = False
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+        self.filled_s: float | None = None
+        """Seconds the last fill took, from its start to nothing left (logged)."""
+
+    def wake(self) -> None:
+        with self.cv:
+            if self.stopping:
+                return
+            self.again = True
+            if not self.running:
+                self.running = True
+                self.thread = threading.Thread(target=self._run, name="hybrid-ps-fill", daemon=True)
+                self.thread.start()
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopping = True
+            thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        while True:
+            with self.cv:
+                if self.stopping or not self.again:
+                    self.running = False
+                    return
+                self.again = False
+            try:
+                self._fill_all()
+            except BaseException as e:  # noqa: BLE001 - lookups still make their own rows
+                logger.warning("ps%d: the background fill of initial rows stopped: %r", self.server.index, e)
+                with self.cv:
+                    self.running = False
+                return
+            if not self.stopping:
+                logger.info("initial rows of every table made (background fill: %.1f s)",
+                            time.perf_counter() - started)
+
+    def _fill_all(self) -> None:
+        for shard in list(self.server.collections.values()):
+            for t in shard.tables:
+                while t.lazy is not None and not self.stopping and t.lazy.fill_next(shard.lock):
+                    if self.server.collections.get(collection_handle(shard.cid)) is not shard:
+                        return  # replaced: its memory goes; wake() came with the new one
+            if self.stopping:
+                return
+
+
 class _Answer:
     """The lookups of one step message, answered together once each part's step may read."""
 
@@ -226,17 +293,6 @@ class _Answer:
             self.reply(self.out, None)
 
 
-@contextmanager
-def _every_core():
-    """torch's intra-op threads raised to this process's cores (the job runs one thread each)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(before, len(os.sched_getaffinity(0))))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _owned(rows: Rows) -> Rows:
     return Rows(list(rows.tables), list(rows.counts), rows.ids.clone())
 
@@ -251,6 +307,12 @@ def start(index: int, options: ServerOptions) -> ParameterServer:
     global _SERVER
     _SERVER = ParameterServer(index, options)
     return _SERVER
+
+
+def close() -> None:
+    """Stop this process's server's background work, if it is a server (shutdown)."""
+    if _SERVER is not None:
+        _SERVER.close()
 
 
 def server() -> ParameterServer:
@@ -305,6 +367,8 @@ def rpc_write_rows(handle: int, table: str, start: int, rows: torch.Tensor) -> N
     shard = server().shard(handle)
     t = shard.table(table)
     with shard.lock:
+        if t.lazy is not None:
+            t.lazy.overwrite(start, start + rows.shape[0])  # the rows written are not made first
         t.weight[start : start + rows.shape[0]] = rows
 
 
@@ -313,6 +377,7 @@ def rpc_write_state(handle: int, table: str, state: dict[str, torch.Tensor]) -> 
     shard = server().shard(handle)
     t = shard.table(table)
     with shard.lock:
+        t.ensure_range(0, t.rows)  # rows not written yet keep their initial values
         for k, v in state.items():
             t.optim.state[k].copy_(v)
 
@@ -321,8 +386,11 @@ def rpc_write_state(handle: int, table: str, state: dict[str, torch.Tensor]) -> 
 def rpc_read_shard(handle: int, table: str, after_step: int = -1):
     """A copy of this server's rows of ``table`` and their optimizer state, once every trainer's
     updates through ``after_step`` are applied."""
-    return _read_when_ready(handle, table, after_step,
-                            lambda t: (t.weight.clone(), {k: v.clone() for k, v in t.optim.state.items()}))
+    def read(t):
+        t.ensure_range(0, t.rows)
+        return t.weight.clone(), {k: v.clone() for k, v in t.optim.state.items()}
+
+    return _read_when_ready(handle, table, after_step, read)
 
 
 @rpc.functions.async_execution
@@ -357,6 +425,8 @@ def rpc_stats(handle: int) -> dict:
     if shard.config.dynamic is not None:
         with shard.lock:
             d["dynamic"] = {t.name: t.dynamic.counters.as_dict(t.dynamic.rows) for t in shard.tables}
+    with shard.lock:
+        d["rows_to_fill"] = shard.rows_to_fill()
     held = huge_page_bytes()  # the whole process's, every collection's tables together
     if held is not None:
         d["huge_page_bytes"] = held

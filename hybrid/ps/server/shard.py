@@ -24,6 +24,7 @@ from hybrid.ps.config import CollectionConfig
 from hybrid.ps.init import initial_rows, table_key
 from hybrid.ps.protocol import Rows
 from hybrid.ps.server.dynamic import DynamicSlots, commit_updates, plan_updates, read_rows
+from hybrid.ps.server.lazy import BLOCK_ROWS, LazyRows
 from hybrid.ps.server.memory import table_tensor
 from hybrid.ps.server.optim import RowSparseOptimizer, step_
 from hybrid.ps.sharding import TableLayout
@@ -62,7 +63,11 @@ class ServerCounters:
 class TableShard:
     """This server's rows of one table, with their optimizer state."""
 
-    def __init__(self, layout: TableLayout, server: int, config: CollectionConfig, *, huge_pages: bool) -> None:
+    def __init__(self, layout: TableLayout, server: int, config: CollectionConfig, *, huge_pages: bool,
+                 init: str | None = None) -> None:
+        """``init``: ``None``, the caller writes the rows (:meth:`initialize`, tests) and the
+        optimizer state is filled now; ``"seed"`` (initial values) or ``"zeros"``, rows and state
+        made lazily (:attr:`lazy`). A dynamic table creates each row when its id is admitted."""
         self.layout = layout
         self.name = layout.table.name
         self.dim = layout.table.embedding_dim
@@ -78,11 +83,36 @@ class TableShard:
         else:
             self.rows = layout.rows_on(server)
         dtype = getattr(torch, config.storage_dtype)
-        self.weight = table_tensor(self.rows, self.dim, dtype=dtype, huge_pages=huge_pages)  # see server.memory
-        self.optim = RowSparseOptimizer(config.optimizer, self.rows, self.dim, huge_pages=huge_pages)
+        lazy = init is not None and self.dynamic is None
+        self.weight = table_tensor(self.rows, self.dim, dtype=dtype, huge_pages=huge_pages,  # see server.memory
+                                   defer_huge_pages=lazy)
+        self.optim = RowSparseOptimizer(config.optimizer, self.rows, self.dim, huge_pages=huge_pages, fill=not lazy)
+        self.lazy: LazyRows | None = None
+        """Which rows still wait for their initial values (:mod:`hybrid.ps.server.lazy`); every
+        read or write of rows or optimizer state ensures its rows first. None: all are there."""
+        if lazy:
+            init_values = self.optim.initial_values()
+            state = {k: (v, init_values[k]) for k, v in self.optim.state.items()}
+            values = self._initial_values if init == "seed" else _zeros
+            self.lazy = LazyRows(self.weight, state, values, huge_pages=huge_pages)
 
     def global_ids(self, local: torch.Tensor) -> torch.Tensor:
         return self.layout.global_ids(self.shard_pos, local)
+
+    def _initial_values(self, local: torch.Tensor, out: torch.Tensor) -> None:
+        t = self.layout.table
+        initial_rows(t.name, t.num_embeddings, self.dim, self.global_ids(local), seed=self.seed, out=out)
+
+    def ensure(self, local: torch.Tensor) -> None:
+        """Make the initial values of local rows ``local`` that are still pending (caller holds
+        the shard's lock)."""
+        if self.lazy is not None and self.lazy.left:
+            self.lazy.ensure(local)
+
+    def ensure_range(self, start: int, stop: int) -> None:
+        """:meth:`ensure` of local rows ``[start, stop)``."""
+        if self.lazy is not None and self.lazy.left:
+            self.lazy.ensure_range(start, stop)
 
     def initialize(self, seed: int) -> None:
         """Each row's layout-independent initial value (:mod:`hybrid.ps.init`); a dynamic table
@@ -116,6 +146,10 @@ class TableShard:
         return self._init_key
 
 
+def _zeros(local: torch.Tensor, out: torch.Tensor) -> None:
+    out.zero_()
+
+
 Contribution = tuple[Rows, torch.Tensor]
 """One trainer's gradient for the rows of one lookup: the rows and the flat gradient."""
 
@@ -123,12 +157,16 @@ Contribution = tuple[Rows, torch.Tensor]
 class CollectionShard:
     """The tables of one remote collection that live on this server, and their step state."""
 
-    def __init__(self, config: CollectionConfig, server: int, *, start_step: int, huge_pages: bool = True) -> None:
+    def __init__(self, config: CollectionConfig, server: int, *, start_step: int, huge_pages: bool = True,
+                 init: str | None = None) -> None:
+        """``init``: how the tables' rows start (:class:`TableShard`): ``None``, written by the
+        caller; ``"seed"`` / ``"zeros"``, made lazily on first use and by a background fill."""
         self.config = config
         self.cid = config.cid
         self.server = server
         self.held = config.held(server)
-        self.tables = [TableShard(config.layouts[i], server, config, huge_pages=huge_pages) for i in self.held]
+        self.tables = [TableShard(config.layouts[i], server, config, huge_pages=huge_pages, init=init)
+                       for i in self.held]
         self.by_index = dict(zip(self.held, self.tables))
         self.num_trainers = config.num_trainers
         self.staleness = config.staleness
@@ -166,6 +204,7 @@ class CollectionShard:
         if self.config.dynamic is not None:
             return self._gather_dynamic(rows, shards, out)
         with self.lock:
+            self._ensure(shards, rows)
             try:
                 got = ops.gather_rows([t.weight for t in shards], rows.ids, rows.counts, out=out,
                                       dtype=self.wire_dtype)
@@ -188,6 +227,19 @@ class CollectionShard:
         self.counters.rows_served += int(rows.ids.numel())
         self.counters.bytes_out += out.numel() * out.element_size()
         return out
+
+    @staticmethod
+    def _ensure(shards: list[TableShard], rows: Rows) -> None:
+        """Make the pending initial values of ``rows`` (caller holds the lock)."""
+        if all(t.lazy is None or t.lazy.done for t in shards):
+            return
+        for t, ids in zip(shards, rows.ids.split(list(rows.counts))):
+            t.ensure(ids)
+
+    def rows_to_fill(self) -> int:
+        """Rows (in whole blocks) whose initial values are still to be made: the background
+        fill's work left."""
+        return sum(t.lazy.left * BLOCK_ROWS for t in self.tables if t.lazy is not None)
 
     def _outside(self, table: TableShard, row: int, what: str) -> IndexError:
         return IndexError(f"{what} of {self.cid} on ps{self.server}: row {row} is outside this server's "
@@ -344,6 +396,8 @@ class CollectionShard:
         in ``steps``, all or nothing."""
         if not steps:
             return
+        for t, rows, _, _ in steps:
+            t.ensure(rows)
         try:
             step_(self.config.optimizer, [t.weight for t, *_ in steps], [t.optim for t, *_ in steps],
                   [r for _, r, _, _ in steps], [g for _, _, g, _ in steps], [s for *_, s in steps])
@@ -370,6 +424,7 @@ class CollectionShard:
                     raise FloatingPointError(f"{self._what()}: non-finite gradients; nothing was applied")
         for rows, grad in contributions:
             shards = self.shards_of(rows)
+            self._ensure(shards, rows)
             try:
                 ops.sgd_rows_([t.weight for t in shards], rows.ids, rows.counts, grad, alpha=alpha)
             except ops.RowOutOfRange as e:
