@@ -214,8 +214,6 @@ def _launch_main(args: argparse.Namespace) -> NoReturn:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    import subprocess
-
     if args.nproc < 1:
         print(f"error: launch -n: got {args.nproc}; expected 1 (one process: the trainer holds the tables) "
               "or more (trainers + parameter servers)", file=sys.stderr)
@@ -240,12 +238,15 @@ def _launch(args: argparse.Namespace) -> int:
     # reset" lines before hybrid's own message that names the process.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if args.nproc == 1 and command[0] == "train":
-        # One-process mode: `hybrid train` without torchrun runs the whole job in its process
-        # (a session of its own: Ctrl-C reaches it once, from here).
-        gone = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-        env = {k: v for k, v in os.environ.items() if k not in gone}
-        cmd = [sys.executable, "-m", "hybrid.cli", *command]
-        return _wait_forwarding_signals(subprocess.Popen(cmd, env=env, start_new_session=True))
+        # One-process mode: the whole job runs here, as `hybrid train` without torchrun runs it
+        # (torch, the plan and the model are loaded already).
+        import torch
+
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)
+        if os.environ["OMP_NUM_THREADS"].isdigit():  # torch read it when it was imported
+            torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+        return main(command)
     # torchrun runs in this process: torch is imported already, and a second interpreter would
     # import it again. It starts the workers in sessions of their own and stops them on
     # SIGINT/SIGTERM; it exits this process itself when one fails.
@@ -254,25 +255,6 @@ def _launch(args: argparse.Namespace) -> int:
     torchrun.main(torchrun_args(args.nproc, command, args.max_restarts, numeric_address(runtime.address),
                                 runtime.kill_grace_s, names))
     return 0
-
-
-def _wait_forwarding_signals(proc) -> int:  # noqa: ANN001 - a subprocess.Popen
-    """Wait for ``proc``, passing on SIGINT, SIGTERM and SIGHUP; its exit status (128 + n when a
-    signal n ended it)."""
-    import signal
-
-    def forward(signum: int, frame) -> None:  # noqa: ANN001 - a signal handler's signature
-        if proc.poll() is None:
-            proc.send_signal(signum)
-
-    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {s: signal.signal(s, forward) for s in forwarded}
-    try:
-        code = proc.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return 128 - code if code < 0 else code
 
 
 def _add_export_parser(commands: argparse._SubParsersAction) -> None:
