@@ -382,6 +382,13 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
       s.last[j] = -1;
     }
     for (int64_t i = o2; i < o2 + new_counts[t]; i++) {
+      if (i + kAhead < o2 + new_counts[t]) {  // the slot state of the new rows ahead
+        const int64_t a = ns[i + kAhead];
+        __builtin_prefetch(s.slot_part + a);
+        __builtin_prefetch(s.slot_index + a);
+        __builtin_prefetch(s.slot_id + a, 1);
+        __builtin_prefetch(s.occupied + a, 1);
+      }
       const int64_t j = ns[i], p = s.slot_part[j];
       s.slot_id[j] = ni[i];
       s.occupied[j] = true;

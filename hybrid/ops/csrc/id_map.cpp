@@ -105,7 +105,13 @@ int64_t id_map_insert_(const Tensor& keys, const Tensor& slots, const Tensor& id
   const int64_t *q = ids.data_ptr<int64_t>(), *v = values.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; i++) TORCH_CHECK_VALUE(v[i] >= 0, "slot values must be >= 0, got ", v[i]);
   const uint64_t mask = static_cast<uint64_t>(cap - 1);
+  constexpr int64_t kPrefetch = 16;  // as in find_into: overlap the misses of the probes ahead
   for (int64_t i = 0; i < n; i++) {
+    if (i + kPrefetch < n) {
+      const uint64_t h = fmix64(static_cast<uint64_t>(q[i + kPrefetch])) & mask;
+      __builtin_prefetch(s + h, 1);
+      __builtin_prefetch(k + h, 1);
+    }
     const int64_t p = probe(k, s, mask, q[i]);
     if (s[p] < 0) used++;
     k[p] = q[i];

@@ -321,6 +321,7 @@ class CollectionShard:
         plan, every table planned before any changes (a full table changes nothing), then the
         optimizer runs on the slots of the admitted ids, all tables in one call (all or nothing)."""
         looked = self.looked_up.get(step, [])
+        admit_after = self.config.dynamic.admit_after
         # Per table, one run per contribution: (ids, gradient rows, slots and sightings the
         # step's lookup found for them, or None).
         per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]] = {}
@@ -333,7 +334,7 @@ class CollectionShard:
             known = known and match is not None
             sizes = [n * t.dim for n, t in zip(rows.counts, shards)]
             found = match.found.split(rows.counts) if match is not None else [None] * len(rows.counts)
-            seen = (match.seen.split(rows.counts) if match is not None and match.seen.numel()
+            seen = (match.seen.split(rows.counts) if match is not None and admit_after > 1
                     else [None] * len(rows.counts))
             for index, t, ids, g, n, f, sn in zip(rows.tables, shards, rows.ids.split(rows.counts), grad.split(sizes),
                                                   rows.counts, found, seen):
@@ -347,7 +348,6 @@ class CollectionShard:
         order = sorted(per_table)
         tables = [self.by_index[i] for i in order]
         runs = max(len(per_table[i]) for i in order)
-        admit_after = self.config.dynamic.admit_after
         runs_of = [r for i in order for r in per_table[i]]
         if runs == 1:  # one trainer's ids: already distinct and ascending (the route)
             distinct, inverse = [per_table[i][0][0] for i in order], None
