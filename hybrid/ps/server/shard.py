@@ -155,6 +155,8 @@ class CollectionShard:
         self.wire_dtype = getattr(torch, config.wire_dtype)
         """What rows are sent and gradients arrive in (``wire_dtype``); the tables keep theirs."""
         # 16-bit rows: a step's contributions are summed first, so each row is rounded once a step.
+        # Dynamic tables sum the trainers' gradients of a row first as well (the result does not
+        # depend on the order pushes arrive in), then add them straight into the rows.
         self.accumulates = config.optimizer.accumulates and config.storage_dtype == "float32"
         self.looked_up: dict[int, list[LookedUp]] = defaultdict(list)
         """Step -> its lookups of dynamic tables not yet matched by an update (:class:`LookedUp`)."""
@@ -369,15 +371,15 @@ class CollectionShard:
         for table, a in zip(tables, admissions):
             if a.new_slots.numel():
                 table.optim.reset(a.new_slots)
+        if self.accumulates and len({t.dim for t in tables}) == 1:
+            self._sgd_dynamic(tables, admissions, [r[1] for r in runs_of], inverse)
+            return
         # Every run's slots after the update, in runs_of's order.
         if inverse is None:
             slots_of = [a.slots for a in admissions]
         else:
             slots_of = list(torch.cat([a.slots for a in admissions]).index_select(0, inverse).split(
                 [r[0].numel() for r in runs_of]))
-        if self.accumulates:
-            self._accumulate_dynamic(contributions, order, slots_of)
-            return
         steps = []
         k = 0
         for table, index in zip(tables, order):
@@ -397,31 +399,33 @@ class CollectionShard:
                 steps.append((table, rows, summed, gscale))
         self._step(steps)
 
-    def _accumulate_dynamic(self, contributions: list[Contribution], order: list[int],
-                            slots_of: list[torch.Tensor]) -> None:
-        """Plain SGD on dynamic tables: each contribution added straight into the rows at its ids'
-        slots (:meth:`_accumulate`), the gradients of ids without a row dropped. ``slots_of``:
-        the slots of each contribution's ids per table, tables in ``order``, contributions in
-        arrival order within a table."""
-        queue: dict[int, list[torch.Tensor]] = {}
-        k = 0
-        for index in order:
-            n = sum(index in rows.tables for rows, _ in contributions)
-            queue[index] = slots_of[k : k + n]
-            k += n
-        mapped = []
-        for rows, grad in contributions:
-            slots = [queue[i].pop(0) for i in rows.tables]
-            flat = _cat(slots)
-            if bool((flat < 0).any()):  # ids not admitted: their gradient rows go
-                shards = self.shards_of(rows)
-                parts = grad.split([n * t.dim for n, t in zip(rows.counts, shards)])
-                keep = [s >= 0 for s in slots]
-                slots = [s[m] for s, m in zip(slots, keep)]
-                grad = _cat([g.view(-1, t.dim)[m].reshape(-1) for g, t, m in zip(parts, shards, keep)])
-                flat = _cat(slots)
-            mapped.append((Rows(list(rows.tables), [s.numel() for s in slots], flat), grad))
-        self._accumulate(mapped, rows_checked=True)
+    def _sgd_dynamic(self, tables: list[TableShard], admissions: list, grads: list[torch.Tensor],
+                     inverse: torch.Tensor | None) -> None:
+        """Plain SGD on dynamic tables of one dimension, straight into the rows: each distinct id's
+        gradient rows summed in arrival order and scaled (what ``sum_rows`` computes), then
+        ``w += -lr * g`` at its slot (what the optimizer's ``sgd`` step computes, one fused
+        multiply-add) -- the same values as summing per table and stepping, without the per-table
+        sorts. ``grads``: every run's gradient rows, tables in the plan's order; ``inverse``: each
+        of their rows' distinct id (None: one run a table, already distinct)."""
+        g = _cat(grads)
+        slots = _cat([a.slots for a in admissions])
+        if inverse is not None:
+            g = g.new_zeros(slots.numel(), g.shape[1]).index_add_(0, inverse, g)
+            if self.scale != 1.0:
+                g.mul_(self.scale)
+        elif self.scale != 1.0:
+            g = g * self.scale
+        counts = [a.slots.numel() for a in admissions]
+        keep = slots >= 0
+        if not bool(keep.all()):  # ids not admitted: their gradients go
+            counts = [int(k.sum()) for k in keep.split(counts)]
+            slots, g = slots[keep], g[keep]
+        try:
+            ops.sgd_rows_([t.weight for t in tables], slots, counts, g.reshape(-1), alpha=-self.config.optimizer.lr)
+        except ops.RowOutOfRange as e:
+            raise self._outside(tables[e.table], e.row, "gradient push") from None
+        except ops.NonFinite as e:
+            raise FloatingPointError(f"{self._what()}: {e}") from None
 
     def _step(self, steps: list[tuple[TableShard, torch.Tensor, torch.Tensor, float]]) -> None:
         """One optimizer step of every (table, distinct rows, their gradient rows, gradient scale)
@@ -439,15 +443,14 @@ class CollectionShard:
     def _what(self) -> str:
         return f"{self.config.optimizer.name} update of {self.cid} on ps{self.server}"
 
-    def _accumulate(self, contributions: list[Contribution], *, rows_checked: bool = False) -> None:
+    def _accumulate(self, contributions: list[Contribution]) -> None:
         """Plain SGD: each contribution added straight into the weights, in arrival order (rows
-        may repeat across trainers); every contribution is checked before the first is added
-        (``rows_checked``: the rows are known to lie in their tables, the gradients are checked)."""
+        may repeat across trainers); every contribution is checked before the first is added."""
         alpha = -self.config.optimizer.lr * self.scale
         if len(contributions) > 1:
             for rows, grad in contributions:
                 shards = self.shards_of(rows)
-                for t, ids in [] if rows_checked else zip(shards, rows.ids.split(rows.counts)):
+                for k, (t, ids) in enumerate(zip(shards, rows.ids.split(rows.counts))):
                     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t.rows):
                         bad = ids[(ids < 0) | (ids >= t.rows)][0]
                         raise self._outside(t, int(bad), "gradient push")
