@@ -402,17 +402,15 @@ class CollectionShard:
     def _sgd_dynamic(self, tables: list[TableShard], admissions: list, grads: list[torch.Tensor],
                      inverse: torch.Tensor | None) -> None:
         """Plain SGD on dynamic tables of one dimension, straight into the rows: each distinct id's
-        gradient rows summed in arrival order and scaled (what ``sum_rows`` computes), then
+        gradient rows summed in arrival order and scaled (one ``sum_rows`` over all tables), then
         ``w += -lr * g`` at its slot (what the optimizer's ``sgd`` step computes, one fused
         multiply-add) -- the same values as summing per table and stepping, without the per-table
         sorts. ``grads``: every run's gradient rows, tables in the plan's order; ``inverse``: each
         of their rows' distinct id (None: one run a table, already distinct)."""
         g = _cat(grads)
         slots = _cat([a.slots for a in admissions])
-        if inverse is not None:
-            g = g.new_zeros(slots.numel(), g.shape[1]).index_add_(0, inverse, g)
-            if self.scale != 1.0:
-                g.mul_(self.scale)
+        if inverse is not None:  # every distinct id of every table appears: the sum is slot-aligned
+            _, g = ops.sum_rows(inverse, g, scale=self.scale, num_rows=slots.numel())
         elif self.scale != 1.0:
             g = g * self.scale
         counts = [a.slots.numel() for a in admissions]
