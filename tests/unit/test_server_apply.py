@@ -160,12 +160,12 @@ def test_dynamic_update_reuses_its_lookups_slots_only_while_the_maps_are_unchang
             rows[0, r] = shard.gather(parts[0, r][0], step=0 if keep else None)
         for t in range(steps):
             if early:
-                for r in range(2):
+                for r in (0, 1) if t % 2 else (1, 0):  # lookups in either order, pushes always 0, 1
                     rows[t + 1, r] = shard.gather(parts[t + 1, r][0], step=t + 1 if keep else None)
             _push(shard, 0, t, [parts[t, 0]])
             _push(shard, 1, t, [parts[t, 1]])
             if not early:
-                for r in range(2):
+                for r in (0, 1) if t % 2 else (1, 0):
                     rows[t + 1, r] = shard.gather(parts[t + 1, r][0], step=t + 1 if keep else None)
         if keep:
             # Lookups probe once each; an update probes only where its lookups' slots went stale.

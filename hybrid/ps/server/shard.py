@@ -120,7 +120,7 @@ Contribution = tuple[Rows, torch.Tensor]
 """One trainer's gradient for the rows of one lookup: the rows and the flat gradient."""
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: its tensors have no truth value
 class LookedUp:
     """A lookup of dynamic tables, kept for the update of its step: its ids (a copy) and the
     slots and sightings the id maps held for them (:func:`hybrid.ps.server.dynamic.read_rows`)
