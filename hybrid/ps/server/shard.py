@@ -156,7 +156,7 @@ class CollectionShard:
         """What rows are sent and gradients arrive in (``wire_dtype``); the tables keep theirs."""
         # 16-bit rows: a step's contributions are summed first, so each row is rounded once a step.
         # Dynamic tables sum the trainers' gradients of a row first as well (the result does not
-        # depend on the order pushes arrive in), then add them straight into the rows.
+        # depend on the order pushes arrive in), then add the sums into the rows.
         self.accumulates = config.optimizer.accumulates and config.storage_dtype == "float32"
         self.looked_up: dict[int, list[LookedUp]] = defaultdict(list)
         """Step -> its lookups of dynamic tables not yet matched by an update (:class:`LookedUp`)."""
@@ -371,9 +371,6 @@ class CollectionShard:
         for table, a in zip(tables, admissions):
             if a.new_slots.numel():
                 table.optim.reset(a.new_slots)
-        if self.accumulates and len({t.dim for t in tables}) == 1:
-            self._sgd_dynamic(tables, admissions, [r[1] for r in runs_of], inverse)
-            return
         # Every run's slots after the update, in runs_of's order.
         if inverse is None:
             slots_of = [a.slots for a in admissions]
@@ -397,31 +394,25 @@ class CollectionShard:
                 gscale = 1.0
             if rows.numel():
                 steps.append((table, rows, summed, gscale))
-        self._step(steps)
+        if self.accumulates:
+            self._sgd_dynamic(steps)
+        else:
+            self._step(steps)
 
-    def _sgd_dynamic(self, tables: list[TableShard], admissions: list, grads: list[torch.Tensor],
-                     inverse: torch.Tensor | None) -> None:
-        """Plain SGD on dynamic tables of one dimension, straight into the rows: each distinct id's
-        gradient rows summed in arrival order and scaled (one ``sum_rows`` over all tables), then
-        ``w += -lr * g`` at its slot (what the optimizer's ``sgd`` step computes, one fused
-        multiply-add) -- the same values as summing per table and stepping, without the per-table
-        sorts. ``grads``: every run's gradient rows, tables in the plan's order; ``inverse``: each
-        of their rows' distinct id (None: one run a table, already distinct)."""
-        g = _cat(grads)
-        slots = _cat([a.slots for a in admissions])
-        if inverse is not None:  # every distinct id of every table appears: the sum is slot-aligned
-            _, g = ops.sum_rows(inverse, g, scale=self.scale, num_rows=slots.numel())
-        elif self.scale != 1.0:
-            g = g * self.scale
-        counts = [a.slots.numel() for a in admissions]
-        keep = slots >= 0
-        if not bool(keep.all()):  # ids not admitted: their gradients go
-            counts = [int(k.sum()) for k in keep.split(counts)]
-            slots, g = slots[keep], g[keep]
+    def _sgd_dynamic(self, steps: list[tuple[TableShard, torch.Tensor, torch.Tensor, float]]) -> None:
+        """Plain SGD of :meth:`_step`'s arguments (distinct rows, their summed gradients, the
+        gradients' scale), every table in one ``sgd_rows_`` call: ``w += -lr * (g * scale)`` is
+        the optimizer's ``sgd`` step (``w.add(grad, alpha=-lr)``, one fused multiply-add) without
+        its copies of the rows."""
+        if not steps:
+            return
+        grads = [g if s == 1.0 else g * s for _, _, g, s in steps]
         try:
-            ops.sgd_rows_([t.weight for t in tables], slots, counts, g.reshape(-1), alpha=-self.config.optimizer.lr)
+            ops.sgd_rows_([t.weight for t, *_ in steps], _cat([r for _, r, _, _ in steps]),
+                          [r.numel() for _, r, _, _ in steps], _cat([g.reshape(-1) for g in grads]),
+                          alpha=-self.config.optimizer.lr)
         except ops.RowOutOfRange as e:
-            raise self._outside(tables[e.table], e.row, "gradient push") from None
+            raise self._outside(steps[e.table][0], e.row, "gradient push") from None
         except ops.NonFinite as e:
             raise FloatingPointError(f"{self._what()}: {e}") from None
 
