@@ -13,7 +13,7 @@ import torch
 
 from hybrid.ops import reference
 
-_NATIVE_OPS = ("id_map_find", "id_map_insert_", "id_map_erase_", "id_hash")
+_NATIVE_OPS = ("id_map_find", "id_maps_find", "id_map_insert_", "id_map_erase_", "id_hash")
 def _native() -> bool:
     try:
         import hybrid._C  # noqa: F401
@@ -42,6 +42,9 @@ class HashIdMap:
         self.keys = torch.zeros(size, dtype=torch.int64)
         self.slots = torch.full((size,), -1, dtype=torch.int64)
         self.used = 0
+        self.version = 0
+        """Counts the calls that may have changed the map (inserts, erases): a slot found at one
+        version is still the id's slot while the version stays."""
 
     def __len__(self) -> int:
         return self.used
@@ -53,6 +56,7 @@ class HashIdMap:
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Map distinct ``ids`` to ``slots`` (an id already present is remapped)."""
         ids = ids.to(torch.int64).contiguous().reshape(-1)
+        self.version += 1
         if 2 * (self.used + ids.numel()) > self.keys.numel():
             self._grow(self.used + ids.numel())
         self.used = torch.ops.hybrid.id_map_insert_(self.keys, self.slots, ids,
@@ -60,6 +64,7 @@ class HashIdMap:
 
     def erase(self, ids: torch.Tensor) -> None:
         """Remove ``ids`` (absent ones are skipped)."""
+        self.version += 1
         self.used = torch.ops.hybrid.id_map_erase_(self.keys, self.slots, ids.to(torch.int64).contiguous().reshape(-1),
                                                     self.used)
 
@@ -79,3 +84,14 @@ class HashIdMap:
 
 IdMap = HashIdMap if NATIVE else reference.IdMap
 """The map the servers use: native where the extension is built, else the reference."""
+
+
+def find_many(maps: list, ids: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The slot of each id in its map, -1 where absent: ``ids`` holds, map after map,
+    ``counts[k]`` ids of ``maps[k]``. One native call probes every map
+    (``torch.ops.hybrid.id_maps_find``)."""
+    ids = ids.to(torch.int64).contiguous().reshape(-1)
+    if NATIVE and all(isinstance(m, HashIdMap) for m in maps):
+        return torch.ops.hybrid.id_maps_find([m.keys for m in maps], [m.slots for m in maps], ids, list(counts))
+    found = [m.find(i) for m, i in zip(maps, ids.split(list(counts)))]
+    return found[0] if len(found) == 1 else torch.cat(found) if found else torch.empty(0, dtype=torch.int64)

@@ -307,6 +307,8 @@ class IdMap:
     def __init__(self) -> None:
         self.keys = torch.empty(0, dtype=torch.int64)
         self.slots = torch.empty(0, dtype=torch.int64)
+        self.version = 0
+        """Counts the calls that may have changed the map (inserts, erases)."""
 
     def __len__(self) -> int:
         return self.keys.numel()
@@ -322,18 +324,51 @@ class IdMap:
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Map distinct ``ids`` to ``slots`` (an id already present is remapped)."""
         self.erase(ids)
+        self.version += 1
         keys = torch.cat([self.keys, ids.to(torch.int64)])
         order = torch.argsort(keys)
         self.keys, self.slots = keys[order], torch.cat([self.slots, slots.to(torch.int64)])[order]
 
     def erase(self, ids: torch.Tensor) -> None:
         """Remove ``ids`` (absent ones are skipped)."""
+        self.version += 1
         keep = ~torch.isin(self.keys, ids.to(torch.int64))
         self.keys, self.slots = self.keys[keep], self.slots[keep]
 
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids ascending, their slots)."""
         return self.keys.clone(), self.slots.clone()
+
+
+def id_map_find(keys: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The slot of each id in the open-addressing table ``keys`` / ``slots`` of
+    :class:`hybrid.ops.id_map.HashIdMap` (power-of-two size, ``slots == -1`` empty, linear
+    probing from ``fmix64(id)``), -1 where absent: every id's probe advanced one entry per round."""
+    ids = ids.to(torch.int64).reshape(-1)
+    mask = keys.numel() - 1
+    out = torch.full_like(ids, -1)
+    pos = id_hash(ids) & mask
+    todo = torch.arange(ids.numel())
+    while todo.numel():
+        k, s = keys[pos[todo]], slots[pos[todo]]
+        hit = (s >= 0) & (k == ids[todo])
+        out[todo[hit]] = s[hit]
+        todo = todo[(s >= 0) & ~hit]
+        pos[todo] = (pos[todo] + 1) & mask
+    return out
+
+
+def id_maps_find(keys: list[torch.Tensor], slots: list[torch.Tensor], ids: torch.Tensor,
+                 counts: list[int]) -> torch.Tensor:
+    """:func:`id_map_find` over several maps: ``ids`` holds, map after map, ``counts[t]`` ids to
+    find in map ``t``; their slots in the same order."""
+    if len(keys) != len(counts) or len(slots) != len(counts):
+        raise ValueError(f"keys, slots and counts must have one entry per map, got {len(keys)}, {len(slots)} "
+                         f"and {len(counts)}")
+    if sum(counts) != ids.numel():
+        raise ValueError(f"counts sum to {sum(counts)} but ids holds {ids.numel()}")
+    parts = [id_map_find(k, s, i) for k, s, i in zip(keys, slots, ids.reshape(-1).split(list(counts)))]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
 def route_hashed(ids, lengths, feature_table, shards, server_rank, *, partitions, num_servers, batch_size,

@@ -8,7 +8,7 @@ import torch
 from hybrid.errors import PlanError
 from hybrid import ops
 from hybrid.ops import reference
-from hybrid.ops.id_map import NATIVE, HashIdMap, id_hash
+from hybrid.ops.id_map import NATIVE, HashIdMap, find_many, id_hash
 from hybrid.ps.config import DynamicIds
 from hybrid.ps.server import dynamic
 from hybrid.ps.server.dynamic import CapacityError, DynamicSlots, commit_updates, part_of, plan_updates
@@ -34,6 +34,44 @@ def test_id_map_matches_reference_through_inserts_erases_and_growth():
         assert torch.equal(m.find(pool), r.find(pool))
         assert all(torch.equal(a, b) for a, b in zip(m.items(), r.items()))
     assert len(m) > 100 and m.keys.numel() >= 2 * len(m)
+
+
+@native
+def test_id_maps_find_equals_the_reference_over_several_maps():
+    """torch.ops.hybrid.id_maps_find (every map probed in one call) against the plain-torch
+    linear probing of reference.id_maps_find, and against each map's own find, with erases
+    (backward shifts) in between, ids absent and present, and an empty run."""
+    g = torch.Generator().manual_seed(3)
+    maps = [HashIdMap(8), HashIdMap(300), HashIdMap(16)]
+    pool = torch.cat([torch.randint(-2**63, 2**63 - 1, (2000,), generator=g), torch.arange(-4, 4)]).unique()
+    for k, m in enumerate(maps):
+        pick = pool[torch.randperm(pool.numel(), generator=g)[:500 + 100 * k]].unique()
+        m.insert(pick, torch.randint(0, 10**6, (pick.numel(),), generator=g))
+        m.erase(pick[::3])
+    runs = [pool[torch.randperm(pool.numel(), generator=g)[:n]] for n in (700, 0, 900)]
+    ids, counts = torch.cat(runs), [r.numel() for r in runs]
+    got = torch.ops.hybrid.id_maps_find([m.keys for m in maps], [m.slots for m in maps], ids, counts)
+    want = reference.id_maps_find([m.keys for m in maps], [m.slots for m in maps], ids, counts)
+    assert torch.equal(got, want)
+    assert torch.equal(got, torch.cat([m.find(r) for m, r in zip(maps, runs)]))
+    assert torch.equal(find_many(maps, ids, counts), got)
+    assert bool((got >= 0).any()) and bool((got < 0).any())
+    with pytest.raises(ValueError, match="counts sum to"):
+        torch.ops.hybrid.id_maps_find([m.keys for m in maps], [m.slots for m in maps], ids, [1, 2, 3])
+    with pytest.raises(TypeError, match="int64"):
+        torch.ops.hybrid.id_maps_find([m.keys.int() for m in maps], [m.slots for m in maps], ids, counts)
+
+
+def test_id_map_version_grows_with_every_change():
+    for m in (HashIdMap(4), reference.IdMap()) if NATIVE else (reference.IdMap(),):
+        v = m.version
+        m.insert(torch.tensor([5, 7]), torch.tensor([0, 1]))
+        assert m.version > v
+        v = m.version
+        m.find(torch.tensor([5]))
+        assert m.version == v
+        m.erase(torch.tensor([5]))
+        assert m.version > v
 
 
 @native

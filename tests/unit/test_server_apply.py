@@ -115,3 +115,71 @@ def test_16_bit_storage_is_the_float32_update_rounded_once(storage_dtype, name):
                                        "b": 30 * (4 * 2 + 4 * {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 1,
                                                                  "adam": 9}[name])}
 
+
+
+def _dynamic_shard(name: str, admit_after: int) -> CollectionShard:
+    from hybrid.ps.config import DynamicIds
+
+    config = CollectionConfig(cid="ebc", tables=tuple(TABLES), layouts=tuple(shard_tables(TABLES, 1, "table_wise")),
+                              optimizer=OptimizerSpec(name=name, lr=0.1), num_trainers=2, staleness=0,
+                              gradient_scaling="mean",
+                              dynamic=DynamicIds(capacity=24, evict="lru", partitions=4, admit_after=admit_after))
+    return CollectionShard(config, 0, start_step=0, huge_pages=False)
+
+
+def _raw_part(seed: int) -> tuple[Rows, torch.Tensor]:
+    """A trainer's push of raw ids: per table a few distinct ascending ids out of 40 (new ids
+    keep coming, the parts fill up and evict)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = [(torch.randperm(40, generator=g)[:7] * 1_000_003 - 20).sort().values for _ in TABLES]
+    grad = torch.randn(sum(7 * t.embedding_dim for t in TABLES), generator=g)
+    return Rows([0, 1], [7, 7], torch.cat(ids)), grad
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad"])
+@pytest.mark.parametrize("admit_after", [1, 2])
+@pytest.mark.parametrize("early", [False, True])
+def test_dynamic_update_reuses_its_lookups_slots_only_while_the_maps_are_unchanged(monkeypatch, name, admit_after,
+                                                                                    early):
+    """The update of a step takes the slots and sightings its lookups found instead of probing
+    the id maps again -- and the result is the same as probing. ``early``: every lookup of step
+    t + 1 is answered before the update of step t (as under staleness >= 1), so what it found is
+    stale by the update and must not be used."""
+    from hybrid.ps.server import dynamic
+
+    probes = []
+    real = dynamic._found
+    monkeypatch.setattr(dynamic, "_found", lambda *a: probes.append(1) or real(*a))
+    reuse, probe = _dynamic_shard(name, admit_after), _dynamic_shard(name, admit_after)
+    steps = 8
+    parts = {(t, r): _raw_part(100 * t + r) for t in range(steps + 1) for r in range(2)}
+    for shard, keep in ((reuse, True), (probe, False)):
+        probes.clear()
+        rows = {}
+        for r in range(2):  # the first step's lookups
+            rows[0, r] = shard.gather(parts[0, r][0], step=0 if keep else None)
+        for t in range(steps):
+            if early:
+                for r in (0, 1) if t % 2 else (1, 0):  # lookups in either order, pushes always 0, 1
+                    rows[t + 1, r] = shard.gather(parts[t + 1, r][0], step=t + 1 if keep else None)
+            _push(shard, 0, t, [parts[t, 0]])
+            _push(shard, 1, t, [parts[t, 1]])
+            if not early:
+                for r in (0, 1) if t % 2 else (1, 0):
+                    rows[t + 1, r] = shard.gather(parts[t + 1, r][0], step=t + 1 if keep else None)
+        if keep:
+            # Lookups probe once each; an update probes only where its lookups' slots went stale.
+            assert len(probes) == 2 * (steps + 1) + (steps - 1 if early else 0)
+            assert not shard.looked_up or min(shard.looked_up) > steps - 1
+            got = rows
+        else:
+            assert len(probes) == 2 * (steps + 1) + steps
+    for t, r in rows:
+        assert torch.equal(got[t, r], rows[t, r]), (t, r)
+    for a, b in zip(reuse.tables, probe.tables):
+        da, db = a.dynamic_rows(), b.dynamic_rows()
+        assert set(da) == set(db)
+        for k in da:
+            assert torch.equal(da[k], db[k]), (a.name, k)
+        assert a.dynamic.counters == b.dynamic.counters
+    assert sum(t.dynamic.counters.evicted for t in reuse.tables) > 0

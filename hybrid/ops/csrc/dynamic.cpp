@@ -17,8 +17,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "convert.h"
@@ -287,6 +289,32 @@ void initial_row(void* table, int64_t slot, int64_t dim, int64_t id, uint32_t ke
   for (int64_t c = 0; c < dim; c++) row[c] = S::store(hybrid::hash::initial_value(h, c, bound));
 }
 
+// Rows ahead of the one being written or read whose first cache lines are requested early: the
+// tables are far larger than the caches and the slots are scattered, so overlapping the misses
+// matters more than anything else in these loops.
+constexpr int64_t kAhead = 8;
+
+inline void prefetch_lines(const void* p, int64_t bytes, bool write) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) {
+    if (write)
+      __builtin_prefetch(c + off, 1);
+    else
+      __builtin_prefetch(c + off);
+  }
+}
+
+// Table t's new rows (new_slots[i] for ids ni[i], i in [lo, hi)) set to their initial values.
+template <typename S>
+void initial_rows(void* table, int64_t dim, const int64_t* ni, const int64_t* ns, int64_t lo, int64_t hi,
+                  uint32_t key, float bound) {
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(typename S::T));
+  for (int64_t i = lo; i < hi; i++) {
+    if (i + kAhead < hi) prefetch_lines(static_cast<typename S::T*>(table) + ns[i + kAhead] * dim, bytes, true);
+    initial_row<S>(table, ns[i], dim, ni[i], key, bound);
+  }
+}
+
 k::DType row_dtype(const Tensor& w, const std::string& what) {
   TORCH_CHECK_VALUE(w.device().is_cpu() && w.is_contiguous() && w.dim() == 2, what,
                     " must be a contiguous 2-D CPU tensor, got shape ", w.sizes());
@@ -354,21 +382,31 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
       s.last[j] = -1;
     }
     for (int64_t i = o2; i < o2 + new_counts[t]; i++) {
+      if (i + kAhead < o2 + new_counts[t]) {  // the slot state of the new rows ahead
+        const int64_t a = ns[i + kAhead];
+        __builtin_prefetch(s.slot_part + a);
+        __builtin_prefetch(s.slot_index + a);
+        __builtin_prefetch(s.slot_id + a, 1);
+        __builtin_prefetch(s.occupied + a, 1);
+      }
       const int64_t j = ns[i], p = s.slot_part[j];
       s.slot_id[j] = ni[i];
       s.occupied[j] = true;
       s.count[p]++;
       s.fill[p] = std::max(s.fill[p], s.slot_index[j] + 1);
-      if (!weights.empty()) {
-        const uint32_t key = static_cast<uint32_t>(keys[t]);
-        const float bound = static_cast<float>(bounds[t]);  // as torch converts a Python float for float32 math
-        k::with_dtype(dtypes[t], [&](auto d) {
-          initial_row<decltype(d)>(weights[t].data_ptr(), j, weights[t].size(1), ni[i], key, bound);
-        });
-      }
     }
-    for (int64_t i = o1; i < o1 + counts[t]; i++)
+    if (!weights.empty()) {
+      const uint32_t key = static_cast<uint32_t>(keys[t]);
+      const float bound = static_cast<float>(bounds[t]);  // as torch converts a Python float for float32 math
+      k::with_dtype(dtypes[t], [&](auto d) {
+        initial_rows<decltype(d)>(weights[t].data_ptr(), weights[t].size(1), ni, ns, o2, o2 + new_counts[t], key,
+                                  bound);
+      });
+    }
+    for (int64_t i = o1; i < o1 + counts[t]; i++) {
+      if (i + 2 * kAhead < o1 + counts[t] && sp[i + 2 * kAhead] >= 0) __builtin_prefetch(s.last + sp[i + 2 * kAhead], 1);
       if (sp[i] >= 0) s.last[sp[i]] = step;
+    }
     o1 += counts[t];
     o2 += new_counts[t];
     o3 += evicted_counts[t];
@@ -376,10 +414,32 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
   return evicted_ids;
 }
 
+// Rows [lo, hi) of a lookup of one table (its row, the initial value of an id admitted by this
+// step's update, or zeros) into o, dim floats each; returns the ids that had a row.
 template <typename S>
-void copy_row(const void* table, int64_t slot, int64_t dim, float* out) {
-  const auto* row = static_cast<const typename S::T*>(table) + slot * dim;
-  for (int64_t c = 0; c < dim; c++) out[c] = S::load(row[c]);
+int64_t lookup_rows(const void* table, int64_t dim, const int64_t* ip, const int64_t* sp, const int64_t* seen_p,
+                    int64_t admit_after, int64_t lo, int64_t hi, uint32_t key, float bound, float* o) {
+  const auto* w = static_cast<const typename S::T*>(table);
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(typename S::T));
+  int64_t hits = 0;
+  for (int64_t i = lo; i < hi; i++, o += dim) {
+    if (i + kAhead < hi && sp[i + kAhead] >= 0) prefetch_lines(w + sp[i + kAhead] * dim, bytes, false);
+    if (sp[i] >= 0) {
+      hits++;
+      const auto* row = w + sp[i] * dim;
+      if constexpr (std::is_same_v<S, k::F32>) {
+        std::memcpy(o, row, static_cast<size_t>(bytes));
+      } else {
+        for (int64_t c = 0; c < dim; c++) o[c] = S::load(row[c]);
+      }
+    } else if (!seen_p || std::max<int64_t>(seen_p[i], 0) + 1 >= admit_after) {
+      const uint32_t h = hybrid::hash::row_hash(static_cast<uint64_t>(ip[i]), key);
+      for (int64_t c = 0; c < dim; c++) o[c] = hybrid::hash::initial_value(h, c, bound);
+    } else {
+      std::fill(o, o + dim, 0.0f);
+    }
+  }
+  return hits;
 }
 
 Tensor dynamic_rows(TensorList weights, const Tensor& ids, const Tensor& slots, const Tensor& seen,
@@ -418,20 +478,13 @@ Tensor dynamic_rows(TensorList weights, const Tensor& ids, const Tensor& slots, 
   off = 0;
   for (size_t t = 0; t < ntab; t++) {
     const int64_t dim = weights[t].size(1);
-    const void* w = weights[t].data_ptr();
     const uint32_t key = static_cast<uint32_t>(keys[t]);
     const float bound = static_cast<float>(bounds[t]);  // as torch converts a Python float for float32 math
-    for (int64_t i = off; i < off + counts[t]; i++, o += dim) {
-      if (sp[i] >= 0) {
-        hp[t]++;
-        k::with_dtype(dtypes[t], [&](auto s) { copy_row<decltype(s)>(w, sp[i], dim, o); });
-      } else if (!seen_p || std::max<int64_t>(seen_p[i], 0) + 1 >= admit_after) {
-        const uint32_t h = hybrid::hash::row_hash(static_cast<uint64_t>(ip[i]), key);
-        for (int64_t c = 0; c < dim; c++) o[c] = hybrid::hash::initial_value(h, c, bound);
-      } else {
-        std::fill(o, o + dim, 0.0f);
-      }
-    }
+    hp[t] = k::with_dtype(dtypes[t], [&](auto s) {
+      return lookup_rows<decltype(s)>(weights[t].data_ptr(), dim, ip, sp, seen_p, admit_after, off, off + counts[t],
+                                      key, bound, o);
+    });
+    o += counts[t] * dim;
     off += counts[t];
   }
   return hits;

@@ -40,14 +40,8 @@ inline int64_t probe(const int64_t* k, const int64_t* s, uint64_t mask, int64_t 
   return static_cast<int64_t>(p);
 }
 
-Tensor id_map_find(const Tensor& keys, const Tensor& slots, const Tensor& ids) {
-  check_map(keys, slots);
-  check_ids(ids, "ids");
-  const int64_t n = ids.numel();
-  Tensor out = at::empty({n}, ids.options());
-  const int64_t *k = keys.data_ptr<int64_t>(), *s = slots.data_ptr<int64_t>(), *q = ids.data_ptr<int64_t>();
-  int64_t* o = out.data_ptr<int64_t>();
-  const uint64_t mask = static_cast<uint64_t>(keys.numel() - 1);
+// o[i] = the slot of q[i] in the map (k, s, mask), -1 where absent, for i in [0, n).
+void find_into(const int64_t* k, const int64_t* s, uint64_t mask, const int64_t* q, int64_t n, int64_t* o) {
   // The map is much larger than the caches: the entries kPrefetch ids ahead are requested
   // early, so several misses overlap instead of one probe waiting for memory at a time.
   constexpr int64_t kPrefetch = 16;
@@ -58,6 +52,40 @@ Tensor id_map_find(const Tensor& keys, const Tensor& slots, const Tensor& ids) {
       __builtin_prefetch(k + h);
     }
     o[i] = s[probe(k, s, mask, q[i])];  // -1 where absent
+  }
+}
+
+Tensor id_map_find(const Tensor& keys, const Tensor& slots, const Tensor& ids) {
+  check_map(keys, slots);
+  check_ids(ids, "ids");
+  Tensor out = at::empty({ids.numel()}, ids.options());
+  find_into(keys.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), static_cast<uint64_t>(keys.numel() - 1),
+            ids.data_ptr<int64_t>(), ids.numel(), out.data_ptr<int64_t>());
+  return out;
+}
+
+// id_map_find over several maps in one call: ids holds, map after map, counts[t] ids to find
+// in map t (keys[t], slots[t]); the slots come back in the same order.
+Tensor id_maps_find(at::TensorList keys, at::TensorList slots, const Tensor& ids, at::IntArrayRef counts) {
+  TORCH_CHECK_VALUE(keys.size() == counts.size() && slots.size() == counts.size(),
+                    "keys, slots and counts must have one entry per map, got ", keys.size(), ", ", slots.size(),
+                    " and ", counts.size());
+  check_ids(ids, "ids");
+  int64_t total = 0;
+  for (size_t t = 0; t < counts.size(); t++) {
+    check_map(keys[t], slots[t]);
+    TORCH_CHECK_VALUE(counts[t] >= 0, "counts[", t, "] is negative: ", counts[t]);
+    total += counts[t];
+  }
+  TORCH_CHECK_VALUE(total == ids.numel(), "counts sum to ", total, " but ids holds ", ids.numel());
+  Tensor out = at::empty({ids.numel()}, ids.options());
+  const int64_t* q = ids.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  for (size_t t = 0; t < counts.size(); t++) {
+    find_into(keys[t].data_ptr<int64_t>(), slots[t].data_ptr<int64_t>(),
+              static_cast<uint64_t>(keys[t].numel() - 1), q, counts[t], o);
+    q += counts[t];
+    o += counts[t];
   }
   return out;
 }
@@ -77,7 +105,13 @@ int64_t id_map_insert_(const Tensor& keys, const Tensor& slots, const Tensor& id
   const int64_t *q = ids.data_ptr<int64_t>(), *v = values.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; i++) TORCH_CHECK_VALUE(v[i] >= 0, "slot values must be >= 0, got ", v[i]);
   const uint64_t mask = static_cast<uint64_t>(cap - 1);
+  constexpr int64_t kPrefetch = 16;  // as in find_into: overlap the misses of the probes ahead
   for (int64_t i = 0; i < n; i++) {
+    if (i + kPrefetch < n) {
+      const uint64_t h = fmix64(static_cast<uint64_t>(q[i + kPrefetch])) & mask;
+      __builtin_prefetch(s + h, 1);
+      __builtin_prefetch(k + h, 1);
+    }
     const int64_t p = probe(k, s, mask, q[i]);
     if (s[p] < 0) used++;
     k[p] = q[i];
@@ -129,6 +163,7 @@ Tensor id_hash(const Tensor& ids) {
 
 TORCH_LIBRARY_FRAGMENT(hybrid, m) {
   m.def("id_map_find(Tensor keys, Tensor slots, Tensor ids) -> Tensor");
+  m.def("id_maps_find(Tensor[] keys, Tensor[] slots, Tensor ids, int[] counts) -> Tensor");
   m.def("id_map_insert_(Tensor(a!) keys, Tensor(b!) slots, Tensor ids, Tensor values, int used) -> int");
   m.def("id_map_erase_(Tensor(a!) keys, Tensor(b!) slots, Tensor ids, int used) -> int");
   m.def("id_hash(Tensor ids) -> Tensor");
@@ -136,6 +171,7 @@ TORCH_LIBRARY_FRAGMENT(hybrid, m) {
 
 TORCH_LIBRARY_IMPL(hybrid, CompositeExplicitAutograd, m) {
   m.impl("id_map_find", id_map_find);
+  m.impl("id_maps_find", id_maps_find);
   m.impl("id_map_insert_", id_map_insert_);
   m.impl("id_map_erase_", id_map_erase_);
   m.impl("id_hash", id_hash);

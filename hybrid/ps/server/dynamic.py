@@ -26,7 +26,7 @@ import torch
 
 from hybrid import ops
 from hybrid.errors import InputError
-from hybrid.ops.id_map import IdMap
+from hybrid.ops.id_map import IdMap, find_many
 from hybrid.ps.config import DynamicIds, part_of  # noqa: F401 - part_of: the parts, for callers
 
 
@@ -102,6 +102,12 @@ class DynamicSlots:
     def rows(self) -> int:
         return len(self.map)
 
+    @property
+    def version(self) -> int:
+        """Grows with every call that may change the id maps (the sum of two counters that never
+        decrease): while it stays, the slots and sightings found for an id are still its own."""
+        return self.map.version + self.seen.version
+
     # -- lookups --------------------------------------------------------------------------------
     def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot of each id or -1, whether an absent id reads its initial value (it is admitted
@@ -155,24 +161,27 @@ class DynamicSlots:
                 "counters": torch.tensor([c.admitted, c.evicted, c.hits, c.looked_up], dtype=torch.int64)}
 
 
-def _found(tables: list[DynamicSlots], ids: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every table's ids flat, their slots in its map and (admit_after > 1) their sightings."""
-    flat = ids[0] if len(ids) == 1 else torch.cat(ids)
-    found = [t.map.find(i) for t, i in zip(tables, ids)]
-    found = found[0] if len(found) == 1 else torch.cat(found)
+def _found(tables: list[DynamicSlots], ids: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots of ``ids`` (table ``k``'s the ``counts[k]``-long run after the earlier ones') in
+    their tables' maps and, with ``admit_after > 1``, their sightings; one native call each."""
+    found = find_many([t.map for t in tables], ids, counts)
     seen = torch.empty(0, dtype=torch.int64)
     if tables and tables[0].spec.admit_after > 1:
-        seen = torch.cat([t.seen.find(i) for t, i in zip(tables, ids)])
-    return flat, found, seen
+        seen = find_many([t.seen for t in tables], ids, counts)
+    return found, seen
 
 
-def plan_updates(tables: list[DynamicSlots], ids: list[torch.Tensor], step: int) -> list[Admission]:
+def plan_updates(tables: list[DynamicSlots], ids: list[torch.Tensor], step: int,
+                 found: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[Admission]:
     """Decide the update of ``step`` of every table (``ids[k]``: table ``k``'s distinct ascending
-    ids; the tables of one collection, one spec); changes nothing. Raises
-    :class:`CapacityError` for the first table that cannot admit its ids."""
+    ids; the tables of one collection, one spec); changes nothing. ``found``: the ids' slots and
+    sightings (:func:`_found`, all tables' flat) where the caller knows them at the maps'
+    current version; else the maps are probed. Raises :class:`CapacityError` for the first
+    table that cannot admit its ids."""
     spec = tables[0].spec
-    flat, found, seen = _found(tables, ids)
     counts = [i.numel() for i in ids]
+    flat = ids[0] if len(ids) == 1 else torch.cat(ids)
+    found, seen = _found(tables, flat, counts) if found is None else found
     try:
         plan = ops.dynamic_plan(tables, flat, found, seen, counts, step=step, partitions=spec.partitions,
                                 admit_after=spec.admit_after, evict=spec.evict.split(":")[0],
@@ -218,16 +227,18 @@ def commit_updates(tables: list[DynamicSlots], admissions: list[Admission], *, w
 
 
 def read_rows(tables: list[DynamicSlots], weights: list[torch.Tensor], ids: torch.Tensor, counts: list[int], *,
-              keys: list[int], bounds: list[float], out: torch.Tensor) -> None:
+              keys: list[int], bounds: list[float], out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of raw ``ids`` (table ``k``'s the ``counts[k]``-long run after the earlier ones') into
     the flat float32 ``out``: the row where the id has one, its initial value (``keys[k]``,
-    ``bounds[k]``) where this step's update admits it, zeros otherwise. Counts the hits."""
+    ``bounds[k]``) where this step's update admits it, zeros otherwise. Counts the hits.
+    Returns the ids' slots and sightings (:func:`_found`), valid while the tables' ``version``
+    stays."""
     if not tables:
-        return
-    per = ids.split(counts)
-    _, found, seen = _found(tables, list(per))
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
+    found, seen = _found(tables, ids, counts)
     hits = ops.dynamic_rows(weights, ids, found, seen, counts, admit_after=tables[0].spec.admit_after, keys=keys,
                             bounds=bounds, out=out).tolist()
     for t, n, h in zip(tables, counts, hits):
         t.counters.looked_up += n
         t.counters.hits += h
+    return found, seen

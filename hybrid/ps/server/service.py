@@ -279,7 +279,7 @@ class _Answer:
                     self.out[i] = _Lookup.apply(self.server.anchor, self.server, shard, self.msg.trainer, part.step,
                                                 _owned(part.lookup))
             else:
-                shard.gather(part.lookup, out=self.out[i])
+                shard.gather(part.lookup, out=self.out[i], step=part.step)
         except BaseException as e:  # noqa: BLE001 - handed to the trainer
             with self.lock:
                 first, self.failed = not self.failed, True

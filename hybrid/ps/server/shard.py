@@ -154,6 +154,25 @@ Contribution = tuple[Rows, torch.Tensor]
 """One trainer's gradient for the rows of one lookup: the rows and the flat gradient."""
 
 
+@dataclass(eq=False)  # compared by identity: its tensors have no truth value
+class LookedUp:
+    """A lookup of dynamic tables, kept for the update of its step: its ids (a copy) and the
+    slots and sightings the id maps held for them (:func:`hybrid.ps.server.dynamic.read_rows`)
+    at the tables' ``versions``. The maps change only in updates, so while every table's
+    version stays -- in sync mode always: the lookups of step t are answered after the update
+    of t - 1 and before that of t -- the update of the same ids reuses them instead of probing
+    the maps again."""
+
+    rows: Rows
+    found: torch.Tensor
+    seen: torch.Tensor
+    versions: list[int]
+
+    def matches(self, rows: Rows, shards: list[TableShard]) -> bool:
+        return (self.rows.tables == list(rows.tables) and self.rows.counts == list(rows.counts)
+                and self.versions == [t.dynamic.version for t in shards] and torch.equal(self.rows.ids, rows.ids))
+
+
 class CollectionShard:
     """The tables of one remote collection that live on this server, and their step state."""
 
@@ -174,8 +193,11 @@ class CollectionShard:
         self.wire_dtype = getattr(torch, config.wire_dtype)
         """What rows are sent and gradients arrive in (``wire_dtype``); the tables keep theirs."""
         # 16-bit rows: a step's contributions are summed first, so each row is rounded once a step.
-        self.accumulates = (config.optimizer.accumulates and config.storage_dtype == "float32"
-                            and config.dynamic is None)
+        # Dynamic tables sum the trainers' gradients of a row first as well (the result does not
+        # depend on the order pushes arrive in), then add the sums into the rows.
+        self.accumulates = config.optimizer.accumulates and config.storage_dtype == "float32"
+        self.looked_up: dict[int, list[LookedUp]] = defaultdict(list)
+        """Step -> its lookups of dynamic tables not yet matched by an update (:class:`LookedUp`)."""
         self.complete_through = start_step - 1
         self.arrived: dict[int, int] = defaultdict(int)
         self.pending: dict[int, list[Contribution]] = defaultdict(list)
@@ -196,13 +218,15 @@ class CollectionShard:
         """Elements of the rows ``rows`` asks for."""
         return sum(n * t.dim for n, t in zip(rows.counts, self.shards_of(rows)))
 
-    def gather(self, rows: Rows, out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather(self, rows: Rows, out: torch.Tensor | None = None, *, step: int | None = None) -> torch.Tensor:
         """The rows asked for, flat, in :attr:`wire_dtype` (into ``out``, of that dtype, where
-        given): each value is rounded to nearest, ties to even, as it is copied out of its table."""
+        given): each value is rounded to nearest, ties to even, as it is copied out of its table.
+        ``step``: the training step of the lookup, whose update pushes gradients for these rows
+        (dynamic tables keep what the maps said of them for it, :class:`LookedUp`)."""
         shards = self.shards_of(rows)
         assert out is None or out.dtype == self.wire_dtype, (out.dtype, self.wire_dtype)
         if self.config.dynamic is not None:
-            return self._gather_dynamic(rows, shards, out)
+            return self._gather_dynamic(rows, shards, out, step)
         with self.lock:
             self._ensure(shards, rows)
             try:
@@ -214,14 +238,20 @@ class CollectionShard:
         self.counters.bytes_out += got.numel() * got.element_size()
         return got
 
-    def _gather_dynamic(self, rows: Rows, shards: list[TableShard], out: torch.Tensor | None) -> torch.Tensor:
+    def _gather_dynamic(self, rows: Rows, shards: list[TableShard], out: torch.Tensor | None,
+                        step: int | None) -> torch.Tensor:
         numel = sum(n * t.dim for n, t in zip(rows.counts, shards))
         out = torch.empty(numel, dtype=self.wire_dtype) if out is None else out[:numel]
         # Rows are read as float32 (initial values are computed so), then narrowed in one copy.
         full = out if out.dtype == torch.float32 else torch.empty(numel)
         with self.lock:
-            read_rows([t.dynamic for t in shards], [t.weight for t in shards], rows.ids, list(rows.counts),
-                      keys=[t.init_key[0] for t in shards], bounds=[t.init_key[1] for t in shards], out=full)
+            found, seen = read_rows([t.dynamic for t in shards], [t.weight for t in shards], rows.ids,
+                                    list(rows.counts), keys=[t.init_key[0] for t in shards],
+                                    bounds=[t.init_key[1] for t in shards], out=full)
+            if step is not None and step > self.complete_through:
+                # The ids are copied: a transport may reuse the lookup's memory once answered.
+                self.looked_up[step].append(LookedUp(Rows(list(rows.tables), list(rows.counts), rows.ids.clone()),
+                                                     found, seen, [t.dynamic.version for t in shards]))
         if full is not out:
             out.copy_(full)
         self.counters.rows_served += int(rows.ids.numel())
@@ -344,41 +374,68 @@ class CollectionShard:
         """Dynamic tables: every table's distinct ids of the update are admitted (or not) in one
         plan, every table planned before any changes (a full table changes nothing), then the
         optimizer runs on the slots of the admitted ids, all tables in one call (all or nothing)."""
-        per_table: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        looked = self.looked_up.get(step, [])
+        admit_after = self.config.dynamic.admit_after
+        # Per table, one run per contribution: (ids, gradient rows, slots and sightings the
+        # step's lookup found for them, or None).
+        per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]] = {}
+        known = True
         for rows, grad in contributions:
             shards = self.shards_of(rows)
+            match = next((e for e in looked if e.matches(rows, shards)), None)
+            if match is not None:
+                looked.remove(match)
+            known = known and match is not None
             sizes = [n * t.dim for n, t in zip(rows.counts, shards)]
-            for index, t, ids, g, n in zip(rows.tables, shards, rows.ids.split(rows.counts), grad.split(sizes),
-                                          rows.counts):
-                entry = per_table.setdefault(index, ([], []))
-                entry[0].append(ids)
-                entry[1].append(g.view(n, t.dim))
+            found = match.found.split(rows.counts) if match is not None else [None] * len(rows.counts)
+            seen = (match.seen.split(rows.counts) if match is not None and admit_after > 1
+                    else [None] * len(rows.counts))
+            for index, t, ids, g, n, f, sn in zip(rows.tables, shards, rows.ids.split(rows.counts), grad.split(sizes),
+                                                  rows.counts, found, seen):
+                per_table.setdefault(index, []).append((ids, g.view(n, t.dim), f, sn))
+        # Lookups no update will match: of steps every trainer has pushed (sync: this one too).
+        done = self.complete_through if self.staleness else step
+        for s in [s for s in self.looked_up if s <= done]:
+            del self.looked_up[s]
         if not per_table:
             return
         order = sorted(per_table)
         tables = [self.by_index[i] for i in order]
-        runs = max(len(per_table[i][0]) for i in order)
+        runs = max(len(per_table[i]) for i in order)
+        runs_of = [r for i in order for r in per_table[i]]
         if runs == 1:  # one trainer's ids: already distinct and ascending (the route)
             distinct, inverse = [per_table[i][0][0] for i in order], None
         else:
             # Each trainer's ids of a table ascend: merged, every table at once.
-            counts = [per_table[i][0][r].numel() if r < len(per_table[i][0]) else 0 for i in order for r in range(runs)]
-            flat = torch.cat([x for i in order for x in per_table[i][0]])
-            uniq, per, inverse = ops.merge_ids(flat, counts, runs=runs)
+            counts = [per_table[i][r][0].numel() if r < len(per_table[i]) else 0 for i in order for r in range(runs)]
+            uniq, per, inverse = ops.merge_ids(_cat([r[0] for r in runs_of]), counts, runs=runs)
             distinct = list(uniq.split(per.tolist()))
-        admissions = plan_updates([t.dynamic for t in tables], distinct, step)
+        found = None
+        if known:
+            found = (_cat([r[2] for r in runs_of]),
+                     _cat([r[3] for r in runs_of]) if admit_after > 1 else torch.empty(0, dtype=torch.int64))
+            if inverse is not None:
+                found = tuple(inverse.new_empty(uniq.numel()).scatter_(0, inverse, f) if f.numel()
+                              else f for f in found)
+        admissions = plan_updates([t.dynamic for t in tables], distinct, step, found)
         commit_updates([t.dynamic for t in tables], admissions, weights=[t.weight for t in tables],
                        keys=[t.init_key[0] for t in tables], bounds=[t.init_key[1] for t in tables])
-        if inverse is not None:
-            slots_of = torch.cat([a.slots for a in admissions]).index_select(0, inverse).split(
-                [sum(x.numel() for x in per_table[i][0]) for i in order])
-        steps = []
-        for k, (table, index, a) in enumerate(zip(tables, order, admissions)):
+        for table, a in zip(tables, admissions):
             if a.new_slots.numel():
                 table.optim.reset(a.new_slots)
-            grads_l = per_table[index][1]
-            slot = a.slots if inverse is None else slots_of[k]
-            grads = grads_l[0] if len(grads_l) == 1 else torch.cat(grads_l)
+        # Every run's slots after the update, in runs_of's order.
+        if inverse is None:
+            slots_of = [a.slots for a in admissions]
+        else:
+            slots_of = list(torch.cat([a.slots for a in admissions]).index_select(0, inverse).split(
+                [r[0].numel() for r in runs_of]))
+        steps = []
+        k = 0
+        for table, index in zip(tables, order):
+            n_runs = len(per_table[index])
+            slot = slots_of[k] if n_runs == 1 else torch.cat(slots_of[k : k + n_runs])
+            grads = _cat([r[1] for r in per_table[index]])
+            k += n_runs
             keep = slot >= 0
             if int(keep.sum()) < slot.numel():
                 slot, grads = slot[keep], grads[keep]
@@ -389,7 +446,27 @@ class CollectionShard:
                 gscale = 1.0
             if rows.numel():
                 steps.append((table, rows, summed, gscale))
-        self._step(steps)
+        if self.accumulates:
+            self._sgd_dynamic(steps)
+        else:
+            self._step(steps)
+
+    def _sgd_dynamic(self, steps: list[tuple[TableShard, torch.Tensor, torch.Tensor, float]]) -> None:
+        """Plain SGD of :meth:`_step`'s arguments (distinct rows, their summed gradients, the
+        gradients' scale), every table in one ``sgd_rows_`` call: ``w += -lr * (g * scale)`` is
+        the optimizer's ``sgd`` step (``w.add(grad, alpha=-lr)``, one fused multiply-add) without
+        its copies of the rows."""
+        if not steps:
+            return
+        grads = [g if s == 1.0 else g * s for _, _, g, s in steps]
+        try:
+            ops.sgd_rows_([t.weight for t, *_ in steps], _cat([r for _, r, _, _ in steps]),
+                          [r.numel() for _, r, _, _ in steps], _cat([g.reshape(-1) for g in grads]),
+                          alpha=-self.config.optimizer.lr)
+        except ops.RowOutOfRange as e:
+            raise self._outside(steps[e.table][0], e.row, "gradient push") from None
+        except ops.NonFinite as e:
+            raise FloatingPointError(f"{self._what()}: {e}") from None
 
     def _step(self, steps: list[tuple[TableShard, torch.Tensor, torch.Tensor, float]]) -> None:
         """One optimizer step of every (table, distinct rows, their gradient rows, gradient scale)
@@ -439,3 +516,8 @@ class CollectionShard:
                 return t
         raise KeyError(f"ps{self.server} holds no table {name!r} of {self.cid} (it holds "
                        f"{[t.name for t in self.tables]})")
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` without the copy of a single tensor."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)

@@ -1,0 +1,85 @@
+"""``python -m benchmarks.dynamic_steps``: CPU per step of the sparse path, range against dynamic tables.
+
+One process, no RPC: the default workload of :mod:`benchmarks.run` (8 tables x 100k rows x dim 32,
+Zipf ids, 2 trainers x 256 samples, SGD, one server) with the tables of ``hybrid_sync`` and of
+``hybrid_sync_dynamic`` (``ids: dynamic``, capacity = rows, ``evict: lru``, 64 parts). Each step
+routes both trainers' batches (:class:`hybrid.ps.client.routing.Router`), answers both lookups and
+applies both pushes on one :class:`hybrid.ps.server.shard.CollectionShard`, in the order a sync
+server sees them; the gradients are random. Prints, per table kind, the thread CPU time per step
+of each stage (median over ``--repeat`` runs): ``route`` (one trainer), ``lookups`` and ``update``
+(the server, both trainers). Less sensitive to the machine's load than samples/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from benchmarks.systems.hybrid_ps import plan_dict
+from benchmarks.workload import Data, Workload
+from hybrid.ps.client.routing import Router
+from hybrid.ps.config import CollectionConfig, DynamicIds, OptimizerSpec, TableSpec
+from hybrid.ps.server.shard import CollectionShard
+from hybrid.ps.sharding import shard_tables
+
+
+def config(w: Workload, *, dynamic: bool) -> CollectionConfig:
+    """The benchmark's collection as its plan (:func:`plan_dict`) describes it, on one server."""
+    opts = plan_dict(w, dense="ddp", staleness=0, dynamic=dynamic)["modules"]["sparse_arch.embedding_bag_collection"]
+    specs = [TableSpec(f"t{i}", w.rows, w.dim, (f"f{i}",)) for i in range(w.tables)]
+    ids = (DynamicIds(capacity=opts["capacity"], evict=opts["evict"], partitions=opts["partitions"])
+           if dynamic else None)
+    return CollectionConfig(cid="ebc", tables=tuple(specs), layouts=tuple(shard_tables(specs, 1, "row_wise")),
+                            optimizer=OptimizerSpec(name="sgd", lr=w.sparse_lr), num_trainers=w.trainers,
+                            dynamic=ids)
+
+
+def run(w: Workload, *, dynamic: bool) -> dict[str, float]:
+    """Milliseconds of thread CPU per timed step, by stage."""
+    cfg = config(w, dynamic=dynamic)
+    shard = CollectionShard(cfg, 0, start_step=0)
+    for t in shard.tables:
+        t.initialize(cfg.init_seed)
+    router, data = Router(cfg), Data(w)
+    ns = {"route": 0, "lookups": 0, "update": 0}
+
+    def timed(stage: str, fn, *args, **kwargs):
+        t0 = time.thread_time_ns()
+        out = fn(*args, **kwargs)
+        if step >= w.warmup:
+            ns[stage] += time.thread_time_ns() - t0
+        return out
+
+    for step in range(w.warmup + w.steps):
+        batch = data.global_batch(step)
+        kjts = [batch.slice(r * w.batch, (r + 1) * w.batch).kjt() for r in range(w.trainers)]
+        reqs = [timed("route", router.route, k, where="bench").requests[0] for k in kjts]
+        rows = [timed("lookups", shard.gather, req, step=step) for req in reqs]
+        for r, (req, got) in enumerate(zip(reqs, rows)):
+            timed("update", shard.push, r, step, [(req, torch.randn(got.numel()) * 1e-3)])
+    ns["route"] /= w.trainers
+    return {k: v / w.steps / 1e6 for k, v in ns.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeat", type=int, default=3, help="runs per table kind, alternating; medians reported")
+    Workload.add_arguments(p)
+    args = p.parse_args()
+    w = Workload.from_args(args)
+    torch.set_num_threads(w.threads)
+    got: dict[str, list[dict[str, float]]] = {"range": [], "dynamic": []}
+    for _ in range(args.repeat):
+        for kind in got:
+            got[kind].append(run(w, dynamic=kind == "dynamic"))
+    print(f"{'tables':8s} {'route (trainer)':>16s} {'lookups (server)':>17s} {'update (server)':>16s}  ms CPU per step")
+    for kind, runs in got.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        print(f"{kind:8s} {med['route']:16.2f} {med['lookups']:17.2f} {med['update']:16.2f}")
+
+
+if __name__ == "__main__":
+    main()
