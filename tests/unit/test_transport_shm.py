@@ -46,8 +46,11 @@ def server():
     config = CollectionConfig(cid="c", tables=TABLES, layouts=tuple(shard_tables(list(TABLES), 1, "table_wise")),
                               optimizer=OptimizerSpec(name="sgd", lr=1.0), num_trainers=1)
     srv.create(config, start_step=0, init="zeros")
-    for t in srv.shard("c").tables:
-        t.weight.copy_(torch.arange(t.weight.numel(), dtype=torch.float32).view_as(t.weight))
+    shard = srv.shard("c")
+    with shard.lock:  # as the server's own writes: the background fill makes rows under this lock
+        for t in shard.tables:
+            t.ensure_range(0, t.rows)  # the rows are made now, not at the first lookup (over the values below)
+            t.weight.copy_(torch.arange(t.weight.numel(), dtype=torch.float32).view_as(t.weight))
     return srv
 
 
