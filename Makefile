@@ -24,8 +24,11 @@ demo: env
 	$(VENV)/bin/hybrid launch -n $(NPROC) train --plan conf/plans/dlrm.yaml --config conf/train/dlrm.yaml
 
 # HYBRID_REQUIRE_NATIVE: `make env` built hybrid._C, so its tests fail rather than skip without it.
+# Most tests run on two workers (a file's tests together, so they share its fixtures); the
+# `serial` ones bound how long something takes and run alone afterwards.
 test: env
-	HYBRID_REQUIRE_NATIVE=1 $(PY) -m pytest -q tests
+	HYBRID_REQUIRE_NATIVE=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" tests
+	HYBRID_REQUIRE_NATIVE=1 $(PY) -m pytest -q -m serial tests
 
 test-fast: env
 	HYBRID_REQUIRE_NATIVE=1 $(PY) -m pytest -q tests/unit

@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from tests.harness import DistributedTestError, run_distributed
 
+pytestmark = pytest.mark.serial  # it bounds how long something takes: not beside other tests
+
 
 def _allreduce(rank, world_size):
     t = torch.tensor([float(rank + 1)])

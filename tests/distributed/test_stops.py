@@ -15,6 +15,8 @@ import pytest
 from tests.support.cli import run_hybrid
 from tests.support.job import Job
 
+pytestmark = pytest.mark.serial  # it bounds how long something takes: not beside other tests
+
 TINY = ["model.num_embeddings=200", "model.bottom_mlp=[8,16]", "model.top_mlp=[8,1]", "train.eval_every=0",
         "data.batch_size=8", "train.progress=false", "train.plot=false", "train.tensorboard=false",
         "train.log_every=1"]
