@@ -9,7 +9,9 @@ checkpoint and loads it back. Each line holds:
 - ``startup_s``: from starting the processes to the first training step (RPC up, the servers'
   tables allocated and initialized, the dense part composed, the batches made), and
   ``startup_phases_s`` (trainer 0): when the imports were done, RPC joined, compose returned;
-- ``samples_per_s`` over the timed steps (every trainer's samples over the slowest's window);
+- ``samples_per_s`` over the timed steps (every trainer's samples over the slowest's window),
+  run once every initial row is made (the steady state), and ``samples_per_s_filling`` over the
+  same steps run first, right after start-up, while the servers' background fill may still run;
 - ``trainer_peak_rss_mb`` / ``server_peak_rss_mb``: the largest peak RSS (``VmHWM``) of any
   trainer / server over the training (``train_*``) and over the whole run, checkpoint included;
 - ``server_bytes_per_row``: a server's resident memory grown by creating its shards, per row it
@@ -133,16 +135,23 @@ def _trainer(role, w: Workload, *, options, started: float, ckpt: str) -> dict:
         pipeline.flush()
         dist.barrier()
 
-    report = train(w, batches, lambda t, _b: train_step(model, optimizer, batches, t), name=role.name, sync=sync,
-                   on_stop=sync)
-    report.update(samples_per_step=w.batch, startup_s=startup_s, train_peak_rss_mb=_rss_mb("VmHWM"),
-                  startup_phases_s={"joined": joined, "composed": composed, "batches": startup_s})
+    def run() -> dict:
+        return train(w, batches, lambda t, _b: train_step(model, optimizer, batches, t), name=role.name, sync=sync,
+                     on_stop=sync)
+
+    filling = run()  # right after start-up: the servers' background fill may still be running
+    report = {"window_filling_s": filling["window_s"], "first_loss": filling["losses"][0], "startup_s": startup_s,
+              "startup_phases_s": {"joined": joined, "composed": composed, "batches": startup_s}}
     if role.index == 0:
         _wait_filled(servers)
         report["filled_s"] = time.time() - started
         after = _servers(servers, "VmRSS")
-        report["server_train_peak_rss_mb"] = _servers(servers, "VmHWM")
         report["server_grown_mb"] = {n: after[n] - before[n] for n in servers}
+    dist.barrier()
+    report = {**run(), **report}  # the same steps again, every initial row made: the steady state
+    report.update(samples_per_step=w.batch, train_peak_rss_mb=_rss_mb("VmHWM"))
+    if role.index == 0:
+        report["server_train_peak_rss_mb"] = _servers(servers, "VmHWM")
     t0 = time.perf_counter()
     path = save(ckpt, w.total_steps, model, optimizer, keep=1)
     report["checkpoint_save_s"] = time.perf_counter() - t0
@@ -180,6 +189,8 @@ def measure(name: str, *, trainers: int, warmup: int, steps: int, timeout_s: flo
         "startup_phases_s": first["startup_phases_s"],
         "filled_s": first["filled_s"],
         "samples_per_s": sum(r["samples_per_step"] for r in ts) * w.steps / window,
+        "samples_per_s_filling": sum(r["samples_per_step"] for r in ts) * w.steps
+        / max(r["window_filling_s"] for r in ts),
         "train_trainer_peak_rss_mb": max(r["train_peak_rss_mb"] for r in ts),
         "train_server_peak_rss_mb": max(first["server_train_peak_rss_mb"].values()),
         "trainer_peak_rss_mb": max(r["peak_rss_mb"] for r in ts),
@@ -188,7 +199,7 @@ def measure(name: str, *, trainers: int, warmup: int, steps: int, timeout_s: flo
         "expected_bytes_per_row": w.dim * 4,  # sgd: no optimizer state
         "checkpoint_save_s": max(r["checkpoint_save_s"] for r in ts),
         "checkpoint_load_s": max(r["checkpoint_load_s"] for r in ts),
-        "first_loss": sum(r["losses"][0] for r in ts) / len(ts),
+        "first_loss": sum(r["first_loss"] for r in ts) / len(ts),
         "final_loss": sum(r["losses"][-1] for r in ts) / len(ts),
     })
     line["bytes_per_row_ratio"] = line["server_bytes_per_row"] / line["expected_bytes_per_row"]

@@ -226,7 +226,6 @@ def _fill(t: TableShard, ckpt: Path, src: dict[str, Any]) -> int:
     """Load this server's rows of table ``t`` from the saved table ``src`` (its manifest entry),
     one part file at a time: of each part, the rows whose global ids this server holds now.
     Rows not made yet are not made first: once loaded, their blocks count as made."""
-    written = []
     for index, f in enumerate(src["files"]):
         glob = saved_rows(src, index)
         if glob is not None and _rows_held(t, glob)[1].numel() == 0:
@@ -243,9 +242,8 @@ def _fill(t: TableShard, ckpt: Path, src: dict[str, Any]) -> int:
         t.weight.index_copy_(0, to, weight.index_select(0, held).to(t.weight.dtype))
         for key, v in state.items():
             t.optim.state[key].index_copy_(0, to, v.index_select(0, held).to(t.optim.state[key].dtype))
-        written.append(to)
-    if t.lazy is not None and written:
-        t.lazy.loaded(torch.cat(written))
+        if t.lazy is not None:
+            t.lazy.loaded(to)
     return t.rows
 
 

@@ -152,19 +152,23 @@ def test_a_load_into_a_waiting_table_marks_its_blocks_made_and_reshards(tmp_path
 
 
 def test_loaded_rows_of_part_of_a_block_leave_its_other_rows_their_initial_values():
-    weight = torch.full((200, 2), float("nan"))
-    state = torch.full((200,), float("nan"))
+    b = BLOCK_ROWS
+    n = 3 * b + 2
+    weight = torch.full((n, 2), float("nan"))
+    state = torch.full((n,), float("nan"))
     lazy = LazyRows(weight, {"sum": (state, 0.5)}, lambda rows, out: out.copy_(rows.float().unsqueeze(1).expand_as(out)),
                     huge_pages=False)
-    rows = torch.arange(10, 70)  # all of no block: part of block 0 and part of block 1
+    lo, hi = b // 2, b + b // 2  # all of no block: part of block 0 and part of block 1
+    rows = torch.arange(lo, hi)
     weight[rows] = -1.0
     state[rows] = -2.0
     lazy.loaded(rows)
     assert lazy.pending.tolist() == [False, False, True, True]
-    assert torch.equal(weight[:10, 0], torch.arange(10.0)) and torch.equal(weight[70:128, 0], torch.arange(70.0, 128))
-    assert bool((weight[10:70] == -1).all()) and bool((state[10:70] == -2).all())
-    assert bool((state[:10] == 0.5).all()) and bool((state[70:128] == 0.5).all())
-    assert bool(weight[128:].isnan().all())  # still waiting: untouched
+    assert torch.equal(weight[:lo, 0], torch.arange(float(lo)))
+    assert torch.equal(weight[hi : 2 * b, 0], torch.arange(float(hi), 2 * b))
+    assert bool((weight[lo:hi] == -1).all()) and bool((state[lo:hi] == -2).all())
+    assert bool((state[:lo] == 0.5).all()) and bool((state[hi : 2 * b] == 0.5).all())
+    assert bool(weight[2 * b :].isnan().all())  # still waiting: untouched
 
 
 def test_rows_overwritten_whole_are_not_made_first_and_edges_are():
@@ -174,15 +178,19 @@ def test_rows_overwritten_whole_are_not_made_first_and_edges_are():
         made.append(rows.clone())
         out.copy_(rows.float().unsqueeze(1).expand_as(out))
 
-    weight = torch.full((300, 2), float("nan"))
-    state = torch.full((300,), float("nan"))
+    b = BLOCK_ROWS
+    n = 4 * b + b // 2
+    weight = torch.full((n, 2), float("nan"))
+    state = torch.full((n,), float("nan"))
     lazy = LazyRows(weight, {"sum": (state, 0.0)}, values, huge_pages=False)
-    lazy.overwrite(32, 200)  # block 0 and block 3 partly, blocks 1 and 2 whole
-    weight[32:200] = -1.0
-    assert torch.equal(torch.cat(made).sort().values, torch.cat([torch.arange(0, 64), torch.arange(192, 256)]))
+    start, stop = b // 2, 3 * b + b // 2
+    lazy.overwrite(start, stop)  # block 0 and block 3 partly, blocks 1 and 2 whole
+    weight[start:stop] = -1.0
+    assert torch.equal(torch.cat(made).sort().values, torch.cat([torch.arange(0, b), torch.arange(3 * b, 4 * b)]))
     assert lazy.pending.tolist() == [False, False, False, False, True]
-    assert torch.equal(weight[:32, 0], torch.arange(32.0)) and torch.equal(weight[200:256, 0], torch.arange(200.0, 256))
-    assert bool((state[:256] == 0).all()) and bool(state[256:].isnan().all())
+    assert torch.equal(weight[:start, 0], torch.arange(float(start)))
+    assert torch.equal(weight[stop : 4 * b, 0], torch.arange(float(stop), 4 * b))
+    assert bool((state[: 4 * b] == 0).all()) and bool(state[4 * b :].isnan().all())
 
 
 def test_the_background_fill_makes_every_row_and_skips_made_ones():

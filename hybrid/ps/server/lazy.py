@@ -9,8 +9,8 @@ table, row id), so it can be made at any time before the row is first read or wr
 - The rows are grouped in blocks of :data:`BLOCK_ROWS`, with one flag per block saying whether its
   rows (and their optimizer state) still wait for their initial values. Whatever reads or writes
   rows calls :meth:`LazyRows.ensure` (or :meth:`~LazyRows.ensure_range`) first, under the shard's
-  lock; blocks are small (a 4 KiB page of 16-float rows) so a step that reads a few hundred
-  scattered rows per table makes only a few hundred pages' worth of rows, not the table.
+  lock; blocks are small (4 rows) so a step that reads a few thousand scattered rows per table
+  makes only a few times as many rows, not the table.
 - A background thread (:class:`hybrid.ps.server.service.ParameterServer`) makes the remaining
   blocks in order, :data:`FILL_BYTES` of rows at a time: it first asks the kernel for the pages
   (``hybrid.ops.populate_``, outside the lock and without the GIL: the slow part), then makes the
@@ -36,9 +36,12 @@ import torch
 from hybrid import ops
 from hybrid.ps.server.memory import HUGE_PAGE
 
-BLOCK_ROWS = 64
-"""Rows per flag. Small, because a step's ids fall all over a table: the rows a step makes are
-its distinct ids' blocks. 64 rows of 16 float32 are one 4 KiB page."""
+BLOCK_ROWS = 4
+"""Rows per flag. Small, because a step's ids fall all over a table and the rows a step makes
+are its distinct ids' blocks: with 64 (a 4 KiB page of 16-float rows) the first steps over 8
+tables of 4M rows made 64x their rows and ran 14x slower than once filled; with 4 they run at
+a fifth of that speed (``benchmarks.scale``, ``samples_per_s_filling``), the rest being the first
+touch of the pages. The flags cost a byte per 4 rows."""
 FILL_BYTES = HUGE_PAGE
 """Bytes of rows (of the weight) the background fill makes per hold of the shard's lock."""
 
@@ -116,21 +119,26 @@ class LazyRows:
 
     def loaded(self, rows: torch.Tensor) -> None:
         """Local rows ``rows`` now hold loaded values, weight and optimizer state (a checkpoint):
-        their blocks are made; a pending block only partly loaded gets its other rows' values."""
+        their blocks are made; a pending block only partly loaded gets its other rows' values.
+        Works on the window of blocks ``rows`` spans, so loading a table part by part costs each
+        part its own size."""
         if self.left == 0 or rows.numel() == 0:
             return
-        hit = torch.zeros(self.blocks * BLOCK_ROWS, dtype=torch.bool)
-        hit[rows] = True
-        touched = self.pending & hit.view(self.blocks, BLOCK_ROWS).any(1)
-        hit[self.rows :] = True  # past the last row: nothing to make
-        blocks = hit.view(self.blocks, BLOCK_ROWS)
+        lo, hi = int(rows.min()) // BLOCK_ROWS, int(rows.max()) // BLOCK_ROWS + 1
+        first = lo * BLOCK_ROWS
+        hit = torch.zeros((hi - lo) * BLOCK_ROWS, dtype=torch.bool)
+        hit[rows - first] = True
+        blocks = hit.view(hi - lo, BLOCK_ROWS)
+        pending = self.pending[lo:hi]
+        touched = pending & blocks.any(1)
+        hit[self.rows - first :] = True  # past the last row: nothing to make
         partial = touched & ~blocks.all(1)
         if bool(partial.any()):
             missing = (~blocks[partial]).nonzero()
-            local = partial.nonzero().flatten()[missing[:, 0]] * BLOCK_ROWS + missing[:, 1]
+            local = (partial.nonzero().flatten()[missing[:, 0]] + lo) * BLOCK_ROWS + missing[:, 1]
             self._make_rows(local)
         self.left -= int(touched.sum())
-        self.pending &= ~touched
+        pending &= ~touched
 
     def fill_next(self, lock: AbstractContextManager) -> bool:
         """Make the next part of pending blocks (the background fill): populate its memory

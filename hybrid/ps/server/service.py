@@ -16,6 +16,7 @@ there).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -214,6 +215,10 @@ class _Filler:
 
     def _run(self) -> None:
         started = time.perf_counter()
+        try:  # the lowest CPU priority: steps' lookups and updates come first; the fill takes what is left
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
         while True:
             with self.cv:
                 if self.stopping or not self.again:
