@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from benchmarks.launch import BenchmarkError, spawn
 from benchmarks.systems.common import train
-from benchmarks.systems.hybrid_ps import plan_dict, train_step
+from benchmarks.systems.hybrid_ps import plan_dict, train_step, wait_filled
 from benchmarks.workload import Data, Workload, build_dlrm
 
 SIZES = {
@@ -65,23 +65,6 @@ def _rss_mb(field: str) -> float:
 def rpc_rss(field: str) -> float:
     """:func:`_rss_mb` of the process this runs in (trainer 0 asks the servers)."""
     return _rss_mb(field)
-
-
-def rpc_rows_to_fill() -> int:
-    """Rows this server's background fill has yet to make, every collection's."""
-    from hybrid.ps.server import service
-
-    return sum(shard.rows_to_fill() for shard in list(service.server().collections.values()))
-
-
-def _wait_filled(names: list[str], timeout_s: float = 600.0) -> None:
-    import torch.distributed.rpc as rpc
-
-    deadline = time.monotonic() + timeout_s
-    while any(rpc.rpc_sync(n, rpc_rows_to_fill) for n in names):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the servers' background fill did not finish in {timeout_s:.0f} s")
-        time.sleep(0.1)
 
 
 def _servers(names: list[str], field: str) -> dict[str, float]:
@@ -143,7 +126,7 @@ def _trainer(role, w: Workload, *, options, started: float, ckpt: str) -> dict:
     report = {"window_filling_s": filling["window_s"], "first_loss": filling["losses"][0], "startup_s": startup_s,
               "startup_phases_s": {"joined": joined, "composed": composed, "batches": startup_s}}
     if role.index == 0:
-        _wait_filled(servers)
+        wait_filled(model.sparse_arch.embedding_bag_collection)
         report["filled_s"] = time.time() - started
         after = _servers(servers, "VmRSS")
         report["server_grown_mb"] = {n: after[n] - before[n] for n in servers}

@@ -16,6 +16,7 @@ window and the wire dtype it ran with.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict
 
 import torch
@@ -73,6 +74,17 @@ def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, st
     return report if role.is_trainer else METER.report(role.name)
 
 
+def wait_filled(collection, timeout_s: float = 600.0) -> None:
+    """Wait until the servers' background fill has made every initial row of ``collection``
+    (``hybrid.ps.server.lazy``): the steady state other systems start in, their tables made
+    eagerly before the first step."""
+    deadline = time.monotonic() + timeout_s
+    while any(d.get("rows_to_fill", 0) for d in collection.stats().values()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the servers' background fill did not finish in {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
 def train_step(model, optimizer, batches: list, t: int) -> torch.Tensor:
     """Step ``t`` of a composed model over ``batches``, prefetching the next batch's rows, as the
     training loop does; the loss."""
@@ -128,6 +140,8 @@ def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hoo
 
     def sync() -> None:
         pipeline.flush()  # the window's counters start with nothing owed
+        if role.index == 0:
+            wait_filled(ebc)  # as every other system, the tables are whole before the window
         dist.barrier()
 
     report = train(w, batches, step, name=role.name, sync=sync, on_start=start, on_stop=stop)
