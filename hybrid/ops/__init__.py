@@ -18,15 +18,15 @@ import warnings
 
 import torch
 
-from hybrid.ops.reference import DynamicPlan, ForeignPart, NonFinite, PartFull, Route, RowOutOfRange
+from hybrid.ops.reference import DynamicPlan, ForeignPart, NonFinite, PartFull, Route, RowOutOfRange, _table_views
 
 __all__ = ["AVAILABLE", "DynamicPlan", "ForeignPart", "NonFinite", "PartFull", "Route", "RowOutOfRange",
            "dynamic_commit_", "dynamic_plan", "dynamic_rows", "gather_rows", "merge_ids", "initial_rows_", "optimizer_rows",
-           "optimizer_step_", "populate_", "route", "route_hashed", "scatter_rows_", "sgd_rows_", "sum_rows"]
+           "optimizer_step_", "populate_", "route", "route_hashed", "scatter_rows_", "sgd_rows_", "sum_rows", "sum_runs"]
 
 OPS = ("route", "route_hashed", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows", "optimizer_step_",
-       "scatter_rows_", "initial_rows_", "merge_ids", "dynamic_plan", "dynamic_commit_", "dynamic_rows",
-       "populate_")
+       "scatter_rows_", "initial_rows_", "merge_ids", "sum_runs", "dynamic_plan", "dynamic_commit_",
+       "dynamic_rows", "populate_")
 """The operators ``hybrid._C`` registers under ``torch.ops.hybrid``."""
 
 STATE_KEYS = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",),
@@ -255,6 +255,22 @@ def merge_ids(ids, counts, *, runs):
     return torch.ops.hybrid.merge_ids(_index(ids), list(counts), runs)
 
 
+def sum_runs(grads, inverse, per, runs, *, scale) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The summed gradient rows of the distinct ids :func:`merge_ids` found: ``grads`` are the
+    runs' gradient rows (float32 ``[n, dim]``, table after table, ``runs[t]`` runs of table
+    ``t``), ``inverse`` merge_ids's index of each of their ids, ``per`` the distinct ids of each
+    table. Each distinct id's rows are added into zeros in run order, then times ``scale`` (what
+    :func:`sum_rows` computes, without its sort). Returns them flat, table after table, and as
+    each table's ``[per[t], dim]`` view of that."""
+    per, runs = [int(x) for x in per], [int(x) for x in runs]
+    flat = torch.ops.hybrid.sum_runs([g.contiguous() for g in grads], _index(inverse), per, runs, float(scale))
+    dims, j = [], 0
+    for r in runs:
+        dims.append(grads[j].shape[1] if r else 0)
+        j += r
+    return flat, _table_views(flat, per, dims)
+
+
 def dynamic_commit_(tables, plan: DynamicPlan, counts, *, step, weights=(), keys=(), bounds=()) -> torch.Tensor:
     """Carry out ``plan`` (of :func:`dynamic_plan`, same tables and counts) on the slot state:
     rows evicted, new ids placed, touched slots stamped ``step``; where ``weights`` are given
@@ -295,4 +311,5 @@ if not AVAILABLE:
         scatter_rows_,
         sgd_rows_,
         sum_rows,
+        sum_runs,
     )

@@ -550,6 +550,27 @@ def merge_ids(ids, counts, *, runs):
     return cat(uniq), torch.tensor(per, dtype=torch.int64), cat(inverse)
 
 
+def sum_runs(grads, inverse, per, runs, *, scale):
+    out, j, e, base = [], 0, 0, 0
+    for n_u, n_r in zip(per, runs):
+        dim = grads[j].shape[1] if n_r else 0
+        acc = torch.zeros(n_u, dim)
+        for g in grads[j : j + n_r]:
+            k = g.shape[0]
+            acc.index_add_(0, inverse[e : e + k] - base, g)
+            e += k
+        j += n_r
+        out.append(acc * scale if scale != 1.0 else acc)
+        base += n_u
+    flat = torch.cat([t.reshape(-1) for t in out]) if out else torch.zeros(0)
+    return flat, _table_views(flat, per, [t.shape[1] for t in out])
+
+
+def _table_views(flat, per, dims):
+    """``flat`` split into each table's ``[per[t], dims[t]]`` rows (views)."""
+    return [v.view(n, d) for v, n, d in zip(flat.split([n * d for n, d in zip(per, dims)]), per, dims)]
+
+
 def dynamic_commit_(tables, plan: DynamicPlan, counts, *, step, weights=(), keys=(), bounds=()) -> torch.Tensor:
     sizes = plan.sizes.tolist()
     slots = plan.slots.split(list(counts))

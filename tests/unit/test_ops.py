@@ -282,6 +282,36 @@ def test_merge_ids_equals_the_reference(runs):
         ops.merge_ids(torch.tensor([3, 1]), [2], runs=1)
 
 
+@native
+@pytest.mark.parametrize("runs", [1, 2, 3])
+def test_sum_runs_equals_the_reference_and_sum_rows(runs):
+    """Each table's runs of ascending ids (dims differ by table, a run may be empty) merged, then
+    their gradient rows summed per distinct id: the reference's result, bit for bit, and what
+    sum_rows gives for the same ids and rows."""
+    g = torch.Generator().manual_seed(20 + runs)
+    dims = [4, 16, 7, 32]
+    chunks, counts, grads = [], [], []
+    for t, d in enumerate(dims):
+        for r in range(runs):
+            n = 0 if (t, r) == (2, 0) else int(torch.randint(1, 40, (1,), generator=g))
+            chunks.append(torch.randperm(60, generator=g)[:n].sort().values)
+            counts.append(n)
+            grads.append(torch.randn(n, d, generator=g))
+    uniq, per, inverse = ops.merge_ids(torch.cat(chunks), counts, runs=runs)
+    for scale in (1.0, 0.5, 1 / 3):
+        flat, got = ops.sum_runs(grads, inverse, per.tolist(), [runs] * len(dims), scale=scale)
+        want_flat, want = ref.sum_runs(grads, inverse, per.tolist(), [runs] * len(dims), scale=scale)
+        assert _equal(flat, want_flat) and len(got) == len(dims) and all(_equal(a, b) for a, b in zip(got, want))
+        assert torch.equal(torch.cat([t.reshape(-1) for t in got]), flat)
+        for t, (d, ids) in enumerate(zip(dims, uniq.split(per.tolist()))):
+            mine = range(t * runs, (t + 1) * runs)
+            _, summed = ops.sum_rows(torch.cat([chunks[j] for j in mine]), torch.cat([grads[j] for j in mine]),
+                                     scale=scale, num_rows=60)
+            assert got[t].shape == (ids.numel(), d) and torch.equal(got[t], summed)
+    with pytest.raises(ValueError, match="distinct ids"):
+        ops.sum_runs([torch.ones(1, 2)], torch.tensor([5]), [1], [1], scale=1.0)
+
+
 def _counts(g: torch.Generator, tables: list[torch.Tensor], n: int) -> tuple[torch.Tensor, list[int]]:
     counts = [int(c) for c in torch.randint(0, n + 1, (len(tables),), generator=g)]
     counts[-1] = 0 if len(tables) > 1 else counts[-1]  # a table asked for nothing

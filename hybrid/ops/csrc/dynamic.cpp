@@ -5,6 +5,7 @@
 // - dynamic_plan: the admission of one update's distinct ids (found in the id map by the caller):
 //   which ids get a row and where, which rows go, the sightings to count; changes nothing.
 // - merge_ids: the distinct ids of an update from the trainers' ascending runs.
+// - sum_runs: each distinct id's gradient rows summed, from the runs and merge_ids's inverse.
 // - dynamic_commit_: what dynamic_plan decided, written into the slot state, new rows' initial
 //   values into the tables.
 // - dynamic_rows: the rows of looked-up ids (the row, the initial value of an id this step admits,
@@ -535,10 +536,66 @@ std::tuple<Tensor, Tensor, Tensor> merge_ids(const Tensor& ids, IntArrayRef coun
   return {uniq.narrow(0, 0, nu), per, inverse};
 }
 
+// The summed gradient rows of every table's distinct ids, flat, table after table ([per[t], dim]
+// each): grads[j] is run j's rows ([n_j, dim], float32; runs table after table, runs[t] of them
+// for table t), inverse[e] the index of the e-th id of all runs in merge_ids's distinct ids,
+// per[t] how many distinct ids table t has. Each distinct id's rows are added into zeros in run
+// order, then multiplied by scale: sum_rows's arithmetic, without sorting again what merge_ids
+// has merged. One flat tensor, so an optimizer over every table takes it without a copy.
+Tensor sum_runs(TensorList grads, const Tensor& inverse, IntArrayRef per, IntArrayRef runs, double scale) {
+  TORCH_CHECK_VALUE(per.size() == runs.size(), "per and runs must hold one entry per table, got ", per.size(),
+                    " and ", runs.size());
+  int64_t nruns = 0, nids = 0;
+  for (size_t t = 0; t < runs.size(); t++) {
+    TORCH_CHECK_VALUE(runs[t] >= 0 && per[t] >= 0, "runs[", t, "] and per[", t, "] must be >= 0");
+    nruns += runs[t];
+  }
+  TORCH_CHECK_VALUE(nruns == static_cast<int64_t>(grads.size()), "runs sum to ", nruns, " but grads holds ",
+                    grads.size(), " tensors");
+  for (size_t j = 0; j < grads.size(); j++) {
+    const std::string what = "grads[" + std::to_string(j) + "]";
+    TORCH_CHECK_TYPE(grads[j].scalar_type() == at::kFloat, what, " must be float32, got ", grads[j].scalar_type());
+    TORCH_CHECK_VALUE(grads[j].device().is_cpu() && grads[j].is_contiguous() && grads[j].dim() == 2, what,
+                      " must be a contiguous 2-D CPU tensor, got shape ", grads[j].sizes());
+    nids += grads[j].size(0);
+  }
+  check_1d(inverse, at::kLong, "inverse", nids);
+  const int64_t* inv = inverse.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  int64_t total = 0;
+  for (size_t t = 0, j = 0; t < runs.size(); j += static_cast<size_t>(runs[t]), t++)
+    total += runs[t] ? per[t] * grads[j].size(1) : 0;
+  Tensor out = at::zeros({total}, at::TensorOptions().dtype(at::kFloat));
+  float* sp = out.data_ptr<float>();
+  int64_t j = 0, e = 0, base = 0;
+  for (size_t t = 0; t < runs.size(); t++) {
+    const int64_t d = runs[t] ? grads[j].size(1) : 0;
+    for (int64_t r = 0; r < runs[t]; r++, j++) {
+      TORCH_CHECK_VALUE(grads[j].size(1) == d, "grads[", j, "] has ", grads[j].size(1), " columns; table ", t,
+                        "'s first run has ", d);
+      const float* g = grads[j].data_ptr<float>();
+      for (int64_t i = 0; i < grads[j].size(0); i++, e++) {
+        const int64_t u = inv[e] - base;
+        TORCH_CHECK_VALUE(u >= 0 && u < per[t], "inverse[", e, "] = ", inv[e], " is not one of table ", t,
+                          "'s distinct ids [", base, ", ", base + per[t], ")");
+        float* o = sp + u * d;
+        const float* gi = g + i * d;
+        for (int64_t c = 0; c < d; c++) o[c] += gi[c];
+      }
+    }
+    if (fscale != 1.0f)
+      for (int64_t i = 0; i < per[t] * d; i++) sp[i] *= fscale;
+    sp += per[t] * d;
+    base += per[t];
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybrid, m) {
   m.def("merge_ids(Tensor ids, int[] counts, int runs) -> (Tensor, Tensor, Tensor)");
+  m.def("sum_runs(Tensor[] grads, Tensor inverse, int[] per, int[] runs, float scale) -> Tensor");
   m.def(
       "dynamic_plan(Tensor ids, Tensor found, Tensor seen, int[] counts, Tensor[] slot_id, Tensor[] occupied, "
       "Tensor[] last, Tensor[] count, Tensor[] fill, Tensor[] part_base, Tensor[] part_cap, Tensor[] slot_part, "
@@ -556,6 +613,7 @@ TORCH_LIBRARY_FRAGMENT(hybrid, m) {
 
 TORCH_LIBRARY_IMPL(hybrid, CompositeExplicitAutograd, m) {
   m.impl("merge_ids", merge_ids);
+  m.impl("sum_runs", sum_runs);
   m.impl("dynamic_plan", dynamic_plan);
   m.impl("dynamic_commit_", dynamic_commit_);
   m.impl("dynamic_rows", dynamic_rows);

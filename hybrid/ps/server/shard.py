@@ -409,7 +409,8 @@ class CollectionShard:
             # Each trainer's ids of a table ascend: merged, every table at once.
             counts = [per_table[i][r][0].numel() if r < len(per_table[i]) else 0 for i in order for r in range(runs)]
             uniq, per, inverse = ops.merge_ids(_cat([r[0] for r in runs_of]), counts, runs=runs)
-            distinct = list(uniq.split(per.tolist()))
+            per = per.tolist()
+            distinct = list(uniq.split(per))
         found = None
         if known:
             found = (_cat([r[2] for r in runs_of]),
@@ -423,46 +424,43 @@ class CollectionShard:
         for table, a in zip(tables, admissions):
             if a.new_slots.numel():
                 table.optim.reset(a.new_slots)
-        # Every run's slots after the update, in runs_of's order.
-        if inverse is None:
-            slots_of = [a.slots for a in admissions]
+        if inverse is None:  # one run a table: its ids are distinct, its gradient rows summed
+            flat, summed = None, [r[1] for r in runs_of]
+            gscale = self.scale
         else:
-            slots_of = list(torch.cat([a.slots for a in admissions]).index_select(0, inverse).split(
-                [r[0].numel() for r in runs_of]))
+            flat, summed = ops.sum_runs([r[1] for r in runs_of], inverse, per, [len(per_table[i]) for i in order],
+                                        scale=self.scale)
+            gscale = 1.0
         steps = []
-        k = 0
-        for table, index in zip(tables, order):
-            n_runs = len(per_table[index])
-            slot = slots_of[k] if n_runs == 1 else torch.cat(slots_of[k : k + n_runs])
-            grads = _cat([r[1] for r in per_table[index]])
-            k += n_runs
-            keep = slot >= 0
+        for table, a, grads in zip(tables, admissions, summed):
+            slot = a.slots
+            keep = slot >= 0  # ids not admitted (yet) get no update
             if int(keep.sum()) < slot.numel():
-                slot, grads = slot[keep], grads[keep]
-            if inverse is None:
-                rows, summed, gscale = slot, grads, self.scale
-            else:
-                rows, summed = ops.sum_rows(slot, grads, scale=self.scale, num_rows=table.rows)
-                gscale = 1.0
-            if rows.numel():
-                steps.append((table, rows, summed, gscale))
+                slot, grads, flat = slot[keep], grads[keep], None
+            if not self.accumulates:  # ascending rows: optimizer_step_ updates them in place, in one pass
+                slot, perm = slot.sort()
+                grads = grads.index_select(0, perm)
+            if slot.numel():
+                steps.append((table, slot, grads, gscale))
         if self.accumulates:
-            self._sgd_dynamic(steps)
+            self._sgd_dynamic(steps, flat)
         else:
             self._step(steps)
 
-    def _sgd_dynamic(self, steps: list[tuple[TableShard, torch.Tensor, torch.Tensor, float]]) -> None:
+    def _sgd_dynamic(self, steps: list[tuple[TableShard, torch.Tensor, torch.Tensor, float]],
+                     flat: torch.Tensor | None = None) -> None:
         """Plain SGD of :meth:`_step`'s arguments (distinct rows, their summed gradients, the
         gradients' scale), every table in one ``sgd_rows_`` call: ``w += -lr * (g * scale)`` is
         the optimizer's ``sgd`` step (``w.add(grad, alpha=-lr)``, one fused multiply-add) without
-        its copies of the rows."""
+        its copies of the rows. ``flat``: every step's gradient rows already in one tensor, in
+        order (scale 1)."""
         if not steps:
             return
-        grads = [g if s == 1.0 else g * s for _, _, g, s in steps]
+        if flat is None:
+            flat = _cat([(g if s == 1.0 else g * s).reshape(-1) for _, _, g, s in steps])
         try:
             ops.sgd_rows_([t.weight for t, *_ in steps], _cat([r for _, r, _, _ in steps]),
-                          [r.numel() for _, r, _, _ in steps], _cat([g.reshape(-1) for g in grads]),
-                          alpha=-self.config.optimizer.lr)
+                          [r.numel() for _, r, _, _ in steps], flat, alpha=-self.config.optimizer.lr)
         except ops.RowOutOfRange as e:
             raise self._outside(steps[e.table][0], e.row, "gradient push") from None
         except ops.NonFinite as e:
