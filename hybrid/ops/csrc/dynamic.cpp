@@ -574,14 +574,16 @@ Tensor sum_runs(TensorList grads, const Tensor& inverse, IntArrayRef per, IntArr
       TORCH_CHECK_VALUE(grads[j].size(1) == d, "grads[", j, "] has ", grads[j].size(1), " columns; table ", t,
                         "'s first run has ", d);
       const float* g = grads[j].data_ptr<float>();
-      for (int64_t i = 0; i < grads[j].size(0); i++, e++) {
-        const int64_t u = inv[e] - base;
-        TORCH_CHECK_VALUE(u >= 0 && u < per[t], "inverse[", e, "] = ", inv[e], " is not one of table ", t,
-                          "'s distinct ids [", base, ", ", base + per[t], ")");
-        float* o = sp + u * d;
-        const float* gi = g + i * d;
+      const int64_t n = grads[j].size(0);
+      for (int64_t i = 0; i < n; i++)  // checked first, so the sums below run branch-free
+        TORCH_CHECK_VALUE(inv[e + i] >= base && inv[e + i] < base + per[t], "inverse[", e + i, "] = ", inv[e + i],
+                          " is not one of table ", t, "'s distinct ids [", base, ", ", base + per[t], ")");
+      for (int64_t i = 0; i < n; i++) {
+        float* __restrict o = sp + (inv[e + i] - base) * d;
+        const float* __restrict gi = g + i * d;
         for (int64_t c = 0; c < d; c++) o[c] += gi[c];
       }
+      e += n;
     }
     if (fscale != 1.0f)
       for (int64_t i = 0; i < per[t] * d; i++) sp[i] *= fscale;
