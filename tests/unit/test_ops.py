@@ -308,6 +308,9 @@ def test_sum_runs_equals_the_reference_and_sum_rows(runs):
             _, summed = ops.sum_rows(torch.cat([chunks[j] for j in mine]), torch.cat([grads[j] for j in mine]),
                                      scale=scale, num_rows=60)
             assert got[t].shape == (ids.numel(), d) and torch.equal(got[t], summed)
+    gap = ([torch.ones(1, 2)], torch.tensor([1]), [2], [1])  # distinct id 0 has no row: zeros
+    assert _equal(ops.sum_runs(*gap, scale=0.5)[0], ref.sum_runs(*gap, scale=0.5)[0])
+    assert ops.sum_runs(*gap, scale=0.5)[0].tolist() == [0.0, 0.0, 0.5, 0.5]
     with pytest.raises(ValueError, match="distinct ids"):
         ops.sum_runs([torch.ones(1, 2)], torch.tensor([5]), [1], [1], scale=1.0)
 

@@ -562,33 +562,49 @@ Tensor sum_runs(TensorList grads, const Tensor& inverse, IntArrayRef per, IntArr
   check_1d(inverse, at::kLong, "inverse", nids);
   const int64_t* inv = inverse.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
-  int64_t total = 0;
-  for (size_t t = 0, j = 0; t < runs.size(); j += static_cast<size_t>(runs[t]), t++)
+  // Each distinct id's row count, from the checked inverse: its first row is written (0 + g, as
+  // added into zeros) and its last one also scales the sum, so the output is written in one pass
+  // rather than zeroed and scaled in passes of their own.
+  int64_t total = 0, nu = 0;
+  for (size_t t = 0, j = 0; t < runs.size(); j += static_cast<size_t>(runs[t]), t++) {
+    for (int64_t r = 0; r < runs[t]; r++)
+      TORCH_CHECK_VALUE(grads[j + r].size(1) == grads[j].size(1), "grads[", j + r, "] has ", grads[j + r].size(1),
+                        " columns; table ", t, "'s first run has ", grads[j].size(1));
     total += runs[t] ? per[t] * grads[j].size(1) : 0;
-  Tensor out = at::zeros({total}, at::TensorOptions().dtype(at::kFloat));
-  float* sp = out.data_ptr<float>();
-  int64_t j = 0, e = 0, base = 0;
-  for (size_t t = 0; t < runs.size(); t++) {
-    const int64_t d = runs[t] ? grads[j].size(1) : 0;
-    for (int64_t r = 0; r < runs[t]; r++, j++) {
-      TORCH_CHECK_VALUE(grads[j].size(1) == d, "grads[", j, "] has ", grads[j].size(1), " columns; table ", t,
-                        "'s first run has ", d);
-      const float* g = grads[j].data_ptr<float>();
-      const int64_t n = grads[j].size(0);
-      for (int64_t i = 0; i < n; i++)  // checked first, so the sums below run branch-free
-        TORCH_CHECK_VALUE(inv[e + i] >= base && inv[e + i] < base + per[t], "inverse[", e + i, "] = ", inv[e + i],
+    nu += per[t];
+  }
+  std::vector<int32_t> rows_of(static_cast<size_t>(nu), 0);
+  for (int64_t t = 0, e = 0, j = 0, base = 0; t < static_cast<int64_t>(runs.size()); base += per[t], t++) {
+    for (int64_t r = 0; r < runs[t]; r++, j++)
+      for (int64_t i = 0; i < grads[j].size(0); i++, e++) {
+        TORCH_CHECK_VALUE(inv[e] >= base && inv[e] < base + per[t], "inverse[", e, "] = ", inv[e],
                           " is not one of table ", t, "'s distinct ids [", base, ", ", base + per[t], ")");
-      for (int64_t i = 0; i < n; i++) {
-        float* __restrict o = sp + (inv[e + i] - base) * d;
-        const float* __restrict gi = g + i * d;
-        for (int64_t c = 0; c < d; c++) o[c] += gi[c];
+        rows_of[static_cast<size_t>(inv[e])]++;
       }
-      e += n;
+  }
+  Tensor out = at::empty({total}, at::TensorOptions().dtype(at::kFloat));
+  std::vector<int32_t> added(static_cast<size_t>(nu), 0);
+  float* table_out = out.data_ptr<float>();
+  for (int64_t t = 0, e = 0, j = 0, base = 0; t < static_cast<int64_t>(runs.size()); base += per[t], t++) {
+    const int64_t d = runs[t] ? grads[j].size(1) : 0;
+    for (int64_t u = 0; u < per[t]; u++)  // an id no run has: zeros
+      if (rows_of[static_cast<size_t>(base + u)] == 0) std::fill(table_out + u * d, table_out + (u + 1) * d, 0.0f);
+    for (int64_t r = 0; r < runs[t]; r++, j++) {
+      const float* g = grads[j].data_ptr<float>();
+      for (int64_t i = 0; i < grads[j].size(0); i++, e++) {
+        const size_t u = static_cast<size_t>(inv[e]);
+        float* __restrict o = table_out + (inv[e] - base) * d;
+        const float* __restrict gi = g + i * d;
+        if (added[u]++ == 0) {
+          for (int64_t c = 0; c < d; c++) o[c] = 0.0f + gi[c];
+        } else {
+          for (int64_t c = 0; c < d; c++) o[c] += gi[c];
+        }
+        if (added[u] == rows_of[u] && fscale != 1.0f)
+          for (int64_t c = 0; c < d; c++) o[c] *= fscale;
+      }
     }
-    if (fscale != 1.0f)
-      for (int64_t i = 0; i < per[t] * d; i++) sp[i] *= fscale;
-    sp += per[t] * d;
-    base += per[t];
+    table_out += per[t] * d;
   }
   return out;
 }
