@@ -353,6 +353,7 @@ class Checkpoint:
             if pipeline.current is not None:
                 raise CheckpointError(f"restore during step {pipeline.current.step}: restore before training")
             pipeline.next_step = self.step
+            pipeline.forget_rows()
         if rng_state is not None:
             restore_rng(rng_state)
         logger.info("restored %s", self)

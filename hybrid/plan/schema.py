@@ -158,6 +158,10 @@ class PSOptions:
     """``ids: dynamic``: ``none`` | ``lru`` | ``ttl:<steps>`` when a table is full."""
     partitions: int = 0
     """``ids: dynamic``: hash parts per table (0: ``min(64, capacity)``)."""
+    hot_rows: int = 0
+    """Async mode (``sync.staleness`` >= 1): rows of each table, per server, every trainer keeps
+    from its lookups and uses again while the staleness bound allows, the most used ones
+    (docs/plans.md); 0: none."""
 
     def dynamic_ids(self):
         """The collection's :class:`hybrid.ps.config.DynamicIds` (None under ``ids: range``)."""
@@ -171,6 +175,8 @@ class PSOptions:
     def __post_init__(self) -> None:
         if self.ids not in ("range", "dynamic"):
             raise _bad("ids", self.ids, "'range' or 'dynamic'")
+        if not isinstance(self.hot_rows, int) or self.hot_rows < 0:
+            raise _bad("hot_rows", self.hot_rows, "a number of rows >= 0 (0: no cache)")
         check_wire_dtype(self.wire_dtype)
         if self.ids == "dynamic":
             if self.capacity < 1:
@@ -263,6 +269,11 @@ class Plan:
             raise _bad("world_size", self.world_size, "a number of processes >= 1", "topology")
         for key, rule in self.modules.items():
             assert isinstance(rule, Rule) and rule.key == key, f"modules[{key!r}] holds {rule!r}"
+            if rule.strategy == "parameter_server" and rule.options.hot_rows and self.sync.staleness == 0:
+                raise PlanError(f"got {rule.options.hot_rows}; a trainer's cached rows are never fresh enough for "
+                                f"a synchronous lookup: set sync.staleness >= 2 (k = 1 reads rows one step older "
+                                f"than a prefetch brings) or hot_rows: 0", category="bad_value",
+                                key=f"modules.{key}.hot_rows", where=rule.where)
 
     @property
     def default_rule(self) -> Rule | None:

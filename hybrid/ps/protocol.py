@@ -4,7 +4,10 @@ The hot path of a training step is one :class:`StepMessage` per trainer and serv
 remote collection with something to say, one :class:`Part` carrying the gradients the trainer
 owes for rows it looked up earlier (:class:`Push`) and the rows it wants now (:class:`Rows`).
 The server applies the pushes, then answers once the step may read: one tensor of rows per part
-(empty for a part without a lookup), in the order of the part's tables and ids.
+(empty for a part without a lookup), in the order of the part's tables and ids, then one int64
+tensor holding each part's *version*: the step through which every trainer's pushes are in its
+rows (-1 for a part without a lookup, or one recorded by distributed autograd). A trainer's
+hot-row cache (:mod:`hybrid.ps.client.cache`) keeps rows by it.
 
 Ids are int64. Rows and gradients travel in their collection's ``wire_dtype``
 (:class:`hybrid.ps.config.CollectionConfig`, float32 or bfloat16), which every tensor carries
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-VERSION = 1
+VERSION = 2
 """Bumped whenever the layout changes; a server refuses a message of another version."""
 
 FLAG_AUTOGRAD = 1

@@ -15,20 +15,22 @@ from hybrid.ps.client import (
 
 
 def remote_of(ebc, pipeline: StepPipeline, *, cid: str, num_servers: int, sharding: str = "row_wise",
-              optimizer: dict, num_trainers: int = 1, trainer: int = 0, seed: int = 0,
+              optimizer: dict, num_trainers: int = 1, trainer: int = 0, seed: int = 0, hot_rows: int = 0,
               **options) -> RemoteCollection:
     """A remote stand-in for ``ebc``'s tables (its shapes: it may be on meta) on ``pipeline``: a
     :class:`RemoteEmbeddingBagCollection` for an ``EmbeddingBagCollection``, a
     :class:`RemoteEmbeddingCollection` for an ``EmbeddingCollection``. Trainer 0 creates it, each
     server filling its rows as ``hybrid.init_tables(ebc, seed=seed)`` fills a local collection
-    (the other trainers must wait for that, e.g. at a barrier, before they look up)."""
+    (the other trainers must wait for that, e.g. at a barrier, before they look up).
+    ``hot_rows``: the trainer's hot-row cache (:mod:`hybrid.ps.client.cache`)."""
     config = RemoteCollection.config_from(ebc, cid=cid, num_servers=num_servers, sharding=sharding,
                                           optimizer=optimizer, num_trainers=num_trainers, init_seed=seed, **options)
     if hasattr(ebc, "embedding_bag_configs"):
-        remote = RemoteEmbeddingBagCollection(config, pipeline=pipeline, server_names=pipeline.server_names)
+        remote = RemoteEmbeddingBagCollection(config, pipeline=pipeline, server_names=pipeline.server_names,
+                                              hot_rows=hot_rows)
     else:
         remote = RemoteEmbeddingCollection(config, pipeline=pipeline, server_names=pipeline.server_names,
-                                           need_indices=ebc.need_indices())
+                                           need_indices=ebc.need_indices(), hot_rows=hot_rows)
     if trainer == 0:
         remote.create_on_servers(init="seed")
     return remote

@@ -21,6 +21,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from hybrid.errors import PlanError
+from hybrid.ps.client.cache import HotRows
 from hybrid.ps.client.pipeline import StepPipeline, _server_error
 from hybrid.ps.client.routing import BadBatchError, BadIdError, RoutedBatch, Router
 from hybrid.ps.config import CollectionConfig, OptimizerSpec, collection_handle, single_table_name, table_specs
@@ -46,7 +47,9 @@ class RemoteCollection(nn.Module):
     """The original module's attribute holding its tables (``embedding_bags``, ``embeddings``)."""
 
     def __init__(self, config: CollectionConfig, *, pipeline: StepPipeline, server_names: list[str],
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, hot_rows: int = 0) -> None:
+        """``hot_rows``: rows per table and server this trainer keeps from its lookups and uses
+        again within the staleness bound (:mod:`hybrid.ps.client.cache`; 0: none)."""
         super().__init__()
         self.config = config
         self.cid = config.cid
@@ -57,6 +60,16 @@ class RemoteCollection(nn.Module):
         self.handle = collection_handle(config.cid)
         self.timeout_s = timeout_s
         self.router = Router(config)
+        self.hot_rows: HotRows | None = None
+        if hot_rows:
+            if config.staleness < 1:
+                raise PlanError(f"{config.cid}: hot_rows needs sync.staleness >= 1 (a cached row is never fresh "
+                                f"enough for a synchronous lookup)", category="bad_value", key="hot_rows")
+            if pipeline.push_strategy.autograd:
+                raise PlanError(f"{config.cid}: hot_rows needs runtime.gradient_push: rpc (with dist_autograd every "
+                                f"row must come from its server)", category="bad_value", key="hot_rows")
+            self.hot_rows = HotRows(hot_rows, config.staleness, [t.embedding_dim for t in config.tables],
+                                    getattr(torch, config.wire_dtype))
         object.__setattr__(self, "pipeline", pipeline)  # not a submodule
         pipeline.collections.append(self)
 
@@ -121,6 +134,8 @@ class RemoteCollection(nn.Module):
     def write_tables(self, weights: dict[str, torch.Tensor]) -> None:
         """Overwrite whole tables on the servers, streamed in chunks of at most
         :data:`WRITE_CHUNK_BYTES`, at most :data:`WRITE_WINDOW_BYTES` in flight per server."""
+        if self.hot_rows is not None:
+            self.hot_rows.clear()
         inflight: dict[int, list[tuple[int, torch.futures.Future]]] = {s: [] for s in self.servers}
         for t, lay in zip(self.tables, self.layouts):
             if t.name not in weights:
@@ -276,11 +291,12 @@ class RemoteEmbeddingCollection(RemoteCollection):
     tables_attr = "embeddings"
 
     def __init__(self, config: CollectionConfig, *, pipeline: StepPipeline, server_names: list[str],
-                 timeout_s: float = 300.0, need_indices: bool = False) -> None:
+                 timeout_s: float = 300.0, need_indices: bool = False, hot_rows: int = 0) -> None:
         if any(t.pooling != "none" for t in config.tables):
             raise ValueError(f"{config.cid}: an EmbeddingCollection's tables are unpooled; got pooling "
                              f"{sorted({t.pooling for t in config.tables})}")
-        super().__init__(config, pipeline=pipeline, server_names=server_names, timeout_s=timeout_s)
+        super().__init__(config, pipeline=pipeline, server_names=server_names, timeout_s=timeout_s,
+                         hot_rows=hot_rows)
         self._need_indices = need_indices
 
     def need_indices(self) -> bool:

@@ -41,6 +41,7 @@ from hybrid.ps.protocol import Part, Push, Rows, StepMessage
 from hybrid.ps.transport import ReplyFuture, Transport
 
 if TYPE_CHECKING:
+    from hybrid.ps.client.cache import CacheSplit
     from hybrid.ps.client.collection import RemoteCollection
     from hybrid.ps.client.routing import RoutedBatch
 
@@ -75,15 +76,20 @@ class Lookup:
     step: int
     futures: dict[int, tuple[ReplyFuture, int]] | None = None
     """Server -> (the message's reply future, this lookup's part in it), once sent."""
+    splits: dict[int, CacheSplit] = field(default_factory=dict)
+    """Server -> what the collection's hot-row cache kept back from its request (sent: the rest)."""
 
     def wait(self, timeout_s: float) -> dict[int, torch.Tensor]:
         out = {}
         for s, (fut, part) in self.futures.items():
             name = self.collection.server_names[s]
             try:
-                out[s] = fut.wait()[part]
+                reply = fut.wait()
             except Exception as e:  # noqa: BLE001 - every failure of a peer gets its name
                 raise _server_error("lookup", name, e) from e
+            split = self.splits.pop(s, None)
+            out[s] = (reply[part] if split is None
+                      else self.collection.hot_rows.join(split, reply[part], int(reply[-1][part])))
         return out
 
 
@@ -395,8 +401,10 @@ class StepPipeline:
         parts: dict[int, Part] = {}
         for lk in lookups:
             c = lk.collection
-            parts[id(c)] = Part(collection=c.handle, step=lk.step, lookup=lk.routed.requests[server],
-                                num_raw=lk.routed.num_raw[server])
+            request = lk.routed.requests[server]
+            if c.hot_rows is not None:  # the rows it holds fresh enough for this step are not asked for
+                request, lk.splits[server] = c.hot_rows.split(server, request, lk.step)
+            parts[id(c)] = Part(collection=c.handle, step=lk.step, lookup=request, num_raw=lk.routed.num_raw[server])
         for c, push in owed:
             part = parts.get(id(c))
             if part is None:
@@ -489,6 +497,12 @@ class StepPipeline:
         self.push_strategy.wait(self)
         if self.last_times is not None:
             self.last_times.push += time.perf_counter() - t0
+
+    def forget_rows(self) -> None:
+        """Empty every collection's hot-row cache (the servers' rows were replaced)."""
+        for c in self.collections:
+            if c.hot_rows is not None:
+                c.hot_rows.clear()
 
     def close(self) -> None:
         try:

@@ -156,10 +156,13 @@ class ParameterServer:
                     by_step.setdefault(push.step, []).append((push.rows, push.grad))
                 for step, parts in by_step.items():
                     self.push(shard, msg.trainer, step, parts)
+            # One tensor of rows per part, then the parts' versions (protocol.Reply).
             sizes = [shard.numel(p.lookup) if p.lookup is not None else 0 for p, shard in zip(msg.parts, shards)]
-            dtypes = [shard.wire_dtype for shard in shards]
+            sizes.append(len(msg.parts))
+            dtypes = [shard.wire_dtype for shard in shards] + [torch.int64]
             out = (buffers(sizes, dtypes) if buffers is not None
                    else [torch.empty(n, dtype=d) for n, d in zip(sizes, dtypes)])
+            out[-1].fill_(-1)
         except BaseException as e:  # noqa: BLE001 - the trainer gets it as the message's error
             reply(None, RuntimeError(f"ps{self.index}: {e}"))
             return
@@ -284,6 +287,8 @@ class _Answer:
                     self.out[i] = _Lookup.apply(self.server.anchor, self.server, shard, self.msg.trainer, part.step,
                                                 _owned(part.lookup))
             else:
+                # Read before the rows: every push through it is in them (a later one may be too).
+                self.out[-1][i] = shard.complete_through
                 shard.gather(part.lookup, out=self.out[i], step=part.step)
         except BaseException as e:  # noqa: BLE001 - handed to the trainer
             with self.lock:

@@ -1,0 +1,87 @@
+"""The trainers' hot-row cache in async mode, with real processes: rows put back from the cache
+equal the servers' rows exactly, the cache serves rows, and training with it converges."""
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybrid.launch.roles import role_of
+from hybrid.ps.client import make_pipeline, step
+from tests.harness import run_distributed
+from tests.support.remote import remote_of
+from tests.support.sparse import global_batch, kjt_slice, make_ebc, test_tables
+
+B = 16
+K = 3
+
+
+def _cached(rank, world_size, *, num_servers):
+    role = role_of(rank, world_size, num_servers)
+    if not role.is_trainer:
+        return None
+    tables = test_tables()
+    local = make_ebc(seed=0)  # the rows every server starts from
+    pipeline = make_pipeline(trainer=role.index, num_servers=num_servers, staleness=K)
+    opts = dict(num_servers=num_servers, optimizer={"name": "sgd", "lr": 0.3}, trainer=role.index,
+                num_trainers=role.num_trainers, staleness=K, hot_rows=16)
+    # "still" gets zero gradients (its rows never change: what the cache puts back must equal
+    # the initial rows exactly); "trained" learns a task.
+    still, trained = remote_of(local, pipeline, cid="still", **opts), remote_of(local, pipeline, cid="trained", **opts)
+    dist.barrier()
+    torch.manual_seed(1)
+    teacher = {t.name: torch.randn(t.num_embeddings) for t in tables}
+    head = nn.Linear(sum(t.embedding_dim * len(t.feature_names) for t in tables), 1)
+    opt = torch.optim.SGD(head.parameters(), lr=0.05)
+
+    def batch(s):
+        kjt = kjt_slice(global_batch(s, tables, role.num_trainers * B, seed=7), role.index * B, (role.index + 1) * B)
+        y = torch.zeros(B)
+        for t in tables:
+            for f in t.feature_names:
+                jt = kjt[f]
+                y += torch.zeros(B).index_add_(0, torch.repeat_interleave(torch.arange(B), jt.lengths()),
+                                               teacher[t.name][jt.values()])
+        return kjt, y
+
+    losses, mismatched = [], []
+    nxt = batch(0)
+    for s in range(60):
+        kjt, y = nxt
+        with step(pipeline, optimizer=opt) as st:
+            kept = still(kjt)
+            out = trained(kjt)
+            nxt = batch(s + 1)
+            st.prefetch(nxt[0])
+            with torch.no_grad():
+                if not torch.equal(kept.values(), local(kjt).values()):
+                    mismatched.append(s)
+            loss = ((head(out.values()).squeeze(1) - y) ** 2).mean() + 0.0 * kept.values().sum()
+            st.backward(loss)
+        losses.append(loss.item())
+    pipeline.flush()
+    dist.barrier()
+    stats = None
+    if role.index == 0:  # each trainer's last prefetch (of a step never run) may still be on its way
+        deadline = time.monotonic() + 10
+        while (stats := trained.stats()["ps0"])["lookups"] < 2 * 61 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    counters = {c.cid: c.hot_rows.counters.as_dict() for c in (still, trained)}
+    pipeline.close()
+    return losses, mismatched, counters, stats
+
+
+def test_hot_rows_put_back_the_servers_rows_and_train_within_the_bound():
+    out = run_distributed(_cached, 3, setup="hybrid", num_servers=1, timeout=150)
+    for losses, mismatched, counters, _ in out[:2]:
+        assert mismatched == [], mismatched
+        for cid, c in counters.items():
+            assert c["hits"] > 0.2 * c["looked_up"], (cid, c)  # the tiny tables repeat their ids
+            assert c["evicted"] > 0 and c["refreshed"] > 0, (cid, c)
+        first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+        assert last < 0.5 * first, (first, last)
+    stats = out[0][3]
+    assert stats["max_lag"] <= K, stats
+    # The server sent exactly the rows the caches did not hold (the last prefetches included).
+    assert stats["rows_served"] == sum(cs["trained"]["sent"] for _, _, cs, _ in out[:2]), stats
