@@ -230,12 +230,26 @@ def namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def remove_stale() -> None:
-    """Remove the namespaces of emulated networks whose benchmark process is gone."""
+def of_process(pid: int) -> list[str]:
+    """The namespaces of the emulated network made by process ``pid``."""
+    return [ns for ns in namespaces() if ns.startswith(f"{PREFIX}{pid}-")]
+
+
+def stale() -> list[str]:
+    """The namespaces of emulated networks whose benchmark process is gone (what a killed run
+    left; another run's live network is not among them)."""
+    out = []
     for ns in namespaces():
         m = re.fullmatch(rf"{PREFIX}(\d+)-\w+", ns)
         if m and not _alive(int(m.group(1))):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            out.append(ns)
+    return out
+
+
+def remove_stale() -> None:
+    """Remove the namespaces of emulated networks whose benchmark process is gone."""
+    for ns in stale():
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def _alive(pid: int) -> bool:

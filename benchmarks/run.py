@@ -80,6 +80,8 @@ def summarize(system: str, w: Workload, reports: list[dict]) -> dict:
     if "breakdown_s" in trainers[0]:
         line["breakdown_s"] = trainers[0]["breakdown_s"]
         line["wire_dtype"] = trainers[0]["wire_dtype"]
+        if "hot_rows" in trainers[0]:  # each trainer's cache, since it was made (warm-up included)
+            line["hot_rows"] = {r["name"]: r["hot_rows"] for r in trainers}
         by_name = {r["name"]: r for r in reports}
         line["servers"] = {name: _per_step(c, w.steps, dim=w.dim, wire_bytes=WIRE_BYTES[line["wire_dtype"]],
                                            meter=by_name.get(name, {}))

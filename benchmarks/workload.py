@@ -63,6 +63,11 @@ class Workload:
     """Seed of the initial weights and of the batches."""
     threads: int = 1
     """``OMP_NUM_THREADS`` / ``torch.set_num_threads`` of every process."""
+    async_staleness: int = 1
+    """``hybrid_async``'s ``sync.staleness``."""
+    hot_rows: int = 0
+    """``hybrid_async``'s ``hot_rows``: rows per table and server each trainer keeps (0: none;
+    serves rows from ``async_staleness`` 2 on, the next batch being prefetched)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -83,6 +88,8 @@ class Workload:
             ("warmup", self.warmup >= 0, "an integer >= 0"),
             ("steps", self.steps >= 1, "an integer >= 1"),
             ("threads", self.threads >= 1, "an integer >= 1"),
+            ("async_staleness", self.async_staleness >= 1, "an integer >= 1"),
+            ("hot_rows", self.hot_rows >= 0, "an integer >= 0"),
         ]
         for name, ok, expected in checks:
             if not ok:

@@ -45,6 +45,7 @@ def plan_dict(w: Workload, *, dense: str, staleness: int, comm_hook: str | None 
             "sparse_arch.embedding_bag_collection": {
                 "strategy": "parameter_server", "sharding": "row_wise",
                 "optimizer": {"name": "sgd", "lr": w.sparse_lr}, "wire_dtype": wire_dtype, **ids,
+                **({"hot_rows": w.hot_rows} if staleness and w.hot_rows else {}),
             },
             "dense_arch": dict(dense_opts),
             "over_arch": dict(dense_opts),
@@ -148,6 +149,8 @@ def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hoo
     pipeline.close()
     report["samples_per_step"] = w.batch
     report["wire_dtype"] = ebc.config.wire_dtype
+    if ebc.hot_rows is not None:
+        report["hot_rows"] = ebc.hot_rows.counters.as_dict()
     if role.index == 0:
         report["breakdown_s"] = {k: sum(getattr(x, k) for x in times) / len(times) for k in asdict(times[0])}
         report["server_stats"] = {n: _delta(stats["start"][n], stats["stop"][n]) for n in stats["stop"]}
@@ -182,9 +185,10 @@ def run_hybrid_sync(w: Workload, *, timeout_s: float, runtime: dict | None = Non
 def run_hybrid_async(w: Workload, *, timeout_s: float, runtime: dict | None = None,
                      comm_hook: str | None = None, hosts: EmulatedNetwork | None = None,
                      wire_dtype: str = "float32") -> list[dict]:
-    """Async (staleness 1, prefetch of the next batch), dense under DDP."""
-    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=1, runtime=runtime, comm_hook=comm_hook, hosts=hosts,
-                wire_dtype=wire_dtype)
+    """Async (staleness ``w.async_staleness``, 1 by default, and ``w.hot_rows`` cached on each
+    trainer; prefetch of the next batch), dense under DDP."""
+    return _run(w, timeout_s=timeout_s, dense="ddp", staleness=w.async_staleness, runtime=runtime,
+                comm_hook=comm_hook, hosts=hosts, wire_dtype=wire_dtype)
 
 
 def run_hybrid_sync_fsdp(w: Workload, *, timeout_s: float, runtime: dict | None = None,

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from benchmarks.network import namespaces
+from benchmarks.network import namespaces, of_process, stale
 from benchmarks.systems import SYSTEMS
 from tests.support.cli import REPO, kill_tree, run_hybrid
 from tests.support.network import needs_root, root_links
@@ -112,7 +112,8 @@ def test_memory_benchmark_fsdp_holds_a_shard_of_what_ddp_holds():
 
 
 def _new_networks(before: set[str]) -> list[str]:
-    return [n for n in set(namespaces()) - before if n.startswith("hbnet")]
+    """Namespaces a finished run left behind (other tests' live networks are not counted)."""
+    return [n for n in stale() if n not in before]
 
 
 @pytest.mark.slow
@@ -161,7 +162,7 @@ def test_a_failed_system_and_an_interrupted_run_leave_no_network_and_no_process(
                             text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while len(ranks := _ranks(proc.pid)) < 3 or not _new_networks(before):
+        while len(ranks := _ranks(proc.pid)) < 3 or not of_process(proc.pid):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
