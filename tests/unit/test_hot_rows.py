@@ -45,7 +45,10 @@ def _tables(flat: torch.Tensor, request: dict[int, list[int]]) -> dict[int, torc
 def test_rows_come_back_in_request_order_from_the_cache_and_the_server():
     cache = HotRows(16, staleness=2, dims=DIMS, dtype=torch.float32)
     first = {0: [1, 4, 9], 1: [2, 5]}
-    got, sent = _lookup(cache, first, step=5, version=3)
+    got, sent = _lookup(cache, first, step=4, version=3)  # seen once: not kept yet
+    assert sent.counts == [3, 2] and cache.counters.hits == 0 and not cache.pools[(0, 2)].map.find(
+        torch.tensor([1])).ge(0).any()
+    got, sent = _lookup(cache, first, step=5, version=3)  # asked for again: kept
     assert sent.counts == [3, 2] and cache.counters.hits == 0
     # step 6 under k = 2 reads rows of version >= 3: ids held come from the cache, the rest from the server
     second = {0: [0, 4, 9, 12], 1: [5, 7]}
@@ -58,11 +61,12 @@ def test_rows_come_back_in_request_order_from_the_cache_and_the_server():
     assert torch.equal(rows[0][[1, 2], :2], _value(0, torch.tensor([4, 9]), 3)[:, :2])  # cached, version 3
     assert torch.equal(rows[0][[0, 3]], _value(0, torch.tensor([0, 12]), 4))  # from the server, version 4
     assert rows[1][:, 2].tolist() == [3, 4]
-    assert cache.counters.hits == 3 and cache.counters.looked_up == 11
+    assert cache.counters.hits == 3 and cache.counters.looked_up == 16
 
 
 def test_a_row_older_than_the_bound_is_asked_for_again_and_refreshed():
     cache = HotRows(16, staleness=2, dims=DIMS, dtype=torch.float32)
+    _lookup(cache, {0: [1, 2]}, step=4, version=2)
     _lookup(cache, {0: [1, 2]}, step=5, version=2)
     got, sent = _lookup(cache, {0: [1, 2]}, step=6, version=3)  # needs version >= 3
     assert sent.ids.tolist() == [1, 2] and cache.counters.refreshed == 2
@@ -93,23 +97,24 @@ def test_every_row_served_is_within_the_staleness_bound(staleness):
 
 def test_the_most_used_rows_stay_and_the_rest_pass_through():
     cache = HotRows(4, staleness=3, dims=DIMS, dtype=torch.float32)
-    for step in range(1, 40):
-        cold = [100 + 2 * step, 101 + 2 * step]
-        _lookup(cache, {0: [1, 2] + cold}, step=step, version=step - 1)
+    for step in range(1, 40):  # cold ids come in two steps running, then never again
+        cold = [100 + step, 200 + step, 99 + step, 199 + step]
+        _lookup(cache, {0: sorted([1, 2] + cold)}, step=step, version=step - 1)
     assert cache.counters.evicted > 0
     hits = cache.counters.hits
     _, sent = _lookup(cache, {0: [1, 2]}, step=40, version=39)
     assert sent.ids.numel() == 0 and cache.counters.hits == hits + 2  # the hot pair is still held
-    assert len(cache.tables[(0, 0)].map) == 4
+    assert len(cache.pools[(0, 2)].map) == 4
 
 
 def test_uses_decay_and_clear_forgets_everything():
     cache = HotRows(4, staleness=2, dims=DIMS, dtype=torch.float32)
     for step in range(1, 6):
         _lookup(cache, {0: [1]}, step=step, version=step - 1)
-    before = int(cache.tables[(0, 0)].uses[:1])
+    pool = cache.pools[(0, 2)]
+    before = int(pool.uses[:1])
     _lookup(cache, {0: [1]}, step=DECAY_STEPS + 6, version=DECAY_STEPS + 5)
-    assert int(cache.tables[(0, 0)].uses[:1]) <= before // 2 + 1
+    assert before >= 4 and int(pool.uses[:1]) <= before // 2 + 1
     cache.clear()
     _, sent = _lookup(cache, {0: [1]}, step=DECAY_STEPS + 7, version=DECAY_STEPS + 6)
     assert sent.ids.tolist() == [1]

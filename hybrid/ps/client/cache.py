@@ -11,27 +11,42 @@ still gets a gradient for every row the trainer used.
 
 With the next batch prefetched during the current step (as the training loop does), the rows a
 lookup of step t gets reflect the pushes through about t - 2, so they serve lookups up to step
-t - 1 + k: nothing at k = 1, the previous step's rows at k = 2, and so on.
+t - 1 + k: nothing at k = 1, some at k = 2 (when the server is a step ahead), the previous
+steps' rows from k = 3 on.
 
-Which rows stay: at most ``hot_rows`` per table and server, in slots of preallocated tensors
-found through the native id map (:class:`hybrid.ops.id_map.IdMap`, as dynamic tables use). Every
-request of an id counts one use; a row is refreshed in place whenever a request finds it too
-old; a new id takes a free slot, else the slot of the least used row, so rows asked for in most
-steps stay and rare ones pass through. Uses halve every
-:data:`DECAY_STEPS` steps, so rows that cool down make room.
+Which rows stay: per server and embedding width, a pool of ``hot_rows`` x tables slots in
+preallocated tensors, found through the native id map (:class:`hybrid.ops.id_map.IdMap`, as
+dynamic tables use) by a hash of (table, id), the table and id kept beside each row and checked
+on every find. Every request of a held row counts one use; a row too old for its lookup is
+refreshed in place with the server's. A row not held is let in only once it has been asked for
+:data:`ADMIT_AFTER` times recently (a count-min sketch of the requests, two rows of counters
+a pool), so rows seen once never cost a copy; it takes a free slot,
+and when none is left the least used quarter of the pool is dropped at once (one partial sort
+every few steps, not one per step). Uses and the sketch halve every :data:`DECAY_STEPS` steps,
+so rows that cool down make room. Every step costs a fixed number of tensor operations per
+server, whatever the number of tables.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from hybrid.ops.id_map import IdMap
+from hybrid.ops.id_map import IdMap, id_hash
 from hybrid.ps.protocol import Rows
 
-DECAY_STEPS = 100
-"""Steps between halvings of the use counts."""
+DECAY_STEPS = 16
+"""Steps between halvings of the use counts and of the request sketch."""
+EVICT_SHARE = 4
+"""A full pool drops at least 1 / EVICT_SHARE of its rows at once."""
+ADMIT_AFTER = 2
+"""Requests of a row (as the sketch counts them, since the last halving) before it is kept."""
+SKETCH_MIN = 1 << 16
+"""Counters per row of a pool's count-min sketch, at least (else the next power of two above
+four times the pool's rows)."""
+_TABLE_SALT = 0x9E3779B97F4A7C15 - (1 << 64)
+"""Mixes the table index into the id before hashing (the golden-ratio constant, as int64)."""
 
 
 @dataclass
@@ -39,59 +54,102 @@ class CacheCounters:
     """What the cache saved (per trainer, since it was made)."""
 
     looked_up: int = 0
-    """Rows the lookups asked for."""
+    """Rows the lookups asked for (counted when their replies came)."""
     sent: int = 0
     """Rows asked of the servers (the rest came from the cache; counted when sent)."""
     hits: int = 0
-    """Of those, rows served from the cache (not sent by a server)."""
+    """Rows served from the cache (not sent by a server)."""
     refreshed: int = 0
     """Rows held but too old for their lookup, replaced by the server's."""
     evicted: int = 0
-    """Rows dropped for more used ones."""
+    """Rows dropped for others."""
 
     def as_dict(self) -> dict:
         return {"looked_up": self.looked_up, "sent": self.sent, "hits": self.hits, "refreshed": self.refreshed,
-                "evicted": self.evicted,
-                "hit_ratio": self.hits / self.looked_up if self.looked_up else 0.0}
+                "evicted": self.evicted, "hit_ratio": self.hits / self.looked_up if self.looked_up else 0.0}
 
 
-class _Table:
-    """The cached rows of one table from one server."""
+def _keys(ids: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    return id_hash(ids ^ (tables * _TABLE_SALT))
+
+
+class _Pool:
+    """The cached rows of one width from one server."""
 
     def __init__(self, capacity: int, dim: int, dtype: torch.dtype) -> None:
         self.capacity = capacity
         self.map = IdMap(capacity)
+        self.keys = torch.empty(capacity, dtype=torch.int64)
         self.ids = torch.empty(capacity, dtype=torch.int64)
+        self.tables = torch.full((capacity,), -1, dtype=torch.int64)
+        """-1: a free slot."""
         self.rows = torch.empty(capacity, dim, dtype=dtype)
         self.version = torch.full((capacity,), -1, dtype=torch.int64)
         self.uses = torch.zeros(capacity, dtype=torch.int64)
-        self.filled = 0
-        """Slots ``[0, filled)`` hold rows."""
+        size = SKETCH_MIN
+        while size < 4 * capacity:
+            size *= 2
+        self.sketch = torch.zeros(2, size, dtype=torch.int32)
+        """Requests per hashed (table, id), two hashes; an id's count is the smaller."""
+        self.free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64)
+        """A stack of free slots: the first ``n_free`` entries, its top at ``n_free - 1``."""
+        self.n_free = capacity
 
+    def count(self, keys: torch.Tensor) -> torch.Tensor:
+        """Count one more request of each key (distinct); their counts."""
+        mask = self.sketch.shape[1] - 1
+        at = [keys & mask, (keys >> 32) & mask]
+        ones = torch.ones(keys.numel(), dtype=torch.int32)
+        for row, i in zip(self.sketch, at):
+            row.index_add_(0, i, ones)
+        return torch.minimum(self.sketch[0].index_select(0, at[0]), self.sketch[1].index_select(0, at[1]))
 
-@dataclass
-class _TablePlan:
-    """One table's share of a request: which ids the cache serves, from which slots."""
+    def find(self, keys: torch.Tensor, ids: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Each (table, id)'s slot (``keys`` their hashes), -1 where not held."""
+        slots = self.map.find(keys)
+        at = slots.clamp(min=0)
+        held = (slots >= 0) & (self.ids.index_select(0, at) == ids) & (self.tables.index_select(0, at) == tables)
+        return torch.where(held, slots, -1)
 
-    table: int
-    ids: torch.Tensor
-    slots: torch.Tensor
-    """Each id's slot, -1 where the cache does not hold it."""
-    hit: torch.Tensor
-    """Served from the cache (held, and fresh enough)."""
+    def take(self, n: int) -> tuple[torch.Tensor, int]:
+        """Up to ``n`` free slots (dropping the least used rows when too few are free), and how
+        many rows were dropped."""
+        dropped = 0
+        if n > self.n_free:
+            occupied = self.capacity - self.n_free
+            k = min(occupied, max(n - self.n_free, self.capacity // EVICT_SHARE))
+            uses = self.uses.masked_fill(self.tables < 0, torch.iinfo(torch.int64).max)
+            victims = torch.topk(uses, k, largest=False).indices
+            self.map.erase(self.keys.index_select(0, victims))
+            self.tables.index_fill_(0, victims, -1)
+            self.free[self.n_free : self.n_free + k] = victims
+            self.n_free += k
+            dropped = k
+        n = min(n, self.n_free)
+        slots = self.free[self.n_free - n : self.n_free].flip(0)
+        self.n_free -= n
+        return slots, dropped
 
 
 @dataclass
 class CacheSplit:
-    """What :meth:`HotRows.split` kept back from a request: put back by :meth:`HotRows.join`."""
+    """What :meth:`HotRows.split` kept back from one request: put back by :meth:`HotRows.join`."""
 
     server: int
-    step: int
     request: Rows
     """The whole request, as routed."""
     sent: Rows
     """What went to the server (the request less the hits)."""
-    tables: list[_TablePlan] = field(default_factory=list)
+    tables: torch.Tensor
+    """Each requested id's table index."""
+    slots: torch.Tensor
+    """Each requested id's slot in its pool, -1 where not held."""
+    hit: torch.Tensor
+    """Served from the cache (held, and fresh enough)."""
+    keys: torch.Tensor
+    """Each requested id's hash with its table."""
+    admit: torch.Tensor
+    """Asked for often enough to be kept."""
 
 
 class HotRows:
@@ -101,95 +159,137 @@ class HotRows:
     def __init__(self, capacity: int, staleness: int, dims: list[int], dtype: torch.dtype) -> None:
         if capacity < 1 or staleness < 1:
             raise ValueError(f"a hot-row cache needs capacity >= 1 and staleness >= 1, got {capacity} and {staleness}")
-        self.capacity, self.staleness, self.dims, self.dtype = capacity, staleness, list(dims), dtype
-        self.tables: dict[tuple[int, int], _Table] = {}
+        self.capacity, self.staleness, self.dtype = capacity, staleness, dtype
+        self.dims = torch.tensor(dims, dtype=torch.int64)
+        self.per_dim = {d: dims.count(d) for d in set(dims)}
+        self.one_width = len(self.per_dim) == 1
+        """Tables of each width: a pool of that width holds ``capacity`` rows for each."""
+        self.pools: dict[tuple[int, int], _Pool] = {}
         self.counters = CacheCounters()
         self.decayed_at = 0
 
     def clear(self) -> None:
         """Forget every row (the servers' rows were replaced: a checkpoint loaded, tables written)."""
-        self.tables.clear()
+        self.pools.clear()
+
+    def _pool(self, server: int, dim: int) -> _Pool:
+        pool = self.pools.get((server, dim))
+        if pool is None:
+            pool = self.pools[(server, dim)] = _Pool(self.capacity * self.per_dim[dim], dim, self.dtype)
+        return pool
+
+    def _groups(self, server: int, tables: torch.Tensor):
+        """(pool, the elements of ``tables`` it serves: None for all) per width present."""
+        if self.one_width:
+            return [(self._pool(server, next(iter(self.per_dim))), None)]
+        widths = self.dims.index_select(0, tables)
+        present = torch.unique(widths).tolist()
+        if len(present) == 1:
+            return [(self._pool(server, present[0]), None)]
+        return [(self._pool(server, d), (widths == d).nonzero().flatten()) for d in present]
 
     def split(self, server: int, request: Rows, step: int) -> tuple[Rows, CacheSplit]:
         """The part of ``request`` (ids of a lookup of ``step`` to ``server``) to send: the ids
-        the cache does not hold with a version >= step - 1 - staleness. Counts each id's use."""
+        the cache does not hold with a version >= step - 1 - staleness. Counts each held id's use."""
         if step - self.decayed_at >= DECAY_STEPS:
-            for t in self.tables.values():
-                t.uses.bitwise_right_shift_(1)
+            for pool in self.pools.values():
+                pool.uses.bitwise_right_shift_(1)
+                pool.sketch.bitwise_right_shift_(1)
             self.decayed_at = step
         need = step - 1 - self.staleness
-        plans, sent = [], []
-        for index, ids in zip(request.tables, request.ids.split(list(request.counts))):
-            t = self.tables.get((server, index))
-            if t is None or t.filled == 0 or ids.numel() == 0:
-                plans.append(_TablePlan(index, ids, torch.full_like(ids, -1), torch.zeros_like(ids, dtype=torch.bool)))
-                sent.append(ids)
-                continue
-            slots = t.map.find(ids)
-            held = slots >= 0
-            t.uses.index_add_(0, slots[held], torch.ones(int(held.sum()), dtype=torch.int64))
-            hit = held & (t.version.index_select(0, slots.clamp(min=0)) >= need)
-            plans.append(_TablePlan(index, ids, slots, hit))
-            sent.append(ids[~hit])
-        rows = Rows(list(request.tables), [x.numel() for x in sent],
-                    torch.cat(sent) if len(sent) > 1 else sent[0] if sent else request.ids)
-        self.counters.sent += rows.ids.numel()
-        return rows, CacheSplit(server, step, request, rows, plans)
+        n = request.ids.numel()
+        order = torch.arange(len(request.tables), dtype=torch.int64)
+        counts = torch.tensor(list(request.counts), dtype=torch.int64)
+        tables = torch.repeat_interleave(torch.tensor(list(request.tables), dtype=torch.int64), counts,
+                                         output_size=n)
+        slots = torch.full((n,), -1, dtype=torch.int64)
+        hit = torch.zeros(n, dtype=torch.bool)
+        admit = torch.zeros(n, dtype=torch.bool)
+        keys = _keys(request.ids, tables)
+        for pool, sel in self._groups(server, tables) if n else []:
+            ids, tab, k = (request.ids, tables, keys) if sel is None else (request.ids[sel], tables[sel], keys[sel])
+            s = pool.find(k, ids, tab)
+            held = s >= 0
+            pool.uses.index_add_(0, s[held], torch.ones(int(held.sum()), dtype=torch.int64))
+            h = held & (pool.version.index_select(0, s.clamp(min=0)) >= need)
+            a = pool.count(k) >= ADMIT_AFTER
+            if sel is None:
+                slots, hit, admit = s, h, a
+            else:
+                slots[sel], hit[sel], admit[sel] = s, h, a
+        miss = ~hit
+        per_table = torch.bincount(torch.repeat_interleave(order, counts, output_size=n)[miss],
+                                   minlength=len(request.tables))
+        sent = Rows(list(request.tables), per_table.tolist(), request.ids[miss])
+        self.counters.sent += sent.ids.numel()
+        return sent, CacheSplit(server, request, sent, tables, slots, hit, keys, admit)
 
     def join(self, split: CacheSplit, reply: torch.Tensor, version: int) -> torch.Tensor:
         """The rows of the whole request (flat, table by table, as a server would send them):
         ``reply`` (the server's rows for ``split.sent``, whose pushes are in through step
-        ``version``) with the cached rows put back in place; the reply's rows are kept."""
-        out = []
-        sent = reply.split([n * self.dims[p.table] for n, p in zip(split.sent.counts, split.tables)])
-        for plan, got in zip(split.tables, sent):
-            dim = self.dims[plan.table]
-            got = got.view(-1, dim)
-            n_hit = int(plan.hit.sum())
-            self.counters.looked_up += plan.ids.numel()
-            self.counters.hits += n_hit
-            if n_hit:
-                t = self.tables[(split.server, plan.table)]
-                rows = torch.empty(plan.ids.numel(), dim, dtype=got.dtype)
-                rows[plan.hit] = t.rows.index_select(0, plan.slots[plan.hit])
-                rows[~plan.hit] = got
-            else:
-                rows = got
+        ``version``) with the held rows put back in place; the reply's rows are kept."""
+        request, hit, slots = split.request, split.hit, split.slots
+        if not request.tables:
+            return reply
+        self.counters.looked_up += request.ids.numel()
+        self.counters.hits += int(hit.sum())
+        widths = self.dims[list(request.tables)]
+        miss = torch.nonzero(~hit).squeeze(1)
+        if self.one_width or bool((widths == widths[0]).all()):  # one width: whole-tensor moves
+            dim = int(widths[0])
+            pool = self._pool(split.server, dim)
+            got = reply.view(-1, dim)
+            full = got
+            if miss.numel() < request.ids.numel():
+                full = torch.empty(request.ids.numel(), dim, dtype=reply.dtype)
+                full.index_copy_(0, miss, got)
+                at = torch.nonzero(hit).squeeze(1)
+                full.index_copy_(0, at, pool.rows.index_select(0, slots.index_select(0, at)))
+            self._keep(split, pool, miss, got, version)
+            return full.reshape(-1)
+        out, sent, start = [], 0, 0  # several widths: table by table
+        got_rows = []
+        for index, n, m in zip(request.tables, request.counts, split.sent.counts):
+            dim = int(self.dims[index])
+            got = reply[sent : sent + m * dim].view(m, dim)
+            sent += m * dim
+            h, s = hit[start : start + n], slots[start : start + n]
+            rows = torch.empty(n, dim, dtype=reply.dtype)
+            if bool(h.any()):
+                rows[h] = self._pool(split.server, dim).rows.index_select(0, s[h])
+            rows[~h] = got
             out.append(rows.reshape(-1))
-            miss = ~plan.hit
-            self._keep(split.server, plan.table, plan.ids[miss], plan.slots[miss], got, version)
-        return torch.cat(out) if len(out) != 1 else out[0]
+            got_rows.append(got)
+            start += n
+        for pool, sel in self._groups(split.server, split.tables.index_select(0, miss)):
+            rows = torch.cat([g for g, i in zip(got_rows, request.tables) if int(self.dims[i]) == pool.rows.shape[1]])
+            self._keep(split, pool, miss if sel is None else miss.index_select(0, sel), rows, version)
+        return torch.cat(out)
 
-    def _keep(self, server: int, index: int, ids: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
-              version: int) -> None:
-        """Put the server's rows of ``ids`` (``slots``: where the cache holds them, -1 if not) in."""
-        if ids.numel() == 0:
+    def _keep(self, split: CacheSplit, pool: _Pool, pick: torch.Tensor, rows: torch.Tensor, version: int) -> None:
+        """Put the server's ``rows`` of the requested ids at positions ``pick`` (ascending, all of
+        ``pool``'s width) in: refresh those held, let in those asked for often enough."""
+        if pick.numel() == 0:
             return
-        t = self.tables.get((server, index))
-        if t is None:
-            t = self.tables[(server, index)] = _Table(self.capacity, self.dims[index], self.dtype)
-        held = slots >= 0
-        if bool(held.any()):  # too old: refreshed in place
-            at = slots[held]
-            t.rows.index_copy_(0, at, rows[held])
-            t.version.index_fill_(0, at, version)
-            self.counters.refreshed += int(held.sum())
-        new = ~held
-        if not bool(new.any()):
+        slots = split.slots.index_select(0, pick)
+        held = torch.nonzero(slots >= 0).squeeze(1)
+        if held.numel():  # too old: refreshed in place
+            at = slots.index_select(0, held)
+            pool.rows.index_copy_(0, at, rows.index_select(0, held))
+            pool.version.index_fill_(0, at, version)
+            self.counters.refreshed += at.numel()
+        new = torch.nonzero((slots < 0) & split.admit.index_select(0, pick)).squeeze(1)
+        if new.numel() == 0:
             return
-        ids, rows = ids[new], rows[new]
-        old, n = t.filled, ids.numel()
-        free = t.capacity - old
-        take = torch.arange(old, old + min(free, n), dtype=torch.int64)
-        if n > free:  # full: the least used rows make room
-            victims = torch.topk(t.uses[:old], min(n - free, old), largest=False).indices
-            t.map.erase(t.ids.index_select(0, victims))
-            self.counters.evicted += victims.numel()
-            take = torch.cat([take, victims])
-        t.filled = old + min(free, n)
-        ids, rows = ids[: take.numel()], rows[: take.numel()]
-        t.ids.index_copy_(0, take, ids)
-        t.rows.index_copy_(0, take, rows)
-        t.version.index_fill_(0, take, version)
-        t.uses.index_fill_(0, take, 1)
-        t.map.insert(ids, take)
+        take, dropped = pool.take(new.numel())
+        self.counters.evicted += dropped
+        new = new[: take.numel()]
+        at = pick.index_select(0, new)
+        keys = split.keys.index_select(0, at)
+        pool.keys.index_copy_(0, take, keys)
+        pool.ids.index_copy_(0, take, split.request.ids.index_select(0, at))
+        pool.tables.index_copy_(0, take, split.tables.index_select(0, at))
+        pool.rows.index_copy_(0, take, rows.index_select(0, new))
+        pool.version.index_fill_(0, take, version)
+        pool.uses.index_fill_(0, take, 1)
+        pool.map.insert(keys, take)
