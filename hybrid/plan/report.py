@@ -10,7 +10,8 @@ Estimates count what stays resident; they are what a user checks a plan against,
   FSDP unit follows (each wrapped block, then the outer unit), already counted in the module's. With mixed precision the unsharded
   low-precision copy exists only around each forward/backward and is not counted; with
   ``cpu_offload`` the sharded state is in host memory but counted the same.
-- ``parameter_server``: nothing on trainers; on each server the rows it holds times
+- ``parameter_server``: nothing on trainers but, with ``hot_rows``, their cache
+  (:func:`hybrid.ps.client.cache.cache_bytes`); on each server the rows it holds times
   (embedding_dim x the storage dtype's bytes + the sparse optimizer's float32 state per row),
   with no gradient (the servers apply a fused update). The table shows the most loaded server.
 """
@@ -67,7 +68,7 @@ def estimate_memory(
         count = sum(p.numel() for p in params)
         if e.strategy == "parameter_server":
             servers = _server_bytes(e, modules[e.fqn], resolved.table_servers)
-            out.append(ModuleEstimate(e, count, 0, servers))
+            out.append(ModuleEstimate(e, count, _cache_bytes(e, modules[e.fqn], resolved.table_servers), servers))
             continue
         shards = resolved.num_trainers if e.strategy == "fsdp" else 1
         per_trainer = sum(_shard_numel(p, shards) * p.element_size() for p in params) * (2 + state)
@@ -209,9 +210,37 @@ def _shard_numel(p: nn.Parameter, shards: int) -> int:
     return math.ceil(rows / shards) * (p.numel() // rows if rows else 0)
 
 
+def _cache_bytes(e: ResolvedModule, module: nn.Module, num_servers: int) -> int:
+    """Bytes of a trainer's hot-row cache of the module's tables (``hot_rows``; 0 without)."""
+    options = e.options
+    if not options.hot_rows:
+        return 0
+    from hybrid.ps.client.cache import cache_bytes
+    from hybrid.ps.config import WIRE_BYTES
+
+    return cache_bytes(options.hot_rows, _table_rows(e, module, num_servers), WIRE_BYTES[options.wire_dtype])
+
+
 def _server_bytes(e: ResolvedModule, module: nn.Module, num_servers: int) -> dict[int, int]:
     per_table = _table_bytes(e, module, num_servers)
     return {s: sum(per_table[s].values()) for s in range(num_servers)}
+
+
+def _table_rows(e: ResolvedModule, module: nn.Module, num_servers: int) -> list[tuple[int, dict[int, int]]]:
+    """Per table: its embedding_dim, and server -> rows of it that server holds."""
+    options = e.options
+    layouts = shard_tables(_tables(e.fqn, module), num_servers, options.sharding,
+                           options.server_list(num_servers) if num_servers > 1 else None)
+    dyn = options.dynamic_ids()
+    out = []
+    for t in layouts:
+        if dyn is None:
+            rows = {s: t.rows_on(s) for s in t.servers}
+        else:
+            rows = {s: sum(dyn.part_capacity(p) for p in range(k, dyn.partitions, t.num_shards))
+                    for k, s in enumerate(t.servers)}
+        out.append((t.table.embedding_dim, rows))
+    return out
 
 
 def _table_bytes(e: ResolvedModule, module: nn.Module, num_servers: int) -> dict[int, dict[str, int]]:

@@ -274,6 +274,19 @@ class CollectionConfig:
                 for i in self.held(server)}
 
 
+def held_rows(config: CollectionConfig) -> list[tuple[int, dict[int, int]]]:
+    """Per table: its embedding_dim, and server -> rows of it that server holds (a dynamic
+    table's: the capacity of its parts there)."""
+    out = []
+    for i, lay in enumerate(config.layouts):
+        if config.dynamic is not None:
+            rows = {s: sum(config.dynamic.part_capacity(p) for p in config.parts_on(s, i)) for s in lay.servers}
+        else:
+            rows = {s: lay.rows_on(s) for s in lay.servers}
+        out.append((lay.table.embedding_dim, rows))
+    return out
+
+
 def single_table_name(path: str) -> str:
     """The table name of a plain ``nn.Embedding`` / ``nn.EmbeddingBag`` at module path ``path``
     (the same whatever ``compose``'s ``name``, so a checkpoint loads into a model composed under

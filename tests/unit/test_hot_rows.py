@@ -10,6 +10,8 @@ from hybrid.ps.client.cache import DECAY_STEPS, HotRows
 from hybrid.ps.protocol import Rows
 
 DIMS = [2, 3]
+TABLES = [(dim, {0: 1000}) for dim in DIMS]
+"""Per table: width, and rows server 0 holds."""
 
 
 def _value(table: int, ids: torch.Tensor, version: int) -> torch.Tensor:
@@ -43,7 +45,7 @@ def _tables(flat: torch.Tensor, request: dict[int, list[int]]) -> dict[int, torc
 
 
 def test_rows_come_back_in_request_order_from_the_cache_and_the_server():
-    cache = HotRows(16, staleness=2, dims=DIMS, dtype=torch.float32)
+    cache = HotRows(16, staleness=2, tables=TABLES, dtype=torch.float32)
     first = {0: [1, 4, 9], 1: [2, 5]}
     got, sent = _lookup(cache, first, step=4, version=3)  # seen once: not kept yet
     assert sent.counts == [3, 2] and cache.counters.hits == 0 and not cache.pools[(0, 2)].map.find(
@@ -65,7 +67,7 @@ def test_rows_come_back_in_request_order_from_the_cache_and_the_server():
 
 
 def test_a_row_older_than_the_bound_is_asked_for_again_and_refreshed():
-    cache = HotRows(16, staleness=2, dims=DIMS, dtype=torch.float32)
+    cache = HotRows(16, staleness=2, tables=TABLES, dtype=torch.float32)
     _lookup(cache, {0: [1, 2]}, step=4, version=2)
     _lookup(cache, {0: [1, 2]}, step=5, version=2)
     got, sent = _lookup(cache, {0: [1, 2]}, step=6, version=3)  # needs version >= 3
@@ -83,7 +85,7 @@ def test_every_row_served_is_within_the_staleness_bound(staleness):
     """Random requests against a server whose rows carry their version: whatever comes from
     the cache has a version >= step - 1 - staleness, and equals what the server had then."""
     g = torch.Generator().manual_seed(staleness)
-    cache = HotRows(8, staleness=staleness, dims=DIMS, dtype=torch.float32)
+    cache = HotRows(8, staleness=staleness, tables=TABLES, dtype=torch.float32)
     version = 0
     for step in range(1, 200):
         version = max(version, step - 1 - staleness) + int(torch.randint(0, 2, (1,), generator=g))
@@ -96,7 +98,7 @@ def test_every_row_served_is_within_the_staleness_bound(staleness):
 
 
 def test_the_most_used_rows_stay_and_the_rest_pass_through():
-    cache = HotRows(4, staleness=3, dims=DIMS, dtype=torch.float32)
+    cache = HotRows(4, staleness=3, tables=TABLES, dtype=torch.float32)
     for step in range(1, 40):  # cold ids come in two steps running, then never again
         cold = [100 + step, 200 + step, 99 + step, 199 + step]
         _lookup(cache, {0: sorted([1, 2] + cold)}, step=step, version=step - 1)
@@ -108,7 +110,7 @@ def test_the_most_used_rows_stay_and_the_rest_pass_through():
 
 
 def test_uses_decay_and_clear_forgets_everything():
-    cache = HotRows(4, staleness=2, dims=DIMS, dtype=torch.float32)
+    cache = HotRows(4, staleness=2, tables=TABLES, dtype=torch.float32)
     for step in range(1, 6):
         _lookup(cache, {0: [1]}, step=step, version=step - 1)
     pool = cache.pools[(0, 2)]
@@ -129,3 +131,13 @@ def test_a_plan_refuses_hot_rows_in_sync_mode():
     plan_from_dict({**plan, "sync": {"staleness": 2}})
     with pytest.raises(PlanError, match=r"hot_rows: got -1"):
         plan_from_dict({**plan, "modules": {"sparse": {**plan["modules"]["sparse"], "hot_rows": -1}}})
+
+
+def test_pools_hold_at_most_the_rows_their_server_has_and_plan_show_counts_them():
+    from hybrid.ps.client.cache import cache_bytes, pool_sizes
+
+    tables = [(4, {0: 10, 1: 9}), (4, {0: 100}), (8, {1: 3})]
+    assert pool_sizes(50, tables) == {(0, 4): 10 + 50, (1, 4): 9, (1, 8): 3}
+    per_slot = {4: 4 * 4 + 5 * 8 + 32, 8: 8 * 4 + 5 * 8 + 32}
+    sketch = 2 * (1 << 16) * 4
+    assert cache_bytes(50, tables, 4) == 60 * per_slot[4] + 9 * per_slot[4] + 3 * per_slot[8] + 3 * sketch

@@ -69,6 +69,33 @@ class CacheCounters:
                 "evicted": self.evicted, "hit_ratio": self.hits / self.looked_up if self.looked_up else 0.0}
 
 
+def pool_sizes(capacity: int, tables: list[tuple[int, dict[int, int]]]) -> dict[tuple[int, int], int]:
+    """(server, width) -> slots of its pool: ``capacity`` rows for each table of that width the
+    server holds, or the table's rows there when fewer. ``tables``: per table index, (its
+    embedding_dim, server -> rows of it that server holds)."""
+    sizes: dict[tuple[int, int], int] = {}
+    for dim, rows_on in tables:
+        for server, rows in rows_on.items():
+            if rows:
+                sizes[(server, dim)] = sizes.get((server, dim), 0) + min(capacity, rows)
+    return sizes
+
+
+def cache_bytes(capacity: int, tables: list[tuple[int, dict[int, int]]], wire_bytes: int) -> int:
+    """Bytes a trainer's cache (:func:`pool_sizes`' pools) holds at most: each slot's row and
+    slot arrays (five int64s), the id map (two int64s in at least twice the slots) and the
+    sketch."""
+    return sum(slots * (dim * wire_bytes + 5 * 8 + 2 * 2 * 8) + 2 * _sketch_size(slots) * 4
+               for (_, dim), slots in pool_sizes(capacity, tables).items())
+
+
+def _sketch_size(slots: int) -> int:
+    size = SKETCH_MIN
+    while size < 4 * slots:
+        size *= 2
+    return size
+
+
 def _keys(ids: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return id_hash(ids ^ (tables * _TABLE_SALT))
 
@@ -86,10 +113,7 @@ class _Pool:
         self.rows = torch.empty(capacity, dim, dtype=dtype)
         self.version = torch.full((capacity,), -1, dtype=torch.int64)
         self.uses = torch.zeros(capacity, dtype=torch.int64)
-        size = SKETCH_MIN
-        while size < 4 * capacity:
-            size *= 2
-        self.sketch = torch.zeros(2, size, dtype=torch.int32)
+        self.sketch = torch.zeros(2, _sketch_size(capacity), dtype=torch.int32)
         """Requests per hashed (table, id), two hashes; an id's count is the smaller."""
         self.free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64)
         """A stack of free slots: the first ``n_free`` entries, its top at ``n_free - 1``."""
@@ -153,17 +177,20 @@ class CacheSplit:
 
 
 class HotRows:
-    """The hot-row cache of one remote collection on one trainer (see the module docstring).
-    ``dims``: each table's width (by table index); rows are kept in ``dtype`` (the wire dtype)."""
+    """The hot-row cache of one remote collection on one trainer (see the module docstring):
+    ``capacity`` rows per table and server at most; ``tables``, per table index, its width and
+    the rows each server holds of it (:func:`pool_sizes`); rows are kept in ``dtype`` (the wire
+    dtype)."""
 
-    def __init__(self, capacity: int, staleness: int, dims: list[int], dtype: torch.dtype) -> None:
+    def __init__(self, capacity: int, staleness: int, tables: list[tuple[int, dict[int, int]]],
+                 dtype: torch.dtype) -> None:
         if capacity < 1 or staleness < 1:
             raise ValueError(f"a hot-row cache needs capacity >= 1 and staleness >= 1, got {capacity} and {staleness}")
         self.capacity, self.staleness, self.dtype = capacity, staleness, dtype
-        self.dims = torch.tensor(dims, dtype=torch.int64)
-        self.per_dim = {d: dims.count(d) for d in set(dims)}
-        self.one_width = len(self.per_dim) == 1
-        """Tables of each width: a pool of that width holds ``capacity`` rows for each."""
+        self.dims = torch.tensor([dim for dim, _ in tables], dtype=torch.int64)
+        self.sizes = pool_sizes(capacity, tables)
+        """(server, width) -> slots of its pool."""
+        self.one_width = len({dim for dim, _ in tables}) == 1
         self.pools: dict[tuple[int, int], _Pool] = {}
         self.counters = CacheCounters()
         self.decayed_at = 0
@@ -175,13 +202,13 @@ class HotRows:
     def _pool(self, server: int, dim: int) -> _Pool:
         pool = self.pools.get((server, dim))
         if pool is None:
-            pool = self.pools[(server, dim)] = _Pool(self.capacity * self.per_dim[dim], dim, self.dtype)
+            pool = self.pools[(server, dim)] = _Pool(self.sizes.get((server, dim), 1), dim, self.dtype)
         return pool
 
     def _groups(self, server: int, tables: torch.Tensor):
         """(pool, the elements of ``tables`` it serves: None for all) per width present."""
         if self.one_width:
-            return [(self._pool(server, next(iter(self.per_dim))), None)]
+            return [(self._pool(server, int(self.dims[0])), None)]
         widths = self.dims.index_select(0, tables)
         present = torch.unique(widths).tolist()
         if len(present) == 1:

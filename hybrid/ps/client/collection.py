@@ -24,7 +24,14 @@ from hybrid.errors import PlanError
 from hybrid.ps.client.cache import HotRows
 from hybrid.ps.client.pipeline import StepPipeline, _server_error
 from hybrid.ps.client.routing import BadBatchError, BadIdError, RoutedBatch, Router
-from hybrid.ps.config import CollectionConfig, OptimizerSpec, collection_handle, single_table_name, table_specs
+from hybrid.ps.config import (
+    CollectionConfig,
+    OptimizerSpec,
+    collection_handle,
+    held_rows,
+    single_table_name,
+    table_specs,
+)
 from hybrid.ps.server import service
 from hybrid.ps.sharding import shard_tables
 from hybrid.ps.transport import call
@@ -68,8 +75,7 @@ class RemoteCollection(nn.Module):
             if pipeline.push_strategy.autograd:
                 raise PlanError(f"{config.cid}: hot_rows needs runtime.gradient_push: rpc (with dist_autograd every "
                                 f"row must come from its server)", category="bad_value", key="hot_rows")
-            self.hot_rows = HotRows(hot_rows, config.staleness, [t.embedding_dim for t in config.tables],
-                                    getattr(torch, config.wire_dtype))
+            self.hot_rows = HotRows(hot_rows, config.staleness, held_rows(config), getattr(torch, config.wire_dtype))
         object.__setattr__(self, "pipeline", pipeline)  # not a submodule
         pipeline.collections.append(self)
 
