@@ -133,7 +133,7 @@ def test_a_plan_refuses_hot_rows_in_sync_mode():
         plan_from_dict({**plan, "modules": {"sparse": {**plan["modules"]["sparse"], "hot_rows": -1}}})
 
 
-def test_pools_hold_at_most_the_rows_their_server_has_and_plan_show_counts_them():
+def test_pools_hold_at_most_the_rows_their_server_has_and_their_bytes_are_counted():
     from hybrid.ps.client.cache import cache_bytes, pool_sizes
 
     tables = [(4, {0: 10, 1: 9}), (4, {0: 100}), (8, {1: 3})]
