@@ -5,13 +5,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from hybrid.launch.roles import role_of
 from hybrid.ps.client import make_pipeline, step
 from tests.harness import run_distributed
 from tests.support.remote import remote_of
-from tests.support.sparse import global_batch, kjt_slice, make_ebc, test_tables
+from tests.support.sparse import make_ebc, teacher_task, test_tables
 
 B = 16
 K = 3
@@ -30,20 +29,7 @@ def _cached(rank, world_size, *, num_servers):
     # the initial rows exactly); "trained" learns a task.
     still, trained = remote_of(local, pipeline, cid="still", **opts), remote_of(local, pipeline, cid="trained", **opts)
     dist.barrier()
-    torch.manual_seed(1)
-    teacher = {t.name: torch.randn(t.num_embeddings) for t in tables}
-    head = nn.Linear(sum(t.embedding_dim * len(t.feature_names) for t in tables), 1)
-    opt = torch.optim.SGD(head.parameters(), lr=0.05)
-
-    def batch(s):
-        kjt = kjt_slice(global_batch(s, tables, role.num_trainers * B, seed=7), role.index * B, (role.index + 1) * B)
-        y = torch.zeros(B)
-        for t in tables:
-            for f in t.feature_names:
-                jt = kjt[f]
-                y += torch.zeros(B).index_add_(0, torch.repeat_interleave(torch.arange(B), jt.lengths()),
-                                               teacher[t.name][jt.values()])
-        return kjt, y
+    batch, head, opt = teacher_task(tables, trainer=role.index, num_trainers=role.num_trainers, batch=B)
 
     losses, mismatched = [], []
     nxt = batch(0)

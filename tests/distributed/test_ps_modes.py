@@ -11,7 +11,7 @@ from hybrid.launch.roles import role_of
 from hybrid.ps.client import make_pipeline, step
 from tests.harness import run_distributed
 from tests.support.remote import remote_bag, remote_of
-from tests.support.sparse import global_batch, kjt_slice, make_ebc, test_tables
+from tests.support.sparse import global_batch, kjt_slice, make_ebc, teacher_task, test_tables
 
 B = 16
 
@@ -27,22 +27,7 @@ def _async(rank, world_size, *, num_servers):
                        trainer=role.index, num_trainers=role.num_trainers, staleness=1)
     dist.barrier()
     # A learnable task: the target is a fixed function of the ids.
-    torch.manual_seed(1)
-    teacher = {t.name: torch.randn(t.num_embeddings) for t in tables}
-    head = nn.Linear(sum(t.embedding_dim * len(t.feature_names) for t in tables), 1)
-    opt = torch.optim.SGD(head.parameters(), lr=0.05)
-
-    def batch(s):
-        data = global_batch(s, tables, role.num_trainers * B, seed=7)
-        lo, hi = role.index * B, (role.index + 1) * B
-        kjt = kjt_slice(data, lo, hi)
-        y = torch.zeros(B)
-        for t in tables:
-            for f in t.feature_names:
-                jt = kjt[f]
-                scores = teacher[t.name][jt.values()]
-                y += torch.zeros(B).index_add_(0, torch.repeat_interleave(torch.arange(B), jt.lengths()), scores)
-        return kjt, y
+    batch, head, opt = teacher_task(tables, trainer=role.index, num_trainers=role.num_trainers, batch=B)
 
     losses = []
     nxt = batch(0)

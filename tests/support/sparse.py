@@ -108,3 +108,28 @@ class ReferenceSparseOptimizer:
             bc2_sqrt = (1 - self.b2 ** k).sqrt().float()
             upd = step_size * (st["exp_avg"] / (st["exp_avg_sq"].sqrt() / bc2_sqrt + self.eps))
             w.sub_(torch.where(m, upd, 0.0))
+
+
+def teacher_task(tables, *, trainer: int, num_trainers: int, batch: int, seed: int = 7):
+    """A learnable task over ``tables``: the target of a sample is the sum, over its ids, of a
+    fixed random score per row. Returns ``batch_of(step) -> (this trainer's KJT, targets)`` and
+    a linear head over the pooled rows with its SGD optimizer (seeded alike on every trainer)."""
+    from torch import nn
+
+    torch.manual_seed(1)
+    teacher = {t.name: torch.randn(t.num_embeddings) for t in tables}
+    head = nn.Linear(sum(t.embedding_dim * len(t.feature_names) for t in tables), 1)
+    opt = torch.optim.SGD(head.parameters(), lr=0.05)
+
+    def batch_of(step: int):
+        data = global_batch(step, tables, num_trainers * batch, seed=seed)
+        kjt = kjt_slice(data, trainer * batch, (trainer + 1) * batch)
+        y = torch.zeros(batch)
+        for t in tables:
+            for f in t.feature_names:
+                jt = kjt[f]
+                bags = torch.repeat_interleave(torch.arange(batch), jt.lengths())
+                y += torch.zeros(batch).index_add_(0, bags, teacher[t.name][jt.values()])
+        return kjt, y
+
+    return batch_of, head, opt
