@@ -263,9 +263,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="loopback: every process on this host; emulated: every process a host of its own on an "
                         "emulated network, links shaped to rate R (default 10gbit) and one-way delay D (default "
                         "50us; 0 for none), see benchmarks/network.py (needs root)")
-    p.add_argument("--ps-transport", choices=("auto", "rpc"), default=None,
-                   help="hybrid's step messages to a server on the same host: auto (shared memory) or rpc "
-                        "(default: RuntimeOptions')")
+    p.add_argument("--ps-transport", choices=("auto", "socket", "rpc"), default=None,
+                   help="hybrid's step messages: auto (shared memory on one host, a TCP step connection "
+                        "across hosts), socket (that connection everywhere) or rpc (default: RuntimeOptions')")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="float32",
                    help="dtype of the rows and gradients between hybrid's trainers and servers (the plan's "
                         "wire_dtype)")

@@ -53,11 +53,13 @@ class RuntimeOptions:
     the moment they are complete): one message per server per step. ``dist_autograd``:
     ``torch.distributed.autograd`` carries them (a context per step and ``dist_autograd.backward``),
     as in PyTorch's RPC tutorials. Both train the same numbers."""
-    ps_transport: Literal["auto", "rpc"] = "auto"
+    ps_transport: Literal["auto", "socket", "rpc"] = "auto"
     """How step messages reach a parameter server (:mod:`hybrid.ps.transport`): ``auto`` through
     shared memory to a server on the trainer's own host (files in ``/dev/shm`` and a FIFO
-    doorbell: no TensorPipe threads, no pickling) and RPC to the others; ``rpc``: always RPC.
-    ``dist_autograd`` always uses RPC."""
+    doorbell: no TensorPipe threads, no pickling) and through a TCP connection of their own to
+    the others (frames as in shared memory, on the server's ``address``); ``socket``: that
+    connection to every server, its own host's too; ``rpc``: always RPC. ``dist_autograd``
+    always uses RPC."""
     huge_pages: bool = True
     """Parameter servers keep tables and optimizer state in transparent huge pages (where the
     kernel allows, see :mod:`hybrid.ps.server.memory`): fewer TLB misses on the scattered rows of
@@ -166,7 +168,8 @@ def init_hybrid(
         from hybrid.ps.server import service
 
         service.start(role.index, service.ServerOptions(huge_pages=options.huge_pages,
-                                                        memory_fraction=options.server_memory_fraction))
+                                                        memory_fraction=options.server_memory_fraction,
+                                                        address=options.address))
     wait_for_everyone(role, init_method, options.startup_timeout_s)
     transports = rpc_transports(options.address, options.transports)  # RPC listens on runtime.address
     pg_store, rpc_init = None, init_method

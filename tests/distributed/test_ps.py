@@ -98,11 +98,12 @@ def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=Fals
     "num_servers,sharding,push,prefetch,lookups",
     [(1, "row_wise", "rpc", False, "auto"), (2, "table_wise", "rpc", False, "auto"),
      (2, "row_wise", "rpc", True, "auto"), (2, "row_wise", "rpc", True, "rpc"),
-     (2, "row_wise", "dist_autograd", False, "auto")],
+     (2, "row_wise", "rpc", True, "socket"), (2, "row_wise", "dist_autograd", False, "auto")],
 )
 def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sharding, push, prefetch, lookups):
     """``lookups``: ``runtime.ps_transport`` -- auto, through shared memory (every server is on
-    this host); rpc, over TensorPipe; under the dist_autograd push always RPC."""
+    this host); socket, over a TCP step connection; rpc, over TensorPipe; under the dist_autograd
+    push always RPC."""
     out = run_distributed(_train, 2 + num_servers, setup="hybrid", num_servers=num_servers, timeout=180,
                           sharding=sharding, push=push, prefetch=prefetch, lookups=lookups)
     stats = out[0]
@@ -121,7 +122,7 @@ def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sh
                 # before the next lookup arrives (dist_autograd: the backward delivers each).
                 assert st["push_messages"] == STEPS * 2, (server, st)
             assert st["updates_applied"] == STEPS, (server, st)
-            via_channel = push == "rpc" and lookups == "auto"
+            via_channel = push == "rpc" and lookups in ("auto", "socket")
             assert st["channel_lookups"] == (STEPS * 2 if via_channel else 0), (server, st)
             assert st["complete_through"] == STEPS - 1
             # Only deduplicated rows cross the wire: never anything table-sized.

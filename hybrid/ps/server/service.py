@@ -49,6 +49,8 @@ class ServerOptions:
     memory_fraction: float = 0.8
     """A collection whose shards here need more than this share of the memory still available
     is refused before anything is allocated (``runtime.server_memory_fraction``)."""
+    address: str = "127.0.0.1"
+    """Where this server listens for trainers' step connections (``runtime.address``)."""
 
 
 class DoesNotFit(RuntimeError):

@@ -1,10 +1,13 @@
-"""How a trainer's step messages reach a parameter server: one interface, two implementations.
+"""How a trainer's step messages reach a parameter server: one interface, three implementations.
 
 A :class:`Transport` sends one :class:`hybrid.ps.protocol.StepMessage` to one server and returns
 a future of the reply (one tensor of rows per part). RPC (TensorPipe) is the transport that
 works everywhere and the control plane for everything else (creating tables, checkpoints,
-evaluation reads, counters). Between processes of one host, :class:`~hybrid.ps.transport.shm.ShmTransport`
-carries the same frames through shared memory and falls back to RPC for what it cannot carry.
+evaluation reads, counters). The frame channels (:mod:`hybrid.ps.transport.channel`) carry step
+messages without TensorPipe's threads and pickling, one at a time, and fall back to RPC for what
+they cannot carry: :class:`~hybrid.ps.transport.shm.ShmTransport` through shared memory between
+processes of one host, :class:`~hybrid.ps.transport.tcp.SocketTransport` over a TCP connection
+of their own across hosts.
 :func:`connect` picks one per server (``runtime.ps_transport``).
 
 One-process mode (no parameter-server process: ``hybrid train`` without torchrun, ``hybrid
@@ -23,8 +26,8 @@ import torch
 
 from hybrid.ps.protocol import StepMessage
 
-TransportName = Literal["auto", "rpc"]
-TRANSPORTS: tuple[str, ...] = ("auto", "rpc")
+TransportName = Literal["auto", "socket", "rpc"]
+TRANSPORTS: tuple[str, ...] = ("auto", "socket", "rpc")
 
 
 class ReplyFuture(Protocol):
@@ -103,17 +106,21 @@ class LocalTransport(Transport):
 
 
 def connect(server: str, trainer: int, *, mode: str, timeout_s: float) -> Transport:
-    """The transport to ``server``: in this process when it is held here (:func:`serve_here`),
-    shared memory where ``mode`` is ``auto`` and the server shares this host (and the channel
-    could be set up), else RPC."""
+    """The transport to ``server``: in this process when it is held here (:func:`serve_here`);
+    with ``mode`` ``auto``, shared memory where the server shares this host and the channel could
+    be set up, else a TCP step connection (:mod:`hybrid.ps.transport.tcp`); with ``socket``,
+    that connection whatever the host; RPC where neither could be made, and with ``rpc``."""
     from hybrid.ps.transport.rpc import RpcTransport
 
     if server in _HERE:
         return LocalTransport(server)
 
     rpc_transport = RpcTransport(server, timeout_s=timeout_s)
-    if mode != "auto":
+    if mode == "rpc":
         return rpc_transport
     from hybrid.ps.transport.shm import ShmTransport
+    from hybrid.ps.transport.tcp import SocketTransport
 
-    return ShmTransport.open(server, trainer, fallback=rpc_transport, timeout_s=timeout_s) or rpc_transport
+    here = ShmTransport.open(server, trainer, fallback=rpc_transport, timeout_s=timeout_s) if mode == "auto" else None
+    return (here or SocketTransport.open(server, trainer, fallback=rpc_transport, timeout_s=timeout_s)
+            or rpc_transport)

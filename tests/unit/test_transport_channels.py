@@ -1,14 +1,17 @@
-"""The shared-memory transport's two ends in one process (real files in /dev/shm, real FIFOs, the
-server's real thread and a real :class:`ParameterServer` holding a collection; no RPC): step
-messages cross intact and are answered with the rows, errors and silence come back as errors
-naming the server, a dead end is noticed at once, and what cannot go through the channel goes to
-the fallback transport (RPC in a job)."""
+"""The frame channels' two ends in one process -- shared memory (real files in /dev/shm, real
+FIFOs) and a TCP step connection (a real connected socket) -- with the server's real thread and a
+real :class:`ParameterServer` holding a collection; no RPC: step messages cross intact and are
+answered with the rows, errors and silence come back as errors naming the server, a dead end is
+noticed at once, and what cannot go through the channel goes to the fallback transport (RPC in a
+job). The TCP listener takes only a connection that brings its token."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -20,9 +23,11 @@ from hybrid.ps.protocol import Part, Push, Rows, StepMessage
 from hybrid.ps.server import service
 from hybrid.ps.sharding import TableSpec, shard_tables
 from hybrid.ps.transport import Transport
+from hybrid.ps.transport import tcp
 from hybrid.ps.transport.shm import ChannelError, ShmTransport, _ServerEnd
+from hybrid.ps.transport.tcp import SocketTransport, _SocketServerEnd
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm here")
+KINDS = ["shm", "socket"] if os.path.isdir("/dev/shm") else ["socket"]
 
 TABLES = (TableSpec("a", 20, 2, ("fa",)), TableSpec("b", 10, 2, ("fb",)))
 
@@ -54,14 +59,27 @@ def server():
     return srv
 
 
-def _pair(capacity=1 << 16, timeout_s=5.0) -> tuple[ShmTransport, _ServerEnd, _Recorder]:
+@pytest.fixture(params=KINDS)
+def kind(request):
+    return request.param
+
+
+def _pair(kind: str, capacity=1 << 16, timeout_s=5.0):
+    """The trainer's end, the server's end and the fallback of a fresh channel of ``kind``."""
+    fallback = _Recorder()
+    if kind == "socket":
+        listener = socket.create_server(("127.0.0.1", 0))
+        client = socket.create_connection(listener.getsockname())
+        conn, _ = listener.accept()
+        listener.close()
+        return (SocketTransport("ps0", client, capacity, fallback=fallback, timeout_s=timeout_s),
+                _SocketServerEnd(conn, capacity, "test-socket"), fallback)
     directory = Path(tempfile.mkdtemp(prefix="hybrid-ps-test-", dir="/dev/shm"))
     for name in ("req", "rep"):
         with open(directory / name, "wb") as f:
             f.truncate(capacity)
     for name in ("to_server", "to_trainer"):
         os.mkfifo(directory / name, 0o600)
-    fallback = _Recorder()
     trainer = ShmTransport("ps0", directory, capacity, fallback=fallback, timeout_s=timeout_s)  # reads first
     end = _ServerEnd(_ServerEnd.check_directory(str(directory)), capacity, "test-channel")
     trainer.bell_out = os.open(directory / "to_server", os.O_WRONLY | os.O_NONBLOCK)
@@ -75,8 +93,8 @@ def _lookup(step: int, ids=(1, 3, 4), pushes=()) -> StepMessage:
                                               pushes=list(pushes))])
 
 
-def test_a_lookup_and_its_push_cross_intact_and_rows_come_back(server):
-    trainer, _, fallback = _pair()
+def test_a_lookup_and_its_push_cross_intact_and_rows_come_back(server, kind):
+    trainer, _, fallback = _pair(kind)
     got = trainer.send(_lookup(0)).wait()
     # table a rows 1 and 3 (2 wide), table b row 4
     assert got[0].tolist() == [2.0, 3.0, 6.0, 7.0, 8.0, 9.0]
@@ -90,8 +108,8 @@ def test_a_lookup_and_its_push_cross_intact_and_rows_come_back(server):
     trainer.close()
 
 
-def test_a_second_message_while_rows_are_outstanding_goes_to_the_fallback(server):
-    trainer, _, fallback = _pair()
+def test_a_second_message_while_rows_are_outstanding_goes_to_the_fallback(server, kind):
+    trainer, _, fallback = _pair(kind)
     waiting = trainer.send(_lookup(5))  # step 5 waits for steps through 4: nobody answers it yet
     msg = _lookup(0)
     assert trainer.send(msg) is None and fallback.sent == [msg], "it could wait forever behind the first"
@@ -105,8 +123,8 @@ def test_a_second_message_while_rows_are_outstanding_goes_to_the_fallback(server
     trainer.close()
 
 
-def test_a_reply_nobody_waited_for_is_collected_by_the_next_send(server):
-    trainer, _, fallback = _pair()
+def test_a_reply_nobody_waited_for_is_collected_by_the_next_send(server, kind):
+    trainer, _, fallback = _pair(kind)
     abandoned = trainer.send(_lookup(0))  # e.g. a prefetch discarded for another batch
     deadline = time.monotonic() + 5
     fut = None
@@ -118,8 +136,8 @@ def test_a_reply_nobody_waited_for_is_collected_by_the_next_send(server):
     trainer.close()
 
 
-def test_a_server_error_comes_back_as_the_message_s_error(server):
-    trainer, _, _ = _pair()
+def test_a_server_error_comes_back_as_the_message_s_error(server, kind):
+    trainer, _, _ = _pair(kind)
     bad = StepMessage(trainer=0, parts=[Part(collection_handle("nope"), step=0,
                                              lookup=Rows([0], [1], torch.tensor([1])))])
     with pytest.raises(RuntimeError, match="ps0 holds no collection"):
@@ -130,18 +148,39 @@ def test_a_server_error_comes_back_as_the_message_s_error(server):
     trainer.close()
 
 
-def test_a_silent_server_is_named_after_the_timeout_and_a_closed_one_at_once(server):
-    trainer, end, _ = _pair(timeout_s=0.5)
+def test_a_silent_server_is_named_after_the_timeout_and_a_closed_one_at_once(server, kind):
+    trainer, end, _ = _pair(kind, timeout_s=0.5)
     with pytest.raises(ChannelError, match="ps0 did not answer within runtime.rpc_timeout_s: timeout \\(500 ms\\)"):
         trainer.send(_lookup(9)).wait()  # step 9 waits for step 8, which never comes
     assert trainer.send(_lookup(0)) is None, "a broken channel sends nothing more"
     trainer.close()
 
-    trainer, end, fallback = _pair()
+    trainer, end, fallback = _pair(kind)
     fut = trainer.send(_lookup(9))  # waits for step 8 ...
     end.close()  # ... when the server dies
-    with pytest.raises(ChannelError, match="ps0 closed the shared-memory channel: EOF"):
+    with pytest.raises(ChannelError, match=f"ps0 closed the {trainer.what}: EOF"):
         fut.wait()
     msg = _lookup(0)
     assert trainer.send(msg) is None and fallback.sent == [msg]  # RPC then names the server
+    trainer.close()
+
+
+def test_the_step_listener_takes_only_the_connection_with_its_token_then_closes(server):
+    token = os.urandom(tcp.TOKEN_BYTES)
+    host, port = tcp.rpc_open_socket(0, token, 1 << 16, 5.0)
+    assert host == "127.0.0.1" and port
+    stranger = socket.create_connection((host, port))
+    stranger.sendall(b"x" * tcp.TOKEN_BYTES)
+    stranger.settimeout(5)
+    assert stranger.recv(1) == b"", "a connection without the token is dropped"
+    stranger.close()
+    sock = socket.create_connection((host, port))
+    sock.sendall(token)
+    trainer = SocketTransport("ps0", sock, 1 << 16, fallback=_Recorder(), timeout_s=5.0)
+    assert trainer.send(_lookup(0)).wait()[0].tolist() == [2.0, 3.0, 6.0, 7.0, 8.0, 9.0]
+    deadline = time.monotonic() + 5
+    while any(t.name == "hybrid-ps-accept-t0" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(OSError):  # the listener is gone: nothing listens once the trainer is in
+        socket.create_connection((host, port), timeout=1).close()
     trainer.close()

@@ -1,0 +1,246 @@
+"""What the frame channels share: the layout of a frame in a byte region, and the two ends.
+
+A frame channel carries a trainer's step messages to one server outside RPC, one message at a
+time: the message's frame (:mod:`hybrid.ps.protocol`) is laid out in a byte region
+(:func:`write_frame`), the other end finds it in a region of its own (:func:`read_frame`) and
+answers the same way. How the bytes get there is each channel's own: shared pages and a FIFO
+doorbell on one host (:mod:`hybrid.ps.transport.shm`), a TCP connection across hosts
+(:mod:`hybrid.ps.transport.tcp`). :class:`TrainerEnd` and :class:`ServerEnd` hold the rest: the
+one-outstanding-message rule with its RPC fallback, the deadline, the reply's future, and the
+server's thread that decodes, hands the message to the server and writes the reply (rows
+gathered straight into the reply's region).
+
+A region's layout::
+
+    header: magic, sequence number, kind (step, rows, error), number of ints, number of tensors
+    ints, then per tensor: dtype code, elements, offset; then the tensors, each 64-byte aligned
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from abc import ABC, abstractmethod
+
+import torch
+
+from hybrid.ps import protocol
+from hybrid.ps.protocol import Frame, StepMessage
+from hybrid.ps.transport import Transport
+
+MAGIC = 0x48594252  # "HYBR"
+STEP, ROWS, ERROR = 1, 2, 3
+HEADER = struct.Struct("<qqqqq")  # magic, seq, kind, number of ints, number of tensors
+ENTRY = struct.Struct("<qqq")  # dtype code, elements, offset
+ALIGN = 64
+DTYPES = {0: torch.int64, 1: torch.float32, 2: torch.uint8, 3: torch.bfloat16, 4: torch.float16}
+CODES = {v: k for k, v in DTYPES.items()}
+
+
+class ChannelError(RuntimeError):
+    """The server at the other end died, closed the channel, or did not answer in time."""
+
+
+def layout(n_ints: int, nbytes: list[int]) -> tuple[list[int], int]:
+    """Offsets of a frame's tensors (``nbytes`` each) after its header, and the frame's end."""
+    offset = HEADER.size + 8 * n_ints + ENTRY.size * len(nbytes)
+    offsets = []
+    for n in nbytes:
+        offset = (offset + ALIGN - 1) // ALIGN * ALIGN
+        offsets.append(offset)
+        offset += n
+    return offsets, offset
+
+
+def write_frame(region: torch.Tensor, seq: int, kind: int, frame: Frame) -> int:
+    """Lay out ``frame`` in ``region`` (uint8); its end, or 0 if it does not fit."""
+    tensors = frame.tensors
+    offsets, end = layout(len(frame.ints), [t.numel() * t.element_size() for t in tensors])
+    if end > region.numel():
+        return 0
+    meta = struct.pack(f"<{len(frame.ints)}q", *frame.ints) + b"".join(
+        ENTRY.pack(CODES[t.dtype], t.numel(), off) for t, off in zip(tensors, offsets))
+    head = HEADER.pack(MAGIC, seq, kind, len(frame.ints), len(tensors)) + meta
+    region[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    for t, off in zip(tensors, offsets):
+        dst = region[off : off + t.numel() * t.element_size()].view(t.dtype)
+        if dst.data_ptr() != t.data_ptr():  # rows gathered in place need no copy
+            dst.copy_(t.reshape(-1))
+    return end
+
+
+def read_frame(region: torch.Tensor, seq: int) -> tuple[int, Frame]:
+    """The message in ``region``: its kind and frame (tensors are views into ``region``)."""
+    magic, got_seq, kind, n_ints, n_tensors = HEADER.unpack(bytes(region[: HEADER.size].numpy()))
+    if magic != MAGIC or got_seq != seq or not 0 <= n_ints < region.numel() or not 0 <= n_tensors < region.numel():
+        raise ChannelError(f"corrupt message in the channel (magic {magic:#x}, sequence {got_seq} where {seq} "
+                           f"was due)")
+    end = HEADER.size + 8 * n_ints + ENTRY.size * n_tensors
+    if end > region.numel():
+        raise ChannelError("corrupt message in the channel (header larger than the region)")
+    meta = bytes(region[HEADER.size : end].numpy())
+    ints = list(struct.unpack_from(f"<{n_ints}q", meta))
+    tensors = []
+    for k in range(n_tensors):
+        code, n, off = ENTRY.unpack_from(meta, 8 * n_ints + ENTRY.size * k)
+        dtype = DTYPES.get(code)
+        if dtype is None or n < 0 or off < end or off + n * dtype.itemsize > region.numel():
+            raise ChannelError("corrupt message in the channel (a tensor outside the region)")
+        tensors.append(region[off : off + n * dtype.itemsize].view(dtype))
+    return kind, Frame(ints, tensors)
+
+
+def error_frame(err: BaseException | str) -> Frame:
+    text = str(err).encode("utf-8") or b"error"
+    return Frame([], [torch.frombuffer(bytearray(text), dtype=torch.uint8)])
+
+
+class TrainerEnd(Transport, ABC):
+    """A trainer's end of a frame channel to one server: one message at a time in ``req``, its
+    reply read from ``rep``. A message sent while a reply carrying rows is outstanding (it may wait
+    for a step this message completes: a prefetch), too big for the region, or with
+    distributed-autograd lookups goes over ``fallback`` (RPC); a push-only reply is collected
+    first. Subclasses move the bytes (:meth:`_post`, :meth:`_receive`)."""
+
+    what = "channel"
+    """Named in errors (``shared-memory channel``, ``step connection``)."""
+
+    def __init__(self, server: str, req: torch.Tensor, rep: torch.Tensor, *, fallback: Transport,
+                 timeout_s: float) -> None:
+        self.server = server
+        self.fallback = fallback
+        self.timeout_s = timeout_s
+        self.req, self.rep = req, rep
+        self.seq = 0
+        self.outstanding: _Reply | None = None
+        self.closed = False
+
+    @abstractmethod
+    def _post(self, end: int) -> bool:
+        """The frame in ``req[:end]`` goes to the server; ``False`` if the server is gone."""
+
+    @abstractmethod
+    def _receive(self, left_s: float, block: bool) -> bool | None:
+        """Wait up to ``left_s`` for the reply to arrive in ``rep`` (not at all without
+        ``block``): ``True`` once it is there, ``False`` if not yet, ``None`` at end-of-file
+        (the server closed its end). May raise :class:`ChannelError`."""
+
+    def send(self, msg: StepMessage):
+        if self.closed or msg.autograd or (
+                self.outstanding is not None and not self._collect(block=not self.outstanding.answers_rows)):
+            return self.fallback.send(msg)
+        seq = self.seq + 1
+        end = write_frame(self.req, seq, STEP, protocol.encode(msg))
+        if not end:
+            return self.fallback.send(msg)
+        if not self._post(end):
+            self.closed = True  # the server is gone: RPC says so, naming it
+            return self.fallback.send(msg)
+        self.seq = seq
+        self.outstanding = _Reply(self, answers_rows=any(p.lookup is not None for p in msg.parts))
+        return self.outstanding
+
+    def _collect(self, block: bool) -> bool:
+        """Complete the outstanding message's future from its reply (rows or error); without
+        ``block``, ``False`` if the reply is not there yet. A message whose future nobody waits
+        for (a prefetch discarded for another batch) is collected by the next :meth:`send`."""
+        fut, deadline = self.outstanding, time.monotonic() + self.timeout_s
+        try:
+            got = self._receive(max(0.0, deadline - time.monotonic()), block)
+            if got is False and not block:
+                return False
+            if got is None:
+                raise ChannelError(f"parameter server {self.server} closed the {self.what}: EOF")
+            if got is False:
+                raise ChannelError(f"parameter server {self.server} did not answer within runtime.rpc_timeout_s: "
+                                   f"timeout ({self.timeout_s * 1000:.0f} ms)")
+            kind, frame = read_frame(self.rep, self.seq)
+            if kind == ERROR:
+                fut.error = RuntimeError(bytes(frame.tensors[0].numpy()).decode("utf-8", "replace"))
+            else:
+                fut.result = [t.clone() for t in frame.tensors]
+        except ChannelError as e:
+            fut.error, self.closed = e, True
+        fut.done = True
+        self.outstanding = None
+        return True
+
+
+class _Reply:
+    """The future of a message sent through a channel."""
+
+    def __init__(self, end: TrainerEnd, *, answers_rows: bool) -> None:
+        self.end = end
+        self.answers_rows = answers_rows
+        self.done = False
+        self.result: list[torch.Tensor] | None = None
+        self.error: BaseException | None = None
+
+    def wait(self) -> list[torch.Tensor]:
+        if not self.done:
+            self.end._collect(block=True)
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class ServerEnd(ABC):
+    """A server's end of one trainer's channel: a daemon thread that waits for each message in
+    ``req`` (:meth:`_next`), decodes it, hands it to the server and answers in ``rep``
+    (:meth:`_post_reply`), the rows gathered straight into the reply's region."""
+
+    what = "channel"
+
+    def __init__(self, req: torch.Tensor, rep: torch.Tensor, name: str) -> None:
+        self.req, self.rep = req, rep
+        self.lock = threading.Lock()
+        self.seq = 0
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    @abstractmethod
+    def _next(self) -> bool:
+        """Wait for the next message in ``req``; ``False`` when the trainer closed its end."""
+
+    @abstractmethod
+    def _post_reply(self, end: int) -> None:
+        """The reply in ``rep[:end]`` goes to the trainer (nothing if it is gone)."""
+
+    def close(self) -> None:
+        """Stop serving (the thread ends at its next wait)."""
+
+    def _run(self) -> None:
+        from hybrid.ps.server.service import server
+
+        while self._next():
+            self.seq += 1
+            seq = self.seq
+            try:
+                _, frame = read_frame(self.req, seq)
+                msg = protocol.decode(frame)
+                server().handle_step(msg, lambda rows, err, seq=seq: self.reply(seq, rows, err), self.buffers,
+                                     via_channel=True)
+            except BaseException as e:  # noqa: BLE001 - the trainer gets it as the message's error
+                try:
+                    self.reply(seq, None, e)
+                except BaseException:  # noqa: BLE001 - keep serving; the trainer's wait times out
+                    pass
+        self.close()
+
+    def buffers(self, sizes: list[int], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+        """Where each part's rows (``sizes`` elements of ``dtypes``) go: in place in the reply's
+        frame, so that they are gathered straight into it (fresh tensors when they would not fit)."""
+        nbytes = [n * d.itemsize for n, d in zip(sizes, dtypes)]
+        offsets, end = layout(0, nbytes)
+        if end > self.rep.numel():
+            return [torch.empty(n, dtype=d) for n, d in zip(sizes, dtypes)]
+        return [self.rep[off : off + b].view(d) for off, b, d in zip(offsets, nbytes, dtypes)]
+
+    def reply(self, seq: int, rows: list[torch.Tensor] | None, err: BaseException | None = None) -> None:
+        """Answer message ``seq`` (from whichever thread completes it)."""
+        if err is not None:
+            end = write_frame(self.rep, seq, ERROR, error_frame(err))
+        else:
+            end = write_frame(self.rep, seq, ROWS, Frame([], rows)) or write_frame(
+                self.rep, seq, ERROR, error_frame(f"reply larger than the {self.what}"))
+        self._post_reply(end)

@@ -1,0 +1,226 @@
+"""Step messages to a parameter server on another host, over a TCP connection of their own.
+
+Over RPC a step message costs, besides its bytes, TensorPipe's pickling, its event-loop threads
+on both ends and a hop to an RPC worker thread; across hosts that made the server's CPU per step
+2.4x what the same messages cost through shared memory on one host (docs/performance.md). A
+:class:`SocketTransport` sends the same frame (:mod:`hybrid.ps.transport.channel`) as one length
+and the frame's bytes on a connection that carries nothing else; the server's thread for this
+trainer reads it into a region of its own, handles it in place and answers the same way (rows
+gathered straight into the reply's region). One message is outstanding at a time, as on the
+shared-memory channel; the rest goes over RPC.
+
+Set-up is one RPC: the server opens a listener on its ``runtime.address`` (an ephemeral port)
+for this one connection, the trainer connects and first sends a 32-byte token it passed in that
+RPC; a connection without it is dropped. The listener closes once the trainer is in, or after
+``runtime.rpc_timeout_s``.
+
+Failures: a server that dies closes the connection, and the trainer's wait ends at once with the
+server's name; one that does not answer within ``runtime.rpc_timeout_s`` is named after it. A
+trainer that dies closes its end; the server's thread for it ends.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import select
+import socket
+import struct
+import threading
+import time
+
+import torch
+import torch.distributed.rpc as rpc
+
+from hybrid.ps.transport import Transport
+from hybrid.ps.transport.channel import ChannelError, ServerEnd, TrainerEnd
+
+DEFAULT_CAPACITY = 16 << 20
+"""Bytes of each direction's region: a bigger message goes over RPC."""
+TOKEN_BYTES = 32
+_LENGTH = struct.Struct("<q")
+
+
+def _connect_family(address: str) -> int:
+    return socket.AF_INET6 if ":" in address else socket.AF_INET
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None) -> bool:
+    """Fill ``view`` from ``sock``; ``False`` at end-of-file. Raises ``TimeoutError`` past
+    ``deadline`` (None: wait for ever)."""
+    got = 0
+    while got < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([sock], [], [], left)[0]:
+                raise TimeoutError
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def _send_frame(sock: socket.socket, region: torch.Tensor, end: int) -> None:
+    sock.sendall(_LENGTH.pack(end))
+    sock.sendall(memoryview(region[:end].numpy()))
+
+
+class SocketTransport(TrainerEnd):
+    """One trainer's step connection to one server: one message at a time."""
+
+    what = "step connection"
+
+    def __init__(self, server: str, sock: socket.socket, capacity: int, *, fallback: Transport,
+                 timeout_s: float) -> None:
+        super().__init__(server, torch.empty(capacity, dtype=torch.uint8), torch.empty(capacity, dtype=torch.uint8),
+                         fallback=fallback, timeout_s=timeout_s)
+        self.sock: socket.socket | None = sock
+
+    @classmethod
+    def open(cls, server: str, trainer: int, *, fallback: Transport, timeout_s: float,
+             capacity: int = DEFAULT_CAPACITY) -> SocketTransport | None:
+        """A connection to ``server``, or ``None`` where it could not be made (RPC serves)."""
+        token = os.urandom(TOKEN_BYTES)
+        host, port = rpc.rpc_sync(server, rpc_open_socket, args=(trainer, token, capacity, timeout_s),
+                                  timeout=timeout_s)
+        if port is None:
+            return None
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(token)
+            sock.settimeout(None)
+        except OSError:
+            return None
+        return cls(server, sock, capacity, fallback=fallback, timeout_s=timeout_s)
+
+    def _post(self, end: int) -> bool:
+        try:
+            _send_frame(self.sock, self.req, end)
+        except (OSError, AttributeError):
+            return False
+        return True
+
+    def _receive(self, left_s: float, block: bool) -> bool | None:
+        sock = self.sock
+        if sock is None:
+            return None
+        if not select.select([sock], [], [], left_s if block else 0.0)[0]:
+            return False
+        deadline = time.monotonic() + self.timeout_s
+        head = bytearray(_LENGTH.size)
+        try:
+            if not _recv_exact(sock, memoryview(head), deadline):
+                return None
+            (n,) = _LENGTH.unpack(head)
+            if not 0 < n <= self.rep.numel():
+                raise ChannelError(f"parameter server {self.server} sent a reply of {n} bytes over the {self.what}")
+            if not _recv_exact(sock, memoryview(self.rep[:n].numpy()), deadline):
+                return None
+        except TimeoutError:
+            return False
+        except OSError:
+            return None
+        return True
+
+    def close(self) -> None:
+        """Close the connection; the server's thread for it sees end-of-file and stops."""
+        self.closed = True
+        sock, self.sock = self.sock, None
+        _shut(sock)
+
+
+class _SocketServerEnd(ServerEnd):
+    """The server's end of one trainer's step connection."""
+
+    what = "step connection"
+
+    def __init__(self, sock: socket.socket, capacity: int, name: str) -> None:
+        super().__init__(torch.empty(capacity, dtype=torch.uint8), torch.empty(capacity, dtype=torch.uint8), name)
+        self.sock: socket.socket | None = sock
+        self.thread.start()
+
+    def _next(self) -> bool:
+        sock = self.sock
+        if sock is None:
+            return False
+        head = bytearray(_LENGTH.size)
+        try:
+            if not _recv_exact(sock, memoryview(head), None):
+                return False
+            (n,) = _LENGTH.unpack(head)
+            if not 0 < n <= self.req.numel():
+                return False  # not a frame this end can hold: the trainer's wait names the server
+            return _recv_exact(sock, memoryview(self.req[:n].numpy()), None)
+        except OSError:
+            return False
+
+    def _post_reply(self, end: int) -> None:
+        with self.lock:
+            sock = self.sock
+            if sock is None:
+                return
+            try:
+                _send_frame(sock, self.rep, end)
+            except OSError:
+                pass  # the trainer is gone; the heartbeat names it
+
+    def close(self) -> None:
+        with self.lock:
+            sock, self.sock = self.sock, None
+        _shut(sock)
+
+
+def _shut(sock: socket.socket | None) -> None:
+    """End the connection both ways (waking a thread blocked reading it), then close it."""
+    if sock is None:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def rpc_open_socket(trainer: int, token: bytes, capacity: int, timeout_s: float) -> tuple[str, int | None]:
+    """On a server: listen on its address for ``trainer``'s step connection (which must send
+    ``token`` first) and serve it; the (address, port) to connect to."""
+    from hybrid.ps.server.service import server
+
+    address = server().options.address
+    listener = socket.socket(_connect_family(address), socket.SOCK_STREAM)
+    try:
+        listener.bind((address, 0))
+        listener.listen(1)
+    except OSError:
+        listener.close()
+        return address, None
+    threading.Thread(target=_accept, args=(listener, trainer, token, capacity, timeout_s),
+                     name=f"hybrid-ps-accept-t{trainer}", daemon=True).start()
+    return address, listener.getsockname()[1]
+
+
+def _accept(listener: socket.socket, trainer: int, token: bytes, capacity: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            listener.settimeout(left)
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            got = bytearray(TOKEN_BYTES)
+            try:
+                ok = _recv_exact(conn, memoryview(got), deadline) and hmac.compare_digest(bytes(got), token)
+            except (OSError, TimeoutError):
+                ok = False
+            if not ok:
+                conn.close()
+                continue
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _SocketServerEnd(conn, capacity, f"hybrid-ps-socket-t{trainer}")
+            return
+    finally:
+        listener.close()
