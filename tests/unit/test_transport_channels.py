@@ -165,10 +165,12 @@ def test_a_silent_server_is_named_after_the_timeout_and_a_closed_one_at_once(ser
     trainer.close()
 
 
-def test_the_step_listener_takes_only_the_connection_with_its_token_then_closes(server):
+@pytest.mark.parametrize("address", ["127.0.0.1", "::1"])
+def test_the_step_listener_takes_only_the_connection_with_its_token_then_closes(server, address):
+    server.options.address = address  # runtime.address: where the listener goes
     token = os.urandom(tcp.TOKEN_BYTES)
     host, port = tcp.rpc_open_socket(0, token, 1 << 16, 5.0)
-    assert host == "127.0.0.1" and port
+    assert host == address and port
     stranger = socket.create_connection((host, port))
     stranger.sendall(b"x" * tcp.TOKEN_BYTES)
     stranger.settimeout(5)
