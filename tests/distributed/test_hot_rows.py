@@ -35,6 +35,10 @@ def _cached(rank, world_size, *, num_servers):
     nxt = batch(0)
     for s in range(60):
         kjt, y = nxt
+        # Every push so far applied before this step prefetches the next: the versions the
+        # replies carry, and so what the caches may serve, do not depend on the machine's load.
+        pipeline.flush()
+        dist.barrier()
         with step(pipeline, optimizer=opt) as st:
             kept = still(kjt)
             out = trained(kjt)
@@ -63,7 +67,7 @@ def test_hot_rows_put_back_the_servers_rows_and_train_within_the_bound():
     for losses, mismatched, counters, _ in out[:2]:
         assert mismatched == [], mismatched
         for cid, c in counters.items():
-            assert c["hits"] > 0.1 * c["looked_up"], (cid, c)  # the tiny tables repeat their ids
+            assert c["hits"] > 0.2 * c["looked_up"], (cid, c)  # the tiny tables repeat their ids
             assert c["refreshed"] > 0, (cid, c)
         first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
         assert last < 0.5 * first, (first, last)
