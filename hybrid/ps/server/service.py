@@ -158,7 +158,7 @@ class ParameterServer:
                     by_step.setdefault(push.step, []).append((push.rows, push.grad))
                 for step, parts in by_step.items():
                     self.push(shard, msg.trainer, step, parts)
-            # One tensor of rows per part, then the parts' versions (protocol.Reply).
+            # One tensor of rows per part, then the parts' versions (see hybrid.ps.protocol).
             sizes = [shard.numel(p.lookup) if p.lookup is not None else 0 for p, shard in zip(msg.parts, shards)]
             sizes.append(len(msg.parts))
             dtypes = [shard.wire_dtype for shard in shards] + [torch.int64]
