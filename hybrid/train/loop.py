@@ -571,6 +571,11 @@ class Trainer:
             lines.append((server, f"{d.get('lookups', 0) / steps / self.role.num_trainers:.1f} lookups/step/trainer, "
                                   f"{d.get('bytes_in', 0) / steps / 1024:.1f} KiB in + {d.get('bytes_out', 0) / steps / 1024:.1f} "
                                   f"KiB out per step, unique ids {uniq:.2f}" + _dynamic_counters(d)))
+        for r in self.remotes:
+            if r.hot_rows is not None:  # this trainer's cache (trainer 0 writes the summary)
+                c = r.hot_rows.counters
+                lines.append(("hot rows", f"{r.cid}: {c.hits / max(c.looked_up, 1):.1%} of {c.looked_up:,} rows from "
+                                          f"trainer 0's cache, {c.refreshed:,} refreshed, {c.evicted:,} evicted"))
         outputs = ["metrics.jsonl", "metrics.csv", "summary.txt"] + (["curves.png"] if png else [])
         lines.append(("output", f"{self.out_dir}/ ({', '.join(outputs)})"))
         return "== hybrid run summary ==\n" + table(lines)
