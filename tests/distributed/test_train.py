@@ -127,3 +127,19 @@ def test_demo_config_learns_held_out_auc_well_above_chance(tmp_path):
     for line in ("throughput", "step time", "eval auc", "ps0", "output"):
         assert line in summary, summary
     assert (out / "curves.png").stat().st_size > 10_000
+
+
+def test_async_demo_with_hot_rows_reports_its_cache(tmp_path):
+    """``hot_rows`` from the command line, under ``hybrid launch``: the run trains and its summary
+    says how many rows trainer 0's cache served."""
+    out = tmp_path / "hot"
+    res = run_hybrid(["launch", "-n", "3", "train", "--plan", "conf/plans/dlrm.yaml", "--config", "conf/train/dlrm.yaml",
+                      "train.steps=40", "train.eval_every=0", f"train.out_dir={out}", "train.progress=false",
+                      "plan.sync.staleness=3", "plan.modules.sparse_arch.embedding_bag_collection.hot_rows=5000"],
+                     timeout=300)
+    assert res.returncode == 0, res.output
+    summary = res.stdout[res.stdout.index("== hybrid run summary =="):]
+    line = next(l for l in summary.splitlines() if l.strip().startswith("hot rows"))
+    served = float(line.split(": ")[1].split("%")[0])
+    assert 0 < served < 100, line
+    assert rows(out, "train")[-1]["step"] == 40
