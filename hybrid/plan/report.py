@@ -27,7 +27,7 @@ from torch import nn
 from hybrid.log import logger
 from hybrid.plan.errors import PlanError, one_of
 from hybrid.plan.match import ResolvedModule, ResolvedPlan
-from hybrid.ps.config import TableSpec, row_bytes, table_specs
+from hybrid.ps.config import WIRE_BYTES, TableSpec, held_rows, row_bytes, table_specs
 from hybrid.ps.server.memory import human_bytes
 from hybrid.ps.sharding import shard_tables
 
@@ -216,9 +216,9 @@ def _cache_bytes(e: ResolvedModule, module: nn.Module, num_servers: int) -> int:
     if not options.hot_rows:
         return 0
     from hybrid.ps.client.cache import cache_bytes
-    from hybrid.ps.config import WIRE_BYTES
 
-    return cache_bytes(options.hot_rows, _table_rows(e, module, num_servers), WIRE_BYTES[options.wire_dtype])
+    return cache_bytes(options.hot_rows, held_rows(_layouts(e, module, num_servers), options.dynamic_ids()),
+                       WIRE_BYTES[options.wire_dtype])
 
 
 def _server_bytes(e: ResolvedModule, module: nn.Module, num_servers: int) -> dict[int, int]:
@@ -226,46 +226,21 @@ def _server_bytes(e: ResolvedModule, module: nn.Module, num_servers: int) -> dic
     return {s: sum(per_table[s].values()) for s in range(num_servers)}
 
 
-def _table_rows(e: ResolvedModule, module: nn.Module, num_servers: int) -> list[tuple[int, dict[int, int]]]:
-    """Per table: its embedding_dim, and server -> rows of it that server holds."""
+def _layouts(e: ResolvedModule, module: nn.Module, num_servers: int) -> list:
+    """Where each of the module's tables goes (:func:`hybrid.ps.sharding.shard_tables`)."""
     options = e.options
-    layouts = shard_tables(_tables(e.fqn, module), num_servers, options.sharding,
-                           options.server_list(num_servers) if num_servers > 1 else None)
-    dyn = options.dynamic_ids()
-    out = []
-    for t in layouts:
-        if dyn is None:
-            rows = {s: t.rows_on(s) for s in t.servers}
-        else:
-            rows = {s: sum(dyn.part_capacity(p) for p in range(k, dyn.partitions, t.num_shards))
-                    for k, s in enumerate(t.servers)}
-        out.append((t.table.embedding_dim, rows))
-    return out
+    return shard_tables(_tables(e.fqn, module), num_servers, options.sharding,
+                        options.server_list(num_servers) if num_servers > 1 else None)
 
 
 def _table_bytes(e: ResolvedModule, module: nn.Module, num_servers: int) -> dict[int, dict[str, int]]:
     """Server -> table -> bytes of its rows and their sparse optimizer state on that server."""
     options = e.options
-    layouts = shard_tables(
-        _tables(e.fqn, module), num_servers, options.sharding,
-        options.server_list(num_servers) if num_servers > 1 else None,
-    )
-    dyn = options.dynamic_ids()
-    if dyn is not None:  # each server holds its parts' capacity, whatever num_embeddings says
-        def rows_on(t, s):
-            if s not in t.servers:
-                return 0
-            k = t.servers.index(s)
-            return sum(dyn.part_capacity(p) for p in range(k, dyn.partitions, t.num_shards))
-        return {s: {t.table.name: rows_on(t, s) * row_bytes(options.optimizer.name, t.table.embedding_dim,
-                                                              options.storage_dtype)
-                    for t in layouts if rows_on(t, s)} for s in range(num_servers)}
-    return {
-        s: {t.table.name: t.rows_on(s) * row_bytes(options.optimizer.name, t.table.embedding_dim,
-                                                    options.storage_dtype)
-            for t in layouts if t.rows_on(s)}
-        for s in range(num_servers)
-    }
+    layouts = _layouts(e, module, num_servers)
+    rows = held_rows(layouts, options.dynamic_ids())
+    return {s: {t.table.name: held[s] * row_bytes(options.optimizer.name, t.table.embedding_dim, options.storage_dtype)
+                for t, (_, held) in zip(layouts, rows) if held.get(s)}
+            for s in range(num_servers)}
 
 
 def server_table_bytes(resolved: ResolvedPlan, model: nn.Module) -> dict[int, dict[str, int]]:

@@ -265,24 +265,23 @@ class CollectionConfig:
 
     def bytes_on(self, server: int) -> dict[str, int]:
         """Table name -> bytes ``server`` holds of it (rows and optimizer state), for its tables."""
-        if self.dynamic is not None:
-            return {self.layouts[i].table.name: sum(self.dynamic.part_capacity(p) for p in self.parts_on(server, i)) *
-                    row_bytes(self.optimizer.name, self.layouts[i].table.embedding_dim, self.storage_dtype)
-                    for i in self.held(server)}
-        return {self.layouts[i].table.name: self.layouts[i].rows_on(server) *
+        rows = held_rows(self.layouts, self.dynamic)
+        return {self.layouts[i].table.name: rows[i][1][server] *
                 row_bytes(self.optimizer.name, self.layouts[i].table.embedding_dim, self.storage_dtype)
                 for i in self.held(server)}
 
 
-def held_rows(config: CollectionConfig) -> list[tuple[int, dict[int, int]]]:
-    """Per table: its embedding_dim, and server -> rows of it that server holds (a dynamic
-    table's: the capacity of its parts there)."""
+def held_rows(layouts, dynamic: DynamicIds | None) -> list[tuple[int, dict[int, int]]]:
+    """Per table (its layout, :mod:`hybrid.ps.sharding`): its embedding_dim, and server -> rows
+    of it that server holds; a dynamic table's are the capacity of the parts it holds there
+    (parts ``k, k + shards, ...`` on the table's ``k``-th server), whatever num_embeddings says."""
     out = []
-    for i, lay in enumerate(config.layouts):
-        if config.dynamic is not None:
-            rows = {s: sum(config.dynamic.part_capacity(p) for p in config.parts_on(s, i)) for s in lay.servers}
-        else:
+    for lay in layouts:
+        if dynamic is None:
             rows = {s: lay.rows_on(s) for s in lay.servers}
+        else:
+            rows = {s: sum(dynamic.part_capacity(p) for p in range(k, dynamic.partitions, lay.num_shards))
+                    for k, s in enumerate(lay.servers)}
         out.append((lay.table.embedding_dim, rows))
     return out
 

@@ -75,7 +75,8 @@ class RemoteCollection(nn.Module):
             if pipeline.push_strategy.autograd:
                 raise PlanError(f"{config.cid}: hot_rows needs runtime.gradient_push: rpc (with dist_autograd every "
                                 f"row must come from its server)", category="bad_value", key="hot_rows")
-            self.hot_rows = HotRows(hot_rows, config.staleness, held_rows(config), getattr(torch, config.wire_dtype))
+            self.hot_rows = HotRows(hot_rows, config.staleness, held_rows(config.layouts, config.dynamic),
+                                    getattr(torch, config.wire_dtype))
         object.__setattr__(self, "pipeline", pipeline)  # not a submodule
         pipeline.collections.append(self)
 
