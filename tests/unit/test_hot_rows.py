@@ -138,6 +138,6 @@ def test_pools_hold_at_most_the_rows_their_server_has_and_their_bytes_are_counte
 
     tables = [(4, {0: 10, 1: 9}), (4, {0: 100}), (8, {1: 3})]
     assert pool_sizes(50, tables) == {(0, 4): 10 + 50, (1, 4): 9, (1, 8): 3}
-    per_slot = {4: 4 * 4 + 5 * 8 + 32, 8: 8 * 4 + 5 * 8 + 32}
+    per_slot = {4: 4 * 4 + 4 * 8 + 32, 8: 8 * 4 + 4 * 8 + 32}
     sketch = 2 * (1 << 16) * 4
     assert cache_bytes(50, tables, 4) == 60 * per_slot[4] + 9 * per_slot[4] + 3 * per_slot[8] + 3 * sketch

@@ -83,9 +83,9 @@ def pool_sizes(capacity: int, tables: list[tuple[int, dict[int, int]]]) -> dict[
 
 def cache_bytes(capacity: int, tables: list[tuple[int, dict[int, int]]], wire_bytes: int) -> int:
     """Bytes a trainer's cache (:func:`pool_sizes`' pools) holds at most: each slot's row and
-    slot arrays (five int64s), the id map (two int64s in at least twice the slots) and the
+    slot arrays (four int64s), the id map (two int64s in at least twice the slots) and the
     sketch."""
-    return sum(slots * (dim * wire_bytes + 5 * 8 + 2 * 2 * 8) + 2 * _sketch_size(slots) * 4
+    return sum(slots * (dim * wire_bytes + 4 * 8 + 2 * 2 * 8) + 2 * _sketch_size(slots) * 4
                for (_, dim), slots in pool_sizes(capacity, tables).items())
 
 
@@ -106,7 +106,6 @@ class _Pool:
     def __init__(self, capacity: int, dim: int, dtype: torch.dtype) -> None:
         self.capacity = capacity
         self.map = IdMap(capacity)
-        self.keys = torch.empty(capacity, dtype=torch.int64)
         self.ids = torch.empty(capacity, dtype=torch.int64)
         self.tables = torch.full((capacity,), -1, dtype=torch.int64)
         """-1: a free slot."""
@@ -144,7 +143,7 @@ class _Pool:
             k = min(occupied, max(n - self.n_free, self.capacity // EVICT_SHARE))
             uses = self.uses.masked_fill(self.tables < 0, torch.iinfo(torch.int64).max)
             victims = torch.topk(uses, k, largest=False).indices
-            self.map.erase(self.keys.index_select(0, victims))
+            self.map.erase(_keys(self.ids.index_select(0, victims), self.tables.index_select(0, victims)))
             self.tables.index_fill_(0, victims, -1)
             self.free[self.n_free : self.n_free + k] = victims
             self.n_free += k
@@ -225,10 +224,10 @@ class HotRows:
             self.decayed_at = step
         need = step - 1 - self.staleness
         n = request.ids.numel()
-        order = torch.arange(len(request.tables), dtype=torch.int64)
-        counts = torch.tensor(list(request.counts), dtype=torch.int64)
-        tables = torch.repeat_interleave(torch.tensor(list(request.tables), dtype=torch.int64), counts,
-                                         output_size=n)
+        # Each id's table, as its place in request.tables, then as the table's index.
+        position = torch.repeat_interleave(torch.arange(len(request.tables)),
+                                           torch.tensor(list(request.counts), dtype=torch.int64), output_size=n)
+        tables = torch.tensor(list(request.tables), dtype=torch.int64)[position]
         slots = torch.full((n,), -1, dtype=torch.int64)
         hit = torch.zeros(n, dtype=torch.bool)
         admit = torch.zeros(n, dtype=torch.bool)
@@ -245,8 +244,7 @@ class HotRows:
             else:
                 slots[sel], hit[sel], admit[sel] = s, h, a
         miss = ~hit
-        per_table = torch.bincount(torch.repeat_interleave(order, counts, output_size=n)[miss],
-                                   minlength=len(request.tables))
+        per_table = torch.bincount(position[miss], minlength=len(request.tables))
         sent = Rows(list(request.tables), per_table.tolist(), request.ids[miss])
         self.counters.sent += sent.ids.numel()
         return sent, CacheSplit(server, request, sent, tables, slots, hit, keys, admit)
@@ -313,7 +311,6 @@ class HotRows:
         new = new[: take.numel()]
         at = pick.index_select(0, new)
         keys = split.keys.index_select(0, at)
-        pool.keys.index_copy_(0, take, keys)
         pool.ids.index_copy_(0, take, split.request.ids.index_select(0, at))
         pool.tables.index_copy_(0, take, split.tables.index_select(0, at))
         pool.rows.index_copy_(0, take, rows.index_select(0, new))
