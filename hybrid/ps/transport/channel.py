@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import struct
 import threading
-import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -145,9 +144,9 @@ class TrainerEnd(Transport, ABC):
         """Complete the outstanding message's future from its reply (rows or error); without
         ``block``, ``False`` if the reply is not there yet. A message whose future nobody waits
         for (a prefetch discarded for another batch) is collected by the next :meth:`send`."""
-        fut, deadline = self.outstanding, time.monotonic() + self.timeout_s
+        fut = self.outstanding
         try:
-            got = self._receive(max(0.0, deadline - time.monotonic()), block)
+            got = self._receive(self.timeout_s, block)
             if got is False and not block:
                 return False
             if got is None:

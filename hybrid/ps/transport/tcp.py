@@ -61,6 +61,19 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None) -
     return True
 
 
+def _recv_frame(sock: socket.socket, region: torch.Tensor, deadline: float | None) -> bool:
+    """Read one frame (its length, then its bytes) into ``region``; ``False`` at end-of-file.
+    Raises ``ValueError`` for a length the region cannot hold, ``TimeoutError`` past
+    ``deadline``."""
+    head = bytearray(_LENGTH.size)
+    if not _recv_exact(sock, memoryview(head), deadline):
+        return False
+    (n,) = _LENGTH.unpack(head)
+    if not 0 < n <= region.numel():
+        raise ValueError(f"a frame of {n} bytes")
+    return _recv_exact(sock, memoryview(region[:n].numpy()), deadline)
+
+
 def _send_frame(sock: socket.socket, region: torch.Tensor, end: int) -> None:
     sock.sendall(_LENGTH.pack(end))
     sock.sendall(memoryview(region[:end].numpy()))
@@ -108,21 +121,14 @@ class SocketTransport(TrainerEnd):
             return None
         if not select.select([sock], [], [], left_s if block else 0.0)[0]:
             return False
-        deadline = time.monotonic() + self.timeout_s
-        head = bytearray(_LENGTH.size)
         try:
-            if not _recv_exact(sock, memoryview(head), deadline):
-                return None
-            (n,) = _LENGTH.unpack(head)
-            if not 0 < n <= self.rep.numel():
-                raise ChannelError(f"parameter server {self.server} sent a reply of {n} bytes over the {self.what}")
-            if not _recv_exact(sock, memoryview(self.rep[:n].numpy()), deadline):
-                return None
+            return _recv_frame(sock, self.rep, time.monotonic() + self.timeout_s) or None
+        except ValueError as e:
+            raise ChannelError(f"parameter server {self.server} sent {e} over the {self.what}") from None
         except TimeoutError:
             return False
         except OSError:
             return None
-        return True
 
     def close(self) -> None:
         """Close the connection; the server's thread for it sees end-of-file and stops."""
@@ -145,15 +151,9 @@ class _SocketServerEnd(ServerEnd):
         sock = self.sock
         if sock is None:
             return False
-        head = bytearray(_LENGTH.size)
         try:
-            if not _recv_exact(sock, memoryview(head), None):
-                return False
-            (n,) = _LENGTH.unpack(head)
-            if not 0 < n <= self.req.numel():
-                return False  # not a frame this end can hold: the trainer's wait names the server
-            return _recv_exact(sock, memoryview(self.req[:n].numpy()), None)
-        except OSError:
+            return _recv_frame(sock, self.req, None)
+        except (OSError, ValueError):  # not a frame this end can hold: the trainer's wait names the server
             return False
 
     def _post_reply(self, end: int) -> None:
