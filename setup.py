@@ -23,7 +23,7 @@ CXX_FLAGS = ["-O3", "-ffp-contract=off"]
 
 def extensions():
     try:
-        from torch.utils.cpp_extension import BuildExtension, CppExtension
+        from torch.utils.cpp_extension import BuildExtension, CppExtension, is_ninja_available
     except ImportError:
         print("hybrid: torch is not importable at build time; installing without the native operators "
               "(hybrid.ops falls back to plain torch). Build with --no-build-isolation to get them.",
@@ -34,8 +34,14 @@ def extensions():
     csrc = [os.path.join("hybrid", part, "csrc") for part in ("ops", "launch")]
     sources = sorted(f for d in csrc for f in glob.glob(os.path.join(d, "*.cpp"), root_dir=here))
     headers = sorted(f for d in csrc for f in glob.glob(os.path.join(d, "*.h"), root_dir=here))  # a changed header rebuilds
-    ext = CppExtension("hybrid._C", sources, depends=headers, extra_compile_args=CXX_FLAGS)
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=False)}
+    # The extension uses the process's shared libstdc++ (torch's), named outright: a toolchain that
+    # links libstdc++ into it statically (as g++ 13 did for torch 2.11+cu130 on Ubuntu 24.04) gives
+    # it a second, uninitialized copy of the locale state, and the first number formatted into an
+    # error message crashes the process.
+    link = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
+    ext = CppExtension("hybrid._C", sources, depends=headers, extra_compile_args=CXX_FLAGS, extra_link_args=link)
+    # ninja, where installed, compiles the sources in parallel (MAX_JOBS, default every core).
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=is_ninja_available())}
 
 
 ext_modules, cmdclass = extensions()

@@ -145,8 +145,9 @@ def _materialize(model: nn.Module, device: torch.device, *, seed: int) -> None:
     allocates shards); tensors built for real (a buffer computed in ``__init__`` outside the meta
     device, a module built on the CPU) keep their values.
 
-    Modules are initialized in model order from a generator seeded with ``seed`` (the caller's
-    RNG state is left as it was), each on whole tensors of its own: an FSDP module keeps its
+    Modules are initialized in model order from the CPU generator seeded with ``seed`` (the
+    caller's RNG state is left as it was), on the host whatever the trainer's device (a GPU
+    trainer gets a CPU process's values), each on whole tensors of its own: an FSDP module keeps its
     shard of them. So every trainer's shards together are the one tensor a single process
     initializing the module gets, and only one module's whole parameters exist at a time.
     """
@@ -163,37 +164,40 @@ def _materialize(model: nn.Module, device: torch.device, *, seed: int) -> None:
     for fqn, (params, buffers) in on_meta.items():  # refuse before allocating anything
         _check_restorable(modules[fqn], fqn, params, buffers)
     model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for fqn, (params, buffers) in on_meta.items():
             m = modules[fqn]
             if params:
-                _reset_whole(m, params, device)  # nn.Linear, nn.BatchNorm (its running statistics too), ...
+                _reset_whole(m, params)  # nn.Linear, nn.BatchNorm (its running statistics too), ...
             if buffers and callable(getattr(m, "reset_buffers", None)):
                 m.reset_buffers()
     logger.info("materialized the model on %s", device)
 
 
-def _reset_whole(m: nn.Module, params: list[str], device: torch.device) -> None:
-    """``m.reset_parameters()`` on whole tensors; each sharded parameter (an FSDP ``DTensor``)
-    then keeps its local shard of the result."""
+def _reset_whole(m: nn.Module, params: list[str]) -> None:
+    """``m.reset_parameters()`` on whole host tensors, copied into the module's own: an FSDP
+    ``DTensor`` keeps its local shard of the result, a GPU tensor the host's values. Drawn from
+    the CPU generator, the values are the ones a single CPU process gets, whatever the device."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    sharded = {n: m._parameters[n] for n in params if isinstance(m._parameters[n], DTensor)}
-    for n, dt in sharded.items():
-        m._parameters[n] = nn.Parameter(torch.empty(dt.shape, dtype=dt.dtype, device=device),
-                                        requires_grad=dt.requires_grad)
+    own = {n: m._parameters[n] for n in params}
+    for n, p in own.items():
+        m._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
     try:
         m.reset_parameters()
-        whole = {n: m._parameters[n].detach() for n in sharded}
+        whole = {n: m._parameters[n].detach() for n in own}
     finally:
-        for n, dt in sharded.items():
-            m._parameters[n] = dt
+        for n, p in own.items():
+            m._parameters[n] = p
     with torch.no_grad():
-        for n, dt in sharded.items():
-            shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-            dt.to_local().copy_(whole[n][tuple(slice(o, o + k) for o, k in zip(offset, shape))])
+        for n, p in own.items():
+            if isinstance(p, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                p.to_local().copy_(whole[n][tuple(slice(o, o + k) for o, k in zip(offset, shape))])
+            else:
+                p.copy_(whole[n])
 
 
 def _check_restorable(m: nn.Module, fqn: str, params: list[str], buffers: list[str]) -> None:

@@ -105,13 +105,20 @@ PRELOAD = ["torch", "torch.distributed.rpc", "torch.distributed.fsdp", "torchrec
 """What the ranks' fork server imports once, before it forks any rank."""
 
 
-def _context() -> mp.context.BaseContext:
-    """Ranks fork from a server process that imported torch, torchrec and hybrid once
+def _context(start: str) -> mp.context.BaseContext:
+    """``start="spawn"``: each rank is a fresh interpreter. Tests that use CUDA need it: the fork
+    server's imports ask torch how many GPUs there are, and CUDA cannot be used in a process forked
+    after that.
+
+    Otherwise ranks fork from a server process that imported torch, torchrec and hybrid once
     (``forkserver`` with preloading): a rank starts in a fraction of a second instead of paying
     the imports again (several seconds of CPU each, the bulk of a short test on 2 cores). The
     server forks before it runs anything else, so a rank shares no threads, process group or RPC
     state; like spawned ranks, they are fresh in everything but the imported modules. The
     server's environment is the test session's at its start (ranks get ``env=`` on top)."""
+    if start == "spawn":
+        return mp.get_context("spawn")
+    assert start == "forkserver", start
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
@@ -126,6 +133,7 @@ def run_distributed(
     timeout: float = 60.0,
     failure_grace: float = 10.0,
     env: dict[str, str] | None = None,
+    start: str = "forkserver",
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` fresh processes.
@@ -137,7 +145,7 @@ def run_distributed(
     assert setup in ("pg", "hybrid", "none"), setup
     if setup == "hybrid" and num_servers is None:
         raise ValueError("setup='hybrid' needs num_servers")
-    ctx = _context()
+    ctx = _context(start)
     wall_deadline = time.time() + timeout
     with tempfile.TemporaryDirectory(prefix="hybrid-test-") as tmp:
         procs = [

@@ -184,12 +184,17 @@ def run_process(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, 
 
 
 def dense_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in params if p.requires_grad]
+    # torch's multi-tensor (foreach) kernels, its default on GPUs, take a list of DTensors (FSDP2's
+    # parameters) or of plain tensors (DDP's), not both: a model with both steps tensor by tensor.
+    opts = {"foreach": False} if len({isinstance(p, DTensor) for p in params}) > 1 else {}
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
+        return torch.optim.SGD(params, lr=lr, **opts)
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    return torch.optim.Adagrad(params, lr=lr)
+        return torch.optim.Adam(params, lr=lr, **opts)
+    return torch.optim.Adagrad(params, lr=lr, **opts)
 
 
 def remote_collections(model: nn.Module) -> list[RemoteCollection]:

@@ -106,7 +106,8 @@ def compute(outputs: dict[str, list[torch.Tensor]], *, ks: list[int]) -> dict[st
     ``preds`` and ``labels`` give the CTR metrics, ``ranks`` and ``candidates`` recall@k for
     each of ``ks``; any other output is reported as its mean over all samples.
     """
-    cat = {k: gather(torch.cat(v) if v else torch.zeros(0)) for k, v in outputs.items()}
+    # Gathered where the outputs are (a GPU trainer's group may be NCCL), computed on the host.
+    cat = {k: gather(torch.cat(v) if v else torch.zeros(0)).cpu() for k, v in outputs.items()}
     result: dict[str, float] = {}
     if all(k in cat for k in CTR_OUTPUTS):
         result.update(ctr_metrics(cat["preds"], cat["labels"]))

@@ -15,7 +15,8 @@ from tests.distributed.test_train import STEPS, _overrides, reference_losses
 from tests.harness import run_distributed
 from tests.support.cli import REPO
 from tests.support.remote import remote_of
-from tests.support.sparse import global_batch, kjt_slice, make_ebc, test_tables
+from tests.support import sparse
+from tests.support.sparse import global_batch, kjt_slice, make_ebc
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 
@@ -29,7 +30,7 @@ def _on_gpu(rank, world_size):
     pipeline = make_pipeline(trainer=0, num_servers=1, staleness=0, device=device)
     remote = remote_of(ebc, pipeline, cid="g", num_servers=1, optimizer={"name": "sgd", "lr": 0.5})
     local = make_ebc(seed=0).to(device)
-    kjt = kjt_slice(global_batch(0, test_tables(), 8), 0, 8)
+    kjt = kjt_slice(global_batch(0, sparse.test_tables(), 8), 0, 8)
     with step(pipeline) as s:
         out = remote(kjt)
         assert out.values().device == device
@@ -41,13 +42,19 @@ def _on_gpu(rank, world_size):
     for name, bag in local.embedding_bags.items():
         expect = (bag.weight.detach() - 0.5 * bag.weight.grad).cpu()
         torch.testing.assert_close(got[name], expect, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # outside a step (evaluation): the trained rows, on the trainer's GPU
+        for bag in local.embedding_bags.values():
+            bag.weight -= 0.5 * bag.weight.grad
+        read = remote(kjt).values()
+        assert read.device == device
+        torch.testing.assert_close(read, local(kjt.to(device)).values(), rtol=1e-5, atol=1e-6)
     pipeline.close()
     dist.barrier()
     return True
 
 
 def test_rows_reach_the_trainer_s_gpu_and_train_as_a_local_collection_there():
-    assert run_distributed(_on_gpu, 2, setup="hybrid", num_servers=1, timeout=120)[0]
+    assert run_distributed(_on_gpu, 2, setup="hybrid", num_servers=1, timeout=120, start="spawn")[0]
 
 
 def _train(rank, world_size, *, tmp, overrides):
@@ -65,7 +72,8 @@ def test_hybrid_train_moves_batches_to_the_gpu_and_matches_one_cpu_process(tmp_p
     # forward, so a finished run shows that the loop moved every batch (train and eval).
     out = tmp_path / "run"
     over = _overrides("dlrm", out)
-    assert run_distributed(_train, 2, setup="none", timeout=240, tmp=str(tmp_path), overrides=over) == [0, 0]
+    assert run_distributed(_train, 2, setup="none", timeout=240, start="spawn", tmp=str(tmp_path),
+                           overrides=over) == [0, 0]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     got = [r["loss"] for r in rows if r["kind"] == "train"]
     assert len(got) == STEPS and [r["step"] for r in rows if r["kind"] == "eval"] == [0, 3, STEPS]

@@ -265,7 +265,9 @@ class RemoteCollection(nn.Module):
         after = self.pipeline.finished_step()
         futs = [(s, self._call(s, service.rpc_read, self.handle, after, r.tables, r.counts, r.ids))
                 for s, r in routed.requests.items()]
-        return routed, dict(zip(routed.requests, self._wait(futs, "lookup")))
+        device = self.pipeline.device  # the rows come in host memory, as in a step
+        rows = [r.to(device, non_blocking=r.is_pinned()) for r in self._wait(futs, "lookup")]
+        return routed, dict(zip(routed.requests, rows))
 
     def extra_repr(self) -> str:
         shard = {lay.sharding for lay in self.layouts}
