@@ -51,6 +51,19 @@ def test_results_come_back_from_every_rank():
     assert not any(_alive(pid) for _, pid in out)
 
 
+def _cuda_state(rank, world_size):
+    return torch.cuda.is_available(), torch.multiprocessing.get_start_method(allow_none=True)
+
+
+def test_spawned_ranks_join_and_report_as_forked_ones_do():
+    # The start the CUDA tests use: fresh interpreters, which a process that asked torch about
+    # GPUs before forking could not give.
+    out = run_distributed(_allreduce, 2, timeout=60, start="spawn")
+    assert [v for v, _ in out] == [3.0, 3.0]
+    assert not any(_alive(pid) for _, pid in out)
+    assert run_distributed(_cuda_state, 1, setup="none", timeout=60, start="spawn")[0][1] == "spawn"
+
+
 def test_a_raising_rank_is_named_with_its_traceback():
     with pytest.raises(DistributedTestError) as e:
         run_distributed(_raise_on_one, 2, setup="none", timeout=60)
