@@ -17,8 +17,9 @@ from setuptools import setup
 # (a fused multiply-add only where the code calls one, as torch's kernels do), whatever
 # instruction set a kernel is compiled for, so the results equal hybrid.ops.reference bit for
 # bit. No -march: the AVX2 kernels are chosen at run time, so one build runs on any x86-64 (and
-# on aarch64).
-CXX_FLAGS = ["-O3", "-ffp-contract=off"]
+# on aarch64). -fopenmp: at::parallel_for is OpenMP code inlined from torch's headers, so without
+# it the operators' parallel loops run on one thread; its calls resolve to the libgomp torch loads.
+CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 
 def extensions():

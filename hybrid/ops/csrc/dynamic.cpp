@@ -14,6 +14,7 @@
 // The id maps stay with the caller (id_map.cpp's operators). hybrid/ops/reference.py computes the
 // same results in plain torch; hybrid/ps/server/dynamic.py holds the state and the rules' prose.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -372,46 +373,58 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
   }
   Tensor evicted_ids = at::empty({evicted.numel()}, evicted.options());
   int64_t* eo = evicted_ids.data_ptr<int64_t>();
+  // Each table's runs of slots, new ids and evictions start after the earlier tables'; the tables
+  // share nothing, so each is committed on a thread of its own.
+  std::vector<int64_t> first_slot(ntab), first_new(ntab), first_evicted(ntab);
   o1 = o2 = o3 = 0;
   for (size_t t = 0; t < ntab; t++) {
-    const Slots& s = views[t];
-    for (int64_t i = o3; i < o3 + evicted_counts[t]; i++) {
-      const int64_t j = ev[i];
-      s.count[s.slot_part[j]]--;
-      eo[i] = s.slot_id[j];
-      s.occupied[j] = false;
-      s.last[j] = -1;
-    }
-    for (int64_t i = o2; i < o2 + new_counts[t]; i++) {
-      if (i + kAhead < o2 + new_counts[t]) {  // the slot state of the new rows ahead
-        const int64_t a = ns[i + kAhead];
-        __builtin_prefetch(s.slot_part + a);
-        __builtin_prefetch(s.slot_index + a);
-        __builtin_prefetch(s.slot_id + a, 1);
-        __builtin_prefetch(s.occupied + a, 1);
-      }
-      const int64_t j = ns[i], p = s.slot_part[j];
-      s.slot_id[j] = ni[i];
-      s.occupied[j] = true;
-      s.count[p]++;
-      s.fill[p] = std::max(s.fill[p], s.slot_index[j] + 1);
-    }
-    if (!weights.empty()) {
-      const uint32_t key = static_cast<uint32_t>(keys[t]);
-      const float bound = static_cast<float>(bounds[t]);  // as torch converts a Python float for float32 math
-      k::with_dtype(dtypes[t], [&](auto d) {
-        initial_rows<decltype(d)>(weights[t].data_ptr(), weights[t].size(1), ni, ns, o2, o2 + new_counts[t], key,
-                                  bound);
-      });
-    }
-    for (int64_t i = o1; i < o1 + counts[t]; i++) {
-      if (i + 2 * kAhead < o1 + counts[t] && sp[i + 2 * kAhead] >= 0) __builtin_prefetch(s.last + sp[i + 2 * kAhead], 1);
-      if (sp[i] >= 0) s.last[sp[i]] = step;
-    }
+    first_slot[t] = o1;
+    first_new[t] = o2;
+    first_evicted[t] = o3;
     o1 += counts[t];
     o2 += new_counts[t];
     o3 += evicted_counts[t];
   }
+  at::parallel_for(0, static_cast<int64_t>(ntab), 1, [&](int64_t lo, int64_t hi) {
+    for (size_t t = static_cast<size_t>(lo); t < static_cast<size_t>(hi); t++) {
+      const Slots& s = views[t];
+      const int64_t s1 = first_slot[t], s2 = first_new[t], s3 = first_evicted[t];
+      for (int64_t i = s3; i < s3 + evicted_counts[t]; i++) {
+        const int64_t j = ev[i];
+        s.count[s.slot_part[j]]--;
+        eo[i] = s.slot_id[j];
+        s.occupied[j] = false;
+        s.last[j] = -1;
+      }
+      for (int64_t i = s2; i < s2 + new_counts[t]; i++) {
+        if (i + kAhead < s2 + new_counts[t]) {  // the slot state of the new rows ahead
+          const int64_t a = ns[i + kAhead];
+          __builtin_prefetch(s.slot_part + a);
+          __builtin_prefetch(s.slot_index + a);
+          __builtin_prefetch(s.slot_id + a, 1);
+          __builtin_prefetch(s.occupied + a, 1);
+        }
+        const int64_t j = ns[i], p = s.slot_part[j];
+        s.slot_id[j] = ni[i];
+        s.occupied[j] = true;
+        s.count[p]++;
+        s.fill[p] = std::max(s.fill[p], s.slot_index[j] + 1);
+      }
+      if (!weights.empty()) {
+        const uint32_t key = static_cast<uint32_t>(keys[t]);
+        const float bound = static_cast<float>(bounds[t]);  // as torch converts a Python float for float32 math
+        k::with_dtype(dtypes[t], [&](auto d) {
+          initial_rows<decltype(d)>(weights[t].data_ptr(), weights[t].size(1), ni, ns, s2, s2 + new_counts[t], key,
+                                    bound);
+        });
+      }
+      for (int64_t i = s1; i < s1 + counts[t]; i++) {
+        if (i + 2 * kAhead < s1 + counts[t] && sp[i + 2 * kAhead] >= 0)
+          __builtin_prefetch(s.last + sp[i + 2 * kAhead], 1);
+        if (sp[i] >= 0) s.last[sp[i]] = step;
+      }
+    }
+  });
   return evicted_ids;
 }
 
@@ -476,18 +489,22 @@ Tensor dynamic_rows(TensorList weights, const Tensor& ids, const Tensor& slots, 
   Tensor hits = at::zeros({static_cast<int64_t>(ntab)}, ids.options());
   int64_t* hp = hits.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
-  off = 0;
-  for (size_t t = 0; t < ntab; t++) {
-    const int64_t dim = weights[t].size(1);
-    const uint32_t key = static_cast<uint32_t>(keys[t]);
-    const float bound = static_cast<float>(bounds[t]);  // as torch converts a Python float for float32 math
-    hp[t] = k::with_dtype(dtypes[t], [&](auto s) {
-      return lookup_rows<decltype(s)>(weights[t].data_ptr(), dim, ip, sp, seen_p, admit_after, off, off + counts[t],
-                                      key, bound, o);
-    });
-    o += counts[t] * dim;
-    off += counts[t];
+  std::vector<int64_t> first_id(ntab), first_out(ntab);  // where each table's ids and rows start
+  for (size_t t = 0, i = 0, e = 0; t < ntab; i += counts[t], e += counts[t] * weights[t].size(1), t++) {
+    first_id[t] = static_cast<int64_t>(i);
+    first_out[t] = static_cast<int64_t>(e);
   }
+  at::parallel_for(0, static_cast<int64_t>(ntab), 1, [&](int64_t lo, int64_t hi) {  // a thread per table
+    for (size_t t = static_cast<size_t>(lo); t < static_cast<size_t>(hi); t++) {
+      const int64_t dim = weights[t].size(1), first = first_id[t];
+      const uint32_t key = static_cast<uint32_t>(keys[t]);
+      const float bound = static_cast<float>(bounds[t]);  // as torch converts a Python float for float32 math
+      hp[t] = k::with_dtype(dtypes[t], [&](auto s) {
+        return lookup_rows<decltype(s)>(weights[t].data_ptr(), dim, ip, sp, seen_p, admit_after, first,
+                                        first + counts[t], key, bound, o + first_out[t]);
+      });
+    }
+  });
   return hits;
 }
 
@@ -584,28 +601,43 @@ Tensor sum_runs(TensorList grads, const Tensor& inverse, IntArrayRef per, IntArr
   }
   Tensor out = at::empty({total}, at::TensorOptions().dtype(at::kFloat));
   std::vector<int32_t> added(static_cast<size_t>(nu), 0);
-  float* table_out = out.data_ptr<float>();
-  for (int64_t t = 0, e = 0, j = 0, base = 0; t < static_cast<int64_t>(runs.size()); base += per[t], t++) {
-    const int64_t d = runs[t] ? grads[j].size(1) : 0;
-    for (int64_t u = 0; u < per[t]; u++)  // an id no run has: zeros
-      if (rows_of[static_cast<size_t>(base + u)] == 0) std::fill(table_out + u * d, table_out + (u + 1) * d, 0.0f);
-    for (int64_t r = 0; r < runs[t]; r++, j++) {
-      const float* g = grads[j].data_ptr<float>();
-      for (int64_t i = 0; i < grads[j].size(0); i++, e++) {
-        const size_t u = static_cast<size_t>(inv[e]);
-        float* __restrict o = table_out + (inv[e] - base) * d;
-        const float* __restrict gi = g + i * d;
-        if (added[u]++ == 0) {
-          for (int64_t c = 0; c < d; c++) o[c] = 0.0f + gi[c];
-        } else {
-          for (int64_t c = 0; c < d; c++) o[c] += gi[c];
+  // Where each table's ids, runs, distinct ids and output rows start: the tables share nothing,
+  // so each is summed on a thread of its own.
+  const int64_t ntab = static_cast<int64_t>(runs.size());
+  std::vector<int64_t> first_e(ntab), first_j(ntab), first_u(ntab), first_out(ntab);
+  for (int64_t t = 0, e = 0, j = 0, base = 0, o = 0; t < ntab; t++) {
+    first_e[t] = e, first_j[t] = j, first_u[t] = base, first_out[t] = o;
+    for (int64_t r = 0; r < runs[t]; r++) e += grads[j + r].size(0);
+    o += runs[t] ? per[t] * grads[j].size(1) : 0;
+    j += runs[t];
+    base += per[t];
+  }
+  float* all_out = out.data_ptr<float>();
+  at::parallel_for(0, ntab, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; t++) {
+      int64_t e = first_e[t], j = first_j[t];
+      const int64_t base = first_u[t];
+      float* table_out = all_out + first_out[t];
+      const int64_t d = runs[t] ? grads[j].size(1) : 0;
+      for (int64_t u = 0; u < per[t]; u++)  // an id no run has: zeros
+        if (rows_of[static_cast<size_t>(base + u)] == 0) std::fill(table_out + u * d, table_out + (u + 1) * d, 0.0f);
+      for (int64_t r = 0; r < runs[t]; r++, j++) {
+        const float* g = grads[j].data_ptr<float>();
+        for (int64_t i = 0; i < grads[j].size(0); i++, e++) {
+          const size_t u = static_cast<size_t>(inv[e]);
+          float* __restrict o = table_out + (inv[e] - base) * d;
+          const float* __restrict gi = g + i * d;
+          if (added[u]++ == 0) {
+            for (int64_t c = 0; c < d; c++) o[c] = 0.0f + gi[c];
+          } else {
+            for (int64_t c = 0; c < d; c++) o[c] += gi[c];
+          }
+          if (added[u] == rows_of[u] && fscale != 1.0f)
+            for (int64_t c = 0; c < d; c++) o[c] *= fscale;
         }
-        if (added[u] == rows_of[u] && fscale != 1.0f)
-          for (int64_t c = 0; c < d; c++) o[c] *= fscale;
       }
     }
-    table_out += per[t] * d;
-  }
+  });
   return out;
 }
 
