@@ -6,8 +6,9 @@ Zipf ids, 2 trainers x 256 samples, SGD, one server) with the tables of ``hybrid
 routes both trainers' batches (:class:`hybrid.ps.client.routing.Router`), answers both lookups and
 applies both pushes on one :class:`hybrid.ps.server.shard.CollectionShard`, in the order a sync
 server sees them; the gradients are random. Prints, per table kind, the thread CPU time per step
-of each stage (median over ``--repeat`` runs): ``route`` (one trainer), ``lookups`` and ``update``
-(the server, both trainers). Less sensitive to the machine's load than samples/s.
+of each stage (median over ``--repeat`` runs): ``route`` (one trainer), ``lookups``, ``plan`` (a
+sync server's planning of dynamic tables' admissions once both lookups are answered, while the
+trainers compute) and ``update`` (the server, both trainers; what the last gradient waits for). Less sensitive to the machine's load than samples/s.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def run(w: Workload, *, dynamic: bool) -> dict[str, float]:
     for t in shard.tables:
         t.initialize(cfg.init_seed)
     router, data = Router(cfg), Data(w)
-    ns = {"route": 0, "lookups": 0, "update": 0}
+    ns = {"route": 0, "lookups": 0, "plan": 0, "update": 0}
 
     def timed(stage: str, fn, *args, **kwargs):
         t0 = time.thread_time_ns()
@@ -58,6 +59,7 @@ def run(w: Workload, *, dynamic: bool) -> dict[str, float]:
         kjts = [batch.slice(r * w.batch, (r + 1) * w.batch).kjt() for r in range(w.trainers)]
         reqs = [timed("route", router.route, k, where="bench").requests[0] for k in kjts]
         rows = [timed("lookups", shard.gather, req, step=step) for req in reqs]
+        timed("plan", shard.plan_ahead, step)  # as the server does once both lookups are answered
         for r, (req, got) in enumerate(zip(reqs, rows)):
             timed("update", shard.push, r, step, [(req, torch.randn(got.numel()) * 1e-3)])
     ns["route"] /= w.trainers
@@ -75,10 +77,11 @@ def main() -> None:
     for _ in range(args.repeat):
         for kind in got:
             got[kind].append(run(w, dynamic=kind == "dynamic"))
-    print(f"{'tables':8s} {'route (trainer)':>16s} {'lookups (server)':>17s} {'update (server)':>16s}  ms CPU per step")
+    print(f"{'tables':8s} {'route (trainer)':>16s} {'lookups (server)':>17s} {'plan (server)':>14s} "
+          f"{'update (server)':>16s}  ms CPU per step")
     for kind, runs in got.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        print(f"{kind:8s} {med['route']:16.2f} {med['lookups']:17.2f} {med['update']:16.2f}")
+        print(f"{kind:8s} {med['route']:16.2f} {med['lookups']:17.2f} {med['plan']:14.2f} {med['update']:16.2f}")
 
 
 if __name__ == "__main__":

@@ -143,6 +143,8 @@ def test_sync_dynamic_tables_equal_one_process(dynamic):
         for server, st in res[n + "/stats"].items():
             assert set(st["dynamic"]) == {"t0", "t1", "t2"}, st
             assert 0 < st["dynamic"]["t0"]["hit_ratio"] <= 1
+            # The updates carried out the plans made from the lookups (the equality above holds for them).
+            assert 0 < st["plans_used"] <= st["planned_ahead"] <= STEPS, st
 
 
 def test_sync_dynamic_embedding_collection_equals_one_process():

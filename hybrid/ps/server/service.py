@@ -303,6 +303,10 @@ class _Answer:
             done = self.left == 0 and not self.failed
         if done:
             self.reply(self.out, None)
+            # The trainer has its rows; while it computes, sync dynamic tables plan the update.
+            for part, shard in zip(self.msg.parts, self.shards):
+                if part.lookup is not None:
+                    shard.plan_ahead(part.step)
 
 
 def _owned(rows: Rows) -> Rows:

@@ -48,6 +48,10 @@ class ServerCounters:
     bytes_out: int = 0
     updates_applied: int = 0
     """Updates finished: sync, one per step (every trainer's gradients in); async, one per push."""
+    planned_ahead: int = 0
+    """Sync dynamic tables: updates whose admissions were planned from the lookups, before the gradients."""
+    plans_used: int = 0
+    """Of those, the updates that used their plan (the rest planned again: their maps had changed)."""
     wait_s: float = 0.0
     """Time lookups spent waiting for the slowest trainer's update."""
     max_lag: int = 0
@@ -168,6 +172,13 @@ class LookedUp:
     seen: torch.Tensor
     versions: list[int]
 
+    def by_table(self, admit_after: int) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Table -> this lookup's ids of it, their slots and (``admit_after > 1``) sightings."""
+        counts = self.rows.counts
+        seen = self.seen.split(counts) if admit_after > 1 else [None] * len(counts)
+        return {i: (ids, f, sn) for i, ids, f, sn in zip(self.rows.tables, self.rows.ids.split(counts),
+                                                            self.found.split(counts), seen)}
+
     def matches(self, rows: Rows, shards: list[TableShard]) -> bool:
         return (self.rows.tables == list(rows.tables) and self.rows.counts == list(rows.counts)
                 and self.versions == [t.dynamic.version for t in shards] and torch.equal(self.rows.ids, rows.ids))
@@ -198,6 +209,9 @@ class CollectionShard:
         self.accumulates = config.optimizer.accumulates and config.storage_dtype == "float32"
         self.looked_up: dict[int, list[LookedUp]] = defaultdict(list)
         """Step -> its lookups of dynamic tables not yet matched by an update (:class:`LookedUp`)."""
+        self.planned: dict[int, _Planned] = {}
+        """Step -> its update's admissions, planned from its lookups before its gradients came
+        (:meth:`plan_ahead`)."""
         self.complete_through = start_step - 1
         self.arrived: dict[int, int] = defaultdict(int)
         self.pending: dict[int, list[Contribution]] = defaultdict(list)
@@ -370,22 +384,78 @@ class CollectionShard:
                 steps.append((table, rows, summed, gscale))
         self._step(steps)
 
+    def plan_ahead(self, step: int) -> None:
+        """Sync dynamic tables, once every trainer's lookup of ``step`` is in (call after they are
+        answered): merge their ids and plan the step's admissions now, while the trainers compute,
+        so that the update, when the last gradient arrives, only carries the plan out. The maps
+        change only in updates, so the plan holds while their versions stay (checked then); a
+        plan that fails (a full table) is left to the update, which plans again and raises."""
+        if self.config.dynamic is None or self.staleness or self.num_trainers < 2:
+            return
+        admit_after = self.config.dynamic.admit_after
+        with self.lock:
+            looked = self.looked_up.get(step, [])
+            if step in self.planned or step <= self.complete_through or len(looked) != self.num_trainers:
+                return
+            order = sorted({i for e in looked for i in e.rows.tables})
+            parts = [e.by_table(admit_after) for e in looked]
+            runs = [[k for k, part in enumerate(parts) if i in part] for i in order]  # lookups in order
+            try:
+                merged = self._plan([self.by_index[i] for i in order], [len(ks) for ks in runs],
+                                    [parts[k][i] for i, ks in zip(order, runs) for k in ks], step)
+            except Exception:  # noqa: BLE001 - the update plans again and reports it
+                return
+            self.planned[step] = _Planned(looked=list(looked), order=order, merged=merged,
+                                          keys=[(k, i) for i, ks in zip(order, runs) for k in ks],
+                                          versions=[t.dynamic.version for t in self.tables])
+            self.counters.planned_ahead += 1
+
+    def _plan(self, tables: list[TableShard], runs: list[int],
+              segments: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]], step: int):
+        """The distinct ids of an update's runs (per table, ``runs[t]`` of ``segments``: each
+        run's ascending ids and, where its lookup found them, their slots and sightings), each
+        run's ids' index among them, and the admissions :func:`plan_updates` decides.
+        Returns ``(distinct, per, inverse, admissions)``; ``inverse`` is ``None`` for one run a table."""
+        admit_after = self.config.dynamic.admit_after
+        if max(runs) == 1:  # one trainer's ids: already distinct and ascending (the route)
+            distinct, per, inverse = [seg[0] for seg in segments], None, None
+            uniq = None
+        else:
+            # Each run's ids of a table ascend: merged, every table at once.
+            counts, at = [], 0
+            for n in runs:
+                counts += [seg[0].numel() for seg in segments[at:at + n]] + [0] * (max(runs) - n)
+                at += n
+            flat_runs = [seg[0] for seg in segments]
+            uniq, per_t, inverse = ops.merge_ids(_cat(flat_runs), counts, runs=max(runs))
+            per = per_t.tolist()
+            distinct = list(uniq.split(per))
+        found = None
+        if all(seg[1] is not None for seg in segments):
+            found = (_cat([seg[1] for seg in segments]),
+                     _cat([seg[2] for seg in segments]) if admit_after > 1 else torch.empty(0, dtype=torch.int64))
+            if inverse is not None:
+                found = tuple(inverse.new_empty(uniq.numel()).scatter_(0, inverse, f) if f.numel()
+                              else f for f in found)
+        admissions = plan_updates([t.dynamic for t in tables], distinct, step, found)
+        return distinct, per, inverse, admissions
+
     def _apply_dynamic(self, contributions: list[Contribution], step: int) -> None:
         """Dynamic tables: every table's distinct ids of the update are admitted (or not) in one
         plan, every table planned before any changes (a full table changes nothing), then the
         optimizer runs on the slots of the admitted ids, all tables in one call (all or nothing)."""
         looked = self.looked_up.get(step, [])
+        planned = self.planned.pop(step, None)
         admit_after = self.config.dynamic.admit_after
         # Per table, one run per contribution: (ids, gradient rows, slots and sightings the
-        # step's lookup found for them, or None).
+        # step's lookup found for them, or None), and which lookup it matched.
         per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]] = {}
-        known = True
+        matched: dict[int, list[LookedUp | None]] = {}
         for rows, grad in contributions:
             shards = self.shards_of(rows)
             match = next((e for e in looked if e.matches(rows, shards)), None)
             if match is not None:
                 looked.remove(match)
-            known = known and match is not None
             sizes = [n * t.dim for n, t in zip(rows.counts, shards)]
             found = match.found.split(rows.counts) if match is not None else [None] * len(rows.counts)
             seen = (match.seen.split(rows.counts) if match is not None and admit_after > 1
@@ -393,32 +463,25 @@ class CollectionShard:
             for index, t, ids, g, n, f, sn in zip(rows.tables, shards, rows.ids.split(rows.counts), grad.split(sizes),
                                                   rows.counts, found, seen):
                 per_table.setdefault(index, []).append((ids, g.view(n, t.dim), f, sn))
+                matched.setdefault(index, []).append(match)
         # Lookups no update will match: of steps every trainer has pushed (sync: this one too).
         done = self.complete_through if self.staleness else step
         for s in [s for s in self.looked_up if s <= done]:
             del self.looked_up[s]
+        for s in [s for s in self.planned if s <= done]:
+            del self.planned[s]
         if not per_table:
             return
         order = sorted(per_table)
         tables = [self.by_index[i] for i in order]
-        runs = max(len(per_table[i]) for i in order)
         runs_of = [r for i in order for r in per_table[i]]
-        if runs == 1:  # one trainer's ids: already distinct and ascending (the route)
-            distinct, inverse = [per_table[i][0][0] for i in order], None
+        if planned is not None and planned.serves(order, matched, self.tables):
+            distinct, per, _, admissions = planned.merged
+            inverse = planned.inverse(order, matched)
+            self.counters.plans_used += 1
         else:
-            # Each trainer's ids of a table ascend: merged, every table at once.
-            counts = [per_table[i][r][0].numel() if r < len(per_table[i]) else 0 for i in order for r in range(runs)]
-            uniq, per, inverse = ops.merge_ids(_cat([r[0] for r in runs_of]), counts, runs=runs)
-            per = per.tolist()
-            distinct = list(uniq.split(per))
-        found = None
-        if known:
-            found = (_cat([r[2] for r in runs_of]),
-                     _cat([r[3] for r in runs_of]) if admit_after > 1 else torch.empty(0, dtype=torch.int64))
-            if inverse is not None:
-                found = tuple(inverse.new_empty(uniq.numel()).scatter_(0, inverse, f) if f.numel()
-                              else f for f in found)
-        admissions = plan_updates([t.dynamic for t in tables], distinct, step, found)
+            distinct, per, inverse, admissions = self._plan(
+                tables, [len(per_table[i]) for i in order], [(r[0], r[2], r[3]) for r in runs_of], step)
         commit_updates([t.dynamic for t in tables], admissions, weights=[t.weight for t in tables],
                        keys=[t.init_key[0] for t in tables], bounds=[t.init_key[1] for t in tables])
         for table, a in zip(tables, admissions):
@@ -514,6 +577,39 @@ class CollectionShard:
                 return t
         raise KeyError(f"ps{self.server} holds no table {name!r} of {self.cid} (it holds "
                        f"{[t.name for t in self.tables]})")
+
+
+@dataclass
+class _Planned:
+    """A sync step's update planned from its lookups (:meth:`CollectionShard.plan_ahead`): the
+    lookups it covers, its tables, :meth:`CollectionShard._plan`'s result for their runs (table
+    after table, each in lookup order) and the maps' versions it holds for."""
+
+    looked: list[LookedUp]
+    order: list[int]
+    merged: tuple
+    keys: list[tuple[int, int]]
+    """(lookup, table) of each run, in the order the runs were merged."""
+    versions: list[int]
+
+    def serves(self, order: list[int], matched: dict[int, list[LookedUp | None]], tables: list[TableShard]) -> bool:
+        """Whether the update whose runs matched these lookups (``matched[table]``, in
+        contribution order) is the one planned: the same lookups, tables and map versions."""
+        mine = {id(e) for e in self.looked}
+        got = {id(e) for runs in matched.values() for e in runs if e is not None}
+        return (order == self.order and got == mine and all(e is not None for r in matched.values() for e in r)
+                and sum(len(r) for r in matched.values()) == len(self.keys)
+                and self.versions == [t.dynamic.version for t in tables])
+
+    def inverse(self, order: list[int], matched: dict[int, list[LookedUp]]) -> torch.Tensor | None:
+        """The merged ids' inverse for the runs in the update's order (its contributions')."""
+        inverse = self.merged[2]
+        if inverse is None:
+            return None
+        sizes = [self.looked[k].rows.counts[self.looked[k].rows.tables.index(i)] for k, i in self.keys]
+        pieces = dict(zip(self.keys, inverse.split(sizes)))
+        index = {id(e): k for k, e in enumerate(self.looked)}
+        return _cat([pieces[(index[id(e)], i)] for i in order for e in matched[i]])
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
