@@ -216,7 +216,7 @@ class Router:
         """The collection's pooled values ``[batch, sum of feature dims]`` (collection feature
         order) from each server's reply."""
         outs = []
-        parts = {s: rows[s].split(routed.splits[s]) for s in self.servers}
+        parts = self._parts(routed, rows)
         for k, (g, route) in enumerate(zip(self.groups, routed.routes)):
             table_rows = self._group_rows(parts, k, g)
             route = _on_device(route, table_rows.device)
@@ -231,12 +231,18 @@ class Router:
         unpooled collection), from each server's reply. The backward sums the gradients of each
         unique row's positions into its reply row."""
         out: dict[str, torch.Tensor] = {}
-        parts = {s: rows[s].split(routed.splits[s]) for s in self.servers}
+        parts = self._parts(routed, rows)
         for k, (g, route) in enumerate(zip(self.groups, routed.routes)):
             table_rows = self._group_rows(parts, k, g)
             values = F.embedding(route.idx.to(table_rows.device, non_blocking=True), table_rows)
             out.update(zip(g.features, values.split(routed.counts[k])))
         return out
+
+    def _parts(self, routed: RoutedBatch, rows: dict[int, torch.Tensor]) -> dict[int, tuple[torch.Tensor, ...]]:
+        """Each server's reply cut into its groups' rows. A reply of one group is used whole: its
+        gradient is then the leaf's own, not a copy assembled by ``split``'s backward."""
+        return {s: (rows[s],) if len(routed.splits[s]) == 1 else rows[s].split(routed.splits[s])
+                for s in self.servers}
 
     def _group_rows(self, parts: dict[int, tuple[torch.Tensor, ...]], k: int, g: TableGroup) -> torch.Tensor:
         """Group ``k``'s reply rows ``[unique rows, dim]``, servers in order (the route's row order),
