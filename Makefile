@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.hybrid-installed
 CSRC   := setup.py $(wildcard hybrid/ops/csrc/*.cpp hybrid/ops/csrc/*.h hybrid/launch/csrc/*.cpp)
 NPROC  ?= 3
 
-.PHONY: env demo test test-fast bench clean-env
+.PHONY: env demo test test-gpu test-fast bench clean-env
 
 env: $(STAMP)
 
@@ -29,6 +29,10 @@ demo: env
 test: env
 	HYBRID_REQUIRE_NATIVE=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" tests
 	HYBRID_REQUIRE_NATIVE=1 $(PY) -m pytest -q -m serial tests
+
+# On a CUDA machine (docs/install.md, "CUDA"): the tests that need a GPU, and every operator.
+test-gpu: env
+	HYBRID_REQUIRE_NATIVE=1 $(PY) -m pytest -q -rs tests/distributed/test_device.py tests/unit/test_ops.py
 
 test-fast: env
 	HYBRID_REQUIRE_NATIVE=1 $(PY) -m pytest -q tests/unit
