@@ -247,9 +247,11 @@ def shutdown(role: Role, *, graceful: bool = True, timeout_s: float = 60.0) -> N
                 else:
                     rpc.shutdown(graceful=False)
         finally:
-            if not role.is_trainer:
-                from hybrid.ps.server import service
+            from hybrid.ps.server import service
 
-                # A server serves until RPC is down (its rows are still being made in the
-                # background meanwhile); then the fill's thread ends before the process does.
-                service.close()
+            # A server -- or a trainer holding the tables in one process -- serves until RPC is
+            # down (its rows are still being made in the background meanwhile); then the fill's
+            # thread ends before the process does: a daemon thread still inside a native call
+            # when the interpreter exits aborts the process ("terminate called without an
+            # active exception"). A process without a server has nothing to stop.
+            service.close()

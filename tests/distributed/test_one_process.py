@@ -77,3 +77,14 @@ def test_one_process_checkpoint_and_resume_equal_the_straight_run(tmp_path):
     assert res.returncode == 0, res.output
     got, want = ([r["loss"] for r in rows(tmp_path / d, "train")] for d in "ab")
     assert len(want) == STEPS and got == want
+
+
+def test_a_one_process_run_ends_cleanly_while_its_tables_are_still_being_filled(tmp_path):
+    """Tables far larger than a 2-step run needs: the background fill of their initial rows is
+    still at work when the run ends. The run stops that thread before the interpreter exits (a
+    daemon thread inside a native call at exit aborts the process: exit code 134)."""
+    res = run_hybrid(["train", *DEMO, "model.num_embeddings=100000", "train.steps=2", "train.eval_every=0",
+                      "train.plot=false", "train.progress=false", "plan.topology.parameter_servers=0",
+                      "data.batch_size=32", f"train.out_dir={tmp_path / 'run'}"], timeout=240)
+    assert res.returncode == 0, res.output
+    assert "background fill:" not in res.output, "the fill ended before the run: this test shows nothing"

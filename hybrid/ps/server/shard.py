@@ -419,15 +419,13 @@ class CollectionShard:
         admit_after = self.config.dynamic.admit_after
         if max(runs) == 1:  # one trainer's ids: already distinct and ascending (the route)
             distinct, per, inverse = [seg[0] for seg in segments], None, None
-            uniq = None
         else:
             # Each run's ids of a table ascend: merged, every table at once.
             counts, at = [], 0
             for n in runs:
                 counts += [seg[0].numel() for seg in segments[at:at + n]] + [0] * (max(runs) - n)
                 at += n
-            flat_runs = [seg[0] for seg in segments]
-            uniq, per_t, inverse = ops.merge_ids(_cat(flat_runs), counts, runs=max(runs))
+            uniq, per_t, inverse = ops.merge_ids(_cat([seg[0] for seg in segments]), counts, runs=max(runs))
             per = per_t.tolist()
             distinct = list(uniq.split(per))
         found = None
@@ -435,7 +433,7 @@ class CollectionShard:
             found = (_cat([seg[1] for seg in segments]),
                      _cat([seg[2] for seg in segments]) if admit_after > 1 else torch.empty(0, dtype=torch.int64))
             if inverse is not None:
-                found = tuple(inverse.new_empty(uniq.numel()).scatter_(0, inverse, f) if f.numel()
+                found = tuple(inverse.new_empty(sum(per)).scatter_(0, inverse, f) if f.numel()
                               else f for f in found)
         admissions = plan_updates([t.dynamic for t in tables], distinct, step, found)
         return distinct, per, inverse, admissions
