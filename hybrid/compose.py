@@ -164,7 +164,8 @@ def _materialize(model: nn.Module, device: torch.device, *, seed: int) -> None:
     for fqn, (params, buffers) in on_meta.items():  # refuse before allocating anything
         _check_restorable(modules[fqn], fqn, params, buffers)
     model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
-    with torch.random.fork_rng(devices=[]):
+    # manual_seed seeds every device's generator: the trainer's GPU generator is restored too.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         for fqn, (params, buffers) in on_meta.items():
             m = modules[fqn]
