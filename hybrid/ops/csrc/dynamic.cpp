@@ -358,8 +358,13 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
   check_counts(evicted_counts, evicted.numel(), "evicted");
   const int64_t *sp = slots.data_ptr<int64_t>(), *ni = new_ids.data_ptr<int64_t>();
   const int64_t *ns = new_slots.data_ptr<int64_t>(), *ev = evicted.data_ptr<int64_t>();
+  // Each table's runs of slots, new ids and evictions start after the earlier tables'.
+  std::vector<int64_t> first_slot(ntab), first_new(ntab), first_evicted(ntab);
   int64_t o1 = 0, o2 = 0, o3 = 0;
   for (size_t t = 0; t < ntab; t++) {  // every slot checked before anything is written
+    first_slot[t] = o1;
+    first_new[t] = o2;
+    first_evicted[t] = o3;
     const int64_t cap = views[t].capacity;
     for (int64_t i = o1; i < o1 + counts[t]; i++)
       TORCH_CHECK_VALUE(sp[i] < cap, "slots[", i, "] = ", sp[i], " is not a slot of table ", t);
@@ -373,18 +378,7 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
   }
   Tensor evicted_ids = at::empty({evicted.numel()}, evicted.options());
   int64_t* eo = evicted_ids.data_ptr<int64_t>();
-  // Each table's runs of slots, new ids and evictions start after the earlier tables'; the tables
-  // share nothing, so each is committed on a thread of its own.
-  std::vector<int64_t> first_slot(ntab), first_new(ntab), first_evicted(ntab);
-  o1 = o2 = o3 = 0;
-  for (size_t t = 0; t < ntab; t++) {
-    first_slot[t] = o1;
-    first_new[t] = o2;
-    first_evicted[t] = o3;
-    o1 += counts[t];
-    o2 += new_counts[t];
-    o3 += evicted_counts[t];
-  }
+  // The tables share nothing: each is committed on a thread of its own.
   at::parallel_for(0, static_cast<int64_t>(ntab), 1, [&](int64_t lo, int64_t hi) {
     for (size_t t = static_cast<size_t>(lo); t < static_cast<size_t>(hi); t++) {
       const Slots& s = views[t];
@@ -470,30 +464,25 @@ Tensor dynamic_rows(TensorList weights, const Tensor& ids, const Tensor& slots, 
   TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, "out must be float32, got ", out.scalar_type());
   TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous(), "out must be a contiguous CPU tensor");
   std::vector<k::DType> dtypes;
+  std::vector<int64_t> first_id(ntab), first_out(ntab);  // where each table's ids and rows start
   int64_t numel = 0;
-  for (size_t t = 0; t < ntab; t++) {
+  for (size_t t = 0, i = 0; t < ntab; i += counts[t], t++) {
     const Tensor& w = weights[t];
     dtypes.push_back(row_dtype(w, "weights[" + std::to_string(t) + "]"));
     TORCH_CHECK_VALUE(0 <= keys[t] && keys[t] <= 0xFFFFFFFFll, "keys[", t, "] must be a 32-bit value");
+    first_id[t] = static_cast<int64_t>(i);
+    first_out[t] = numel;
     numel += counts[t] * w.size(1);
   }
   TORCH_CHECK_VALUE(out.numel() >= numel, "out holds ", out.numel(), " elements; the rows need ", numel);
   const int64_t *ip = ids.data_ptr<int64_t>(), *sp = slots.data_ptr<int64_t>();
   const int64_t* seen_p = admit_after > 1 ? seen.data_ptr<int64_t>() : nullptr;
-  int64_t off = 0;
-  for (size_t t = 0; t < ntab; t++) {
-    for (int64_t i = off; i < off + counts[t]; i++)
+  for (size_t t = 0; t < ntab; t++)
+    for (int64_t i = first_id[t]; i < first_id[t] + counts[t]; i++)
       TORCH_CHECK_VALUE(sp[i] < weights[t].size(0), "slots[", i, "] = ", sp[i], " is not a row of table ", t);
-    off += counts[t];
-  }
   Tensor hits = at::zeros({static_cast<int64_t>(ntab)}, ids.options());
   int64_t* hp = hits.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
-  std::vector<int64_t> first_id(ntab), first_out(ntab);  // where each table's ids and rows start
-  for (size_t t = 0, i = 0, e = 0; t < ntab; i += counts[t], e += counts[t] * weights[t].size(1), t++) {
-    first_id[t] = static_cast<int64_t>(i);
-    first_out[t] = static_cast<int64_t>(e);
-  }
   at::parallel_for(0, static_cast<int64_t>(ntab), 1, [&](int64_t lo, int64_t hi) {  // a thread per table
     for (size_t t = static_cast<size_t>(lo); t < static_cast<size_t>(hi); t++) {
       const int64_t dim = weights[t].size(1), first = first_id[t];
@@ -579,39 +568,36 @@ Tensor sum_runs(TensorList grads, const Tensor& inverse, IntArrayRef per, IntArr
   check_1d(inverse, at::kLong, "inverse", nids);
   const int64_t* inv = inverse.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
+  // Where each table's ids, runs, distinct ids and output rows start (the columns checked).
+  const int64_t ntab = static_cast<int64_t>(runs.size());
+  std::vector<int64_t> first_e(ntab), first_j(ntab), first_u(ntab), first_out(ntab);
+  int64_t total = 0, nu = 0;
+  for (int64_t t = 0, e = 0, j = 0; t < ntab; t++) {
+    first_e[t] = e, first_j[t] = j, first_u[t] = nu, first_out[t] = total;
+    for (int64_t r = 0; r < runs[t]; r++) {
+      TORCH_CHECK_VALUE(grads[j + r].size(1) == grads[j].size(1), "grads[", j + r, "] has ", grads[j + r].size(1),
+                        " columns; table ", t, "'s first run has ", grads[j].size(1));
+      e += grads[j + r].size(0);
+    }
+    total += runs[t] ? per[t] * grads[j].size(1) : 0;
+    nu += per[t];
+    j += runs[t];
+  }
   // Each distinct id's row count, from the checked inverse: its first row is written (0 + g, as
   // added into zeros) and its last one also scales the sum, so the output is written in one pass
   // rather than zeroed and scaled in passes of their own.
-  int64_t total = 0, nu = 0;
-  for (size_t t = 0, j = 0; t < runs.size(); j += static_cast<size_t>(runs[t]), t++) {
-    for (int64_t r = 0; r < runs[t]; r++)
-      TORCH_CHECK_VALUE(grads[j + r].size(1) == grads[j].size(1), "grads[", j + r, "] has ", grads[j + r].size(1),
-                        " columns; table ", t, "'s first run has ", grads[j].size(1));
-    total += runs[t] ? per[t] * grads[j].size(1) : 0;
-    nu += per[t];
-  }
   std::vector<int32_t> rows_of(static_cast<size_t>(nu), 0);
-  for (int64_t t = 0, e = 0, j = 0, base = 0; t < static_cast<int64_t>(runs.size()); base += per[t], t++) {
-    for (int64_t r = 0; r < runs[t]; r++, j++)
-      for (int64_t i = 0; i < grads[j].size(0); i++, e++) {
-        TORCH_CHECK_VALUE(inv[e] >= base && inv[e] < base + per[t], "inverse[", e, "] = ", inv[e],
-                          " is not one of table ", t, "'s distinct ids [", base, ", ", base + per[t], ")");
-        rows_of[static_cast<size_t>(inv[e])]++;
-      }
+  for (int64_t t = 0; t < ntab; t++) {
+    const int64_t base = first_u[t], end = t + 1 < ntab ? first_e[t + 1] : nids;
+    for (int64_t e = first_e[t]; e < end; e++) {
+      TORCH_CHECK_VALUE(inv[e] >= base && inv[e] < base + per[t], "inverse[", e, "] = ", inv[e],
+                        " is not one of table ", t, "'s distinct ids [", base, ", ", base + per[t], ")");
+      rows_of[static_cast<size_t>(inv[e])]++;
+    }
   }
   Tensor out = at::empty({total}, at::TensorOptions().dtype(at::kFloat));
   std::vector<int32_t> added(static_cast<size_t>(nu), 0);
-  // Where each table's ids, runs, distinct ids and output rows start: the tables share nothing,
-  // so each is summed on a thread of its own.
-  const int64_t ntab = static_cast<int64_t>(runs.size());
-  std::vector<int64_t> first_e(ntab), first_j(ntab), first_u(ntab), first_out(ntab);
-  for (int64_t t = 0, e = 0, j = 0, base = 0, o = 0; t < ntab; t++) {
-    first_e[t] = e, first_j[t] = j, first_u[t] = base, first_out[t] = o;
-    for (int64_t r = 0; r < runs[t]; r++) e += grads[j + r].size(0);
-    o += runs[t] ? per[t] * grads[j].size(1) : 0;
-    j += runs[t];
-    base += per[t];
-  }
+  // The tables share nothing: each is summed on a thread of its own.
   float* all_out = out.data_ptr<float>();
   at::parallel_for(0, ntab, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; t++) {
