@@ -579,7 +579,7 @@ class Trainer:
         for r in self.remotes:
             if r.hot_rows is not None:  # this trainer's cache (trainer 0 writes the summary)
                 c = r.hot_rows.counters
-                lines.append(("hot rows", f"{r.cid}: {c.hits / max(c.looked_up, 1):.1%} of {c.looked_up:,} rows from "
+                lines.append(("hot rows", f"{r.cid}: {c.hit_ratio:.1%} of {c.looked_up:,} rows from "
                                           f"trainer 0's cache, {c.refreshed:,} refreshed, {c.evicted:,} evicted"))
         outputs = ["metrics.jsonl", "metrics.csv", "summary.txt"] + (["curves.png"] if png else [])
         lines.append(("output", f"{self.out_dir}/ ({', '.join(outputs)})"))

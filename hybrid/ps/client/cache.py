@@ -29,7 +29,7 @@ server, whatever the number of tables.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -64,9 +64,12 @@ class CacheCounters:
     evicted: int = 0
     """Rows dropped for others."""
 
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.looked_up if self.looked_up else 0.0
+
     def as_dict(self) -> dict:
-        return {"looked_up": self.looked_up, "sent": self.sent, "hits": self.hits, "refreshed": self.refreshed,
-                "evicted": self.evicted, "hit_ratio": self.hits / self.looked_up if self.looked_up else 0.0}
+        return {**asdict(self), "hit_ratio": self.hit_ratio}
 
 
 def pool_sizes(capacity: int, tables: list[tuple[int, dict[int, int]]]) -> dict[tuple[int, int], int]:

@@ -388,8 +388,9 @@ class CollectionShard:
         """Sync dynamic tables, once every trainer's lookup of ``step`` is in (call after they are
         answered): merge their ids and plan the step's admissions now, while the trainers compute,
         so that the update, when the last gradient arrives, only carries the plan out. The maps
-        change only in updates, so the plan holds while their versions stay (checked then); a
-        plan that fails (a full table) is left to the update, which plans again and raises."""
+        change only in updates, so the plan holds while they are at the versions the lookups
+        saw (which matching a push to its lookup checks); a plan that fails (a full table) is
+        left to the update, which plans again and raises."""
         if self.config.dynamic is None or self.staleness or self.num_trainers < 2:
             return
         admit_after = self.config.dynamic.admit_after
@@ -406,8 +407,7 @@ class CollectionShard:
             except Exception:  # noqa: BLE001 - the update plans again and reports it
                 return
             self.planned[step] = _Planned(looked=list(looked), order=order, merged=merged,
-                                          keys=[(k, i) for i, ks in zip(order, runs) for k in ks],
-                                          versions=[t.dynamic.version for t in self.tables])
+                                          keys=[(k, i) for i, ks in zip(order, runs) for k in ks])
             self.counters.planned_ahead += 1
 
     def _plan(self, tables: list[TableShard], runs: list[int],
@@ -473,7 +473,7 @@ class CollectionShard:
         order = sorted(per_table)
         tables = [self.by_index[i] for i in order]
         runs_of = [r for i in order for r in per_table[i]]
-        if planned is not None and planned.serves(order, matched, self.tables):
+        if planned is not None and planned.serves(order, matched):
             distinct, per, _, admissions = planned.merged
             inverse = planned.inverse(order, matched)
             self.counters.plans_used += 1
@@ -580,24 +580,23 @@ class CollectionShard:
 @dataclass
 class _Planned:
     """A sync step's update planned from its lookups (:meth:`CollectionShard.plan_ahead`): the
-    lookups it covers, its tables, :meth:`CollectionShard._plan`'s result for their runs (table
-    after table, each in lookup order) and the maps' versions it holds for."""
+    lookups it covers, its tables and :meth:`CollectionShard._plan`'s result for their runs (table
+    after table, each in lookup order)."""
 
     looked: list[LookedUp]
     order: list[int]
     merged: tuple
     keys: list[tuple[int, int]]
     """(lookup, table) of each run, in the order the runs were merged."""
-    versions: list[int]
 
-    def serves(self, order: list[int], matched: dict[int, list[LookedUp | None]], tables: list[TableShard]) -> bool:
+    def serves(self, order: list[int], matched: dict[int, list[LookedUp | None]]) -> bool:
         """Whether the update whose runs matched these lookups (``matched[table]``, in
-        contribution order) is the one planned: the same lookups, tables and map versions."""
+        contribution order; a match holds only while the maps are at the lookup's versions) is
+        the one planned: the same lookups and tables."""
         mine = {id(e) for e in self.looked}
         got = {id(e) for runs in matched.values() for e in runs if e is not None}
         return (order == self.order and got == mine and all(e is not None for r in matched.values() for e in r)
-                and sum(len(r) for r in matched.values()) == len(self.keys)
-                and self.versions == [t.dynamic.version for t in tables])
+                and sum(len(r) for r in matched.values()) == len(self.keys))
 
     def inverse(self, order: list[int], matched: dict[int, list[LookedUp]]) -> torch.Tensor | None:
         """The merged ids' inverse for the runs in the update's order (its contributions')."""
