@@ -1,6 +1,6 @@
 """When a server applies a sync step's gradients (a ``CollectionShard`` built in this process, no
-RPC): once every trainer's push of the step is in -- plain SGD adding each push in arrival order,
-the other optimizers summing first -- so that no lookup of the step reads part of its update;
+RPC): once every trainer's push of the step is in -- plain SGD adding each push in trainer order
+(whatever order they arrive in), the other optimizers summing first -- so that no lookup of the step reads part of its update;
 lookups of the next step wait for the whole step."""
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_sync_sgd_applies_a_step_once_every_push_is_in_and_a_late_lookup_reads_t
 
     _push(shard, 1, 0, [p1])
     assert shard.complete_through == 0 and answered == [None] and shard.counters.updates_applied == 1
-    # The same numbers as adding both pushes row by row, in arrival order, at the mean's scale.
+    # The same numbers as adding both pushes row by row, trainer 0's first, at the mean's scale.
     for k, (t, w) in enumerate(zip(TABLES, w0)):
         ref = w.clone()
         for part, grad in (p0, p1):
@@ -183,3 +183,45 @@ def test_dynamic_update_reuses_its_lookups_slots_only_while_the_maps_are_unchang
             assert torch.equal(da[k], db[k]), (a.name, k)
         assert a.dynamic.counters == b.dynamic.counters
     assert sum(t.dynamic.counters.evicted for t in reuse.tables) > 0
+
+
+@pytest.mark.parametrize("kind", ["range", "dynamic", "dynamic-admit2"])
+def test_sync_sgd_adds_the_pushes_in_trainer_order_whatever_order_they_arrive_in(kind):
+    """Plain SGD adds each trainer's push straight into the rows (dynamic tables: into the
+    admitted ids' slots), trainer 0's first: the same bits whichever push arrives first, while
+    adding them in the other order gives different bits."""
+    def shard():
+        if kind == "range":
+            return _shard(OptimizerSpec(name="sgd", lr=0.1))
+        return _dynamic_shard("sgd", 2 if kind.endswith("admit2") else 1)
+
+    make = _part if kind == "range" else _raw_part
+    steps = 6
+    parts = {(t, r): make(100 * t + r) for t in range(steps) for r in range(2)}
+    got = {}
+    for first in (0, 1):
+        s = shard()
+        for t in range(steps):
+            for r in (first, 1 - first):
+                _push(s, r, t, [parts[t, r]])
+        got[first] = s
+    for a, b in zip(got[0].tables, got[1].tables):
+        if a.dynamic is None:
+            assert torch.equal(a.weight, b.weight), a.name
+            continue
+        da, db = a.dynamic_rows(), b.dynamic_rows()
+        assert set(da) == set(db) and all(torch.equal(da[k], db[k]) for k in da), a.name
+        assert a.dynamic.counters == b.dynamic.counters and a.dynamic.counters.admitted > 0
+    if kind == "range":  # the order matters to the bits: the result is trainer 0's push first
+        for k, (t, w) in enumerate(zip(TABLES, _weights(shard()))):
+            refs = []
+            for order in ((0, 1), (1, 0)):
+                ref = w.clone()
+                for step in range(steps):
+                    for r in order:
+                        rows, grad = parts[step, r]
+                        g = grad.split([n * s.embedding_dim for n, s in zip(rows.counts, TABLES)])[k]
+                        ref.index_add_(0, rows.ids.split(rows.counts)[k], g.view(-1, t.embedding_dim),
+                                       alpha=-0.1 * 0.5)
+                refs.append(ref)
+            assert torch.equal(got[0].tables[k].weight, refs[0]) and not torch.equal(refs[0], refs[1]), t.name

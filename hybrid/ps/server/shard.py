@@ -203,9 +203,9 @@ class CollectionShard:
         self.scale = config.scale
         self.wire_dtype = getattr(torch, config.wire_dtype)
         """What rows are sent and gradients arrive in (``wire_dtype``); the tables keep theirs."""
-        # 16-bit rows: a step's contributions are summed first, so each row is rounded once a step.
-        # Dynamic tables sum the trainers' gradients of a row first as well (the result does not
-        # depend on the order pushes arrive in), then add the sums into the rows.
+        # Plain SGD on float32 rows adds each contribution straight into the rows (dynamic tables:
+        # into the admitted ids' slots), in trainer order; 16-bit rows sum a step's contributions
+        # first, so each row is rounded once a step.
         self.accumulates = config.optimizer.accumulates and config.storage_dtype == "float32"
         self.looked_up: dict[int, list[LookedUp]] = defaultdict(list)
         """Step -> its lookups of dynamic tables not yet matched by an update (:class:`LookedUp`)."""
@@ -214,7 +214,9 @@ class CollectionShard:
         (:meth:`plan_ahead`)."""
         self.complete_through = start_step - 1
         self.arrived: dict[int, int] = defaultdict(int)
-        self.pending: dict[int, list[Contribution]] = defaultdict(list)
+        self.pending: dict[int, list[tuple[int, Contribution]]] = defaultdict(list)
+        """Step -> (trainer, contribution) of its pushes so far (sync); applied in trainer order,
+        so a step's result never depends on the order its pushes arrived in."""
         self.waiters: list[tuple[int, float, Callable[[BaseException | None], None]]] = []
         self.failed: BaseException | None = None
         self.lock = threading.RLock()
@@ -334,9 +336,10 @@ class CollectionShard:
                 if self.staleness == 0:
                     if keeps_copy and not last:
                         parts = [(Rows(r.tables, r.counts, r.ids.clone()), g.clone()) for r, g in parts]
-                    self.pending[step].extend(parts)
+                    self.pending[step].extend((trainer, p) for p in parts)
                     if last:
-                        self.apply(self.pending.pop(step), step=step)
+                        ordered = sorted(self.pending.pop(step), key=lambda e: e[0])  # stable: a trainer's own order
+                        self.apply([p for _, p in ordered], step=step)
                 else:
                     self.apply(parts, step=step)
                 if self.staleness or last:
@@ -446,10 +449,10 @@ class CollectionShard:
         planned = self.planned.pop(step, None)
         admit_after = self.config.dynamic.admit_after
         # Per table, one run per contribution: (ids, gradient rows, slots and sightings the
-        # step's lookup found for them, or None), and which lookup it matched.
-        per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]] = {}
+        # step's lookup found for them or None, the contribution's index), and which lookup it matched.
+        per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]]] = {}
         matched: dict[int, list[LookedUp | None]] = {}
-        for rows, grad in contributions:
+        for k, (rows, grad) in enumerate(contributions):
             shards = self.shards_of(rows)
             match = next((e for e in looked if e.matches(rows, shards)), None)
             if match is not None:
@@ -460,7 +463,7 @@ class CollectionShard:
                     else [None] * len(rows.counts))
             for index, t, ids, g, n, f, sn in zip(rows.tables, shards, rows.ids.split(rows.counts), grad.split(sizes),
                                                   rows.counts, found, seen):
-                per_table.setdefault(index, []).append((ids, g.view(n, t.dim), f, sn))
+                per_table.setdefault(index, []).append((ids, g.view(n, t.dim), f, sn, k))
                 matched.setdefault(index, []).append(match)
         # Lookups no update will match: of steps every trainer has pushed (sync: this one too).
         done = self.complete_through if self.staleness else step
@@ -485,47 +488,49 @@ class CollectionShard:
         for table, a in zip(tables, admissions):
             if a.new_slots.numel():
                 table.optim.reset(a.new_slots)
+        if self.accumulates:
+            self._accumulate(self._in_slots(contributions, per_table, order, admissions, inverse))
+            return
         if inverse is None:  # one run a table: its ids are distinct, its gradient rows summed
-            flat, summed = None, [r[1] for r in runs_of]
+            summed = [r[1] for r in runs_of]
             gscale = self.scale
         else:
-            flat, summed = ops.sum_runs([r[1] for r in runs_of], inverse, per, [len(per_table[i]) for i in order],
-                                        scale=self.scale)
+            _, summed = ops.sum_runs([r[1] for r in runs_of], inverse, per, [len(per_table[i]) for i in order],
+                                     scale=self.scale)
             gscale = 1.0
         steps = []
         for table, a, grads in zip(tables, admissions, summed):
             slot = a.slots
             keep = slot >= 0  # ids not admitted (yet) get no update
             if int(keep.sum()) < slot.numel():
-                slot, grads, flat = slot[keep], grads[keep], None
-            if not self.accumulates:  # ascending rows: optimizer_step_ updates them in place, in one pass
-                slot, perm = slot.sort()
-                grads = grads.index_select(0, perm)
+                slot, grads = slot[keep], grads[keep]
+            slot, perm = slot.sort()  # ascending rows: optimizer_step_ updates them in place, in one pass
+            grads = grads.index_select(0, perm)
             if slot.numel():
                 steps.append((table, slot, grads, gscale))
-        if self.accumulates:
-            self._sgd_dynamic(steps, flat)
-        else:
-            self._step(steps)
+        self._step(steps)
 
-    def _sgd_dynamic(self, steps: list[tuple[TableShard, torch.Tensor, torch.Tensor, float]],
-                     flat: torch.Tensor | None = None) -> None:
-        """Plain SGD of :meth:`_step`'s arguments (distinct rows, their summed gradients, the
-        gradients' scale), every table in one ``sgd_rows_`` call: ``w += -lr * (g * scale)`` is
-        the optimizer's ``sgd`` step (``w.add(grad, alpha=-lr)``, one fused multiply-add) without
-        its copies of the rows. ``flat``: every step's gradient rows already in one tensor, in
-        order (scale 1)."""
-        if not steps:
-            return
-        if flat is None:
-            flat = _cat([(g if s == 1.0 else g * s).reshape(-1) for _, _, g, s in steps])
-        try:
-            ops.sgd_rows_([t.weight for t, *_ in steps], _cat([r for _, r, _, _ in steps]),
-                          [r.numel() for _, r, _, _ in steps], flat, alpha=-self.config.optimizer.lr)
-        except ops.RowOutOfRange as e:
-            raise self._outside(steps[e.table][0], e.row, "gradient push") from None
-        except ops.NonFinite as e:
-            raise FloatingPointError(f"{self._what()}: {e}") from None
+    def _in_slots(self, contributions: list[Contribution], per_table: dict[int, list], order: list[int],
+                  admissions: list, inverse: torch.Tensor | None) -> list[Contribution]:
+        """The contributions of a dynamic update with each id replaced by its slot and the rows of
+        ids not admitted dropped, for :meth:`_accumulate`. ``per_table[i]``: table ``i``'s runs in
+        contribution order (each run's last entry its contribution's index); ``inverse``: each run
+        row's index among the distinct ids (table after table), ``None`` for one run a table."""
+        distinct_slots = _cat([a.slots for a in admissions])
+        run_slots = distinct_slots if inverse is None else distinct_slots.index_select(0, inverse)
+        runs = [(i, r) for i in order for r in per_table[i]]
+        slots_of = {(i, r[-1]): piece for (i, r), piece in zip(runs, run_slots.split([r[1].shape[0] for _, r in runs]))}
+        out = []
+        for k, (rows, grad) in enumerate(contributions):
+            pieces = [slots_of[(i, k)] for i in rows.tables]
+            ids = _cat(pieces)
+            if ids.numel() and int(ids.min()) < 0:  # ids not admitted (yet) get no update
+                keeps = [p >= 0 for p in pieces]
+                grads = [per_table[i][[r[-1] for r in per_table[i]].index(k)][1] for i in rows.tables]
+                pieces = [p[m] for p, m in zip(pieces, keeps)]
+                ids, grad = _cat(pieces), _cat([g[m].reshape(-1) for g, m in zip(grads, keeps)])
+            out.append((Rows(list(rows.tables), [p.numel() for p in pieces], ids), grad))
+        return out
 
     def _step(self, steps: list[tuple[TableShard, torch.Tensor, torch.Tensor, float]]) -> None:
         """One optimizer step of every (table, distinct rows, their gradient rows, gradient scale)
