@@ -35,12 +35,16 @@ def id_hash(ids: torch.Tensor) -> torch.Tensor:
 class HashIdMap:
     """Raw int64 id -> row slot (an int64 >= 0), an open-addressing table probed in C++."""
 
-    def __init__(self, capacity: int = 16) -> None:
+    def __init__(self, capacity: int = 16, *, empty=None) -> None:
+        """Room for ``capacity`` ids before it grows. ``empty(size, dtype)``: how the table's
+        tensors are allocated (``torch.empty`` by default; a server passes one that backs them with
+        huge pages, since every probe of a large map lands on a page of its own)."""
         size = 16
         while size < 2 * capacity:
             size *= 2
-        self.keys = torch.zeros(size, dtype=torch.int64)
-        self.slots = torch.full((size,), -1, dtype=torch.int64)
+        self.empty = empty or (lambda n, dtype: torch.empty(n, dtype=dtype))
+        self.keys = self.empty(size, torch.int64).zero_()
+        self.slots = self.empty(size, torch.int64).fill_(-1)
         self.used = 0
         self.version = 0
         """Counts the calls that may have changed the map (inserts, erases): a slot found at one
@@ -77,7 +81,7 @@ class HashIdMap:
 
     def _grow(self, need: int) -> None:
         keys, slots = self.items()
-        fresh = HashIdMap(need * 2)
+        fresh = HashIdMap(need * 2, empty=self.empty)
         fresh.used = torch.ops.hybrid.id_map_insert_(fresh.keys, fresh.slots, keys, slots, 0)
         self.keys, self.slots, self.used = fresh.keys, fresh.slots, fresh.used
 

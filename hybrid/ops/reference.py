@@ -304,7 +304,8 @@ class IdMap:
     """Raw int64 id -> row slot, as sorted arrays (``searchsorted``): the twin of
     :class:`hybrid.ops.id_map.IdMap`'s hash table, with the same methods and results."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 0, *, empty=None) -> None:
+        """``capacity`` and ``empty`` as the hash table takes them; sorted arrays grow as ids come."""
         self.keys = torch.empty(0, dtype=torch.int64)
         self.slots = torch.empty(0, dtype=torch.int64)
         self.version = 0

@@ -659,6 +659,16 @@ def test_without_the_extension_the_reference_runs_after_one_warning():
         assert all(getattr(ops, n) is getattr(reference, n) for n in
                    ("route", "route_hashed", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows",
                     "scatter_rows_", "dynamic_plan", "dynamic_commit_", "dynamic_rows"))
+        # A server's dynamic table runs on the reference map and operators.
+        import torch
+        from hybrid.ops.id_map import IdMap
+        from hybrid.ps.config import DynamicIds
+        from hybrid.ps.server.dynamic import DynamicSlots, commit_updates, plan_updates
+        slots = DynamicSlots(DynamicIds(capacity=8, partitions=2), [0, 1], table="t", where="test", huge_pages=True)
+        assert IdMap is reference.IdMap and isinstance(slots.map, reference.IdMap)
+        ids = torch.tensor([-5, 3, 1 << 40])
+        commit_updates([slots], plan_updates([slots], [ids], 0))
+        assert slots.map.find(ids).ge(0).all() and slots.counters.admitted == 3
         print("ok")
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -28,6 +28,7 @@ from hybrid import ops
 from hybrid.errors import InputError
 from hybrid.ops.id_map import IdMap, find_many
 from hybrid.ps.config import DynamicIds, part_of  # noqa: F401 - part_of: the parts, for callers
+from hybrid.ps.server.memory import table_tensor
 
 
 class CapacityError(InputError):
@@ -73,7 +74,8 @@ class DynamicCounters:
 class DynamicSlots:
     """Slots of the parts ``parts`` of one dynamic table (``spec``)."""
 
-    def __init__(self, spec: DynamicIds, parts: list[int], *, table: str, where: str) -> None:
+    def __init__(self, spec: DynamicIds, parts: list[int], *, table: str, where: str, huge_pages: bool = False) -> None:
+        """``huge_pages``: the id map's tensors in huge pages where available (``table_tensor``)."""
         self.spec, self.parts, self.table, self.where = spec, list(parts), table, where
         caps = [spec.part_capacity(p) for p in self.parts]
         self.capacity = sum(caps)
@@ -94,7 +96,7 @@ class DynamicSlots:
         """Rows per part."""
         self.fill = torch.zeros(spec.partitions, dtype=torch.int64)
         """Per part: 1 + the highest place ever used (the places from there on were never used)."""
-        self.map = IdMap(base)
+        self.map = IdMap(base, empty=lambda n, dtype: table_tensor(n, dtype=dtype, huge_pages=huge_pages))
         self.seen = IdMap(16)  # id -> sightings, admit_after > 1
         self.counters = DynamicCounters()
 

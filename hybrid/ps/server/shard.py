@@ -82,7 +82,7 @@ class TableShard:
         if config.dynamic is not None:
             index = config.layouts.index(layout)
             self.dynamic = DynamicSlots(config.dynamic, config.parts_on(server, index), table=self.name,
-                                        where=f"{config.cid} on ps{server}")
+                                        where=f"{config.cid} on ps{server}", huge_pages=huge_pages)
             self.rows = self.dynamic.capacity
         else:
             self.rows = layout.rows_on(server)
