@@ -15,6 +15,13 @@ namespace HY_ISA {
 
 constexpr int64_t kPrefetchAhead = 8;
 constexpr int64_t kLine = 64;
+constexpr int64_t kStateAhead = 32;
+
+// Every cache line of a row into the second-level cache only (for a later pass over the rows).
+inline void prefetch_row_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
+}
 
 // Every cache line of a row of `bytes` bytes at p (for reading, or for writing).
 inline void prefetch_row(const void* p, int64_t bytes) {
@@ -464,8 +471,9 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
     const int64_t m = n - c0 < C ? n - c0 : C;
     for (int64_t i = 0; i < m; i++) {  // new state rows of the chunk
       const int64_t p = c0 + i, r = rows[p];
-      if (p + kPrefetchAhead < n)
-        prefetch_state_w<S>(kind, w, st, rows[p + kPrefetchAhead], d, needs_w);
+      if (p + kStateAhead < n)
+        prefetch_state_w<S>(kind, w, st, rows[p + kStateAhead], d, needs_w);
+      if (!needs_w && i + kStateAhead < m) prefetch_row_l2(w + rows[p + kStateAhead] * d, wbytes);
       const float* wr = needs_w ? weight_row<S>(w, r, d, wbuf) : nullptr;
       float* gi = g + i * d;
       grad_row<G>(grads + p * d, wr, d, gscale, h, gi);
