@@ -473,6 +473,7 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
       const int64_t p = c0 + i, r = rows[p];
       if (p + kStateAhead < n)
         prefetch_state_w<S>(kind, w, st, rows[p + kStateAhead], d, needs_w);
+      // The chunk's weight rows, for the second loop (weight decay reads them here already).
       if (!needs_w && i + kStateAhead < m) prefetch_row_l2(w + rows[p + kStateAhead] * d, wbytes);
       const float* wr = needs_w ? weight_row<S>(w, r, d, wbuf) : nullptr;
       float* gi = g + i * d;
@@ -510,8 +511,9 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
     } else if (kind == Optim::adam) {
       t.sqrt(m * d, b, root);
     }
-    // New weight rows; written unless a step failed. The weight rows are prefetched here, a few
-    // rows ahead: issued in the first loop, hundreds of rows before their use, most are lost.
+    // New weight rows; written unless a step failed. The first loop brought the chunk's weight
+    // rows into L2 (a chunk's rows fit there; into L1, most would be gone by now); here each is
+    // requested for writing a few rows ahead, from L2.
     for (int64_t i = 0; i < m && i < kPrefetchAhead; i++) prefetch_row_w(w + rows[c0 + i] * d, wbytes);
     for (int64_t i = 0; i < m; i++) {
       const int64_t p = c0 + i, r = rows[p];
