@@ -15,6 +15,8 @@ namespace HY_ISA {
 
 constexpr int64_t kPrefetchAhead = 8;
 constexpr int64_t kLine = 64;
+// How far ahead an optimizer step's first pass requests state and weight rows: its rows cost
+// little compute each, so 8 rows ahead left the loads of the state waiting for memory.
 constexpr int64_t kStateAhead = 32;
 
 // Every cache line of a row into the second-level cache only (for a later pass over the rows).
