@@ -225,3 +225,22 @@ def test_sync_sgd_adds_the_pushes_in_trainer_order_whatever_order_they_arrive_in
                                        alpha=-0.1 * 0.5)
                 refs.append(ref)
             assert torch.equal(got[0].tables[k].weight, refs[0]) and not torch.equal(refs[0], refs[1]), t.name
+
+
+@pytest.mark.parametrize("owned", [False, True])
+def test_a_sync_push_kept_without_a_copy_borrows_its_tensors_until_made_its_own(owned):
+    """``keeps_copy=False`` (a channel message whose answer waits for the step): the kept push
+    reads the transport's memory when the step is applied; ``own_pending`` (the answer failed
+    first) copies it out, so later writes to that memory change nothing."""
+    ref, shard = _shard(OptimizerSpec(name="sgd", lr=0.1)), _shard(OptimizerSpec(name="sgd", lr=0.1))
+    p0, p1 = _part(1), _part(2)
+    _push(ref, 0, 0, [p0])
+    _push(ref, 1, 0, [p1])
+    frame = (Rows(p0[0].tables, p0[0].counts, p0[0].ids.clone()), p0[1].clone())  # the "channel's" memory
+    shard.push(0, 0, [frame], keeps_copy=False)
+    if owned:
+        shard.own_pending(0, 0)
+    frame[1].mul_(3.0)  # the transport reuses its memory for the next message
+    _push(shard, 1, 0, [p1])
+    same = all(torch.equal(a, b) for a, b in zip(_weights(ref), _weights(shard)))
+    assert same == owned

@@ -133,11 +133,13 @@ class ParameterServer:
             raise KeyError(f"ps{self.index} holds no collection {handle!r}") from None
 
     # -- the step's messages ----------------------------------------------------------------------
-    def push(self, shard: CollectionShard, trainer: int, step: int, parts, *, inline: bool = True) -> None:
+    def push(self, shard: CollectionShard, trainer: int, step: int, parts, *, inline: bool = True,
+             keeps_copy: bool = True) -> None:
         """Apply (or keep) one trainer's gradients, then answer the lookups that were waiting for
-        them (here, or on :attr:`answers` when ``inline`` is false)."""
+        them (here, or on :attr:`answers` when ``inline`` is false). ``keeps_copy``: as
+        :meth:`CollectionShard.push` takes it."""
         try:
-            shard.push(trainer, step, parts)
+            shard.push(trainer, step, parts, keeps_copy=keeps_copy)
         finally:
             for fn, err in shard.ready_waiters():
                 if inline:
@@ -157,7 +159,12 @@ class ParameterServer:
                 for push in part.pushes:
                     by_step.setdefault(push.step, []).append((push.rows, push.grad))
                 for step, parts in by_step.items():
-                    self.push(shard, msg.trainer, step, parts)
+                    # A channel's frame is reused once the message is answered; a sync push kept
+                    # for the step's other pushes needs a copy, unless the answer waits for that
+                    # step to be applied (a lookup of a later step of the same collection; an
+                    # answer that fails first makes the kept push its own, _Answer._fail).
+                    waits = part.lookup is not None and part.step - 1 - shard.staleness >= step
+                    self.push(shard, msg.trainer, step, parts, keeps_copy=via_channel and not waits)
             # One tensor of rows per part, then the parts' versions (see hybrid.ps.protocol).
             sizes = [shard.numel(p.lookup) if p.lookup is not None else 0 for p, shard in zip(msg.parts, shards)]
             sizes.append(len(msg.parts))
@@ -276,6 +283,19 @@ class _Answer:
             shard.when_ready(part.step - 1 - shard.staleness,
                              lambda err, i=i, part=part, shard=shard: self._one(i, part, shard, err))
 
+    def _fail(self, e: BaseException) -> None:
+        """Answer with the first error. The answer may come before this message's kept pushes
+        are applied: they stop borrowing the channel's frame first."""
+        with self.lock:
+            first, self.failed = not self.failed, True
+        if not first:
+            return
+        if self.via_channel:
+            for part, shard in zip(self.msg.parts, self.shards):
+                for step in {p.step for p in part.pushes}:
+                    shard.own_pending(self.msg.trainer, step)
+        self.reply(None, RuntimeError(f"ps{self.server.index}: {e}"))
+
     def _one(self, i: int, part: Part, shard: CollectionShard, err: BaseException | None) -> None:
         try:
             if err is not None:
@@ -293,10 +313,7 @@ class _Answer:
                 self.out[-1][i] = shard.complete_through
                 shard.gather(part.lookup, out=self.out[i], step=part.step)
         except BaseException as e:  # noqa: BLE001 - handed to the trainer
-            with self.lock:
-                first, self.failed = not self.failed, True
-            if first:
-                self.reply(None, RuntimeError(f"ps{self.server.index}: {e}"))
+            self._fail(e)
             return
         with self.lock:
             self.left -= 1

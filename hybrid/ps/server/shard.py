@@ -318,7 +318,8 @@ class CollectionShard:
         """One trainer's gradients for ``step``, one contribution per lookup it made of this
         collection in that step; applied when the step is due (sync: every trainer's arrived).
         ``keeps_copy``: the tensors may be reused by the transport after this call, so a push
-        kept for later is copied. Gradients arrive in :attr:`wire_dtype` and are widened to
+        kept for later is copied (false: they stay valid until the step is applied, or until
+        :meth:`own_pending`). Gradients arrive in :attr:`wire_dtype` and are widened to
         float32 here, before anything else reads them. Call :meth:`ready_waiters` afterwards."""
         self.counters.gradients += 1
         self.counters.bytes_in += sum(g.numel() * g.element_size() for _, g in parts)
@@ -352,6 +353,15 @@ class CollectionShard:
             with self.lock:
                 self.failed = e
             raise
+
+    def own_pending(self, trainer: int, step: int) -> None:
+        """Copy ``trainer``'s kept pushes of ``step`` (not yet applied) out of the memory they
+        borrow (:meth:`push` with ``keeps_copy`` false)."""
+        with self.lock:
+            kept = self.pending.get(step)
+            if kept:
+                self.pending[step] = [(t, (Rows(r.tables, r.counts, r.ids.clone()), g.clone()) if t == trainer
+                                       else (r, g)) for t, (r, g) in kept]
 
     def apply(self, contributions: list[Contribution], *, step: int = 0) -> None:
         """Apply the trainers' contributions of one step (or one async push): all or nothing
