@@ -121,10 +121,14 @@ def gather_rows(tables, ids, counts, *, out=None, dtype=torch.float32) -> torch.
 
 def sgd_rows_(tables, ids, counts, grad, *, alpha) -> None:
     """``tables[t][id] += alpha * grad_row`` for each id in order (``ids`` and the flat ``grad``
-    split by ``counts`` as in :func:`gather_rows`); a repeated id adds each of its rows. Raises
-    :class:`RowOutOfRange` or :class:`NonFinite` (a gradient not finite) before writing anything."""
+    split by ``counts`` as in :func:`gather_rows`); a repeated id adds each of its rows, and a
+    table listed more than once (say once per contribution) is updated in the order listed.
+    ``grad`` may be a list of flat tensors that together hold the rows in order, each whole
+    tables' (one per contribution: no copy to join them). Raises :class:`RowOutOfRange` or
+    :class:`NonFinite` (a gradient not finite) before writing anything."""
     ids = _index(ids)
-    status = torch.ops.hybrid.sgd_rows_(tables, ids, counts, grad.contiguous(), alpha)
+    grads = [g.contiguous() for g in grad] if isinstance(grad, (list, tuple)) else [grad.contiguous()]
+    status = torch.ops.hybrid.sgd_rows_(tables, ids, counts, grads, alpha)
     if status[0] == _BAD_ROW:
         raise _out_of_range(status, ids, lambda t: tables[t].shape[0])
     if status[0] == _NON_FINITE:

@@ -148,6 +148,8 @@ def _finite(t: torch.Tensor) -> bool:
 
 
 def sgd_rows_(tables, ids, counts, grad, *, alpha) -> None:
+    if isinstance(grad, (list, tuple)):
+        grad = torch.cat([g.reshape(-1) for g in grad]) if grad else torch.empty(0)
     _check_rows(ids, counts, [t.shape[0] for t in tables])
     if grad.numel() and not _finite(grad.float()):
         raise NonFinite("non-finite gradient; nothing was applied")

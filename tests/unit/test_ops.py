@@ -475,6 +475,35 @@ def test_sgd_rows_over_threads_keeps_the_order_of_a_table_listed_twice(table_dty
 
 
 @native
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+def test_sgd_rows_takes_one_gradient_tensor_per_contribution(table_dtype):
+    """Two contributions to two tables (each table listed once per contribution), their
+    gradients as two tensors: the same bits as one joined tensor and as the reference, over
+    threads; a tensor that ends inside a table's rows is refused, and nothing is written."""
+    g = torch.Generator().manual_seed(21)
+    a, b = torch.randn(40, 4, generator=g).to(table_dtype), torch.randn(30, 4, generator=g).to(table_dtype)
+    counts = [500, 300, 500, 300]
+    ids = torch.cat([torch.randint(0, n, (c,), generator=g) for n, c in zip([40, 30, 40, 30], counts)])
+    grads = [torch.randn(800 * 4, generator=g), torch.randn(800 * 4, generator=g)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        split, joined, want = [a.clone(), b.clone()], [a.clone(), b.clone()], [a.clone(), b.clone()]
+        ops.sgd_rows_([split[0], split[1], split[0], split[1]], ids, counts, grads, alpha=-0.1)
+        ops.sgd_rows_([joined[0], joined[1], joined[0], joined[1]], ids, counts, torch.cat(grads), alpha=-0.1)
+        ref.sgd_rows_([want[0], want[1], want[0], want[1]], ids, counts, grads, alpha=-0.1)
+        assert all(_equal(x, y) and _equal(x, z) for x, y, z in zip(split, joined, want))
+        assert not _equal(split[0], a)
+    finally:
+        torch.set_num_threads(threads)
+    before = [t.clone() for t in split]
+    with pytest.raises(ValueError, match=r"table 1's 1200 gradient elements cross the end of grads\[0\]"):
+        ops.sgd_rows_([split[0], split[1], split[0], split[1]], ids, counts, [grads[0][:2400], torch.cat(
+            [grads[0][2400:], grads[1]])], alpha=-0.1)
+    assert all(_equal(x, y) for x, y in zip(split, before))
+
+
+@native
 @pytest.mark.parametrize("dst_dtype", ROW_DTYPES)
 @pytest.mark.parametrize("src_dtype", ROW_DTYPES)
 def test_scatter_rows_equals_the_reference(dst_dtype, src_dtype):
@@ -586,7 +615,7 @@ def test_a_wrong_dtype_raises_type_error_naming_the_argument():
         ops.gather_rows([t[0].double()], ids, [2])
     with pytest.raises(TypeError, match="out must be float32, bfloat16 or float16, got Int"):
         ops.gather_rows(t, ids, [2], out=torch.zeros(8, dtype=torch.int32))
-    with pytest.raises(TypeError, match="grad must be float32, bfloat16 or float16, got Double"):
+    with pytest.raises(TypeError, match="grads\[0\] must be float32, bfloat16 or float16, got Double"):
         ops.sgd_rows_(t, ids, [2], torch.ones(8, dtype=torch.float64), alpha=-1.0)
     with pytest.raises(TypeError, match=r"state\[0\] must be float32, got Double"):
         ops.optimizer_rows("adagrad", ids, torch.ones(2, 4), grad_scale=1.0, weight=t[0],
@@ -612,7 +641,7 @@ def test_a_wrong_shape_or_layout_raises_value_error_naming_the_argument():
         ops.gather_rows(t, ids, [2], out=torch.zeros(4))
     with pytest.raises(ValueError, match=r"tables\[0\] must be contiguous"):
         ops.sgd_rows_([torch.randn(4, 10).t()], ids, [2], torch.ones(8), alpha=-1.0)
-    with pytest.raises(ValueError, match="grad holds 6 elements; the rows need 8"):
+    with pytest.raises(ValueError, match="grads hold 6 elements; the rows need 8"):
         ops.sgd_rows_(t, ids, [2], torch.ones(6), alpha=-1.0)
     with pytest.raises(ValueError, match=r"grads must be \[len\(ids\), dim\]"):
         ops.sum_rows(ids, torch.ones(3, 4), scale=1.0, num_rows=10)

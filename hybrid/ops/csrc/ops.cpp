@@ -261,49 +261,71 @@ StatusTuple gather_rows(TensorList tables, const Tensor& ids, IntArrayRef counts
   return as_tuple(st);
 }
 
-StatusTuple sgd_rows_(TensorList tables, const Tensor& ids, IntArrayRef counts,
-                      const Tensor& grad, double alpha) {
+// grads: the gradient rows of every table in order, in one or more tensors (say one per
+// contribution), each holding whole tables' rows: no copy to join a step's contributions.
+StatusTuple sgd_rows_(TensorList tables, const Tensor& ids, IntArrayRef counts, TensorList grads,
+                      double alpha) {
   const auto views = table_views(tables, "tables");
   check_int64_1d(ids, "ids");
   const int64_t numel = check_counts(counts, views, ids.numel());
-  check_cpu_contiguous(grad, "grad");
-  const k::DType gdt = float_dtype(grad, "grad");
-  TORCH_CHECK_VALUE(grad.numel() == numel, "grad holds ", grad.numel(),
-                    " elements; the rows need ", numel);
+  TORCH_CHECK_VALUE(!grads.empty(), "grads must hold at least one tensor");
+  const k::DType gdt = float_dtype(grads[0], "grads[0]");
+  int64_t gnumel = 0;
+  for (size_t j = 0; j < grads.size(); j++) {
+    const std::string what = "grads[" + std::to_string(j) + "]";
+    check_cpu_contiguous(grads[j], what.c_str());
+    TORCH_CHECK_TYPE(float_dtype(grads[j], what) == gdt, what, " has dtype ", grads[j].scalar_type(),
+                     "; grads[0] has ", grads[0].scalar_type());
+    gnumel += grads[j].numel();
+  }
+  TORCH_CHECK_VALUE(gnumel == numel, "grads hold ", gnumel, " elements; the rows need ", numel);
   const int64_t ntab = static_cast<int64_t>(views.size());
   for (int64_t t = 0; t < ntab; t++)
     if (views[t].dtype != k::DType::f32) check_sort_key(views[t].rows, counts[t], "sgd_rows_");
   const int64_t* ip = ids.data_ptr<int64_t>();
   k::Status st = k::first_bad_id(views.data(), ntab, counts.data(), ip);
   if (st.code != k::kOk) return as_tuple(st);
-  const char* g = static_cast<const char*>(grad.data_ptr());
   std::vector<const char*> grad_of(ntab);
   std::vector<int64_t> first_id(ntab);
-  int64_t p = 0;
+  size_t j = 0;
+  int64_t used = 0, p = 0;  // elements of grads[j] taken by earlier tables
   for (int64_t t = 0; t < ntab; t++) {  // every gradient checked before any row is written
-    grad_of[t] = g;
+    const int64_t n = counts[t] * views[t].dim;
+    while (n > 0 && used == grads[j].numel()) j++, used = 0;
+    TORCH_CHECK_VALUE(used + n <= grads[j].numel(), "table ", t, "'s ", n, " gradient elements cross the end of grads[",
+                      j, "] (", grads[j].numel(), " elements): each tensor of grads must hold whole tables");
+    grad_of[t] = static_cast<const char*>(grads[j].data_ptr()) + used * grads[j].element_size();
+    used += n;
     first_id[t] = p;
     int64_t first = -1;
-    const int64_t bad = k::nonfinite_rows(g, gdt, counts[t], views[t].dim, &first);
+    const int64_t bad = k::nonfinite_rows(grad_of[t], gdt, counts[t], views[t].dim, &first);
     if (bad && st.code == k::kOk) {
       st.code = k::kNonFinite;
       st.table = t;
       st.position = p + first;
     }
     st.count += bad;
-    g += counts[t] * views[t].dim * grad.element_size();
     p += counts[t];
   }
   if (st.code != k::kOk) return as_tuple(st);
-  // Tables apart run on threads of their own; tables sharing memory keep their order.
-  bool distinct = true;
-  for (int64_t a = 0; a < ntab; a++)
-    for (int64_t b = a + 1; b < ntab; b++) distinct &= !tables[a].is_alias_of(tables[b]);
+  // Tables sharing memory (a table listed once per contribution) are one group, updated in the
+  // order listed; the groups run on threads of their own.
+  std::vector<std::vector<int64_t>> groups;
+  std::vector<int64_t> group_of(ntab, -1);
+  for (int64_t a = 0; a < ntab; a++) {
+    for (int64_t b = 0; b < a && group_of[a] < 0; b++)
+      if (tables[a].is_alias_of(tables[b])) group_of[a] = group_of[b];
+    if (group_of[a] < 0) {
+      group_of[a] = static_cast<int64_t>(groups.size());
+      groups.emplace_back();
+    }
+    groups[static_cast<size_t>(group_of[a])].push_back(a);
+  }
   const k::RowKernels& kern = k::dispatch();
-  const int64_t grain = distinct ? 1 : ntab;
-  at::parallel_for(0, ntab, grain, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; t++)
-      kern.sgd(views[t], ip + first_id[t], counts[t], grad_of[t], gdt, static_cast<float>(alpha));
+  at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t g = lo; g < hi; g++)
+      for (const int64_t t : groups[static_cast<size_t>(g)])
+        kern.sgd(views[t], ip + first_id[t], counts[t], grad_of[t], gdt, static_cast<float>(alpha));
   });
   return as_tuple(st);
 }
@@ -759,7 +781,7 @@ TORCH_LIBRARY(hybrid, m) {
       "(int, int, int, int, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("gather_rows(Tensor[] tables, Tensor ids, int[] counts, Tensor(a!) out) -> (int, int, int, int)");
   m.def(
-      "sgd_rows_(Tensor(a!)[] tables, Tensor ids, int[] counts, Tensor grad, float alpha) -> "
+      "sgd_rows_(Tensor(a!)[] tables, Tensor ids, int[] counts, Tensor[] grads, float alpha) -> "
       "(int, int, int, int)");
   m.def(
       "sum_rows(Tensor ids, Tensor grads, float scale, int num_rows) -> "

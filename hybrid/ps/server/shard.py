@@ -561,27 +561,21 @@ class CollectionShard:
         return f"{self.config.optimizer.name} update of {self.cid} on ps{self.server}"
 
     def _accumulate(self, contributions: list[Contribution]) -> None:
-        """Plain SGD: each contribution added straight into the weights, in arrival order (rows
-        may repeat across trainers); every contribution is checked before the first is added."""
-        alpha = -self.config.optimizer.lr * self.scale
-        if len(contributions) > 1:
-            for rows, grad in contributions:
-                shards = self.shards_of(rows)
-                for k, (t, ids) in enumerate(zip(shards, rows.ids.split(rows.counts))):
-                    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t.rows):
-                        bad = ids[(ids < 0) | (ids >= t.rows)][0]
-                        raise self._outside(t, int(bad), "gradient push")
-                if grad.numel() and not bool(torch.isfinite(grad.sum())) and not bool(torch.isfinite(grad).all()):
-                    raise FloatingPointError(f"{self._what()}: non-finite gradients; nothing was applied")
-        for rows, grad in contributions:
-            shards = self.shards_of(rows)
-            self._ensure(shards, rows)
-            try:
-                ops.sgd_rows_([t.weight for t in shards], rows.ids, rows.counts, grad, alpha=alpha)
-            except ops.RowOutOfRange as e:
-                raise self._outside(shards[e.table], e.row, "gradient push") from None
-            except ops.NonFinite as e:
-                raise FloatingPointError(f"{self._what()}: {e}") from None
+        """Plain SGD: each contribution added straight into the weights, in order (rows may repeat
+        across trainers), all in one ``sgd_rows_`` call, which checks every contribution before
+        it adds the first."""
+        shards = [t for rows, _ in contributions for t in self.shards_of(rows)]
+        for rows, _ in contributions:
+            self._ensure(self.shards_of(rows), rows)
+        ids = _cat([rows.ids for rows, _ in contributions])
+        counts = [n for rows, _ in contributions for n in rows.counts]
+        try:
+            ops.sgd_rows_([t.weight for t in shards], ids, counts, [g for _, g in contributions],
+                          alpha=-self.config.optimizer.lr * self.scale)
+        except ops.RowOutOfRange as e:
+            raise self._outside(shards[e.table], e.row, "gradient push") from None
+        except ops.NonFinite as e:
+            raise FloatingPointError(f"{self._what()}: {e}") from None
 
     # -- whole shards (creation, checkpoints) ---------------------------------------------------
     def table(self, name: str) -> TableShard:
