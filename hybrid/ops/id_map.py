@@ -13,7 +13,7 @@ import torch
 
 from hybrid.ops import reference
 
-_NATIVE_OPS = ("id_map_find", "id_maps_find", "id_map_insert_", "id_map_erase_", "id_hash")
+_NATIVE_OPS = ("id_map_find", "id_maps_find", "id_map_insert_", "id_map_erase_", "id_maps_update_", "id_hash")
 def _native() -> bool:
     try:
         import hybrid._C  # noqa: F401
@@ -99,3 +99,31 @@ def find_many(maps: list, ids: torch.Tensor, counts: list[int]) -> torch.Tensor:
         return torch.ops.hybrid.id_maps_find([m.keys for m in maps], [m.slots for m in maps], ids, list(counts))
     found = [m.find(i) for m, i in zip(maps, ids.split(list(counts)))]
     return found[0] if len(found) == 1 else torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
+
+
+def update_many(maps: list, erase: torch.Tensor, erase_counts: list[int], insert: torch.Tensor,
+                values: torch.Tensor, insert_counts: list[int]) -> None:
+    """Map ``k`` loses its ``erase_counts[k]`` ids of ``erase`` (map after map; absent ones are
+    skipped), then maps its ``insert_counts[k]`` distinct ids of ``insert`` to those of
+    ``values``: every map in one native call (``torch.ops.hybrid.id_maps_update_``). A map that
+    changes counts one more version."""
+    erase = erase.to(torch.int64).contiguous().reshape(-1)
+    insert = insert.to(torch.int64).contiguous().reshape(-1)
+    values = values.to(torch.int64).contiguous().reshape(-1)
+    if not (NATIVE and all(isinstance(m, HashIdMap) for m in maps)):
+        for m, e, i, v in zip(maps, erase.split(list(erase_counts)), insert.split(list(insert_counts)),
+                              values.split(list(insert_counts))):
+            if e.numel():
+                m.erase(e)
+            if i.numel():
+                m.insert(i, v)
+        return
+    for m, n in zip(maps, insert_counts):
+        if 2 * (m.used + n) > m.keys.numel():
+            m._grow(m.used + n)
+    used = torch.ops.hybrid.id_maps_update_([m.keys for m in maps], [m.slots for m in maps], erase,
+                                            list(erase_counts), insert, values, list(insert_counts),
+                                            [m.used for m in maps])
+    for m, u, ne, ni in zip(maps, used, erase_counts, insert_counts):
+        m.used = u
+        m.version += int(ne > 0) + int(ni > 0)

@@ -8,7 +8,7 @@ import torch
 from hybrid.errors import PlanError
 from hybrid import ops
 from hybrid.ops import reference
-from hybrid.ops.id_map import NATIVE, HashIdMap, find_many, id_hash
+from hybrid.ops.id_map import NATIVE, HashIdMap, find_many, id_hash, update_many
 from hybrid.ps.config import DynamicIds
 from hybrid.ps.server import dynamic
 from hybrid.ps.server.dynamic import CapacityError, DynamicSlots, commit_updates, part_of, plan_updates
@@ -60,6 +60,44 @@ def test_id_maps_find_equals_the_reference_over_several_maps():
         torch.ops.hybrid.id_maps_find([m.keys for m in maps], [m.slots for m in maps], ids, [1, 2, 3])
     with pytest.raises(TypeError, match="int64"):
         torch.ops.hybrid.id_maps_find([m.keys.int() for m in maps], [m.slots for m in maps], ids, counts)
+
+
+@pytest.mark.parametrize("kind", ["native", "reference"])
+def test_update_many_erases_then_inserts_in_every_map_as_each_map_alone(kind):
+    """update_many (one native call for several maps: erases, then inserts, growing a map that
+    needs it) leaves every map as its own erase and insert calls do, and counts a version per
+    change; the reference maps take the same calls."""
+    if kind == "native" and not NATIVE:
+        pytest.skip("hybrid._C not built")
+    make = HashIdMap if kind == "native" else (lambda n: reference.IdMap(n))
+    g = torch.Generator().manual_seed(4)
+    pool = torch.cat([torch.randint(-2**63, 2**63 - 1, (3000,), generator=g), torch.arange(-4, 4)]).unique()
+    maps, alone = [make(8), make(300), make(16)], [make(8), make(300), make(16)]
+    for m, a in zip(maps, alone):
+        first = pool[torch.randperm(pool.numel(), generator=g)[:200]].unique()
+        vals = torch.randint(0, 10**6, (first.numel(),), generator=g)
+        m.insert(first, vals)
+        a.insert(first, vals)
+    for rnd in range(4):
+        erase = [pool[torch.randperm(pool.numel(), generator=g)[:n]].unique() for n in (150, 0, 90)]
+        insert = [pool[torch.randperm(pool.numel(), generator=g)[:n]].unique() for n in (80, 400, 0)]
+        values = [torch.randint(0, 10**6, (i.numel(),), generator=g) for i in insert]
+        versions = [m.version for m in maps]
+        update_many(maps, torch.cat(erase), [e.numel() for e in erase], torch.cat(insert), torch.cat(values),
+                    [i.numel() for i in insert])
+        for m, a, e, i, v, before in zip(maps, alone, erase, insert, values, versions):
+            if e.numel():
+                a.erase(e)
+            if i.numel():
+                a.insert(i, v)
+            assert len(m) == len(a) and torch.equal(m.find(pool), a.find(pool))
+            assert (m.version > before) == bool(e.numel() or i.numel())
+    assert len(maps[1]) > 300  # it grew
+    if kind == "native":
+        with pytest.raises(ValueError, match="erase_counts sum to"):
+            update_many(maps, torch.tensor([1, 2]), [1, 0, 0], torch.empty(0), torch.empty(0), [0, 0, 0])
+        with pytest.raises(ValueError, match="slot values must be >= 0"):
+            update_many(maps, torch.empty(0), [0, 0, 0], torch.tensor([5]), torch.tensor([-1]), [1, 0, 0])
 
 
 def test_id_map_version_grows_with_every_change():

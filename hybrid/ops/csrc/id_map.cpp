@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "hash.h"
 
@@ -90,21 +91,10 @@ Tensor id_maps_find(at::TensorList keys, at::TensorList slots, const Tensor& ids
   return out;
 }
 
-// Inserts (or overwrites) ids[i] -> values[i]; returns the entries in use afterwards. The caller
-// keeps the load at most one half, so there is always an empty entry.
-int64_t id_map_insert_(const Tensor& keys, const Tensor& slots, const Tensor& ids, const Tensor& values,
-                       int64_t used) {
-  check_map(keys, slots);
-  check_ids(ids, "ids");
-  check_ids(values, "values");
-  TORCH_CHECK_VALUE(ids.numel() == values.numel(), "ids and values must have one size");
-  const int64_t n = ids.numel(), cap = keys.numel();
-  TORCH_CHECK_VALUE(used + n < cap, "id map of ", cap, " entries cannot take ", n, " more after ", used,
-                    " (the caller grows it first)");
-  int64_t *k = keys.data_ptr<int64_t>(), *s = slots.data_ptr<int64_t>();
-  const int64_t *q = ids.data_ptr<int64_t>(), *v = values.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; i++) TORCH_CHECK_VALUE(v[i] >= 0, "slot values must be >= 0, got ", v[i]);
-  const uint64_t mask = static_cast<uint64_t>(cap - 1);
+// Inserts (or overwrites) q[i] -> v[i] for i in [0, n) into the map (k, s, mask); returns the
+// entries in use afterwards. The caller keeps the load at most one half.
+int64_t insert_into(int64_t* k, int64_t* s, uint64_t mask, const int64_t* q, const int64_t* v, int64_t n,
+                    int64_t used) {
   constexpr int64_t kPrefetch = 16;  // as in find_into: overlap the misses of the probes ahead
   for (int64_t i = 0; i < n; i++) {
     if (i + kPrefetch < n) {
@@ -120,14 +110,10 @@ int64_t id_map_insert_(const Tensor& keys, const Tensor& slots, const Tensor& id
   return used;
 }
 
-// Removes ids (absent ones are skipped); returns the entries in use afterwards.
-int64_t id_map_erase_(const Tensor& keys, const Tensor& slots, const Tensor& ids, int64_t used) {
-  check_map(keys, slots);
-  check_ids(ids, "ids");
-  int64_t *k = keys.data_ptr<int64_t>(), *s = slots.data_ptr<int64_t>();
-  const int64_t* q = ids.data_ptr<int64_t>();
-  const uint64_t mask = static_cast<uint64_t>(keys.numel() - 1);
-  for (int64_t i = 0; i < ids.numel(); i++) {
+// Removes q[i], i in [0, n), from the map (absent ones are skipped); returns the entries in use
+// afterwards.
+int64_t erase_from(int64_t* k, int64_t* s, uint64_t mask, const int64_t* q, int64_t n, int64_t used) {
+  for (int64_t i = 0; i < n; i++) {
     uint64_t p = static_cast<uint64_t>(probe(k, s, mask, q[i]));
     if (s[p] < 0) continue;
     used--;
@@ -149,6 +135,76 @@ int64_t id_map_erase_(const Tensor& keys, const Tensor& slots, const Tensor& ids
   return used;
 }
 
+void check_values(const int64_t* v, int64_t n) {
+  for (int64_t i = 0; i < n; i++) TORCH_CHECK_VALUE(v[i] >= 0, "slot values must be >= 0, got ", v[i]);
+}
+
+// Inserts (or overwrites) ids[i] -> values[i]; returns the entries in use afterwards. The caller
+// keeps the load at most one half, so there is always an empty entry.
+int64_t id_map_insert_(const Tensor& keys, const Tensor& slots, const Tensor& ids, const Tensor& values,
+                       int64_t used) {
+  check_map(keys, slots);
+  check_ids(ids, "ids");
+  check_ids(values, "values");
+  TORCH_CHECK_VALUE(ids.numel() == values.numel(), "ids and values must have one size");
+  const int64_t n = ids.numel(), cap = keys.numel();
+  TORCH_CHECK_VALUE(used + n < cap, "id map of ", cap, " entries cannot take ", n, " more after ", used,
+                    " (the caller grows it first)");
+  check_values(values.data_ptr<int64_t>(), n);
+  return insert_into(keys.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), static_cast<uint64_t>(cap - 1),
+                     ids.data_ptr<int64_t>(), values.data_ptr<int64_t>(), n, used);
+}
+
+// Removes ids (absent ones are skipped); returns the entries in use afterwards.
+int64_t id_map_erase_(const Tensor& keys, const Tensor& slots, const Tensor& ids, int64_t used) {
+  check_map(keys, slots);
+  check_ids(ids, "ids");
+  return erase_from(keys.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), static_cast<uint64_t>(keys.numel() - 1),
+                    ids.data_ptr<int64_t>(), ids.numel(), used);
+}
+
+// Several maps' erases, then inserts, in one call (the per-step update of a collection's
+// tables): map t loses its erase_counts[t] ids of `erase` (map after map) and takes its
+// insert_counts[t] pairs of `insert` / `values`; used[t] is its entries in use before. Every
+// argument is checked before any map changes. Returns each map's entries in use afterwards.
+std::vector<int64_t> id_maps_update_(at::TensorList keys, at::TensorList slots, const Tensor& erase,
+                                     at::IntArrayRef erase_counts, const Tensor& insert, const Tensor& values,
+                                     at::IntArrayRef insert_counts, at::IntArrayRef used) {
+  const size_t nmap = keys.size();
+  TORCH_CHECK_VALUE(slots.size() == nmap && erase_counts.size() == nmap && insert_counts.size() == nmap &&
+                        used.size() == nmap,
+                    "keys, slots, erase_counts, insert_counts and used must have one entry per map");
+  check_ids(erase, "erase");
+  check_ids(insert, "insert");
+  check_ids(values, "values");
+  TORCH_CHECK_VALUE(insert.numel() == values.numel(), "insert and values must have one size");
+  int64_t ne = 0, ni = 0;
+  for (size_t t = 0; t < nmap; t++) {
+    check_map(keys[t], slots[t]);
+    TORCH_CHECK_VALUE(erase_counts[t] >= 0 && insert_counts[t] >= 0 && used[t] >= 0,
+                      "counts and used must be >= 0 (map ", t, ")");
+    TORCH_CHECK_VALUE(used[t] + insert_counts[t] < keys[t].numel(), "id map ", t, " of ", keys[t].numel(),
+                      " entries cannot take ", insert_counts[t], " more after ", used[t], " (the caller grows it first)");
+    ne += erase_counts[t];
+    ni += insert_counts[t];
+  }
+  TORCH_CHECK_VALUE(ne == erase.numel(), "erase_counts sum to ", ne, " but erase holds ", erase.numel());
+  TORCH_CHECK_VALUE(ni == insert.numel(), "insert_counts sum to ", ni, " but insert holds ", insert.numel());
+  check_values(values.data_ptr<int64_t>(), ni);
+  const int64_t *e = erase.data_ptr<int64_t>(), *q = insert.data_ptr<int64_t>(), *v = values.data_ptr<int64_t>();
+  std::vector<int64_t> out(nmap);
+  for (size_t t = 0; t < nmap; t++) {
+    int64_t *k = keys[t].data_ptr<int64_t>(), *s = slots[t].data_ptr<int64_t>();
+    const uint64_t mask = static_cast<uint64_t>(keys[t].numel() - 1);
+    out[t] = erase_from(k, s, mask, e, erase_counts[t], used[t]);
+    out[t] = insert_into(k, s, mask, q, v, insert_counts[t], out[t]);
+    e += erase_counts[t];
+    q += insert_counts[t];
+    v += insert_counts[t];
+  }
+  return out;
+}
+
 // fmix64 of each id, as int64 (two's complement of the unsigned hash).
 Tensor id_hash(const Tensor& ids) {
   check_ids(ids, "ids");
@@ -166,6 +222,9 @@ TORCH_LIBRARY_FRAGMENT(hybrid, m) {
   m.def("id_maps_find(Tensor[] keys, Tensor[] slots, Tensor ids, int[] counts) -> Tensor");
   m.def("id_map_insert_(Tensor(a!) keys, Tensor(b!) slots, Tensor ids, Tensor values, int used) -> int");
   m.def("id_map_erase_(Tensor(a!) keys, Tensor(b!) slots, Tensor ids, int used) -> int");
+  m.def(
+      "id_maps_update_(Tensor(a!)[] keys, Tensor(b!)[] slots, Tensor erase, int[] erase_counts, Tensor insert, "
+      "Tensor values, int[] insert_counts, int[] used) -> int[]");
   m.def("id_hash(Tensor ids) -> Tensor");
 }
 
@@ -174,5 +233,6 @@ TORCH_LIBRARY_IMPL(hybrid, CompositeExplicitAutograd, m) {
   m.impl("id_maps_find", id_maps_find);
   m.impl("id_map_insert_", id_map_insert_);
   m.impl("id_map_erase_", id_map_erase_);
+  m.impl("id_maps_update_", id_maps_update_);
   m.impl("id_hash", id_hash);
 }

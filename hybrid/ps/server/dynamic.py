@@ -26,7 +26,7 @@ import torch
 
 from hybrid import ops
 from hybrid.errors import InputError
-from hybrid.ops.id_map import IdMap, find_many
+from hybrid.ops.id_map import IdMap, find_many, update_many
 from hybrid.ps.config import DynamicIds, part_of  # noqa: F401 - part_of: the parts, for callers
 from hybrid.ps.server.memory import table_tensor
 
@@ -215,17 +215,15 @@ def commit_updates(tables: list[DynamicSlots], admissions: list[Admission], *, w
     assert all(a.plan is plan for a in admissions), "admissions of one plan_updates call"
     evicted_ids = ops.dynamic_commit_(tables, plan, [a.ids.numel() for a in admissions], step=admissions[0].step,
                                       weights=weights, keys=keys, bounds=bounds)
-    for t, a, gone in zip(tables, admissions, evicted_ids.split([a.evicted.numel() for a in admissions])):
-        if gone.numel():
-            t.map.erase(gone)
-            t.counters.evicted += gone.numel()
-        if a.new_ids.numel():
-            t.map.insert(a.new_ids, a.new_slots)
-            t.counters.admitted += a.new_ids.numel()
-        if a.admitted_seen.numel():
-            t.seen.erase(a.admitted_seen)
-        if a.seen_ids.numel():
-            t.seen.insert(a.seen_ids, a.seen_counts)
+    gone = [a.evicted.numel() for a in admissions]
+    update_many([t.map for t in tables], evicted_ids, gone, plan.new_ids, plan.new_slots,
+                [a.new_ids.numel() for a in admissions])
+    if tables[0].spec.admit_after > 1:
+        update_many([t.seen for t in tables], plan.admitted_seen, [a.admitted_seen.numel() for a in admissions],
+                    plan.seen_ids, plan.seen_counts, [a.seen_ids.numel() for a in admissions])
+    for t, a, n in zip(tables, admissions, gone):
+        t.counters.evicted += n
+        t.counters.admitted += a.new_ids.numel()
 
 
 def read_rows(tables: list[DynamicSlots], weights: list[torch.Tensor], ids: torch.Tensor, counts: list[int], *,
