@@ -114,6 +114,16 @@ def _train(rank, world_size, *, num_servers, push, prefetch, lookups):
         return None
     t_n, me = role.num_trainers, role.index
     pipeline = make_pipeline(trainer=me, num_servers=num_servers, staleness=0, gradient_push=push, transport=lookups)
+    # A channel's reply is used in place until the reply two messages later on that channel: the
+    # rows received are kept aside here, to be compared after the step's later lookups.
+    receive = pipeline._receive
+
+    def kept(state, lk, server, remote):
+        local = receive(state, lk, server, remote)
+        state.received[-1].remote = remote.clone()
+        return local
+
+    pipeline._receive = kept
     remotes, refs = {}, {}
     for name, (pooled, opt, lr, options) in COLLECTIONS.items():
         module = _module(pooled)

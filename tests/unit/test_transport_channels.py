@@ -75,9 +75,9 @@ def _pair(kind: str, capacity=1 << 16, timeout_s=5.0):
         return (SocketTransport("ps0", client, capacity, fallback=fallback, timeout_s=timeout_s),
                 _SocketServerEnd(conn, capacity, "test-socket"), fallback)
     directory = Path(tempfile.mkdtemp(prefix="hybrid-ps-test-", dir="/dev/shm"))
-    for name in ("req", "rep"):
+    for name, size in (("req", capacity), ("rep", 2 * capacity)):  # as ShmTransport.open
         with open(directory / name, "wb") as f:
-            f.truncate(capacity)
+            f.truncate(size)
     for name in ("to_server", "to_trainer"):
         os.mkfifo(directory / name, 0o600)
     trainer = ShmTransport("ps0", directory, capacity, fallback=fallback, timeout_s=timeout_s)  # reads first
@@ -105,6 +105,20 @@ def test_a_lookup_and_its_push_cross_intact_and_rows_come_back(server, kind):
     shard = server.shard("c")
     assert shard.counters.channel_lookups == 2 and shard.counters.gradients == 1 and shard.complete_through == 0
     assert fallback.sent == []
+    trainer.close()
+
+
+def test_a_reply_s_rows_are_used_in_place_until_the_reply_two_messages_later(server, kind):
+    """No copy of a reply: its rows are views of the trainer's reply region, whose two halves
+    take the replies in turn, so the rows of message n hold while n + 1's are used and are
+    overwritten by n + 2's."""
+    trainer, _, _ = _pair(kind)
+    first = trainer.send(_lookup(0)).wait()[0]
+    want = first.clone()
+    second = trainer.send(_lookup(0, ids=(0, 1, 2))).wait()[0]
+    assert torch.equal(first, want) and second.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    third = trainer.send(_lookup(0, ids=(0, 1, 2))).wait()[0]
+    assert third.data_ptr() == first.data_ptr() and torch.equal(first, second) and not torch.equal(first, want)
     trainer.close()
 
 

@@ -95,12 +95,22 @@ def error_frame(err: BaseException | str) -> Frame:
     return Frame([], [torch.frombuffer(bytearray(text), dtype=torch.uint8)])
 
 
+def reply_region(rep: torch.Tensor, seq: int) -> torch.Tensor:
+    """Where the reply to message ``seq`` lies in a trainer's ``rep``: its two halves in turn.
+    A reply's rows are used in place, without a copy, until the reply two messages later."""
+    half = rep.numel() // 2
+    return rep[(seq % 2) * half : (seq % 2 + 1) * half]
+
+
 class TrainerEnd(Transport, ABC):
     """A trainer's end of a frame channel to one server: one message at a time in ``req``, its
-    reply read from ``rep``. A message sent while a reply carrying rows is outstanding (it may wait
-    for a step this message completes: a prefetch), too big for the region, or with
-    distributed-autograd lookups goes over ``fallback`` (RPC); a push-only reply is collected
-    first. Subclasses move the bytes (:meth:`_post`, :meth:`_receive`)."""
+    reply read from ``rep`` (twice the size of a reply: :func:`reply_region`). A message sent
+    while a reply carrying rows is outstanding (it may wait for a step this message completes: a
+    prefetch), too big for the region, or with distributed-autograd lookups goes over ``fallback``
+    (RPC); a push-only reply is collected first. So with one message outstanding, the reply of
+    message ``n`` is overwritten by that of ``n + 2`` at the earliest, sent once ``n + 1``'s reply
+    was collected: a reply's rows are consumed (pooled, copied to a device) as they are received,
+    long before. Subclasses move the bytes (:meth:`_post`, :meth:`_receive`)."""
 
     what = "channel"
     """Named in errors (``shared-memory channel``, ``step connection``)."""
@@ -121,8 +131,8 @@ class TrainerEnd(Transport, ABC):
 
     @abstractmethod
     def _receive(self, left_s: float, block: bool) -> bool | None:
-        """Wait up to ``left_s`` for the reply to arrive in ``rep`` (not at all without
-        ``block``): ``True`` once it is there, ``False`` if not yet, ``None`` at end-of-file
+        """Wait up to ``left_s`` for the reply to message :attr:`seq` to arrive in its
+        :func:`reply_region` (not at all without ``block``): ``True`` once it is there, ``False`` if not yet, ``None`` at end-of-file
         (the server closed its end). May raise :class:`ChannelError`."""
 
     def send(self, msg: StepMessage):
@@ -154,11 +164,11 @@ class TrainerEnd(Transport, ABC):
             if got is False:
                 raise ChannelError(f"parameter server {self.server} did not answer within runtime.rpc_timeout_s: "
                                    f"timeout ({self.timeout_s * 1000:.0f} ms)")
-            kind, frame = read_frame(self.rep, self.seq)
+            kind, frame = read_frame(reply_region(self.rep, self.seq), self.seq)
             if kind == ERROR:
                 fut.error = RuntimeError(bytes(frame.tensors[0].numpy()).decode("utf-8", "replace"))
             else:
-                fut.result = [t.clone() for t in frame.tensors]
+                fut.result = frame.tensors  # views: valid until the reply two messages on
         except ChannelError as e:
             fut.error, self.closed = e, True
         fut.done = True
@@ -187,12 +197,14 @@ class _Reply:
 class ServerEnd(ABC):
     """A server's end of one trainer's channel: a daemon thread that waits for each message in
     ``req`` (:meth:`_next`), decodes it, hands it to the server and answers in ``rep``
-    (:meth:`_post_reply`), the rows gathered straight into the reply's region."""
+    (:meth:`_post_reply`), the rows gathered straight into the reply's region. ``halves``: ``rep``
+    is the trainer's own memory, each reply in its :func:`reply_region`; else each reply is
+    written at the start of ``rep`` and sent from there before the next."""
 
     what = "channel"
 
-    def __init__(self, req: torch.Tensor, rep: torch.Tensor, name: str) -> None:
-        self.req, self.rep = req, rep
+    def __init__(self, req: torch.Tensor, rep: torch.Tensor, name: str, *, halves: bool) -> None:
+        self.req, self.rep, self.halves = req, rep, halves
         self.lock = threading.Lock()
         self.seq = 0
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -217,8 +229,8 @@ class ServerEnd(ABC):
             try:
                 _, frame = read_frame(self.req, seq)
                 msg = protocol.decode(frame)
-                server().handle_step(msg, lambda rows, err, seq=seq: self.reply(seq, rows, err), self.buffers,
-                                     via_channel=True)
+                server().handle_step(msg, lambda rows, err, seq=seq: self.reply(seq, rows, err),
+                                     lambda sizes, dtypes, seq=seq: self.buffers(seq, sizes, dtypes), via_channel=True)
             except BaseException as e:  # noqa: BLE001 - the trainer gets it as the message's error
                 try:
                     self.reply(seq, None, e)
@@ -226,20 +238,26 @@ class ServerEnd(ABC):
                     pass
         self.close()
 
-    def buffers(self, sizes: list[int], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
-        """Where each part's rows (``sizes`` elements of ``dtypes``) go: in place in the reply's
-        frame, so that they are gathered straight into it (fresh tensors when they would not fit)."""
+    def _region(self, seq: int) -> torch.Tensor:
+        return reply_region(self.rep, seq) if self.halves else self.rep
+
+    def buffers(self, seq: int, sizes: list[int], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+        """Where each part's rows (``sizes`` elements of ``dtypes``) of the reply to message
+        ``seq`` go: in place in the reply's frame, so that they are gathered straight into it
+        (fresh tensors when they would not fit)."""
+        region = self._region(seq)
         nbytes = [n * d.itemsize for n, d in zip(sizes, dtypes)]
         offsets, end = layout(0, nbytes)
-        if end > self.rep.numel():
+        if end > region.numel():
             return [torch.empty(n, dtype=d) for n, d in zip(sizes, dtypes)]
-        return [self.rep[off : off + b].view(d) for off, b, d in zip(offsets, nbytes, dtypes)]
+        return [region[off : off + b].view(d) for off, b, d in zip(offsets, nbytes, dtypes)]
 
     def reply(self, seq: int, rows: list[torch.Tensor] | None, err: BaseException | None = None) -> None:
         """Answer message ``seq`` (from whichever thread completes it)."""
+        region = self._region(seq)
         if err is not None:
-            end = write_frame(self.rep, seq, ERROR, error_frame(err))
+            end = write_frame(region, seq, ERROR, error_frame(err))
         else:
-            end = write_frame(self.rep, seq, ROWS, Frame([], rows)) or write_frame(
-                self.rep, seq, ERROR, error_frame(f"reply larger than the {self.what}"))
+            end = write_frame(region, seq, ROWS, Frame([], rows)) or write_frame(
+                region, seq, ERROR, error_frame(f"reply larger than the {self.what}"))
         self._post_reply(end)

@@ -66,7 +66,7 @@ class ShmTransport(TrainerEnd):
 
     def __init__(self, server: str, directory: Path, capacity: int, *, fallback: Transport, timeout_s: float) -> None:
         super().__init__(server, torch.from_file(str(directory / "req"), shared=True, size=capacity, dtype=torch.uint8),
-                         torch.from_file(str(directory / "rep"), shared=True, size=capacity, dtype=torch.uint8),
+                         torch.from_file(str(directory / "rep"), shared=True, size=2 * capacity, dtype=torch.uint8),
                          fallback=fallback, timeout_s=timeout_s)
         self.bell_in: int | None = os.open(directory / "to_trainer", os.O_RDONLY | os.O_NONBLOCK)
         self.bell_out: int | None = None
@@ -80,9 +80,9 @@ class ShmTransport(TrainerEnd):
             return None
         directory = Path(tempfile.mkdtemp(prefix="hybrid-ps-", dir="/dev/shm"))
         try:
-            for name in ("req", "rep"):
+            for name, size in (("req", capacity), ("rep", 2 * capacity)):  # replies alternate halves
                 with open(directory / name, "wb") as f:
-                    os.posix_fallocate(f.fileno(), 0, capacity)  # ENOSPC now, not SIGBUS later
+                    os.posix_fallocate(f.fileno(), 0, size)  # ENOSPC now, not SIGBUS later
             for name in ("to_server", "to_trainer"):
                 os.mkfifo(directory / name, 0o600)
             end = cls(server, directory, capacity, fallback=fallback, timeout_s=timeout_s)
@@ -142,7 +142,8 @@ class _ServerEnd(ServerEnd):
 
     def __init__(self, directory: Path, capacity: int, name: str) -> None:
         super().__init__(torch.from_file(str(directory / "req"), shared=True, size=capacity, dtype=torch.uint8),
-                         torch.from_file(str(directory / "rep"), shared=True, size=capacity, dtype=torch.uint8), name)
+                         torch.from_file(str(directory / "rep"), shared=True, size=2 * capacity, dtype=torch.uint8), name,
+                         halves=True)
         self.bell_in: int | None = os.open(directory / "to_server", os.O_RDONLY | os.O_NONBLOCK)
         self.bell_out: int | None = os.open(directory / "to_trainer", os.O_WRONLY | os.O_NONBLOCK)
         self.thread.start()

@@ -33,7 +33,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from hybrid.ps.transport import Transport
-from hybrid.ps.transport.channel import ChannelError, ServerEnd, TrainerEnd
+from hybrid.ps.transport.channel import ChannelError, ServerEnd, TrainerEnd, reply_region
 
 DEFAULT_CAPACITY = 16 << 20
 """Bytes of each direction's region: a bigger message goes over RPC."""
@@ -86,7 +86,7 @@ class SocketTransport(TrainerEnd):
 
     def __init__(self, server: str, sock: socket.socket, capacity: int, *, fallback: Transport,
                  timeout_s: float) -> None:
-        super().__init__(server, torch.empty(capacity, dtype=torch.uint8), torch.empty(capacity, dtype=torch.uint8),
+        super().__init__(server, torch.empty(capacity, dtype=torch.uint8), torch.empty(2 * capacity, dtype=torch.uint8),
                          fallback=fallback, timeout_s=timeout_s)
         self.sock: socket.socket | None = sock
 
@@ -122,7 +122,7 @@ class SocketTransport(TrainerEnd):
         if not select.select([sock], [], [], left_s if block else 0.0)[0]:
             return False
         try:
-            return _recv_frame(sock, self.rep, time.monotonic() + self.timeout_s) or None
+            return _recv_frame(sock, reply_region(self.rep, self.seq), time.monotonic() + self.timeout_s) or None
         except ValueError as e:
             raise ChannelError(f"parameter server {self.server} sent {e} over the {self.what}") from None
         except TimeoutError:
@@ -143,7 +143,8 @@ class _SocketServerEnd(ServerEnd):
     what = "step connection"
 
     def __init__(self, sock: socket.socket, capacity: int, name: str) -> None:
-        super().__init__(torch.empty(capacity, dtype=torch.uint8), torch.empty(capacity, dtype=torch.uint8), name)
+        super().__init__(torch.empty(capacity, dtype=torch.uint8), torch.empty(capacity, dtype=torch.uint8), name,
+                         halves=False)
         self.sock: socket.socket | None = sock
         self.thread.start()
 
