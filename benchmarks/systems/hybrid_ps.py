@@ -32,8 +32,11 @@ def plan_dict(w: Workload, *, dense: str, staleness: int, comm_hook: str | None 
               dynamic: bool = False, wire_dtype: str = "float32") -> dict:
     """The plan: tables row-wise on every server, rows and gradients in ``wire_dtype`` between
     them and the trainers, both MLPs under ``dense`` (a ddp ``comm_hook`` other than the plan's
-    default when given); ``dynamic``: ``ids: dynamic`` tables of ``w.rows`` rows each."""
+    default when given; DDP with the options TorchRec's DMP gives its dense part, so the two
+    systems' dense parts run alike); ``dynamic``: ``ids: dynamic`` tables of ``w.rows`` rows each."""
     dense_opts = {"strategy": dense, **({"comm_hook": comm_hook} if comm_hook else {})}
+    if dense == "ddp":  # DDP as torchrec_dmp's dense part runs (TorchRec's DefaultDataParallelWrapper)
+        dense_opts.update(gradient_as_bucket_view=True, static_graph=True, broadcast_buffers=False)
     # Parts of at least 1,024 rows (64 at the default 100k rows): a tiny table in 64 parts of 3
     # rows would be full as soon as one step brings 4 new ids of one part.
     parts = max(1, min(64, w.rows // 1024))
