@@ -200,3 +200,42 @@ def test_the_step_listener_takes_only_the_connection_with_its_token_then_closes(
     with pytest.raises(OSError):  # the listener is gone: nothing listens once the trainer is in
         socket.create_connection((host, port), timeout=1).close()
     trainer.close()
+
+
+def test_a_failed_answer_leaves_no_kept_push_reading_the_frame(server, kind):
+    """A sync push kept for the step's other trainer reads the channel's frame while its answer
+    waits for the step; when another part of the message fails, the answer comes first, so the
+    kept push is copied out before it: the channel's next message (which overwrites the frame)
+    changes nothing of what the step applies."""
+    config = CollectionConfig(cid="two", tables=TABLES, layouts=tuple(shard_tables(list(TABLES), 1, "table_wise")),
+                              optimizer=OptimizerSpec(name="sgd", lr=1.0), num_trainers=2)
+    server.create(config, start_step=0, init="zeros")
+    shard = server.shard("two")
+    with shard.lock:
+        for t in shard.tables:
+            t.ensure_range(0, t.rows)
+    trainer, _, _ = _pair(kind)
+    rows = Rows([0, 1], [2, 1], torch.tensor([1, 3, 4]))
+    grad = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    bad = Push(0, rows, torch.ones(6, dtype=torch.bfloat16))  # not the collection's wire dtype: fails
+    msg = StepMessage(trainer=0, parts=[
+        Part(collection_handle("two"), step=1, lookup=rows, num_raw=3, pushes=[Push(0, rows, grad)]),
+        Part(collection_handle("c"), step=0, pushes=[bad])])
+    with pytest.raises(RuntimeError, match="wire_dtype"):
+        trainer.send(msg).wait()
+    assert shard.pending[0], "trainer 0's push is kept for trainer 1's"
+    # The next message overwrites the frame the kept push came in.
+    # The next message, laid out as the first (its gradient where the kept one lay), to other
+    # collections of one trainer.
+    for cid in ("one", "one-more"):
+        server.create(CollectionConfig(cid=cid, tables=TABLES, layouts=config.layouts,
+                                       optimizer=OptimizerSpec(name="sgd", lr=1.0), num_trainers=1),
+                      start_step=0, init="zeros")
+    got = trainer.send(StepMessage(trainer=0, parts=[
+        Part(collection_handle("one"), step=1, lookup=rows, num_raw=3, pushes=[Push(0, rows, grad * 100)]),
+        Part(collection_handle("one-more"), step=0, pushes=[Push(0, rows, grad)])])).wait()
+    assert got[0].numel() == 6
+    server.push(shard, 1, 0, [(rows, torch.zeros(6))])  # trainer 1's push completes step 0
+    a, b = shard.tables[0].weight, shard.tables[1].weight
+    assert a[1].tolist() == [-0.5, -1.0] and a[3].tolist() == [-1.5, -2.0] and b[4].tolist() == [-2.5, -3.0]
+    trainer.close()

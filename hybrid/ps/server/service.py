@@ -150,6 +150,7 @@ class ParameterServer:
     def handle_step(self, msg: StepMessage, reply: Reply, buffers: Buffers | None = None, *,
                     via_channel: bool = False) -> None:
         """Apply the message's pushes, then answer its lookups once each may read."""
+        borrowed: list[tuple[CollectionShard, int]] = []  # kept pushes that still read the frame
         try:
             shards = [self.shard(p.collection) for p in msg.parts]
             for part, shard in zip(msg.parts, shards):
@@ -162,8 +163,10 @@ class ParameterServer:
                     # A channel's frame is reused once the message is answered; a sync push kept
                     # for the step's other pushes needs a copy, unless the answer waits for that
                     # step to be applied (a lookup of a later step of the same collection; an
-                    # answer that fails first makes the kept push its own, _Answer._fail).
+                    # answer that fails first makes the kept push its own: _own).
                     waits = part.lookup is not None and part.step - 1 - shard.staleness >= step
+                    if via_channel and waits:
+                        borrowed.append((shard, step))
                     self.push(shard, msg.trainer, step, parts, keeps_copy=via_channel and not waits)
             # One tensor of rows per part, then the parts' versions (see hybrid.ps.protocol).
             sizes = [shard.numel(p.lookup) if p.lookup is not None else 0 for p, shard in zip(msg.parts, shards)]
@@ -173,9 +176,10 @@ class ParameterServer:
                    else [torch.empty(n, dtype=d) for n, d in zip(sizes, dtypes)])
             out[-1].fill_(-1)
         except BaseException as e:  # noqa: BLE001 - the trainer gets it as the message's error
+            _own(msg.trainer, borrowed)
             reply(None, RuntimeError(f"ps{self.index}: {e}"))
             return
-        _Answer(self, msg, shards, out, reply, via_channel).start()
+        _Answer(self, msg, shards, out, reply, via_channel, borrowed).start()
 
     def read(self, handle: int, after_step: int, rows: Rows, done: Reply) -> None:
         """Rows without gradient (evaluation), once steps through ``after_step`` are applied."""
@@ -262,9 +266,11 @@ class _Answer:
     """The lookups of one step message, answered together once each part's step may read."""
 
     def __init__(self, server: ParameterServer, msg: StepMessage, shards: list[CollectionShard],
-                 out: list[torch.Tensor], reply: Reply, via_channel: bool) -> None:
+                 out: list[torch.Tensor], reply: Reply, via_channel: bool,
+                 borrowed: list[tuple[CollectionShard, int]]) -> None:
         self.server, self.msg, self.shards, self.out, self.reply = server, msg, shards, out, reply
         self.via_channel = via_channel
+        self.borrowed = borrowed
         self.lock = threading.Lock()
         self.left = sum(p.lookup is not None for p in msg.parts)
         self.failed = False
@@ -290,10 +296,7 @@ class _Answer:
             first, self.failed = not self.failed, True
         if not first:
             return
-        if self.via_channel:
-            for part, shard in zip(self.msg.parts, self.shards):
-                for step in {p.step for p in part.pushes}:
-                    shard.own_pending(self.msg.trainer, step)
+        _own(self.msg.trainer, self.borrowed)
         self.reply(None, RuntimeError(f"ps{self.server.index}: {e}"))
 
     def _one(self, i: int, part: Part, shard: CollectionShard, err: BaseException | None) -> None:
@@ -324,6 +327,13 @@ class _Answer:
             for part, shard in zip(self.msg.parts, self.shards):
                 if part.lookup is not None:
                     shard.plan_ahead(part.step)
+
+
+def _own(trainer: int, borrowed: list[tuple[CollectionShard, int]]) -> None:
+    """Before an answer that may come ahead of the steps its message's kept pushes wait for: they
+    stop borrowing the channel's frame."""
+    for shard, step in borrowed:
+        shard.own_pending(trainer, step)
 
 
 def _owned(rows: Rows) -> Rows:
