@@ -1,7 +1,7 @@
 """When a server applies a sync step's gradients (a ``CollectionShard`` built in this process, no
 RPC): once every trainer's push of the step is in -- plain SGD adding each push in trainer order
-(whatever order they arrive in), the other optimizers summing first -- so that no lookup of the step reads part of its update;
-lookups of the next step wait for the whole step."""
+(whatever order they arrive in), the other optimizers summing first -- so that no lookup of the
+step reads part of its update; lookups of the next step wait for the whole step."""
 from __future__ import annotations
 
 import pytest

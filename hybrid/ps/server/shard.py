@@ -460,7 +460,8 @@ class CollectionShard:
         admit_after = self.config.dynamic.admit_after
         # Per table, one run per contribution: (ids, gradient rows, slots and sightings the
         # step's lookup found for them or None, the contribution's index), and which lookup it matched.
-        per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]]] = {}
+        Run = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]
+        per_table: dict[int, list[Run]] = {}
         matched: dict[int, list[LookedUp | None]] = {}
         for k, (rows, grad) in enumerate(contributions):
             shards = self.shards_of(rows)

@@ -132,8 +132,9 @@ class TrainerEnd(Transport, ABC):
     @abstractmethod
     def _receive(self, left_s: float, block: bool) -> bool | None:
         """Wait up to ``left_s`` for the reply to message :attr:`seq` to arrive in its
-        :func:`reply_region` (not at all without ``block``): ``True`` once it is there, ``False`` if not yet, ``None`` at end-of-file
-        (the server closed its end). May raise :class:`ChannelError`."""
+        :func:`reply_region` (not at all without ``block``): ``True`` once it is there, ``False``
+        if not yet, ``None`` at end-of-file (the server closed its end). May raise
+        :class:`ChannelError`."""
 
     def send(self, msg: StepMessage):
         if self.closed or msg.autograd or (

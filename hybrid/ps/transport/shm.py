@@ -142,8 +142,8 @@ class _ServerEnd(ServerEnd):
 
     def __init__(self, directory: Path, capacity: int, name: str) -> None:
         super().__init__(torch.from_file(str(directory / "req"), shared=True, size=capacity, dtype=torch.uint8),
-                         torch.from_file(str(directory / "rep"), shared=True, size=2 * capacity, dtype=torch.uint8), name,
-                         halves=True)
+                         torch.from_file(str(directory / "rep"), shared=True, size=2 * capacity, dtype=torch.uint8),
+                         name, halves=True)
         self.bell_in: int | None = os.open(directory / "to_server", os.O_RDONLY | os.O_NONBLOCK)
         self.bell_out: int | None = os.open(directory / "to_trainer", os.O_WRONLY | os.O_NONBLOCK)
         self.thread.start()
