@@ -130,11 +130,6 @@ def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hoo
 
     # The servers' meters (CPU, bytes on their interface) open before the counters are read and
     # close after: every byte the counters count falls inside the meters' window.
-    def start() -> None:
-        if role.index == 0:
-            mark_servers(ebc.server_names, "start")
-            stats["start"] = ebc.stats()
-
     def stop() -> None:
         pipeline.flush()
         dist.barrier()
@@ -146,9 +141,13 @@ def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hoo
         pipeline.flush()  # the window's counters start with nothing owed
         if role.index == 0:
             wait_filled(ebc)  # as every other system, the tables are whole before the window
+            # The window opens before the barrier that lets every trainer into it: a trainer that
+            # left the barrier first would otherwise send its first lookups before they are read.
+            mark_servers(ebc.server_names, "start")
+            stats["start"] = ebc.stats()
         dist.barrier()
 
-    report = train(w, batches, step, name=role.name, sync=sync, on_start=start, on_stop=stop)
+    report = train(w, batches, step, name=role.name, sync=sync, on_stop=stop)
     pipeline.close()
     report["samples_per_step"] = w.batch
     report["wire_dtype"] = ebc.config.wire_dtype
