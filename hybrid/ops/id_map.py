@@ -61,8 +61,7 @@ class HashIdMap:
         """Map distinct ``ids`` to ``slots`` (an id already present is remapped)."""
         ids = ids.to(torch.int64).contiguous().reshape(-1)
         self.version += 1
-        if 2 * (self.used + ids.numel()) > self.keys.numel():
-            self._grow(self.used + ids.numel())
+        self._room_for(ids.numel())
         self.used = torch.ops.hybrid.id_map_insert_(self.keys, self.slots, ids,
                                                      slots.to(torch.int64).contiguous().reshape(-1), self.used)
 
@@ -78,6 +77,11 @@ class HashIdMap:
         keys, slots = self.keys[present], self.slots[present]
         order = torch.argsort(keys)
         return keys[order], slots[order]
+
+    def _room_for(self, n: int) -> None:
+        """Grow so that ``n`` more ids keep the load at most one half."""
+        if 2 * (self.used + n) > self.keys.numel():
+            self._grow(self.used + n)
 
     def _grow(self, need: int) -> None:
         keys, slots = self.items()
@@ -119,8 +123,7 @@ def update_many(maps: list, erase: torch.Tensor, erase_counts: list[int], insert
                 m.insert(i, v)
         return
     for m, n in zip(maps, insert_counts):
-        if 2 * (m.used + n) > m.keys.numel():
-            m._grow(m.used + n)
+        m._room_for(n)
     used = torch.ops.hybrid.id_maps_update_([m.keys for m in maps], [m.slots for m in maps], erase,
                                             list(erase_counts), insert, values, list(insert_counts),
                                             [m.used for m in maps])

@@ -336,7 +336,7 @@ class CollectionShard:
                 last = self.arrived.get(step, 0) + 1 == self.num_trainers
                 if self.staleness == 0:
                     if keeps_copy and not last:
-                        parts = [(Rows(r.tables, r.counts, r.ids.clone()), g.clone()) for r, g in parts]
+                        parts = [_copied(p) for p in parts]
                     self.pending[step].extend((trainer, p) for p in parts)
                     if last:
                         ordered = sorted(self.pending.pop(step), key=lambda e: e[0])  # stable: a trainer's own order
@@ -360,8 +360,7 @@ class CollectionShard:
         with self.lock:
             kept = self.pending.get(step)
             if kept:
-                self.pending[step] = [(t, (Rows(r.tables, r.counts, r.ids.clone()), g.clone()) if t == trainer
-                                       else (r, g)) for t, (r, g) in kept]
+                self.pending[step] = [(t, _copied(p) if t == trainer else p) for t, p in kept]
 
     def apply(self, contributions: list[Contribution], *, step: int = 0) -> None:
         """Apply the trainers' contributions of one step (or one async push): all or nothing
@@ -527,17 +526,19 @@ class CollectionShard:
         ids not admitted dropped, for :meth:`_accumulate`. ``per_table[i]``: table ``i``'s runs in
         contribution order (each run's last entry its contribution's index); ``inverse``: each run
         row's index among the distinct ids (table after table), ``None`` for one run a table."""
-        distinct_slots = _cat([a.slots for a in admissions])
+        distinct_slots = admissions[0].plan.slots  # every table's, in order (the admissions are views)
         run_slots = distinct_slots if inverse is None else distinct_slots.index_select(0, inverse)
         runs = [(i, r) for i in order for r in per_table[i]]
-        slots_of = {(i, r[-1]): piece for (i, r), piece in zip(runs, run_slots.split([r[1].shape[0] for _, r in runs]))}
+        # (table, contribution) -> that run's slots and gradient rows
+        of = {(i, r[-1]): (piece, r[1])
+              for (i, r), piece in zip(runs, run_slots.split([r[1].shape[0] for _, r in runs]))}
         out = []
         for k, (rows, grad) in enumerate(contributions):
-            pieces = [slots_of[(i, k)] for i in rows.tables]
+            pieces = [of[(i, k)][0] for i in rows.tables]
             ids = _cat(pieces)
             if ids.numel() and int(ids.min()) < 0:  # ids not admitted (yet) get no update
                 keeps = [p >= 0 for p in pieces]
-                grads = [per_table[i][[r[-1] for r in per_table[i]].index(k)][1] for i in rows.tables]
+                grads = [of[(i, k)][1] for i in rows.tables]
                 pieces = [p[m] for p, m in zip(pieces, keeps)]
                 ids, grad = _cat(pieces), _cat([g[m].reshape(-1) for g, m in zip(grads, keeps)])
             out.append((Rows(list(rows.tables), [p.numel() for p in pieces], ids), grad))
@@ -565,9 +566,11 @@ class CollectionShard:
         """Plain SGD: each contribution added straight into the weights, in order (rows may repeat
         across trainers), all in one ``sgd_rows_`` call, which checks every contribution before
         it adds the first."""
-        shards = [t for rows, _ in contributions for t in self.shards_of(rows)]
+        shards = []
         for rows, _ in contributions:
-            self._ensure(self.shards_of(rows), rows)
+            mine = self.shards_of(rows)
+            self._ensure(mine, rows)
+            shards += mine
         ids = _cat([rows.ids for rows, _ in contributions])
         counts = [n for rows, _ in contributions for n in rows.counts]
         try:
@@ -617,6 +620,12 @@ class _Planned:
         pieces = dict(zip(self.keys, inverse.split(sizes)))
         index = {id(e): k for k, e in enumerate(self.looked)}
         return _cat([pieces[(index[id(e)], i)] for i in order for e in matched[i]])
+
+
+def _copied(part: Contribution) -> Contribution:
+    """A push's ids and gradient in memory of their own (not the transport's)."""
+    rows, grad = part
+    return Rows(rows.tables, rows.counts, rows.ids.clone()), grad.clone()
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
