@@ -284,37 +284,14 @@ dynamic_plan(const Tensor& ids, const Tensor& found, const Tensor& seen, IntArra
           flat(plans, &Plan::admitted_seen)};
 }
 
-template <typename S>
-void initial_row(void* table, int64_t slot, int64_t dim, int64_t id, uint32_t key, float bound) {
-  auto* row = static_cast<typename S::T*>(table) + slot * dim;
-  const uint32_t h = hybrid::hash::row_hash(static_cast<uint64_t>(id), key);
-  for (int64_t c = 0; c < dim; c++) row[c] = S::store(hybrid::hash::initial_value(h, c, bound));
-}
-
 // Rows ahead of the one being written or read whose first cache lines are requested early: the
 // tables are far larger than the caches and the slots are scattered, so overlapping the misses
 // matters more than anything else in these loops.
 constexpr int64_t kAhead = 8;
 
-inline void prefetch_lines(const void* p, int64_t bytes, bool write) {
+inline void prefetch_lines(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) {
-    if (write)
-      __builtin_prefetch(c + off, 1);
-    else
-      __builtin_prefetch(c + off);
-  }
-}
-
-// Table t's new rows (new_slots[i] for ids ni[i], i in [lo, hi)) set to their initial values.
-template <typename S>
-void initial_rows(void* table, int64_t dim, const int64_t* ni, const int64_t* ns, int64_t lo, int64_t hi,
-                  uint32_t key, float bound) {
-  const int64_t bytes = dim * static_cast<int64_t>(sizeof(typename S::T));
-  for (int64_t i = lo; i < hi; i++) {
-    if (i + kAhead < hi) prefetch_lines(static_cast<typename S::T*>(table) + ns[i + kAhead] * dim, bytes, true);
-    initial_row<S>(table, ns[i], dim, ni[i], key, bound);
-  }
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
 k::DType row_dtype(const Tensor& w, const std::string& what) {
@@ -407,10 +384,8 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
       if (!weights.empty()) {
         const uint32_t key = static_cast<uint32_t>(keys[t]);
         const float bound = static_cast<float>(bounds[t]);  // as torch converts a Python float for float32 math
-        k::with_dtype(dtypes[t], [&](auto d) {
-          initial_rows<decltype(d)>(weights[t].data_ptr(), weights[t].size(1), ni, ns, s2, s2 + new_counts[t], key,
-                                    bound);
-        });
+        k::dispatch().initial_rows(weights[t].data_ptr(), dtypes[t], weights[t].size(1), ni + s2, ns + s2,
+                                   new_counts[t], key, bound);
       }
       for (int64_t i = s1; i < s1 + counts[t]; i++) {
         if (i + 2 * kAhead < s1 + counts[t] && sp[i + 2 * kAhead] >= 0)
@@ -430,8 +405,9 @@ int64_t lookup_rows(const void* table, int64_t dim, const int64_t* ip, const int
   const auto* w = static_cast<const typename S::T*>(table);
   const int64_t bytes = dim * static_cast<int64_t>(sizeof(typename S::T));
   int64_t hits = 0;
+  const auto init = k::dispatch().initial_rows;
   for (int64_t i = lo; i < hi; i++, o += dim) {
-    if (i + kAhead < hi && sp[i + kAhead] >= 0) prefetch_lines(w + sp[i + kAhead] * dim, bytes, false);
+    if (i + kAhead < hi && sp[i + kAhead] >= 0) prefetch_lines(w + sp[i + kAhead] * dim, bytes);
     if (sp[i] >= 0) {
       hits++;
       const auto* row = w + sp[i] * dim;
@@ -441,8 +417,7 @@ int64_t lookup_rows(const void* table, int64_t dim, const int64_t* ip, const int
         for (int64_t c = 0; c < dim; c++) o[c] = S::load(row[c]);
       }
     } else if (!seen_p || std::max<int64_t>(seen_p[i], 0) + 1 >= admit_after) {
-      const uint32_t h = hybrid::hash::row_hash(static_cast<uint64_t>(ip[i]), key);
-      for (int64_t c = 0; c < dim; c++) o[c] = hybrid::hash::initial_value(h, c, bound);
+      init(o, k::DType::f32, dim, ip + i, nullptr, 1, key, bound);
     } else {
       std::fill(o, o + dim, 0.0f);
     }
@@ -527,6 +502,32 @@ std::tuple<Tensor, Tensor, Tensor> merge_ids(const Tensor& ids, IntArrayRef coun
       end[r] = off += counts[t * runs + r];
     }
     const int64_t first = nu;
+    if (runs == 2) {
+      // Two trainers' runs (the common case), merged without branches on the ids: the smaller
+      // head is the next distinct id and every run holding it moves on. inv[i] and inv[j] are
+      // written every round; a run's entry keeps the value of the round it moved on in.
+      int64_t i = head[0], j = head[1];
+      const int64_t ei = end[0], ej = end[1];
+      while (i < ei && j < ej) {
+        const int64_t x = ip[i], y = ip[j], m = x < y ? x : y;
+        u[nu] = m;
+        inv[i] = nu;
+        inv[j] = nu;
+        i += x == m;
+        j += y == m;
+        nu++;
+      }
+      for (; i < ei; i++) {
+        inv[i] = nu;
+        u[nu++] = ip[i];
+      }
+      for (; j < ej; j++) {
+        inv[j] = nu;
+        u[nu++] = ip[j];
+      }
+      pp[t] = nu - first;
+      continue;
+    }
     while (true) {  // the smallest head id next; every run holding it moves on
       int64_t best = -1;
       for (int64_t r = 0; r < runs; r++)

@@ -11,22 +11,12 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "convert.h"
-#include "hash.h"
+#include "kernels.h"
 
 namespace {
 
 using at::Tensor;
 namespace k = hybrid::kernels;
-
-template <typename Store>
-void fill(int64_t begin, int64_t end, const int64_t* rows, int64_t dim, uint32_t key, float bound,
-          Store store) {
-  for (int64_t i = begin; i < end; i++) {
-    const uint32_t h = hybrid::hash::row_hash(static_cast<uint64_t>(rows[i]), key);
-    for (int64_t c = 0; c < dim; c++) store(i * dim + c, hybrid::hash::initial_value(h, c, bound));
-  }
-}
 
 void initial_rows_(const Tensor& out, const Tensor& rows, int64_t key, double bound) {
   TORCH_CHECK_VALUE(out.device().is_cpu() && out.is_contiguous() && out.dim() == 2,
@@ -42,31 +32,19 @@ void initial_rows_(const Tensor& out, const Tensor& rows, int64_t key, double bo
   const uint32_t k32 = static_cast<uint32_t>(key);
   const float b = static_cast<float>(bound);  // as torch converts a Python float for float32 math
   const int64_t grain = std::max<int64_t>(64, 32768 / std::max<int64_t>(dim, 1));
+  k::DType dtype;
   switch (out.scalar_type()) {
-    case at::kFloat: {
-      float* o = out.data_ptr<float>();
-      at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
-        fill(lo, hi, rp, dim, k32, b, [o](int64_t j, float v) { o[j] = v; });
-      });
-      break;
-    }
-    case at::kBFloat16: {
-      auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-      at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
-        fill(lo, hi, rp, dim, k32, b, [o](int64_t j, float v) { o[j] = k::f32_to_bf16(v); });
-      });
-      break;
-    }
-    case at::kHalf: {
-      auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-      at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
-        fill(lo, hi, rp, dim, k32, b, [o](int64_t j, float v) { o[j] = k::f32_to_f16(v); });
-      });
-      break;
-    }
-    default:
-      TORCH_CHECK_TYPE(false, "out must be float32, bfloat16 or float16, got ", out.scalar_type());
+    case at::kFloat: dtype = k::DType::f32; break;
+    case at::kBFloat16: dtype = k::DType::bf16; break;
+    case at::kHalf: dtype = k::DType::f16; break;
+    default: TORCH_CHECK_TYPE(false, "out must be float32, bfloat16 or float16, got ", out.scalar_type());
   }
+  auto* o = static_cast<char*>(out.data_ptr());
+  const int64_t row_bytes = dim * static_cast<int64_t>(out.element_size());
+  const auto init = k::dispatch().initial_rows;
+  at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
+    init(o + lo * row_bytes, dtype, dim, rp + lo, nullptr, hi - lo, k32, b);
+  });
 }
 
 }  // namespace

@@ -121,6 +121,11 @@ struct RowKernels {
   // checked.
   void (*scatter)(void* dst, DType dst_dtype, int64_t width, const int64_t* rows, int64_t n,
                   const void* src, DType src_dtype);
+  // Row at[i] (i where at is nullptr) of out (dim elements of out_dtype a row) set to the
+  // initial value of id ids[i] (hash.h: row_hash(ids[i], key), initial_value per column), for
+  // i in [0, n): a vectorizable loop over the columns.
+  void (*initial_rows)(void* out, DType out_dtype, int64_t dim, const int64_t* ids, const int64_t* at,
+                       int64_t n, uint32_t key, float bound);
 };
 
 // The kernels for this CPU: AVX2+FMA where the CPU has them (x86-64), else the baseline build.

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "convert.h"
+#include "hash.h"
 #include "kernels.h"
 
 #if defined(__clang__)

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "convert.h"
+#include "hash.h"
 #include "kernels.h"
 
 #define HY_ISA base

@@ -614,11 +614,32 @@ void scatter(void* dst, DType dst_dtype, int64_t width, const int64_t* rows, int
   });
 }
 
+template <typename D>
+void initial_rows_t(typename D::T* out, int64_t dim, const int64_t* ids, const int64_t* at, int64_t n,
+                    uint32_t key, float bound) {
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(typename D::T));
+  for (int64_t i = 0; i < n; i++) {
+    if (at && i + kPrefetchAhead < n) prefetch_row_w(out + at[i + kPrefetchAhead] * dim, bytes);
+    typename D::T* o = out + (at ? at[i] : i) * dim;
+    const uint32_t h = hash::row_hash(static_cast<uint64_t>(ids[i]), key);
+    for (int64_t c = 0; c < dim; c++) o[c] = D::store(hash::initial_value(h, c, bound));
+  }
+}
+
+void initial_rows(void* out, DType out_dtype, int64_t dim, const int64_t* ids, const int64_t* at, int64_t n,
+                  uint32_t key, float bound) {
+  with_dtype(out_dtype, [&](auto d) {
+    using D = decltype(d);
+    initial_rows_t<D>(static_cast<typename D::T*>(out), dim, ids, at, n, key, bound);
+  });
+}
+
 }  // namespace HY_ISA
 
 const RowKernels HY_KERNELS = {
-    HY_ISA_NAME,         HY_ISA::gather,      HY_ISA::sgd,     HY_ISA::sum_rows,
+    HY_ISA_NAME,         HY_ISA::gather,      HY_ISA::sgd,          HY_ISA::sum_rows,
     HY_ISA::state_step, HY_ISA::weight_step, HY_ISA::step_inplace, HY_ISA::scatter,
+    HY_ISA::initial_rows,
 };
 
 }  // namespace kernels
