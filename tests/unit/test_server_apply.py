@@ -185,6 +185,33 @@ def test_dynamic_update_reuses_its_lookups_slots_only_while_the_maps_are_unchang
     assert sum(t.dynamic.counters.evicted for t in reuse.tables) > 0
 
 
+@pytest.mark.parametrize("admit_after", [1, 2])
+def test_a_dynamic_sgd_step_planned_from_its_lookups_equals_one_planned_when_its_pushes_come(admit_after):
+    """Sync plain SGD: the update of a step whose lookups were planned ahead (admissions and each
+    lookup's slots, while the trainers compute) leaves the same rows, maps and counters as the
+    same steps applied without a plan -- with lookups and pushes in either trainer order, rows
+    evicted, and (admit_after 2) ids that get no row yet."""
+    steps = 8
+    parts = {(t, r): _raw_part(100 * t + r) for t in range(steps) for r in range(2)}
+    shards = {}
+    for planned in (True, False):
+        shard = _dynamic_shard("sgd", admit_after)
+        for t in range(steps):
+            order = (0, 1) if t % 2 else (1, 0)
+            for r in order:
+                shard.gather(parts[t, r][0], step=t)
+            if planned:
+                shard.plan_ahead(t)
+            for r in reversed(order):
+                _push(shard, r, t, [parts[t, r]])
+        shards[planned] = shard
+    assert shards[True].counters.plans_used == steps and shards[False].counters.plans_used == 0
+    for a, b in zip(shards[True].tables, shards[False].tables):
+        da, db = a.dynamic_rows(), b.dynamic_rows()
+        assert set(da) == set(db) and all(torch.equal(da[k], db[k]) for k in da), a.name
+        assert a.dynamic.counters == b.dynamic.counters and a.dynamic.counters.evicted > 0, a.name
+
+
 @pytest.mark.parametrize("kind", ["range", "dynamic", "dynamic-admit2"])
 def test_sync_sgd_adds_the_pushes_in_trainer_order_whatever_order_they_arrive_in(kind):
     """Plain SGD adds each trainer's push straight into the rows (dynamic tables: into the

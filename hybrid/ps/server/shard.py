@@ -418,9 +418,25 @@ class CollectionShard:
                                     [parts[k][i] for i, ks in zip(order, runs) for k in ks], step)
             except Exception:  # noqa: BLE001 - the update plans again and reports it
                 return
-            self.planned[step] = _Planned(looked=list(looked), order=order, merged=merged,
-                                          keys=[(k, i) for i, ks in zip(order, runs) for k in ks])
+            keys = [(k, i) for i, ks in zip(order, runs) for k in ks]
+            self.planned[step] = _Planned(looked=list(looked), order=order, merged=merged, keys=keys,
+                                          slots=self._lookup_slots(looked, merged, keys))
             self.counters.planned_ahead += 1
+
+    def _lookup_slots(self, looked: list[LookedUp], merged: tuple, keys: list[tuple[int, int]]) -> list | None:
+        """Plain SGD: each lookup's ids' slots after the planned update, in the lookup's own order
+        (what :meth:`_in_slots` would make of its push), or ``None`` where an id would get no
+        row (the general path then drops its gradient)."""
+        if not self.accumulates:
+            return None
+        _, _, inverse, admissions = merged
+        slots = admissions[0].plan.slots  # every table's distinct ids', in order
+        if slots.numel() and int(slots.min()) < 0:
+            return None
+        run_slots = slots if inverse is None else slots.index_select(0, inverse)
+        sizes = [looked[k].rows.counts[looked[k].rows.tables.index(i)] for k, i in keys]
+        pieces = dict(zip(keys, run_slots.split(sizes)))
+        return [_cat([pieces[(k, i)] for i in e.rows.tables]) for k, e in enumerate(looked)]
 
     def _plan(self, tables: list[TableShard], runs: list[int],
               segments: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]], step: int):
@@ -456,6 +472,8 @@ class CollectionShard:
         optimizer runs on the slots of the admitted ids, all tables in one call (all or nothing)."""
         looked = self.looked_up.get(step, [])
         planned = self.planned.pop(step, None)
+        if planned is not None and planned.slots is not None and self._apply_planned(contributions, step, planned):
+            return
         admit_after = self.config.dynamic.admit_after
         # Per table, one run per contribution: (ids, gradient rows, slots and sightings the
         # step's lookup found for them or None, the contribution's index), and which lookup it matched.
@@ -519,6 +537,41 @@ class CollectionShard:
             if slot.numel():
                 steps.append((table, slot, grads, gscale))
         self._step(steps)
+
+    def _apply_planned(self, contributions: list[Contribution], step: int, planned: _Planned) -> bool:
+        """Plain SGD of a sync step whose pushes are exactly the planned lookups' (each matches one,
+        at the maps' versions): the planned admissions committed, then each push added into its
+        lookup's slots. ``False`` (nothing done) for any other update."""
+        shards = [self.shards_of(rows) for rows, _ in contributions]
+        looked = list(planned.looked)
+        lookup_of = []
+        for (rows, _), mine in zip(contributions, shards):
+            k = next((k for k, e in enumerate(looked) if e is not None and e.matches(rows, mine)), None)
+            if k is None:
+                return False
+            lookup_of.append(k)
+            looked[k] = None
+        if any(e is not None for e in looked):
+            return False
+        pending = self.looked_up.get(step, [])
+        for e in planned.looked:
+            if e in pending:
+                pending.remove(e)
+        for s in [s for s in self.looked_up if s <= step]:
+            del self.looked_up[s]
+        for s in [s for s in self.planned if s <= step]:
+            del self.planned[s]
+        tables = [self.by_index[i] for i in planned.order]
+        admissions = planned.merged[3]
+        commit_updates([t.dynamic for t in tables], admissions, weights=[t.weight for t in tables],
+                       keys=[t.init_key[0] for t in tables], bounds=[t.init_key[1] for t in tables])
+        for table, a in zip(tables, admissions):
+            if a.new_slots.numel():
+                table.optim.reset(a.new_slots)
+        self.counters.plans_used += 1
+        self._accumulate([(Rows(list(rows.tables), list(rows.counts), planned.slots[k]), grad)
+                          for (rows, grad), k in zip(contributions, lookup_of)])
+        return True
 
     def _in_slots(self, contributions: list[Contribution], per_table: dict[int, list], order: list[int],
                   admissions: list, inverse: torch.Tensor | None) -> list[Contribution]:
@@ -601,6 +654,8 @@ class _Planned:
     merged: tuple
     keys: list[tuple[int, int]]
     """(lookup, table) of each run, in the order the runs were merged."""
+    slots: list[torch.Tensor] | None = None
+    """Plain SGD: each lookup's ids' slots after the update (:meth:`CollectionShard._lookup_slots`)."""
 
     def serves(self, order: list[int], matched: dict[int, list[LookedUp | None]]) -> bool:
         """Whether the update whose runs matched these lookups (``matched[table]``, in
