@@ -18,9 +18,13 @@ inline uint64_t fmix64(uint64_t k) {
   return k;
 }
 
-// The part of a raw id of a dynamic table: torch.remainder(int64(fmix64(id)), partitions).
+// The part of a raw id of a dynamic table: torch.remainder(int64(fmix64(id)), partitions). For a
+// power of two that is the hash's low bits (a floor modulo of a two's-complement value), without
+// a 64-bit division.
 inline int64_t part_of(int64_t id, int64_t partitions) {
-  const int64_t r = static_cast<int64_t>(fmix64(static_cast<uint64_t>(id))) % partitions;
+  const uint64_t h = fmix64(static_cast<uint64_t>(id));
+  if ((partitions & (partitions - 1)) == 0) return static_cast<int64_t>(h & static_cast<uint64_t>(partitions - 1));
+  const int64_t r = static_cast<int64_t>(h) % partitions;
   return r < 0 ? r + partitions : r;
 }
 

@@ -221,7 +221,8 @@ int64_t route(const RouteIn& in, const RouteOut& out, Status* status) {
     nu = group_raw_ids(in, tab, packed, sorted_pos, rank, ustart, ukey, ulocal);
     for (int64_t u = 0; u < nu; u++) {
       const int64_t t = ukey[u];
-      const int64_t sp = hash::part_of(ulocal[u], in.partitions) % in.shards[t];
+      const int64_t sh = in.shards[t];
+      const int64_t sp = sh > 1 ? hash::part_of(ulocal[u], in.partitions) % sh : 0;
       const int64_t srv = in.server_rank[t * in.width + sp];
       ukey[u] = srv * ntab + t;
       out.per[ukey[u]]++;
