@@ -236,7 +236,7 @@ def test_plan_options_are_checked():
 
 
 _FIELDS = ("slots", "new_ids", "new_slots", "evicted", "seen_ids", "seen_counts", "admitted_seen")
-_STATE = ("slot_id", "occupied", "last", "count", "fill")
+_STATE = ("slot_id", "occupied", "last", "count", "fill", "lru_prev", "lru_next", "lru_head", "lru_tail")
 
 
 @pytest.mark.skipif(not ops.AVAILABLE, reason="hybrid._C not built")
@@ -289,3 +289,61 @@ def test_plan_and_commit_of_several_tables_equal_the_reference(evict, admit_afte
             assert all(torch.equal(x, y) for x, y in zip(a.seen.items(), b.seen.items()))
             assert (a.counters.admitted, a.counters.evicted) == (b.counters.admitted, b.counters.evicted)
     assert failed > 0 if evict == "none" else sum(d.counters.evicted for d in native) > 0
+
+
+@pytest.mark.skipif(not ops.AVAILABLE, reason="hybrid._C not built")
+@pytest.mark.parametrize("evict", ["lru", "ttl:3"])
+def test_eviction_lists_choose_as_the_reference_sorts_through_churn_and_a_restore(evict, monkeypatch):
+    """The native plan walks each part's eviction list instead of sorting its slots: over a long
+    stream of mostly new ids (every part full, rows evicted or expired every step, holes left by
+    expiry), the same admissions and evictions as the plain-torch twin, whose lists are rebuilt
+    from scratch each step -- also after the state goes through a checkpoint (restore rebuilds
+    the lists) halfway."""
+    spec = DynamicIds(capacity=96, evict=evict, partitions=6)
+    held = [0, 2, 3, 5]
+
+    def build():
+        return DynamicSlots(spec, held, table="t", where="test")
+
+    native, plain = build(), build()
+    g = torch.Generator().manual_seed(11)
+    evicted, holes = 0, False
+    for t in range(120):
+        pool = torch.randint(0, 400, (40,), generator=g) * 104729 - 2**40  # a few recur, most are new
+        ids = pool[torch.isin(part_of(pool, spec.partitions), torch.tensor(held))].unique()
+        outcome = []
+        for table, twin in ((native, None), (plain, reference)):
+            with monkeypatch.context() as m:
+                if twin is not None:
+                    m.setattr(dynamic.ops, "dynamic_plan", twin.dynamic_plan)
+                    m.setattr(dynamic.ops, "dynamic_commit_", twin.dynamic_commit_)
+                try:
+                    adm = plan_updates([table], [ids], t)
+                except CapacityError as e:
+                    outcome.append(str(e))
+                    continue
+                commit_updates([table], adm)
+                outcome.append([getattr(adm[0], f) for f in _FIELDS])
+        assert type(outcome[0]) is type(outcome[1]), (t, outcome)
+        if isinstance(outcome[0], str):
+            assert outcome[0] == outcome[1]
+        else:
+            assert all(torch.equal(x, y) for x, y in zip(*outcome)), (t, outcome)
+            evicted += outcome[0][3].numel()
+        # A checkpoint keeps the rows, not what free slots held before or how far a part was ever
+        # filled: from the restore on, those may differ (free places are taken lowest first either way).
+        state = [f for f in _STATE if t <= 60 or f not in ("fill", "slot_id")]
+        assert all(torch.equal(getattr(native, f), getattr(plain, f)) for f in state), t
+        assert torch.equal(native.slot_id[native.occupied], plain.slot_id[plain.occupied]), t
+        holes |= bool((plain.count < plain.fill).any())
+        if t == 60:  # through a checkpoint: the saved rows put back into a fresh table
+            st = native.state()
+            native = build()
+            native.restore(st["ids"], st["slots"], st["last"])
+            native.counters = plain.counters
+            assert all(torch.equal(getattr(native, f), getattr(plain, f)) for f in _STATE if f not in ("fill", "slot_id"))
+    assert evicted > 100
+    if evict == "lru":
+        assert int(plain.count.sum()) == plain.capacity  # every part full: each new id evicts a row
+    else:
+        assert holes  # expired rows leave free places below fill, taken lowest first

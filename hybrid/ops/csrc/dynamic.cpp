@@ -54,7 +54,13 @@ int64_t check_counts(IntArrayRef counts, int64_t n, const char* what) {
   return total;
 }
 
-// One table's slot state (hybrid.ps.server.dynamic.DynamicSlots), checked.
+// One table's slot state (hybrid.ps.server.dynamic.DynamicSlots), checked. The occupied slots
+// of each part are also a doubly linked list in eviction order -- by (last step, id), least
+// recent first (lru_prev / lru_next per slot, -1 at the ends, -2 for a slot in no list;
+// lru_head / lru_tail per part, -1 for an empty one) -- so that choosing the rows to evict and
+// expire walks from the head instead of sorting every slot of a part: a step costs the same at
+// any capacity. dynamic_commit_ keeps the lists: every slot a step touches moves to its part's
+// tail, in ascending id order (the order of a table's distinct ids).
 struct Slots {
   int64_t* slot_id;
   bool* occupied;
@@ -65,35 +71,75 @@ struct Slots {
   const int64_t* part_cap;
   const int64_t* slot_part;
   const int64_t* slot_index;
+  int32_t* prev;
+  int32_t* next;
+  int64_t* head;
+  int64_t* tail;
   int64_t capacity;
+
+  // The slot after j in its part's list, checked (the lists are the caller's tensors).
+  int64_t after(int64_t j) const {
+    const int64_t k = next[j];
+    TORCH_CHECK_VALUE(k >= -1 && k < capacity, "lru_next[", j, "] = ", k, " is not a slot");
+    return k;
+  }
+  int64_t first(int64_t p) const {
+    const int64_t k = head[p];
+    TORCH_CHECK_VALUE(k >= -1 && k < capacity, "lru_head[", p, "] = ", k, " is not a slot");
+    return k;
+  }
+  void unlink(int64_t j) const {
+    const int64_t p = slot_part[j], a = prev[j], b = next[j];
+    TORCH_CHECK_VALUE(a >= -1 && a < capacity && b >= -1 && b < capacity, "slot ", j, "'s list entries (", a, ", ",
+                      b, ") are not slots");
+    if (a >= 0) next[a] = static_cast<int32_t>(b); else head[p] = b;
+    if (b >= 0) prev[b] = static_cast<int32_t>(a); else tail[p] = a;
+    prev[j] = next[j] = -2;
+  }
+  void append(int64_t j) const {
+    const int64_t p = slot_part[j], t = tail[p];
+    prev[j] = static_cast<int32_t>(t);
+    next[j] = -1;
+    if (t >= 0) next[t] = static_cast<int32_t>(j); else head[p] = j;
+    tail[p] = j;
+  }
 };
 
 std::vector<Slots> slot_views(size_t ntab, int64_t partitions, TensorList slot_id, TensorList occupied,
                               TensorList last, TensorList count, TensorList fill, TensorList part_base,
-                              TensorList part_cap, TensorList slot_part, TensorList slot_index) {
-  for (TensorList l : {slot_id, occupied, last, count, fill, part_base, part_cap, slot_part, slot_index})
+                              TensorList part_cap, TensorList slot_part, TensorList slot_index, TensorList lru_prev,
+                              TensorList lru_next, TensorList lru_head, TensorList lru_tail) {
+  for (TensorList l : {slot_id, occupied, last, count, fill, part_base, part_cap, slot_part, slot_index, lru_prev,
+                       lru_next, lru_head, lru_tail})
     TORCH_CHECK_VALUE(l.size() == ntab, "every slot state list must hold one tensor per table (", ntab,
                       "), got ", l.size());
   std::vector<Slots> out;
   for (size_t t = 0; t < ntab; t++) {
     const std::string at = "[" + std::to_string(t) + "]";
     const int64_t cap = slot_id[t].numel();
+    TORCH_CHECK_VALUE(cap < (int64_t{1} << 31), "table ", t, " has ", cap, " slots; at most 2**31 - 1 fit");
     check_1d(slot_id[t], at::kLong, "slot_id" + at, cap);
     check_1d(occupied[t], at::kBool, "occupied" + at, cap);
     check_1d(last[t], at::kLong, "last" + at, cap);
     check_1d(slot_part[t], at::kLong, "slot_part" + at, cap);
     check_1d(slot_index[t], at::kLong, "slot_index" + at, cap);
+    check_1d(lru_prev[t], at::kInt, "lru_prev" + at, cap);
+    check_1d(lru_next[t], at::kInt, "lru_next" + at, cap);
     check_1d(count[t], at::kLong, "count" + at, partitions);
     check_1d(fill[t], at::kLong, "fill" + at, partitions);
     check_1d(part_base[t], at::kLong, "part_base" + at, partitions);
     check_1d(part_cap[t], at::kLong, "part_cap" + at, partitions);
+    check_1d(lru_head[t], at::kLong, "lru_head" + at, partitions);
+    check_1d(lru_tail[t], at::kLong, "lru_tail" + at, partitions);
     const int64_t *base = part_base[t].data_ptr<int64_t>(), *pc = part_cap[t].data_ptr<int64_t>();
     for (int64_t p = 0; p < partitions; p++)
       TORCH_CHECK_VALUE(base[p] < 0 || (pc[p] >= 0 && base[p] + pc[p] <= cap), "part ", p, " of table ", t,
                         " lies outside its ", cap, " slots");
     out.push_back({slot_id[t].data_ptr<int64_t>(), occupied[t].data_ptr<bool>(), last[t].data_ptr<int64_t>(),
                    count[t].data_ptr<int64_t>(), fill[t].data_ptr<int64_t>(), base, pc,
-                   slot_part[t].data_ptr<int64_t>(), slot_index[t].data_ptr<int64_t>(), cap});
+                   slot_part[t].data_ptr<int64_t>(), slot_index[t].data_ptr<int64_t>(),
+                   lru_prev[t].data_ptr<int32_t>(), lru_next[t].data_ptr<int32_t>(), lru_head[t].data_ptr<int64_t>(),
+                   lru_tail[t].data_ptr<int64_t>(), cap});
   }
   return out;
 }
@@ -103,33 +149,55 @@ struct Plan {
   std::vector<int64_t> new_ids, new_slots, evicted, seen_ids, seen_counts, admitted_seen;
 };
 
-struct Candidate {
-  int64_t last, tie, slot;
-  bool operator<(const Candidate& o) const {
-    if (last != o.last) return last < o.last;
-    if (tie != o.tie) return tie < o.tie;
-    return slot < o.slot;
+// Marks on the slots a step touches (its found ids' slots), set and cleared by one plan_table
+// call: a per-thread byte per slot that only grows, so a call costs its own ids, not the
+// table's capacity.
+class Touched {
+ public:
+  Touched(const int64_t* found, int64_t n, int64_t capacity) : found_(found), n_(n) {
+    static thread_local std::vector<uint8_t> buf;
+    if (buf.size() < static_cast<size_t>(capacity)) buf.resize(static_cast<size_t>(capacity), 0);
+    mark_ = buf.data();
+    for (int64_t i = 0; i < n_; i++)
+      if (found_[i] >= 0) mark_[found_[i]] = 1;
   }
+  ~Touched() {
+    for (int64_t i = 0; i < n_; i++)
+      if (found_[i] >= 0) mark_[found_[i]] = 0;
+  }
+  bool operator[](int64_t j) const { return mark_[j] != 0; }
+
+ private:
+  const int64_t* found_;
+  int64_t n_;
+  uint8_t* mark_;
 };
 
 // Plans table t's update of its distinct ascending ids (slots: their slots, updated in place
 // for the admitted ones). Returns a status tuple's (code, part or position, need).
+//
+// A part that needs room takes its slots in this order (hybrid/ops/reference.py sorts every slot
+// of the part by the same key): free slots and rows expired now, lowest place first; then (lru)
+// rows not touched in this step, by (last step, id) -- its list's order. A row touched in this
+// step never goes; a part with too few slots for its new ids, or (lru) too few rows to give up,
+// or (none, ttl) no free slot left, fails the step.
 std::tuple<int64_t, int64_t, int64_t> plan_table(const Slots& s, const int64_t* ids, const int64_t* found,
                                                  const int64_t* seen, int64_t n, int64_t* slots, int64_t step,
                                                  int64_t partitions, int64_t admit_after, bool lru,
                                                  int64_t ttl, Plan& plan) {
-  std::vector<char> touched, expired_mark;
-  auto mark_touched = [&] {
-    if (!touched.empty()) return;
-    touched.assign(static_cast<size_t>(s.capacity), 0);
-    for (int64_t i = 0; i < n; i++)
-      if (found[i] >= 0) touched[static_cast<size_t>(found[i])] = 1;
-  };
+  const Touched touched(found, n, s.capacity);
+  // Expired rows (ttl): per part, the untouched rows at the head of its list older than ttl.
+  std::vector<std::vector<int64_t>> expired_in(ttl >= 0 ? static_cast<size_t>(partitions) : 0);
   std::vector<int64_t> expired;
   if (ttl >= 0) {
-    mark_touched();
-    for (int64_t j = 0; j < s.capacity; j++)
-      if (s.occupied[j] && s.last[j] < step - ttl && !touched[static_cast<size_t>(j)]) expired.push_back(j);
+    for (int64_t p = 0; p < partitions; p++) {
+      if (s.part_base[p] < 0) continue;
+      for (int64_t j = s.first(p); j >= 0 && s.last[j] < step - ttl; j = s.after(j)) {
+        if (touched[j]) continue;
+        expired_in[static_cast<size_t>(p)].push_back(j);
+        expired.push_back(j);
+      }
+    }
   }
   std::vector<int64_t> fresh;  // positions of the ids admitted now, ascending
   for (int64_t i = 0; i < n; i++) {
@@ -168,37 +236,62 @@ std::tuple<int64_t, int64_t, int64_t> plan_table(const Slots& s, const int64_t* 
         slots[fresh[k]] = slot;
       }
     } else {
-      // Per part needing room, parts ascending: its slots by (last step, -1 if free; id if
-      // occupied, place if free), the first need[p] of them for its new ids in ascending order.
-      mark_touched();
-      expired_mark.assign(static_cast<size_t>(s.capacity), 0);
-      for (int64_t j : expired) expired_mark[static_cast<size_t>(j)] = 1;
       std::vector<std::vector<int64_t>> by_part(static_cast<size_t>(partitions));
       for (size_t k = 0; k < fresh.size(); k++) by_part[static_cast<size_t>(part[k])].push_back(fresh[k]);
       int64_t short_part = -1, blocked_part = -1;
-      std::vector<Candidate> cand;
+      std::vector<int64_t> chosen;
       for (int64_t p = 0; p < partitions; p++) {
-        if (need[p] == 0) continue;
-        cand.clear();
-        for (int64_t j = s.part_base[p]; j < s.part_base[p] + s.part_cap[p]; j++) {
-          const bool occ = s.occupied[j] && !expired_mark[static_cast<size_t>(j)];
-          const int64_t last = occ ? (touched[static_cast<size_t>(j)] ? step : s.last[j]) : -1;
-          cand.push_back({last, occ ? s.slot_id[j] : s.slot_index[j], j});
+        const int64_t want = need[p];
+        if (want == 0) continue;
+        if (want > s.part_cap[p]) {
+          if (short_part < 0) short_part = p;
+          continue;
         }
-        const int64_t got = std::min<int64_t>(need[p], static_cast<int64_t>(cand.size()));
-        std::partial_sort(cand.begin(), cand.begin() + got, cand.end());
-        if (got < need[p] && short_part < 0) short_part = p;
-        for (int64_t r = 0; r < got; r++) {
-          const Candidate& c = cand[static_cast<size_t>(r)];
-          const bool occ = s.occupied[c.slot] && !expired_mark[static_cast<size_t>(c.slot)];
-          if (occ && !(lru && c.last < step) && blocked_part < 0) blocked_part = p;
-          if (r < static_cast<int64_t>(by_part[p].size())) {
-            const int64_t pos = by_part[p][static_cast<size_t>(r)];
-            plan.new_ids.push_back(ids[pos]);
-            plan.new_slots.push_back(c.slot);
-            slots[pos] = c.slot;
-            if (s.occupied[c.slot]) taken.push_back(c.slot);
+        chosen.clear();
+        const int64_t base = s.part_base[p], fill = s.fill[p], cap = s.part_cap[p];
+        // Free places and expired rows, lowest place first: three ascending runs merged -- the
+        // holes below fill (only where rows left), the expired rows, the places from fill on.
+        std::vector<int64_t> expired_p = ttl >= 0 ? expired_in[static_cast<size_t>(p)] : std::vector<int64_t>();
+        std::sort(expired_p.begin(), expired_p.end());
+        const bool holes = s.count[p] < fill;
+        int64_t h = base, e = 0, u = base + fill;
+        auto next_hole = [&](int64_t from) -> int64_t {
+          if (!holes || from >= base + fill) return base + fill;
+          const void* z = std::memchr(s.occupied + from, 0, static_cast<size_t>(base + fill - from));
+          return z ? static_cast<const bool*>(z) - s.occupied : base + fill;
+        };
+        h = next_hole(h);
+        while (static_cast<int64_t>(chosen.size()) < want) {
+          const int64_t hv = h < base + fill ? h : INT64_MAX;
+          const int64_t ev = e < static_cast<int64_t>(expired_p.size()) ? expired_p[e] : INT64_MAX;
+          const int64_t uv = u < base + cap ? u : INT64_MAX;
+          const int64_t m = std::min({hv, ev, uv});
+          if (m == INT64_MAX) break;
+          chosen.push_back(m);
+          if (m == hv) h = next_hole(h + 1);
+          else if (m == ev) e++;
+          else u++;
+        }
+        // Then (lru) rows, least recent first (their list), skipping those touched now.
+        if (static_cast<int64_t>(chosen.size()) < want) {
+          if (!lru) {
+            if (blocked_part < 0) blocked_part = p;
+            continue;
           }
+          for (int64_t j = s.first(p); j >= 0 && static_cast<int64_t>(chosen.size()) < want; j = s.after(j)) {
+            if (!touched[j]) chosen.push_back(j);
+          }
+          if (static_cast<int64_t>(chosen.size()) < want) {  // the rest would be rows touched now
+            if (blocked_part < 0) blocked_part = p;
+            continue;
+          }
+        }
+        for (int64_t r = 0; r < want; r++) {
+          const int64_t pos = by_part[p][static_cast<size_t>(r)], slot = chosen[static_cast<size_t>(r)];
+          plan.new_ids.push_back(ids[pos]);
+          plan.new_slots.push_back(slot);
+          slots[pos] = slot;
+          if (s.occupied[slot]) taken.push_back(slot);
         }
       }
       const int64_t p = short_part >= 0 ? short_part : blocked_part;
@@ -224,7 +317,8 @@ Tensor flat(const std::vector<Plan>& plans, std::vector<int64_t> Plan::*field) {
 std::tuple<int64_t, int64_t, int64_t, int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>
 dynamic_plan(const Tensor& ids, const Tensor& found, const Tensor& seen, IntArrayRef counts, TensorList slot_id,
              TensorList occupied, TensorList last, TensorList count, TensorList fill, TensorList part_base,
-             TensorList part_cap, TensorList slot_part, TensorList slot_index, int64_t step, int64_t partitions,
+             TensorList part_cap, TensorList slot_part, TensorList slot_index, TensorList lru_prev,
+             TensorList lru_next, TensorList lru_head, TensorList lru_tail, int64_t step, int64_t partitions,
              int64_t admit_after, const std::string& evict, int64_t ttl) {
   TORCH_CHECK_VALUE(partitions >= 1, "partitions must be >= 1, got ", partitions);
   TORCH_CHECK_VALUE(evict == "none" || evict == "lru" || evict == "ttl", "evict must be none, lru or ttl, got ",
@@ -237,7 +331,7 @@ dynamic_plan(const Tensor& ids, const Tensor& found, const Tensor& seen, IntArra
   check_counts(counts, n, "ids");
   const size_t ntab = counts.size();
   const auto views = slot_views(ntab, partitions, slot_id, occupied, last, count, fill, part_base, part_cap,
-                                slot_part, slot_index);
+                                slot_part, slot_index, lru_prev, lru_next, lru_head, lru_tail);
   const int64_t *ip = ids.data_ptr<int64_t>(), *fp = found.data_ptr<int64_t>();
   const int64_t* sp = admit_after > 1 ? seen.data_ptr<int64_t>() : nullptr;
   int64_t off = 0;
@@ -309,6 +403,7 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
                        IntArrayRef new_counts, const Tensor& evicted, IntArrayRef evicted_counts,
                        TensorList slot_id, TensorList occupied, TensorList last, TensorList count, TensorList fill,
                        TensorList part_base, TensorList part_cap, TensorList slot_part, TensorList slot_index,
+                       TensorList lru_prev, TensorList lru_next, TensorList lru_head, TensorList lru_tail,
                        int64_t step, TensorList weights, IntArrayRef keys, at::ArrayRef<double> bounds) {
   const size_t ntab = counts.size();
   TORCH_CHECK_VALUE(weights.empty() || (weights.size() == ntab && keys.size() == ntab && bounds.size() == ntab),
@@ -325,7 +420,7 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
   TORCH_CHECK_VALUE(count.size() == ntab, "count must hold one tensor per table");
   const int64_t partitions = ntab ? count[0].numel() : 0;
   const auto views = slot_views(ntab, partitions, slot_id, occupied, last, count, fill, part_base, part_cap,
-                                slot_part, slot_index);
+                                slot_part, slot_index, lru_prev, lru_next, lru_head, lru_tail);
   check_1d(slots, at::kLong, "slots", -1);
   check_1d(new_ids, at::kLong, "new_ids", -1);
   check_1d(new_slots, at::kLong, "new_slots", new_ids.numel());
@@ -366,6 +461,7 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
         eo[i] = s.slot_id[j];
         s.occupied[j] = false;
         s.last[j] = -1;
+        if (s.prev[j] != -2) s.unlink(j);
       }
       for (int64_t i = s2; i < s2 + new_counts[t]; i++) {
         if (i + kAhead < s2 + new_counts[t]) {  // the slot state of the new rows ahead
@@ -387,10 +483,26 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
         k::dispatch().initial_rows(weights[t].data_ptr(), dtypes[t], weights[t].size(1), ni + s2, ns + s2,
                                    new_counts[t], key, bound);
       }
-      for (int64_t i = s1; i < s1 + counts[t]; i++) {
-        if (i + 2 * kAhead < s1 + counts[t] && sp[i + 2 * kAhead] >= 0)
-          __builtin_prefetch(s.last + sp[i + 2 * kAhead], 1);
-        if (sp[i] >= 0) s.last[sp[i]] = step;
+      // Every touched row stamped and moved to its part's tail, ascending ids (the order of sp).
+      // Two stages ahead: a slot's own entries, then its list neighbours'.
+      const int64_t end = s1 + counts[t];
+      for (int64_t i = s1; i < end; i++) {
+        if (i + 2 * kAhead < end && sp[i + 2 * kAhead] >= 0) {
+          const int64_t a = sp[i + 2 * kAhead];
+          __builtin_prefetch(s.last + a, 1);
+          __builtin_prefetch(s.prev + a, 1);
+          __builtin_prefetch(s.next + a, 1);
+        }
+        if (i + kAhead < end && sp[i + kAhead] >= 0) {
+          const int64_t a = sp[i + kAhead], b = s.prev[a], c = s.next[a];
+          if (b >= 0) __builtin_prefetch(s.next + b, 1);
+          if (c >= 0) __builtin_prefetch(s.prev + c, 1);
+        }
+        const int64_t j = sp[i];
+        if (j < 0) continue;
+        s.last[j] = step;
+        if (s.prev[j] != -2) s.unlink(j);
+        s.append(j);
       }
     }
   });
@@ -636,13 +748,15 @@ TORCH_LIBRARY_FRAGMENT(hybrid, m) {
   m.def(
       "dynamic_plan(Tensor ids, Tensor found, Tensor seen, int[] counts, Tensor[] slot_id, Tensor[] occupied, "
       "Tensor[] last, Tensor[] count, Tensor[] fill, Tensor[] part_base, Tensor[] part_cap, Tensor[] slot_part, "
-      "Tensor[] slot_index, int step, int partitions, int admit_after, str evict, int ttl) -> "
+      "Tensor[] slot_index, Tensor[] lru_prev, Tensor[] lru_next, Tensor[] lru_head, Tensor[] lru_tail, int step, "
+      "int partitions, int admit_after, str evict, int ttl) -> "
       "(int, int, int, int, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "dynamic_commit_(Tensor slots, int[] counts, Tensor new_ids, Tensor new_slots, int[] new_counts, "
       "Tensor evicted, int[] evicted_counts, Tensor(a!)[] slot_id, Tensor(b!)[] occupied, Tensor(c!)[] last, "
       "Tensor(d!)[] count, Tensor(e!)[] fill, Tensor[] part_base, Tensor[] part_cap, Tensor[] slot_part, "
-      "Tensor[] slot_index, int step, Tensor(f!)[] weights, int[] keys, float[] bounds) -> Tensor");
+      "Tensor[] slot_index, Tensor(f!)[] lru_prev, Tensor(g!)[] lru_next, Tensor(h!)[] lru_head, "
+      "Tensor(i!)[] lru_tail, int step, Tensor(j!)[] weights, int[] keys, float[] bounds) -> Tensor");
   m.def(
       "dynamic_rows(Tensor[] weights, Tensor ids, Tensor slots, Tensor seen, int[] counts, int admit_after, "
       "int[] keys, float[] bounds, Tensor(a!) out) -> Tensor");

@@ -26,6 +26,7 @@ import torch
 
 from hybrid import ops
 from hybrid.errors import InputError
+from hybrid.ops import reference
 from hybrid.ops.id_map import IdMap, find_many, update_many
 from hybrid.ps.config import DynamicIds, part_of  # noqa: F401 - part_of: the parts, for callers
 from hybrid.ps.server.memory import table_tensor
@@ -96,6 +97,15 @@ class DynamicSlots:
         """Rows per part."""
         self.fill = torch.zeros(spec.partitions, dtype=torch.int64)
         """Per part: 1 + the highest place ever used (the places from there on were never used)."""
+        if base >= 2**31:
+            raise ValueError(f"{where}: dynamic table {table!r} holds {base} slots on one server; at most 2**31 - 1 fit")
+        self.lru_prev = torch.full((base,), -2, dtype=torch.int32)
+        self.lru_next = torch.full((base,), -2, dtype=torch.int32)
+        self.lru_head = torch.full((spec.partitions,), -1, dtype=torch.int64)
+        self.lru_tail = torch.full((spec.partitions,), -1, dtype=torch.int64)
+        """Each part's rows as a list in eviction order, (last step, id) ascending: the native
+        operators' index for choosing rows to evict or expire without sorting a part (-1 ends a
+        list, -2 marks a slot in none); ``dynamic_commit_`` keeps it, :meth:`restore` rebuilds it."""
         self.map = IdMap(base, empty=lambda n, dtype: table_tensor(n, dtype=dtype, huge_pages=huge_pages))
         self.seen = IdMap(16)  # id -> sightings, admit_after > 1
         self.counters = DynamicCounters()
@@ -151,6 +161,7 @@ class DynamicSlots:
         parts = self.slot_part[slots]
         self.count += torch.bincount(parts, minlength=self.spec.partitions)
         self.fill.scatter_reduce_(0, parts, self.slot_index[slots] + 1, reduce="amax")
+        reference.lru_lists_(self)
 
     def state(self) -> dict[str, torch.Tensor]:
         """The map as tensors: per occupied slot its id, part, place in the part and last step,
