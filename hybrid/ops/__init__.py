@@ -227,7 +227,7 @@ def populate_(memory: torch.Tensor, *, huge_pages: bool = False, collapse: bool 
 
 
 _SLOT_STATE = ("slot_id", "occupied", "last", "count", "fill", "part_base", "part_cap", "slot_part", "slot_index",
-               "lru_prev", "lru_next", "lru_head", "lru_tail")
+               "lru_pos", "lru_queue", "lru_head", "lru_tail")
 """The tensors of a dynamic table's slot state (:class:`hybrid.ps.server.dynamic.DynamicSlots`)."""
 
 

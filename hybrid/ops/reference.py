@@ -603,28 +603,22 @@ def dynamic_commit_(tables, plan: DynamicPlan, counts, *, step, weights=(), keys
 
 
 def lru_lists_(s) -> None:
-    """A dynamic table's eviction lists (``s.lru_*``, :class:`hybrid.ps.server.dynamic.DynamicSlots`)
-    rebuilt from its rows: each part's occupied slots by (last step, id), what the native
-    ``dynamic_commit_`` keeps step by step by moving every touched slot to its part's tail in
-    ascending id order."""
+    """A dynamic table's eviction queues (``s.lru_*``, :class:`hybrid.ps.server.dynamic.DynamicSlots`)
+    rebuilt from its rows: each part's occupied slots by (last step, id) at the start of its
+    region, no stale entries -- the order the native ``dynamic_commit_`` keeps step by step by
+    appending every touched slot to its part's queue in ascending id order."""
     occ = s.occupied.nonzero().squeeze(1)
     for key in (s.slot_id, s.last, s.slot_part):  # stable sorts: by part, then last step, then id
         occ = occ[torch.argsort(key[occ], stable=True)]
-    s.lru_prev.fill_(-2)
-    s.lru_next.fill_(-2)
-    s.lru_head.fill_(-1)
-    s.lru_tail.fill_(-1)
-    if not occ.numel():
-        return
     part = s.slot_part[occ]
-    same = part[1:] == part[:-1]  # neighbours in one part's list
-    nxt, prv = torch.full_like(occ, -1), torch.full_like(occ, -1)
-    nxt[:-1] = torch.where(same, occ[1:], -1)
-    prv[1:] = torch.where(same, occ[:-1], -1)
-    s.lru_next[occ], s.lru_prev[occ] = nxt.to(torch.int32), prv.to(torch.int32)
-    first, final = torch.ones(occ.numel(), dtype=torch.bool), torch.ones(occ.numel(), dtype=torch.bool)
-    first[1:], final[:-1] = ~same, ~same
-    s.lru_head[part[first]], s.lru_tail[part[final]] = occ[first], occ[final]
+    n = torch.bincount(part, minlength=s.part_base.numel())
+    rank = torch.arange(occ.numel()) - (torch.cumsum(n, 0) - n)[part]  # place in its part's queue
+    at = 2 * s.part_base[part] + rank
+    s.lru_pos.fill_(-1)
+    s.lru_pos[occ] = at.to(torch.int32)
+    s.lru_queue[at] = occ.to(torch.int32)
+    s.lru_head.copy_(torch.where(s.part_base >= 0, 2 * s.part_base, -1))
+    s.lru_tail.copy_(torch.where(s.part_base >= 0, s.lru_head + n, -1))
 
 
 def dynamic_rows(weights, ids, slots, seen, counts, *, admit_after, keys, bounds, out) -> torch.Tensor:

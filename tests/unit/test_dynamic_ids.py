@@ -236,7 +236,21 @@ def test_plan_options_are_checked():
 
 
 _FIELDS = ("slots", "new_ids", "new_slots", "evicted", "seen_ids", "seen_counts", "admitted_seen")
-_STATE = ("slot_id", "occupied", "last", "count", "fill", "lru_prev", "lru_next", "lru_head", "lru_tail")
+_STATE = ("slot_id", "occupied", "last", "count", "fill", "queues")
+
+
+def _field(d: DynamicSlots, name: str) -> torch.Tensor:
+    return _queues(d) if name == "queues" else getattr(d, name)
+
+
+def _queues(d: DynamicSlots) -> torch.Tensor:
+    """Each part's live queue entries in order (stale ones and where they sit left out)."""
+    out = []
+    for p in range(d.spec.partitions):
+        k = torch.arange(int(d.lru_head[p]), int(d.lru_tail[p])) if int(d.lru_head[p]) >= 0 else torch.arange(0)
+        j = d.lru_queue[k].long()
+        out += [torch.tensor([-1 - p]), j[d.lru_pos[j].long() == k]]
+    return torch.cat(out)
 
 
 @pytest.mark.skipif(not ops.AVAILABLE, reason="hybrid._C not built")
@@ -283,7 +297,7 @@ def test_plan_and_commit_of_several_tables_equal_the_reference(evict, admit_afte
             for a, b in zip(*outcome):
                 assert all(torch.equal(x, y) for x, y in zip(a, b)), (t, a, b)
         for a, b in zip(native, plain):
-            assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in _STATE), t
+            assert all(torch.equal(_field(a, f), _field(b, f)) for f in _STATE), t
             assert torch.equal(rows[id(a)], rows[id(b)])
             assert all(torch.equal(x, y) for x, y in zip(a.map.items(), b.map.items()))
             assert all(torch.equal(x, y) for x, y in zip(a.seen.items(), b.seen.items()))
@@ -333,7 +347,7 @@ def test_eviction_lists_choose_as_the_reference_sorts_through_churn_and_a_restor
         # A checkpoint keeps the rows, not what free slots held before or how far a part was ever
         # filled: from the restore on, those may differ (free places are taken lowest first either way).
         state = [f for f in _STATE if t <= 60 or f not in ("fill", "slot_id")]
-        assert all(torch.equal(getattr(native, f), getattr(plain, f)) for f in state), t
+        assert all(torch.equal(_field(native, f), _field(plain, f)) for f in state), t
         assert torch.equal(native.slot_id[native.occupied], plain.slot_id[plain.occupied]), t
         holes |= bool((plain.count < plain.fill).any())
         if t == 60:  # through a checkpoint: the saved rows put back into a fresh table
@@ -341,7 +355,7 @@ def test_eviction_lists_choose_as_the_reference_sorts_through_churn_and_a_restor
             native = build()
             native.restore(st["ids"], st["slots"], st["last"])
             native.counters = plain.counters
-            assert all(torch.equal(getattr(native, f), getattr(plain, f)) for f in _STATE if f not in ("fill", "slot_id"))
+            assert all(torch.equal(_field(native, f), _field(plain, f)) for f in _STATE if f not in ("fill", "slot_id"))
     assert evicted > 100
     if evict == "lru":
         assert int(plain.count.sum()) == plain.capacity  # every part full: each new id evicts a row

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -54,13 +55,15 @@ int64_t check_counts(IntArrayRef counts, int64_t n, const char* what) {
   return total;
 }
 
-// One table's slot state (hybrid.ps.server.dynamic.DynamicSlots), checked. The occupied slots
-// of each part are also a doubly linked list in eviction order -- by (last step, id), least
-// recent first (lru_prev / lru_next per slot, -1 at the ends, -2 for a slot in no list;
-// lru_head / lru_tail per part, -1 for an empty one) -- so that choosing the rows to evict and
-// expire walks from the head instead of sorting every slot of a part: a step costs the same at
-// any capacity. dynamic_commit_ keeps the lists: every slot a step touches moves to its part's
-// tail, in ascending id order (the order of a table's distinct ids).
+// One table's slot state (hybrid.ps.server.dynamic.DynamicSlots), checked. Each part also keeps
+// its rows in eviction order -- by (last step, id), least recent first -- as a queue, so that
+// choosing the rows to evict or expire walks from its head instead of sorting every slot of the
+// part: a step costs the same at any capacity. The queue of part p lives in lru_queue[2 *
+// part_base[p], 2 * (part_base[p] + part_cap[p])), its live window [lru_head[p], lru_tail[p]);
+// lru_pos[j] is where slot j's entry is (-1: the slot holds no row), and an entry k holding j
+// with lru_pos[j] != k is stale (its row was touched again or left) and skipped. dynamic_commit_
+// appends every slot a step touches, in ascending id order (the order of a table's distinct ids),
+// and compacts a queue in place when its region is full (after at least part_cap appends).
 struct Slots {
   int64_t* slot_id;
   bool* occupied;
@@ -71,60 +74,61 @@ struct Slots {
   const int64_t* part_cap;
   const int64_t* slot_part;
   const int64_t* slot_index;
-  int32_t* prev;
-  int32_t* next;
+  int32_t* pos;
+  int32_t* queue;
   int64_t* head;
   int64_t* tail;
   int64_t capacity;
 
-  // The slot after j in its part's list, checked (the lists are the caller's tensors).
-  int64_t after(int64_t j) const {
-    const int64_t k = next[j];
-    TORCH_CHECK_VALUE(k >= -1 && k < capacity, "lru_next[", j, "] = ", k, " is not a slot");
-    return k;
+  // The row of queue entry k of a part, or -1 where the entry is stale.
+  int64_t row_at(int64_t k) const {
+    const int64_t j = queue[k];
+    TORCH_CHECK_VALUE(j >= 0 && j < capacity, "lru_queue[", k, "] = ", j, " is not a slot");
+    return pos[j] == k ? j : -1;
   }
-  int64_t first(int64_t p) const {
-    const int64_t k = head[p];
-    TORCH_CHECK_VALUE(k >= -1 && k < capacity, "lru_head[", p, "] = ", k, " is not a slot");
-    return k;
+  void drop(int64_t j) const { pos[j] = -1; }
+  void touch(int64_t j) const {
+    const int64_t p = slot_part[j];
+    if (tail[p] == 2 * (part_base[p] + part_cap[p])) {  // full: the live entries to the front
+      int64_t w = 2 * part_base[p];
+      for (int64_t k = head[p]; k < tail[p]; k++) {
+        const int64_t r = row_at(k);
+        if (r < 0) continue;
+        queue[w] = static_cast<int32_t>(r);
+        pos[r] = static_cast<int32_t>(w++);
+      }
+      head[p] = 2 * part_base[p];
+      tail[p] = w;
+    }
+    queue[tail[p]] = static_cast<int32_t>(j);
+    pos[j] = static_cast<int32_t>(tail[p]++);
   }
-  void unlink(int64_t j) const {
-    const int64_t p = slot_part[j], a = prev[j], b = next[j];
-    TORCH_CHECK_VALUE(a >= -1 && a < capacity && b >= -1 && b < capacity, "slot ", j, "'s list entries (", a, ", ",
-                      b, ") are not slots");
-    if (a >= 0) next[a] = static_cast<int32_t>(b); else head[p] = b;
-    if (b >= 0) prev[b] = static_cast<int32_t>(a); else tail[p] = a;
-    prev[j] = next[j] = -2;
-  }
-  void append(int64_t j) const {
-    const int64_t p = slot_part[j], t = tail[p];
-    prev[j] = static_cast<int32_t>(t);
-    next[j] = -1;
-    if (t >= 0) next[t] = static_cast<int32_t>(j); else head[p] = j;
-    tail[p] = j;
+  // The head moved past stale entries.
+  void trim(int64_t p) const {
+    while (head[p] < tail[p] && row_at(head[p]) < 0) head[p]++;
   }
 };
 
 std::vector<Slots> slot_views(size_t ntab, int64_t partitions, TensorList slot_id, TensorList occupied,
                               TensorList last, TensorList count, TensorList fill, TensorList part_base,
-                              TensorList part_cap, TensorList slot_part, TensorList slot_index, TensorList lru_prev,
-                              TensorList lru_next, TensorList lru_head, TensorList lru_tail) {
-  for (TensorList l : {slot_id, occupied, last, count, fill, part_base, part_cap, slot_part, slot_index, lru_prev,
-                       lru_next, lru_head, lru_tail})
+                              TensorList part_cap, TensorList slot_part, TensorList slot_index, TensorList lru_pos,
+                              TensorList lru_queue, TensorList lru_head, TensorList lru_tail) {
+  for (TensorList l : {slot_id, occupied, last, count, fill, part_base, part_cap, slot_part, slot_index, lru_pos,
+                       lru_queue, lru_head, lru_tail})
     TORCH_CHECK_VALUE(l.size() == ntab, "every slot state list must hold one tensor per table (", ntab,
                       "), got ", l.size());
   std::vector<Slots> out;
   for (size_t t = 0; t < ntab; t++) {
     const std::string at = "[" + std::to_string(t) + "]";
     const int64_t cap = slot_id[t].numel();
-    TORCH_CHECK_VALUE(cap < (int64_t{1} << 31), "table ", t, " has ", cap, " slots; at most 2**31 - 1 fit");
+    TORCH_CHECK_VALUE(cap < (int64_t{1} << 30), "table ", t, " has ", cap, " slots; at most 2**30 - 1 fit");
     check_1d(slot_id[t], at::kLong, "slot_id" + at, cap);
     check_1d(occupied[t], at::kBool, "occupied" + at, cap);
     check_1d(last[t], at::kLong, "last" + at, cap);
     check_1d(slot_part[t], at::kLong, "slot_part" + at, cap);
     check_1d(slot_index[t], at::kLong, "slot_index" + at, cap);
-    check_1d(lru_prev[t], at::kInt, "lru_prev" + at, cap);
-    check_1d(lru_next[t], at::kInt, "lru_next" + at, cap);
+    check_1d(lru_pos[t], at::kInt, "lru_pos" + at, cap);
+    check_1d(lru_queue[t], at::kInt, "lru_queue" + at, 2 * cap);
     check_1d(count[t], at::kLong, "count" + at, partitions);
     check_1d(fill[t], at::kLong, "fill" + at, partitions);
     check_1d(part_base[t], at::kLong, "part_base" + at, partitions);
@@ -132,13 +136,17 @@ std::vector<Slots> slot_views(size_t ntab, int64_t partitions, TensorList slot_i
     check_1d(lru_head[t], at::kLong, "lru_head" + at, partitions);
     check_1d(lru_tail[t], at::kLong, "lru_tail" + at, partitions);
     const int64_t *base = part_base[t].data_ptr<int64_t>(), *pc = part_cap[t].data_ptr<int64_t>();
-    for (int64_t p = 0; p < partitions; p++)
+    const int64_t *qh = lru_head[t].data_ptr<int64_t>(), *qt = lru_tail[t].data_ptr<int64_t>();
+    for (int64_t p = 0; p < partitions; p++) {
       TORCH_CHECK_VALUE(base[p] < 0 || (pc[p] >= 0 && base[p] + pc[p] <= cap), "part ", p, " of table ", t,
                         " lies outside its ", cap, " slots");
+      TORCH_CHECK_VALUE(base[p] < 0 || (2 * base[p] <= qh[p] && qh[p] <= qt[p] && qt[p] <= 2 * (base[p] + pc[p])),
+                        "the eviction queue of part ", p, " of table ", t, " lies outside its region");
+    }
     out.push_back({slot_id[t].data_ptr<int64_t>(), occupied[t].data_ptr<bool>(), last[t].data_ptr<int64_t>(),
                    count[t].data_ptr<int64_t>(), fill[t].data_ptr<int64_t>(), base, pc,
                    slot_part[t].data_ptr<int64_t>(), slot_index[t].data_ptr<int64_t>(),
-                   lru_prev[t].data_ptr<int32_t>(), lru_next[t].data_ptr<int32_t>(), lru_head[t].data_ptr<int64_t>(),
+                   lru_pos[t].data_ptr<int32_t>(), lru_queue[t].data_ptr<int32_t>(), lru_head[t].data_ptr<int64_t>(),
                    lru_tail[t].data_ptr<int64_t>(), cap});
   }
   return out;
@@ -185,15 +193,21 @@ std::tuple<int64_t, int64_t, int64_t> plan_table(const Slots& s, const int64_t* 
                                                  const int64_t* seen, int64_t n, int64_t* slots, int64_t step,
                                                  int64_t partitions, int64_t admit_after, bool lru,
                                                  int64_t ttl, Plan& plan) {
-  const Touched touched(found, n, s.capacity);
+  std::optional<Touched> marks;  // made where needed: expiry, or a part without room
+  auto touched = [&](int64_t j) {
+    if (!marks) marks.emplace(found, n, s.capacity);
+    return (*marks)[j];
+  };
   // Expired rows (ttl): per part, the untouched rows at the head of its list older than ttl.
   std::vector<std::vector<int64_t>> expired_in(ttl >= 0 ? static_cast<size_t>(partitions) : 0);
   std::vector<int64_t> expired;
   if (ttl >= 0) {
     for (int64_t p = 0; p < partitions; p++) {
       if (s.part_base[p] < 0) continue;
-      for (int64_t j = s.first(p); j >= 0 && s.last[j] < step - ttl; j = s.after(j)) {
-        if (touched[j]) continue;
+      for (int64_t k = s.head[p]; k < s.tail[p]; k++) {
+        const int64_t j = s.row_at(k);
+        if (j < 0 || touched(j)) continue;
+        if (s.last[j] >= step - ttl) break;
         expired_in[static_cast<size_t>(p)].push_back(j);
         expired.push_back(j);
       }
@@ -272,14 +286,15 @@ std::tuple<int64_t, int64_t, int64_t> plan_table(const Slots& s, const int64_t* 
           else if (m == ev) e++;
           else u++;
         }
-        // Then (lru) rows, least recent first (their list), skipping those touched now.
+        // Then (lru) rows, least recent first (their queue), skipping those touched now.
         if (static_cast<int64_t>(chosen.size()) < want) {
           if (!lru) {
             if (blocked_part < 0) blocked_part = p;
             continue;
           }
-          for (int64_t j = s.first(p); j >= 0 && static_cast<int64_t>(chosen.size()) < want; j = s.after(j)) {
-            if (!touched[j]) chosen.push_back(j);
+          for (int64_t k = s.head[p]; k < s.tail[p] && static_cast<int64_t>(chosen.size()) < want; k++) {
+            const int64_t j = s.row_at(k);
+            if (j >= 0 && !touched(j)) chosen.push_back(j);
           }
           if (static_cast<int64_t>(chosen.size()) < want) {  // the rest would be rows touched now
             if (blocked_part < 0) blocked_part = p;
@@ -317,8 +332,8 @@ Tensor flat(const std::vector<Plan>& plans, std::vector<int64_t> Plan::*field) {
 std::tuple<int64_t, int64_t, int64_t, int64_t, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>
 dynamic_plan(const Tensor& ids, const Tensor& found, const Tensor& seen, IntArrayRef counts, TensorList slot_id,
              TensorList occupied, TensorList last, TensorList count, TensorList fill, TensorList part_base,
-             TensorList part_cap, TensorList slot_part, TensorList slot_index, TensorList lru_prev,
-             TensorList lru_next, TensorList lru_head, TensorList lru_tail, int64_t step, int64_t partitions,
+             TensorList part_cap, TensorList slot_part, TensorList slot_index, TensorList lru_pos,
+             TensorList lru_queue, TensorList lru_head, TensorList lru_tail, int64_t step, int64_t partitions,
              int64_t admit_after, const std::string& evict, int64_t ttl) {
   TORCH_CHECK_VALUE(partitions >= 1, "partitions must be >= 1, got ", partitions);
   TORCH_CHECK_VALUE(evict == "none" || evict == "lru" || evict == "ttl", "evict must be none, lru or ttl, got ",
@@ -331,7 +346,7 @@ dynamic_plan(const Tensor& ids, const Tensor& found, const Tensor& seen, IntArra
   check_counts(counts, n, "ids");
   const size_t ntab = counts.size();
   const auto views = slot_views(ntab, partitions, slot_id, occupied, last, count, fill, part_base, part_cap,
-                                slot_part, slot_index, lru_prev, lru_next, lru_head, lru_tail);
+                                slot_part, slot_index, lru_pos, lru_queue, lru_head, lru_tail);
   const int64_t *ip = ids.data_ptr<int64_t>(), *fp = found.data_ptr<int64_t>();
   const int64_t* sp = admit_after > 1 ? seen.data_ptr<int64_t>() : nullptr;
   int64_t off = 0;
@@ -403,7 +418,7 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
                        IntArrayRef new_counts, const Tensor& evicted, IntArrayRef evicted_counts,
                        TensorList slot_id, TensorList occupied, TensorList last, TensorList count, TensorList fill,
                        TensorList part_base, TensorList part_cap, TensorList slot_part, TensorList slot_index,
-                       TensorList lru_prev, TensorList lru_next, TensorList lru_head, TensorList lru_tail,
+                       TensorList lru_pos, TensorList lru_queue, TensorList lru_head, TensorList lru_tail,
                        int64_t step, TensorList weights, IntArrayRef keys, at::ArrayRef<double> bounds) {
   const size_t ntab = counts.size();
   TORCH_CHECK_VALUE(weights.empty() || (weights.size() == ntab && keys.size() == ntab && bounds.size() == ntab),
@@ -420,7 +435,7 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
   TORCH_CHECK_VALUE(count.size() == ntab, "count must hold one tensor per table");
   const int64_t partitions = ntab ? count[0].numel() : 0;
   const auto views = slot_views(ntab, partitions, slot_id, occupied, last, count, fill, part_base, part_cap,
-                                slot_part, slot_index, lru_prev, lru_next, lru_head, lru_tail);
+                                slot_part, slot_index, lru_pos, lru_queue, lru_head, lru_tail);
   check_1d(slots, at::kLong, "slots", -1);
   check_1d(new_ids, at::kLong, "new_ids", -1);
   check_1d(new_slots, at::kLong, "new_slots", new_ids.numel());
@@ -461,7 +476,7 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
         eo[i] = s.slot_id[j];
         s.occupied[j] = false;
         s.last[j] = -1;
-        if (s.prev[j] != -2) s.unlink(j);
+        s.drop(j);
       }
       for (int64_t i = s2; i < s2 + new_counts[t]; i++) {
         if (i + kAhead < s2 + new_counts[t]) {  // the slot state of the new rows ahead
@@ -483,27 +498,21 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
         k::dispatch().initial_rows(weights[t].data_ptr(), dtypes[t], weights[t].size(1), ni + s2, ns + s2,
                                    new_counts[t], key, bound);
       }
-      // Every touched row stamped and moved to its part's tail, ascending ids (the order of sp).
-      // Two stages ahead: a slot's own entries, then its list neighbours'.
+      // Every touched row stamped and appended to its part's queue, ascending ids (sp's order).
       const int64_t end = s1 + counts[t];
       for (int64_t i = s1; i < end; i++) {
         if (i + 2 * kAhead < end && sp[i + 2 * kAhead] >= 0) {
           const int64_t a = sp[i + 2 * kAhead];
           __builtin_prefetch(s.last + a, 1);
-          __builtin_prefetch(s.prev + a, 1);
-          __builtin_prefetch(s.next + a, 1);
-        }
-        if (i + kAhead < end && sp[i + kAhead] >= 0) {
-          const int64_t a = sp[i + kAhead], b = s.prev[a], c = s.next[a];
-          if (b >= 0) __builtin_prefetch(s.next + b, 1);
-          if (c >= 0) __builtin_prefetch(s.prev + c, 1);
+          __builtin_prefetch(s.pos + a, 1);
         }
         const int64_t j = sp[i];
         if (j < 0) continue;
         s.last[j] = step;
-        if (s.prev[j] != -2) s.unlink(j);
-        s.append(j);
+        s.touch(j);
       }
+      for (int64_t p = 0; p < partitions; p++)
+        if (s.part_base[p] >= 0) s.trim(p);
     }
   });
   return evicted_ids;
@@ -748,14 +757,14 @@ TORCH_LIBRARY_FRAGMENT(hybrid, m) {
   m.def(
       "dynamic_plan(Tensor ids, Tensor found, Tensor seen, int[] counts, Tensor[] slot_id, Tensor[] occupied, "
       "Tensor[] last, Tensor[] count, Tensor[] fill, Tensor[] part_base, Tensor[] part_cap, Tensor[] slot_part, "
-      "Tensor[] slot_index, Tensor[] lru_prev, Tensor[] lru_next, Tensor[] lru_head, Tensor[] lru_tail, int step, "
+      "Tensor[] slot_index, Tensor[] lru_pos, Tensor[] lru_queue, Tensor[] lru_head, Tensor[] lru_tail, int step, "
       "int partitions, int admit_after, str evict, int ttl) -> "
       "(int, int, int, int, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "dynamic_commit_(Tensor slots, int[] counts, Tensor new_ids, Tensor new_slots, int[] new_counts, "
       "Tensor evicted, int[] evicted_counts, Tensor(a!)[] slot_id, Tensor(b!)[] occupied, Tensor(c!)[] last, "
       "Tensor(d!)[] count, Tensor(e!)[] fill, Tensor[] part_base, Tensor[] part_cap, Tensor[] slot_part, "
-      "Tensor[] slot_index, Tensor(f!)[] lru_prev, Tensor(g!)[] lru_next, Tensor(h!)[] lru_head, "
+      "Tensor[] slot_index, Tensor(f!)[] lru_pos, Tensor(g!)[] lru_queue, Tensor(h!)[] lru_head, "
       "Tensor(i!)[] lru_tail, int step, Tensor(j!)[] weights, int[] keys, float[] bounds) -> Tensor");
   m.def(
       "dynamic_rows(Tensor[] weights, Tensor ids, Tensor slots, Tensor seen, int[] counts, int admit_after, "

@@ -97,15 +97,16 @@ class DynamicSlots:
         """Rows per part."""
         self.fill = torch.zeros(spec.partitions, dtype=torch.int64)
         """Per part: 1 + the highest place ever used (the places from there on were never used)."""
-        if base >= 2**31:
-            raise ValueError(f"{where}: dynamic table {table!r} holds {base} slots on one server; at most 2**31 - 1 fit")
-        self.lru_prev = torch.full((base,), -2, dtype=torch.int32)
-        self.lru_next = torch.full((base,), -2, dtype=torch.int32)
-        self.lru_head = torch.full((spec.partitions,), -1, dtype=torch.int64)
-        self.lru_tail = torch.full((spec.partitions,), -1, dtype=torch.int64)
-        """Each part's rows as a list in eviction order, (last step, id) ascending: the native
-        operators' index for choosing rows to evict or expire without sorting a part (-1 ends a
-        list, -2 marks a slot in none); ``dynamic_commit_`` keeps it, :meth:`restore` rebuilds it."""
+        if base >= 2**30:
+            raise ValueError(f"{where}: dynamic table {table!r} holds {base} slots on one server; at most 2**30 - 1 fit")
+        self.lru_pos = torch.full((base,), -1, dtype=torch.int32)
+        self.lru_queue = torch.zeros(2 * base, dtype=torch.int32)
+        self.lru_head = torch.where(self.part_base >= 0, 2 * self.part_base, -1)
+        self.lru_tail = self.lru_head.clone()
+        """Each part's rows in eviction order, (last step, id) ascending, as a queue in its region of
+        ``lru_queue`` (``lru_pos``: each slot's entry, -1 for none; an entry its slot no longer
+        points at is stale): the native operators' index for choosing rows to evict or expire
+        without sorting a part. ``dynamic_commit_`` keeps it, :meth:`restore` rebuilds it."""
         self.map = IdMap(base, empty=lambda n, dtype: table_tensor(n, dtype=dtype, huge_pages=huge_pages))
         self.seen = IdMap(16)  # id -> sightings, admit_after > 1
         self.counters = DynamicCounters()
