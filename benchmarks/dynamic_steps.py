@@ -9,6 +9,11 @@ server sees them; the gradients are random. Prints, per table kind, the thread C
 of each stage (median over ``--repeat`` runs): ``route`` (one trainer), ``lookups``, ``plan`` (a
 sync server's planning of dynamic tables' admissions once both lookups are answered, while the
 trainers compute) and ``update`` (the server, both trainers; what the last gradient waits for). Less sensitive to the machine's load than samples/s.
+
+``--full CAPACITY [CAPACITY ...]``: instead, one ``evict: lru`` table (64 parts) per capacity,
+filled to it, then 20 steps of 8,500 distinct ids of which half are new (each new id evicts a
+row): the median milliseconds of the step's plan and of its commit (the id map's changes
+included). A full table's step should cost the same at any capacity.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from benchmarks.systems.hybrid_ps import plan_dict
 from benchmarks.workload import Data, Workload
 from hybrid.ps.client.routing import Router
 from hybrid.ps.config import CollectionConfig, DynamicIds, OptimizerSpec, TableSpec
+from hybrid.ps.server.dynamic import DynamicSlots, commit_updates, plan_updates
 from hybrid.ps.server.shard import CollectionShard
 from hybrid.ps.sharding import shard_tables
 
@@ -66,13 +72,47 @@ def run(w: Workload, *, dynamic: bool) -> dict[str, float]:
     return {k: v / w.steps / 1e6 for k, v in ns.items()}
 
 
+def full_table(capacity: int, steps: int = 20, seed: int = 0) -> dict[str, float]:
+    """Milliseconds (median over ``steps``) of the plan and of the commit of a step of one full
+    ``evict: lru`` table of ``capacity`` rows: 8,500 distinct ids, half of them new."""
+    spec = DynamicIds(capacity=capacity, evict="lru", partitions=64)
+    table = DynamicSlots(spec, list(range(spec.partitions)), table="t", where="bench", huge_pages=True)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(capacity, generator=g)
+    step = 0
+    for chunk in ids.split(max(1, capacity // 8)):  # filled in a few big steps
+        commit_updates([table], plan_updates([table], [chunk.sort().values], step))
+        step += 1
+    plan_ms, commit_ms = [], []
+    for r in range(steps):
+        old = ids[torch.randint(0, capacity, (4250,), generator=g)].unique()
+        new = torch.arange(4250) + capacity + 10_000_000 * (r + 1)
+        t0 = time.perf_counter()
+        admissions = plan_updates([table], [torch.cat([old, new]).sort().values], step)
+        t1 = time.perf_counter()
+        commit_updates([table], admissions)
+        commit_ms.append((time.perf_counter() - t1) * 1e3)
+        plan_ms.append((t1 - t0) * 1e3)
+        step += 1
+    assert table.rows == capacity and table.counters.evicted > 0
+    return {"plan": statistics.median(plan_ms), "commit": statistics.median(commit_ms)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3, help="runs per table kind, alternating; medians reported")
+    p.add_argument("--full", type=int, nargs="+", metavar="CAPACITY",
+                   help="time a step of one full evict: lru table of each capacity instead")
     Workload.add_arguments(p)
     args = p.parse_args()
     w = Workload.from_args(args)
     torch.set_num_threads(w.threads)
+    if args.full:
+        print(f"{'capacity':>10s} {'plan':>8s} {'commit':>8s}  ms a step (one table, 8,500 ids, half new)")
+        for capacity in args.full:
+            got = full_table(capacity)
+            print(f"{capacity:10d} {got['plan']:8.2f} {got['commit']:8.2f}")
+        return
     got: dict[str, list[dict[str, float]]] = {"range": [], "dynamic": []}
     for _ in range(args.repeat):
         for kind in got:
