@@ -598,27 +598,16 @@ def dynamic_commit_(tables, plan: DynamicPlan, counts, *, step, weights=(), keys
                 initial_rows_(init, ni, key=keys[t], bound=bounds[t])
                 scatter_rows_(weights[t], ns, init)
         s.last[sl[sl >= 0]] = step
-        lru_lists_(s)
+        lru_reset_(s)
     return torch.cat(out) if out else _EMPTY
 
 
-def lru_lists_(s) -> None:
+def lru_reset_(s) -> None:
     """A dynamic table's eviction queues (``s.lru_*``, :class:`hybrid.ps.server.dynamic.DynamicSlots`)
-    rebuilt from its rows: each part's occupied slots by (last step, id) at the start of its
-    region, no stale entries -- the order the native ``dynamic_commit_`` keeps step by step by
-    appending every touched slot to its part's queue in ascending id order."""
-    occ = s.occupied.nonzero().squeeze(1)
-    for key in (s.slot_id, s.last, s.slot_part):  # stable sorts: by part, then last step, then id
-        occ = occ[torch.argsort(key[occ], stable=True)]
-    part = s.slot_part[occ]
-    n = torch.bincount(part, minlength=s.part_base.numel())
-    rank = torch.arange(occ.numel()) - (torch.cumsum(n, 0) - n)[part]  # place in its part's queue
-    at = 2 * s.part_base[part] + rank
-    s.lru_pos.fill_(-1)
-    s.lru_pos[occ] = at.to(torch.int32)
-    s.lru_queue[at] = occ.to(torch.int32)
-    s.lru_head.copy_(torch.where(s.part_base >= 0, 2 * s.part_base, -1))
-    s.lru_tail.copy_(torch.where(s.part_base >= 0, s.lru_head + n, -1))
+    dropped: the native operators sort a part's rows into its queue again when it next needs one.
+    Called where the rows change without the native ``dynamic_commit_`` keeping the queues."""
+    s.lru_head.fill_(-1)
+    s.lru_tail.fill_(-1)
 
 
 def dynamic_rows(weights, ids, slots, seen, counts, *, admit_after, keys, bounds, out) -> torch.Tensor:

@@ -236,21 +236,25 @@ def test_plan_options_are_checked():
 
 
 _FIELDS = ("slots", "new_ids", "new_slots", "evicted", "seen_ids", "seen_counts", "admitted_seen")
-_STATE = ("slot_id", "occupied", "last", "count", "fill", "queues")
+_STATE = ("slot_id", "occupied", "last", "count", "fill")
 
 
-def _field(d: DynamicSlots, name: str) -> torch.Tensor:
-    return _queues(d) if name == "queues" else getattr(d, name)
-
-
-def _queues(d: DynamicSlots) -> torch.Tensor:
-    """Each part's live queue entries in order (stale ones and where they sit left out)."""
-    out = []
+def _queues_in_order(d: DynamicSlots) -> int:
+    """Checks every eviction queue a part has: its live entries are the part's rows by (last
+    step, id). Returns how many parts have one."""
+    have = 0
     for p in range(d.spec.partitions):
-        k = torch.arange(int(d.lru_head[p]), int(d.lru_tail[p])) if int(d.lru_head[p]) >= 0 else torch.arange(0)
+        if int(d.lru_head[p]) < 0:
+            continue
+        have += 1
+        k = torch.arange(int(d.lru_head[p]), int(d.lru_tail[p]))
         j = d.lru_queue[k].long()
-        out += [torch.tensor([-1 - p]), j[d.lru_pos[j].long() == k]]
-    return torch.cat(out)
+        live = j[d.lru_pos[j].long() == k]
+        rows = (d.occupied & (d.slot_part == p)).nonzero().squeeze(1)
+        rows = rows[torch.argsort(d.slot_id[rows], stable=True)]
+        rows = rows[torch.argsort(d.last[rows], stable=True)]
+        assert torch.equal(live, rows), (p, live, rows)
+    return have
 
 
 @pytest.mark.skipif(not ops.AVAILABLE, reason="hybrid._C not built")
@@ -297,7 +301,8 @@ def test_plan_and_commit_of_several_tables_equal_the_reference(evict, admit_afte
             for a, b in zip(*outcome):
                 assert all(torch.equal(x, y) for x, y in zip(a, b)), (t, a, b)
         for a, b in zip(native, plain):
-            assert all(torch.equal(_field(a, f), _field(b, f)) for f in _STATE), t
+            assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in _STATE), t
+            _queues_in_order(a)
             assert torch.equal(rows[id(a)], rows[id(b)])
             assert all(torch.equal(x, y) for x, y in zip(a.map.items(), b.map.items()))
             assert all(torch.equal(x, y) for x, y in zip(a.seen.items(), b.seen.items()))
@@ -308,11 +313,11 @@ def test_plan_and_commit_of_several_tables_equal_the_reference(evict, admit_afte
 @pytest.mark.skipif(not ops.AVAILABLE, reason="hybrid._C not built")
 @pytest.mark.parametrize("evict", ["lru", "ttl:3"])
 def test_eviction_lists_choose_as_the_reference_sorts_through_churn_and_a_restore(evict, monkeypatch):
-    """The native plan walks each part's eviction list instead of sorting its slots: over a long
+    """The native plan walks each part's eviction queue instead of sorting its slots: over a long
     stream of mostly new ids (every part full, rows evicted or expired every step, holes left by
-    expiry), the same admissions and evictions as the plain-torch twin, whose lists are rebuilt
-    from scratch each step -- also after the state goes through a checkpoint (restore rebuilds
-    the lists) halfway."""
+    expiry), the same admissions and evictions as the plain-torch twin, which sorts every step,
+    and every queue in (last step, id) order -- also after the state goes through a checkpoint
+    halfway (restore drops the queues; the plan sorts them again)."""
     spec = DynamicIds(capacity=96, evict=evict, partitions=6)
     held = [0, 2, 3, 5]
 
@@ -321,7 +326,7 @@ def test_eviction_lists_choose_as_the_reference_sorts_through_churn_and_a_restor
 
     native, plain = build(), build()
     g = torch.Generator().manual_seed(11)
-    evicted, holes = 0, False
+    evicted, holes, queued = 0, False, 0
     for t in range(120):
         pool = torch.randint(0, 400, (40,), generator=g) * 104729 - 2**40  # a few recur, most are new
         ids = pool[torch.isin(part_of(pool, spec.partitions), torch.tensor(held))].unique()
@@ -347,16 +352,17 @@ def test_eviction_lists_choose_as_the_reference_sorts_through_churn_and_a_restor
         # A checkpoint keeps the rows, not what free slots held before or how far a part was ever
         # filled: from the restore on, those may differ (free places are taken lowest first either way).
         state = [f for f in _STATE if t <= 60 or f not in ("fill", "slot_id")]
-        assert all(torch.equal(_field(native, f), _field(plain, f)) for f in state), t
+        assert all(torch.equal(getattr(native, f), getattr(plain, f)) for f in state), t
         assert torch.equal(native.slot_id[native.occupied], plain.slot_id[plain.occupied]), t
         holes |= bool((plain.count < plain.fill).any())
+        queued = max(queued, _queues_in_order(native))
         if t == 60:  # through a checkpoint: the saved rows put back into a fresh table
             st = native.state()
             native = build()
             native.restore(st["ids"], st["slots"], st["last"])
             native.counters = plain.counters
-            assert all(torch.equal(_field(native, f), _field(plain, f)) for f in _STATE if f not in ("fill", "slot_id"))
-    assert evicted > 100
+            assert all(torch.equal(getattr(native, f), getattr(plain, f)) for f in _STATE if f not in ("fill", "slot_id"))
+    assert evicted > 100 and queued == len(held)  # every part has had to evict or expire
     if evict == "lru":
         assert int(plain.count.sum()) == plain.capacity  # every part full: each new id evicts a row
     else:

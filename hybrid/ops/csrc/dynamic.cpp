@@ -55,15 +55,17 @@ int64_t check_counts(IntArrayRef counts, int64_t n, const char* what) {
   return total;
 }
 
-// One table's slot state (hybrid.ps.server.dynamic.DynamicSlots), checked. Each part also keeps
-// its rows in eviction order -- by (last step, id), least recent first -- as a queue, so that
-// choosing the rows to evict or expire walks from its head instead of sorting every slot of the
-// part: a step costs the same at any capacity. The queue of part p lives in lru_queue[2 *
-// part_base[p], 2 * (part_base[p] + part_cap[p])), its live window [lru_head[p], lru_tail[p]);
-// lru_pos[j] is where slot j's entry is (-1: the slot holds no row), and an entry k holding j
-// with lru_pos[j] != k is stale (its row was touched again or left) and skipped. dynamic_commit_
-// appends every slot a step touches, in ascending id order (the order of a table's distinct ids),
-// and compacts a queue in place when its region is full (after at least part_cap appends).
+// One table's slot state (hybrid.ps.server.dynamic.DynamicSlots), checked. A part that has had to
+// evict or expire rows also keeps them in eviction order -- by (last step, id), least recent
+// first -- as a queue, so that choosing the rows to evict or expire walks from its head instead
+// of sorting every slot of the part: a step costs the same at any capacity. The queue of part p
+// lives in lru_queue[2 * part_base[p], 2 * (part_base[p] + part_cap[p])), its live window
+// [lru_head[p], lru_tail[p]) (lru_head[p] = -1: no queue yet); lru_pos[j] is where slot j's
+// entry is, and an entry k holding j with lru_pos[j] != k is stale (its row was touched again or
+// left) and skipped. The plan sorts a part's rows into its queue the first time it needs them;
+// from then on dynamic_commit_ appends every slot a step touches, in ascending id order (the
+// order of a table's distinct ids), and compacts the queue in place when its region is full
+// (after at least part_cap appends). A part that never fills costs nothing for it.
 struct Slots {
   int64_t* slot_id;
   bool* occupied;
@@ -86,9 +88,29 @@ struct Slots {
     TORCH_CHECK_VALUE(j >= 0 && j < capacity, "lru_queue[", k, "] = ", j, " is not a slot");
     return pos[j] == k ? j : -1;
   }
+  bool ordered(int64_t p) const { return head[p] >= 0; }
+  // Part p's rows sorted into its queue, where it has none yet.
+  void order(int64_t p) const {
+    if (ordered(p)) return;
+    std::vector<int64_t> rows;
+    for (int64_t j = part_base[p]; j < part_base[p] + fill[p]; j++)
+      if (occupied[j]) rows.push_back(j);
+    std::sort(rows.begin(), rows.end(), [&](int64_t a, int64_t b) {
+      return last[a] != last[b] ? last[a] < last[b] : slot_id[a] < slot_id[b];
+    });
+    int64_t k = 2 * part_base[p];
+    head[p] = k;
+    for (int64_t j : rows) {
+      queue[k] = static_cast<int32_t>(j);
+      pos[j] = static_cast<int32_t>(k++);
+    }
+    tail[p] = k;
+  }
   void drop(int64_t j) const { pos[j] = -1; }
+  // Slot j, touched now, to the end of its part's queue (where the part has one).
   void touch(int64_t j) const {
     const int64_t p = slot_part[j];
+    if (!ordered(p)) return;
     if (tail[p] == 2 * (part_base[p] + part_cap[p])) {  // full: the live entries to the front
       int64_t w = 2 * part_base[p];
       for (int64_t k = head[p]; k < tail[p]; k++) {
@@ -105,6 +127,7 @@ struct Slots {
   }
   // The head moved past stale entries.
   void trim(int64_t p) const {
+    if (!ordered(p)) return;
     while (head[p] < tail[p] && row_at(head[p]) < 0) head[p]++;
   }
 };
@@ -140,7 +163,8 @@ std::vector<Slots> slot_views(size_t ntab, int64_t partitions, TensorList slot_i
     for (int64_t p = 0; p < partitions; p++) {
       TORCH_CHECK_VALUE(base[p] < 0 || (pc[p] >= 0 && base[p] + pc[p] <= cap), "part ", p, " of table ", t,
                         " lies outside its ", cap, " slots");
-      TORCH_CHECK_VALUE(base[p] < 0 || (2 * base[p] <= qh[p] && qh[p] <= qt[p] && qt[p] <= 2 * (base[p] + pc[p])),
+      TORCH_CHECK_VALUE(base[p] < 0 || qh[p] == -1 ||
+                            (2 * base[p] <= qh[p] && qh[p] <= qt[p] && qt[p] <= 2 * (base[p] + pc[p])),
                         "the eviction queue of part ", p, " of table ", t, " lies outside its region");
     }
     out.push_back({slot_id[t].data_ptr<int64_t>(), occupied[t].data_ptr<bool>(), last[t].data_ptr<int64_t>(),
@@ -204,6 +228,7 @@ std::tuple<int64_t, int64_t, int64_t> plan_table(const Slots& s, const int64_t* 
   if (ttl >= 0) {
     for (int64_t p = 0; p < partitions; p++) {
       if (s.part_base[p] < 0) continue;
+      s.order(p);
       for (int64_t k = s.head[p]; k < s.tail[p]; k++) {
         const int64_t j = s.row_at(k);
         if (j < 0 || touched(j)) continue;
@@ -292,6 +317,7 @@ std::tuple<int64_t, int64_t, int64_t> plan_table(const Slots& s, const int64_t* 
             if (blocked_part < 0) blocked_part = p;
             continue;
           }
+          s.order(p);
           for (int64_t k = s.head[p]; k < s.tail[p] && static_cast<int64_t>(chosen.size()) < want; k++) {
             const int64_t j = s.row_at(k);
             if (j >= 0 && !touched(j)) chosen.push_back(j);
@@ -498,7 +524,8 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
         k::dispatch().initial_rows(weights[t].data_ptr(), dtypes[t], weights[t].size(1), ni + s2, ns + s2,
                                    new_counts[t], key, bound);
       }
-      // Every touched row stamped and appended to its part's queue, ascending ids (sp's order).
+      // Every touched row stamped and appended to its part's queue (where it has one), ascending
+      // ids (sp's order).
       const int64_t end = s1 + counts[t];
       for (int64_t i = s1; i < end; i++) {
         if (i + 2 * kAhead < end && sp[i + 2 * kAhead] >= 0) {
@@ -512,7 +539,7 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
         s.touch(j);
       }
       for (int64_t p = 0; p < partitions; p++)
-        if (s.part_base[p] >= 0) s.trim(p);
+        if (s.part_base[p] >= 0) s.trim(p);  // no work for a part without a queue
     }
   });
   return evicted_ids;

@@ -101,12 +101,13 @@ class DynamicSlots:
             raise ValueError(f"{where}: dynamic table {table!r} holds {base} slots on one server; at most 2**30 - 1 fit")
         self.lru_pos = torch.full((base,), -1, dtype=torch.int32)
         self.lru_queue = torch.zeros(2 * base, dtype=torch.int32)
-        self.lru_head = torch.where(self.part_base >= 0, 2 * self.part_base, -1)
-        self.lru_tail = self.lru_head.clone()
+        self.lru_head = torch.full((spec.partitions,), -1, dtype=torch.int64)
+        self.lru_tail = torch.full((spec.partitions,), -1, dtype=torch.int64)
         """Each part's rows in eviction order, (last step, id) ascending, as a queue in its region of
-        ``lru_queue`` (``lru_pos``: each slot's entry, -1 for none; an entry its slot no longer
-        points at is stale): the native operators' index for choosing rows to evict or expire
-        without sorting a part. ``dynamic_commit_`` keeps it, :meth:`restore` rebuilds it."""
+        ``lru_queue`` (``lru_pos``: each slot's entry; an entry its slot no longer points at is
+        stale; ``lru_head[p] = -1``: none yet): the native operators' index for choosing rows to
+        evict or expire without sorting a part, made the first time a part needs it and kept by
+        ``dynamic_commit_``. Derived from the rows: a restore drops it."""
         self.map = IdMap(base, empty=lambda n, dtype: table_tensor(n, dtype=dtype, huge_pages=huge_pages))
         self.seen = IdMap(16)  # id -> sightings, admit_after > 1
         self.counters = DynamicCounters()
@@ -162,7 +163,7 @@ class DynamicSlots:
         parts = self.slot_part[slots]
         self.count += torch.bincount(parts, minlength=self.spec.partitions)
         self.fill.scatter_reduce_(0, parts, self.slot_index[slots] + 1, reduce="amax")
-        reference.lru_lists_(self)
+        reference.lru_reset_(self)
 
     def state(self) -> dict[str, torch.Tensor]:
         """The map as tensors: per occupied slot its id, part, place in the part and last step,
