@@ -525,21 +525,27 @@ Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& ne
                                    new_counts[t], key, bound);
       }
       // Every touched row stamped and appended to its part's queue (where it has one), ascending
-      // ids (sp's order).
+      // ids (sp's order); a table none of whose parts has a queue only stamps.
+      bool queues = false;
+      for (int64_t p = 0; p < partitions && !queues; p++) queues = s.part_base[p] >= 0 && s.ordered(p);
       const int64_t end = s1 + counts[t];
       for (int64_t i = s1; i < end; i++) {
         if (i + 2 * kAhead < end && sp[i + 2 * kAhead] >= 0) {
           const int64_t a = sp[i + 2 * kAhead];
           __builtin_prefetch(s.last + a, 1);
-          __builtin_prefetch(s.pos + a, 1);
+          if (queues) {
+            __builtin_prefetch(s.pos + a, 1);
+            __builtin_prefetch(s.slot_part + a);
+          }
         }
         const int64_t j = sp[i];
         if (j < 0) continue;
         s.last[j] = step;
-        s.touch(j);
+        if (queues) s.touch(j);
       }
-      for (int64_t p = 0; p < partitions; p++)
-        if (s.part_base[p] >= 0) s.trim(p);  // no work for a part without a queue
+      if (queues)
+        for (int64_t p = 0; p < partitions; p++)
+          if (s.part_base[p] >= 0) s.trim(p);
     }
   });
   return evicted_ids;
