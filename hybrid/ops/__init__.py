@@ -239,7 +239,8 @@ def dynamic_plan(tables, ids, found, seen, counts, *, step, partitions, admit_af
     """One update of dynamic tables, decided and nothing changed: table ``t``'s distinct
     ascending ids are the ``counts[t]``-long run of ``ids`` after the earlier tables', ``found``
     their slots in its map (-1: none), ``seen`` their sightings (-1: none; empty unless
-    ``admit_after > 1``); ``tables[t]`` its slot state. ``evict``: ``none``, ``lru`` or ``ttl``
+    ``admit_after > 1``); ``tables[t]`` its slot state (of which it may write only a part's
+    eviction queue, made the first time the part needs one). ``evict``: ``none``, ``lru`` or ``ttl``
     (rows untouched for more than ``ttl`` steps go). Raises :class:`PartFull` (the first table,
     then part, that cannot take its new ids) or :class:`ForeignPart`."""
     (code, table, where, need, slots, sizes, new_ids, new_slots, evicted, seen_ids, seen_counts,

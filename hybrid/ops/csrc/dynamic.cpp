@@ -3,7 +3,8 @@
 // tensor operations per table:
 //
 // - dynamic_plan: the admission of one update's distinct ids (found in the id map by the caller):
-//   which ids get a row and where, which rows go, the sightings to count; changes nothing.
+//   which ids get a row and where, which rows go, the sightings to count; changes nothing but a
+//   part's eviction queue, which it makes the first time the part needs one (derived state).
 // - merge_ids: the distinct ids of an update from the trainers' ascending runs.
 // - sum_runs: each distinct id's gradient rows summed, from the runs and merge_ids's inverse.
 // - dynamic_commit_: what dynamic_plan decided, written into the slot state, new rows' initial
@@ -210,7 +211,7 @@ class Touched {
 //
 // A part that needs room takes its slots in this order (hybrid/ops/reference.py sorts every slot
 // of the part by the same key): free slots and rows expired now, lowest place first; then (lru)
-// rows not touched in this step, by (last step, id) -- its list's order. A row touched in this
+// rows not touched in this step, by (last step, id) -- its queue's order. A row touched in this
 // step never goes; a part with too few slots for its new ids, or (lru) too few rows to give up,
 // or (none, ttl) no free slot left, fails the step.
 std::tuple<int64_t, int64_t, int64_t> plan_table(const Slots& s, const int64_t* ids, const int64_t* found,
@@ -790,8 +791,8 @@ TORCH_LIBRARY_FRAGMENT(hybrid, m) {
   m.def(
       "dynamic_plan(Tensor ids, Tensor found, Tensor seen, int[] counts, Tensor[] slot_id, Tensor[] occupied, "
       "Tensor[] last, Tensor[] count, Tensor[] fill, Tensor[] part_base, Tensor[] part_cap, Tensor[] slot_part, "
-      "Tensor[] slot_index, Tensor[] lru_pos, Tensor[] lru_queue, Tensor[] lru_head, Tensor[] lru_tail, int step, "
-      "int partitions, int admit_after, str evict, int ttl) -> "
+      "Tensor[] slot_index, Tensor(a!)[] lru_pos, Tensor(b!)[] lru_queue, Tensor(c!)[] lru_head, "
+      "Tensor(d!)[] lru_tail, int step, int partitions, int admit_after, str evict, int ttl) -> "
       "(int, int, int, int, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "dynamic_commit_(Tensor slots, int[] counts, Tensor new_ids, Tensor new_slots, int[] new_counts, "

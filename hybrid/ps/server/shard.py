@@ -553,11 +553,7 @@ class CollectionShard:
             looked[k] = None
         if any(e is not None for e in looked):
             return False
-        pending = self.looked_up.get(step, [])
-        for e in planned.looked:
-            if e in pending:
-                pending.remove(e)
-        for s in [s for s in self.looked_up if s <= step]:
+        for s in [s for s in self.looked_up if s <= step]:  # this step's lookups are all matched
             del self.looked_up[s]
         for s in [s for s in self.planned if s <= step]:
             del self.planned[s]
