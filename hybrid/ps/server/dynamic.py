@@ -100,7 +100,7 @@ class DynamicSlots:
         if base >= 2**30:
             raise ValueError(f"{where}: dynamic table {table!r} holds {base} slots on one server; at most 2**30 - 1 fit")
         self.lru_pos = torch.full((base,), -1, dtype=torch.int32)
-        self.lru_queue = torch.zeros(2 * base, dtype=torch.int32)
+        self.lru_queue = torch.empty(2 * base, dtype=torch.int32)  # entries written before they are read
         self.lru_head = torch.full((spec.partitions,), -1, dtype=torch.int64)
         self.lru_tail = torch.full((spec.partitions,), -1, dtype=torch.int64)
         """Each part's rows in eviction order, (last step, id) ascending, as a queue in its region of
