@@ -598,16 +598,8 @@ def dynamic_commit_(tables, plan: DynamicPlan, counts, *, step, weights=(), keys
                 initial_rows_(init, ni, key=keys[t], bound=bounds[t])
                 scatter_rows_(weights[t], ns, init)
         s.last[sl[sl >= 0]] = step
-        lru_reset_(s)
+        s.drop_queues()  # the native operators' eviction queues, not kept here
     return torch.cat(out) if out else _EMPTY
-
-
-def lru_reset_(s) -> None:
-    """A dynamic table's eviction queues (``s.lru_*``, :class:`hybrid.ps.server.dynamic.DynamicSlots`)
-    dropped: the native operators sort a part's rows into its queue again when it next needs one.
-    Called where the rows change without the native ``dynamic_commit_`` keeping the queues."""
-    s.lru_head.fill_(-1)
-    s.lru_tail.fill_(-1)
 
 
 def dynamic_rows(weights, ids, slots, seen, counts, *, admit_after, keys, bounds, out) -> torch.Tensor:

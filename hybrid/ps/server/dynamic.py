@@ -26,7 +26,6 @@ import torch
 
 from hybrid import ops
 from hybrid.errors import InputError
-from hybrid.ops import reference
 from hybrid.ops.id_map import IdMap, find_many, update_many
 from hybrid.ps.config import DynamicIds, part_of  # noqa: F401 - part_of: the parts, for callers
 from hybrid.ps.server.memory import table_tensor
@@ -98,7 +97,8 @@ class DynamicSlots:
         self.fill = torch.zeros(spec.partitions, dtype=torch.int64)
         """Per part: 1 + the highest place ever used (the places from there on were never used)."""
         if base >= 2**30:
-            raise ValueError(f"{where}: dynamic table {table!r} holds {base} slots on one server; at most 2**30 - 1 fit")
+            raise InputError(f"{where}: dynamic table {table!r} would hold {base} rows on one server; at most "
+                             f"2**30 - 1 fit: lower its capacity or spread its parts over more servers")
         self.lru_pos = torch.full((base,), -1, dtype=torch.int32)
         self.lru_queue = torch.empty(2 * base, dtype=torch.int32)  # entries written before they are read
         self.lru_head = torch.full((spec.partitions,), -1, dtype=torch.int64)
@@ -107,7 +107,7 @@ class DynamicSlots:
         ``lru_queue`` (``lru_pos``: each slot's entry; an entry its slot no longer points at is
         stale; ``lru_head[p] = -1``: none yet): the native operators' index for choosing rows to
         evict or expire without sorting a part, made the first time a part needs it and kept by
-        ``dynamic_commit_``. Derived from the rows: a restore drops it."""
+        ``dynamic_commit_``. Derived from the rows: a restore drops it (:meth:`drop_queues`)."""
         self.map = IdMap(base, empty=lambda n, dtype: table_tensor(n, dtype=dtype, huge_pages=huge_pages))
         self.seen = IdMap(16)  # id -> sightings, admit_after > 1
         self.counters = DynamicCounters()
@@ -163,7 +163,13 @@ class DynamicSlots:
         parts = self.slot_part[slots]
         self.count += torch.bincount(parts, minlength=self.spec.partitions)
         self.fill.scatter_reduce_(0, parts, self.slot_index[slots] + 1, reduce="amax")
-        reference.lru_reset_(self)
+        self.drop_queues()
+
+    def drop_queues(self) -> None:
+        """Forget the eviction queues (after the rows changed without the native
+        ``dynamic_commit_`` keeping them): a part's queue is sorted again when next needed."""
+        self.lru_head.fill_(-1)
+        self.lru_tail.fill_(-1)
 
     def state(self) -> dict[str, torch.Tensor]:
         """The map as tensors: per occupied slot its id, part, place in the part and last step,
