@@ -257,6 +257,30 @@ def _queues_in_order(d: DynamicSlots) -> int:
     return have
 
 
+def _plan_and_commit(tables, ids, t, monkeypatch, *, twin=None, **commit):
+    """One step of ``tables`` (with ``twin``'s plain-torch operators where given): every
+    table's admission fields, or the CapacityError's message."""
+    with monkeypatch.context() as m:
+        if twin is not None:
+            m.setattr(dynamic.ops, "dynamic_plan", twin.dynamic_plan)
+            m.setattr(dynamic.ops, "dynamic_commit_", twin.dynamic_commit_)
+        try:
+            adm = plan_updates(tables, ids, t)
+        except CapacityError as e:
+            return str(e)
+        commit_updates(tables, adm, **commit)
+        return [[getattr(a, f) for f in _FIELDS] for a in adm]
+
+
+def _same_outcome(native, plain, t) -> None:
+    assert type(native) is type(plain), (t, native, plain)
+    if isinstance(native, str):
+        assert native == plain
+    else:
+        for a, b in zip(native, plain):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), (t, a, b)
+
+
 @pytest.mark.skipif(not ops.AVAILABLE, reason="hybrid._C not built")
 @pytest.mark.parametrize("evict,admit_after", [("lru", 1), ("lru", 2), ("ttl:2", 1), ("ttl:1", 2), ("none", 1)])
 def test_plan_and_commit_of_several_tables_equal_the_reference(evict, admit_after, monkeypatch):
@@ -279,27 +303,11 @@ def test_plan_and_commit_of_several_tables_equal_the_reference(evict, admit_afte
         for p in parts:
             i = torch.randint(-30, 30, (int(torch.randint(0, 14, (1,), generator=g)),), generator=g) * 7919 + 2**41
             ids.append(i[torch.isin(part_of(i, 4), torch.tensor(p))].unique())
-        outcome = []
-        for tables, twin in ((native, None), (plain, reference)):
-            with monkeypatch.context() as m:
-                if twin is not None:
-                    m.setattr(dynamic.ops, "dynamic_plan", twin.dynamic_plan)
-                    m.setattr(dynamic.ops, "dynamic_commit_", twin.dynamic_commit_)
-                try:
-                    adm = plan_updates(tables, ids, t)
-                except CapacityError as e:
-                    outcome.append(str(e))
-                    continue
-                commit_updates(tables, adm, weights=[rows[id(d)] for d in tables], keys=keys, bounds=bounds)
-                outcome.append([[getattr(a, f) for f in _FIELDS] for a in adm])
-        if isinstance(outcome[0], str):
-            failed += 1
-        assert type(outcome[0]) is type(outcome[1]), outcome
-        if isinstance(outcome[0], str):
-            assert outcome[0] == outcome[1]
-        else:
-            for a, b in zip(*outcome):
-                assert all(torch.equal(x, y) for x, y in zip(a, b)), (t, a, b)
+        outcome = [_plan_and_commit(tables, ids, t, monkeypatch, twin=twin, weights=[rows[id(d)] for d in tables],
+                                    keys=keys, bounds=bounds)
+                   for tables, twin in ((native, None), (plain, reference))]
+        failed += isinstance(outcome[0], str)
+        _same_outcome(*outcome, t)
         for a, b in zip(native, plain):
             assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in _STATE), t
             _queues_in_order(a)
@@ -330,25 +338,11 @@ def test_eviction_lists_choose_as_the_reference_sorts_through_churn_and_a_restor
     for t in range(120):
         pool = torch.randint(0, 400, (40,), generator=g) * 104729 - 2**40  # a few recur, most are new
         ids = pool[torch.isin(part_of(pool, spec.partitions), torch.tensor(held))].unique()
-        outcome = []
-        for table, twin in ((native, None), (plain, reference)):
-            with monkeypatch.context() as m:
-                if twin is not None:
-                    m.setattr(dynamic.ops, "dynamic_plan", twin.dynamic_plan)
-                    m.setattr(dynamic.ops, "dynamic_commit_", twin.dynamic_commit_)
-                try:
-                    adm = plan_updates([table], [ids], t)
-                except CapacityError as e:
-                    outcome.append(str(e))
-                    continue
-                commit_updates([table], adm)
-                outcome.append([getattr(adm[0], f) for f in _FIELDS])
-        assert type(outcome[0]) is type(outcome[1]), (t, outcome)
-        if isinstance(outcome[0], str):
-            assert outcome[0] == outcome[1]
-        else:
-            assert all(torch.equal(x, y) for x, y in zip(*outcome)), (t, outcome)
-            evicted += outcome[0][3].numel()
+        outcome = [_plan_and_commit([table], [ids], t, monkeypatch, twin=twin)
+                   for table, twin in ((native, None), (plain, reference))]
+        _same_outcome(*outcome, t)
+        if not isinstance(outcome[0], str):
+            evicted += outcome[0][0][3].numel()
         # A checkpoint keeps the rows, not what free slots held before or how far a part was ever
         # filled: from the restore on, those may differ (free places are taken lowest first either way).
         state = [f for f in _STATE if t <= 60 or f not in ("fill", "slot_id")]
