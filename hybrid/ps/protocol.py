@@ -59,6 +59,10 @@ class Rows:
         if len(self.tables) != len(self.counts):
             raise ProtocolError(f"{len(self.tables)} tables but {len(self.counts)} counts")
 
+    def owned(self) -> Rows:
+        """These rows in memory of their own (the ids may be a view into a transport's frame)."""
+        return Rows(list(self.tables), list(self.counts), self.ids.clone())
+
 
 @dataclass
 class Push:

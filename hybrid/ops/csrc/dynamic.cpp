@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "dtype.h"
 #include "hash.h"
 
 namespace {
@@ -433,12 +434,7 @@ inline void prefetch_lines(const void* p, int64_t bytes) {
 k::DType row_dtype(const Tensor& w, const std::string& what) {
   TORCH_CHECK_VALUE(w.device().is_cpu() && w.is_contiguous() && w.dim() == 2, what,
                     " must be a contiguous 2-D CPU tensor, got shape ", w.sizes());
-  switch (w.scalar_type()) {
-    case at::kFloat: return k::DType::f32;
-    case at::kBFloat16: return k::DType::bf16;
-    case at::kHalf: return k::DType::f16;
-    default: TORCH_CHECK_TYPE(false, what, " must be float32, bfloat16 or float16, got ", w.scalar_type());
-  }
+  return hybrid::float_dtype(w, what);
 }
 
 Tensor dynamic_commit_(const Tensor& slots, IntArrayRef counts, const Tensor& new_ids, const Tensor& new_slots,

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "hash.h"
@@ -135,6 +136,12 @@ int64_t erase_from(int64_t* k, int64_t* s, uint64_t mask, const int64_t* q, int6
   return used;
 }
 
+// A map of cap entries, used of them in use, takes n more (the caller grows it first).
+void check_room(int64_t cap, int64_t used, int64_t n, const std::string& what) {
+  TORCH_CHECK_VALUE(used + n < cap, what, " of ", cap, " entries cannot take ", n, " more after ", used,
+                    " (the caller grows it first)");
+}
+
 void check_values(const int64_t* v, int64_t n) {
   for (int64_t i = 0; i < n; i++) TORCH_CHECK_VALUE(v[i] >= 0, "slot values must be >= 0, got ", v[i]);
 }
@@ -148,8 +155,7 @@ int64_t id_map_insert_(const Tensor& keys, const Tensor& slots, const Tensor& id
   check_ids(values, "values");
   TORCH_CHECK_VALUE(ids.numel() == values.numel(), "ids and values must have one size");
   const int64_t n = ids.numel(), cap = keys.numel();
-  TORCH_CHECK_VALUE(used + n < cap, "id map of ", cap, " entries cannot take ", n, " more after ", used,
-                    " (the caller grows it first)");
+  check_room(cap, used, n, "id map");
   check_values(values.data_ptr<int64_t>(), n);
   return insert_into(keys.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), static_cast<uint64_t>(cap - 1),
                      ids.data_ptr<int64_t>(), values.data_ptr<int64_t>(), n, used);
@@ -183,8 +189,7 @@ std::vector<int64_t> id_maps_update_(at::TensorList keys, at::TensorList slots, 
     check_map(keys[t], slots[t]);
     TORCH_CHECK_VALUE(erase_counts[t] >= 0 && insert_counts[t] >= 0 && used[t] >= 0,
                       "counts and used must be >= 0 (map ", t, ")");
-    TORCH_CHECK_VALUE(used[t] + insert_counts[t] < keys[t].numel(), "id map ", t, " of ", keys[t].numel(),
-                      " entries cannot take ", insert_counts[t], " more after ", used[t], " (the caller grows it first)");
+    check_room(keys[t].numel(), used[t], insert_counts[t], "id map " + std::to_string(t));
     ne += erase_counts[t];
     ni += insert_counts[t];
   }

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "dtype.h"
 #include "kernels.h"
 
 namespace {
@@ -32,13 +33,7 @@ void initial_rows_(const Tensor& out, const Tensor& rows, int64_t key, double bo
   const uint32_t k32 = static_cast<uint32_t>(key);
   const float b = static_cast<float>(bound);  // as torch converts a Python float for float32 math
   const int64_t grain = std::max<int64_t>(64, 32768 / std::max<int64_t>(dim, 1));
-  k::DType dtype;
-  switch (out.scalar_type()) {
-    case at::kFloat: dtype = k::DType::f32; break;
-    case at::kBFloat16: dtype = k::DType::bf16; break;
-    case at::kHalf: dtype = k::DType::f16; break;
-    default: TORCH_CHECK_TYPE(false, "out must be float32, bfloat16 or float16, got ", out.scalar_type());
-  }
+  const k::DType dtype = hybrid::float_dtype(out, "out");
   auto* o = static_cast<char*>(out.data_ptr());
   const int64_t row_bytes = dim * static_cast<int64_t>(out.element_size());
   const auto init = k::dispatch().initial_rows;

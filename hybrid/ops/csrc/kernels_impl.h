@@ -22,7 +22,7 @@ constexpr int64_t kStateAhead = 32;
 // Every cache line of a row into the second-level cache only (for a later pass over the rows).
 inline void prefetch_row_l2(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
+  for (int64_t off = 0; off < bytes; off += kLine) __builtin_prefetch(c + off, 0, 2);
 }
 
 // Every cache line of a row of `bytes` bytes at p (for reading, or for writing).

@@ -20,6 +20,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dtype.h"
 #include "kernels.h"
 
 namespace {
@@ -51,18 +52,7 @@ void check_int64_1d(const Tensor& t, const char* what) {
   TORCH_CHECK_VALUE(t.dim() == 1, what, " must be 1-D, got shape ", t.sizes());
 }
 
-k::DType float_dtype(const Tensor& t, const std::string& what) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return k::DType::f32;
-    case at::kBFloat16:
-      return k::DType::bf16;
-    case at::kHalf:
-      return k::DType::f16;
-    default:
-      TORCH_CHECK_TYPE(false, what, " must be float32, bfloat16 or float16, got ", t.scalar_type());
-  }
-}
+using hybrid::float_dtype;
 
 void check_float32(const Tensor& t, const std::string& what) {
   check_cpu_contiguous(t, what.c_str());

@@ -310,7 +310,7 @@ class _Answer:
             if self.msg.autograd:
                 with torch.enable_grad():  # may run on a backward thread, where grad mode is off
                     self.out[i] = _Lookup.apply(self.server.anchor, self.server, shard, self.msg.trainer, part.step,
-                                                _owned(part.lookup))
+                                                part.lookup.owned())
             else:
                 # Read before the rows: every push through it is in them (a later one may be too).
                 self.out[-1][i] = shard.complete_through
@@ -334,10 +334,6 @@ def _own(trainer: int, borrowed: list[tuple[CollectionShard, int]]) -> None:
     stop borrowing the channel's frame."""
     for shard, step in borrowed:
         shard.own_pending(trainer, step)
-
-
-def _owned(rows: Rows) -> Rows:
-    return Rows(list(rows.tables), list(rows.counts), rows.ids.clone())
 
 
 # -- this process's server, and the RPC entry points ------------------------------------------------

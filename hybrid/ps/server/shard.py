@@ -266,7 +266,7 @@ class CollectionShard:
                                     bounds=[t.init_key[1] for t in shards], out=full)
             if step is not None and step > self.complete_through:
                 # The ids are copied: a transport may reuse the lookup's memory once answered.
-                self.looked_up[step].append(LookedUp(Rows(list(rows.tables), list(rows.counts), rows.ids.clone()),
+                self.looked_up[step].append(LookedUp(rows.owned(),
                                                      found, seen, [t.dynamic.version for t in shards]))
         if full is not out:
             out.copy_(full)
@@ -511,11 +511,7 @@ class CollectionShard:
         else:
             distinct, per, inverse, admissions = self._plan(
                 tables, [len(per_table[i]) for i in order], [(r[0], r[2], r[3]) for r in runs_of], step)
-        commit_updates([t.dynamic for t in tables], admissions, weights=[t.weight for t in tables],
-                       keys=[t.init_key[0] for t in tables], bounds=[t.init_key[1] for t in tables])
-        for table, a in zip(tables, admissions):
-            if a.new_slots.numel():
-                table.optim.reset(a.new_slots)
+        self._commit(tables, admissions)
         if self.accumulates:
             self._accumulate(self._in_slots(contributions, per_table, order, admissions, inverse))
             return
@@ -538,6 +534,16 @@ class CollectionShard:
                 steps.append((table, slot, grads, gscale))
         self._step(steps)
 
+    @staticmethod
+    def _commit(tables: list[TableShard], admissions: list) -> None:
+        """Carry out a step's admissions: the slot state, the maps and the new rows' initial
+        values and fresh optimizer state."""
+        commit_updates([t.dynamic for t in tables], admissions, weights=[t.weight for t in tables],
+                       keys=[t.init_key[0] for t in tables], bounds=[t.init_key[1] for t in tables])
+        for table, a in zip(tables, admissions):
+            if a.new_slots.numel():
+                table.optim.reset(a.new_slots)
+
     def _apply_planned(self, contributions: list[Contribution], step: int, planned: _Planned) -> bool:
         """Plain SGD of a sync step whose pushes are exactly the planned lookups' (each matches one,
         at the maps' versions): the planned admissions committed, then each push added into its
@@ -559,11 +565,7 @@ class CollectionShard:
             del self.planned[s]
         tables = [self.by_index[i] for i in planned.order]
         admissions = planned.merged[3]
-        commit_updates([t.dynamic for t in tables], admissions, weights=[t.weight for t in tables],
-                       keys=[t.init_key[0] for t in tables], bounds=[t.init_key[1] for t in tables])
-        for table, a in zip(tables, admissions):
-            if a.new_slots.numel():
-                table.optim.reset(a.new_slots)
+        self._commit(tables, admissions)
         self.counters.plans_used += 1
         self._accumulate([(Rows(list(rows.tables), list(rows.counts), planned.slots[k]), grad)
                           for (rows, grad), k in zip(contributions, lookup_of)])
@@ -676,7 +678,7 @@ class _Planned:
 def _copied(part: Contribution) -> Contribution:
     """A push's ids and gradient in memory of their own (not the transport's)."""
     rows, grad = part
-    return Rows(rows.tables, rows.counts, rows.ids.clone()), grad.clone()
+    return rows.owned(), grad.clone()
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
