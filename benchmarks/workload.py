@@ -68,6 +68,9 @@ class Workload:
     hot_rows: int = 0
     """``hybrid_async``'s ``hot_rows``: rows per table and server each trainer keeps (0: none;
     serves rows from ``async_staleness`` 2 on, the next batch being prefetched)."""
+    pool_on: str = "trainer"
+    """Every hybrid system's ``pool_on``: ``trainer`` (servers send rows) or ``server`` (servers
+    send pooled bags; tables table-wise)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -90,6 +93,7 @@ class Workload:
             ("threads", self.threads >= 1, "an integer >= 1"),
             ("async_staleness", self.async_staleness >= 1, "an integer >= 1"),
             ("hot_rows", self.hot_rows >= 0, "an integer >= 0"),
+            ("pool_on", self.pool_on in ("trainer", "server"), "'trainer' or 'server'"),
         ]
         for name, ok, expected in checks:
             if not ok:

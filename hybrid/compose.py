@@ -68,7 +68,7 @@ def _apply_parameter_server(
         num_trainers=role.num_trainers,
         staleness=resolved.plan.sync.staleness, gradient_scaling=resolved.plan.sync.gradient_scaling,
         id_policy=opts.id_policy, init_seed=seed, storage_dtype=opts.storage_dtype, dynamic=opts.dynamic_ids(),
-        wire_dtype=opts.wire_dtype)
+        wire_dtype=opts.wire_dtype, pool_on=opts.pool_on)
     coll = make_remote(config, pipeline=pipeline, server_names=pipeline.server_names, timeout_s=timeout_s,
                        hot_rows=opts.hot_rows)
     remote: nn.Module = coll if wrap is None else wrap(coll)

@@ -30,7 +30,8 @@ from benchmarks.workload import Data, Workload, build_dlrm, loss_fn
 
 def plan_dict(w: Workload, *, dense: str, staleness: int, comm_hook: str | None = None,
               dynamic: bool = False, wire_dtype: str = "float32") -> dict:
-    """The plan: tables row-wise on every server, rows and gradients in ``wire_dtype`` between
+    """The plan: tables row-wise on every server (table-wise with ``w.pool_on`` server, which
+    needs every table whole on one server), rows and gradients in ``wire_dtype`` between
     them and the trainers, both MLPs under ``dense`` (a ddp ``comm_hook`` other than the plan's
     default when given; DDP with the options TorchRec's DMP gives its dense part, so the two
     systems' dense parts run alike); ``dynamic``: ``ids: dynamic`` tables of ``w.rows`` rows each."""
@@ -46,7 +47,8 @@ def plan_dict(w: Workload, *, dense: str, staleness: int, comm_hook: str | None 
         "topology": {"parameter_servers": w.servers},
         "modules": {
             "sparse_arch.embedding_bag_collection": {
-                "strategy": "parameter_server", "sharding": "row_wise",
+                "strategy": "parameter_server", "sharding": "table_wise" if w.pool_on == "server" else "row_wise",
+                "pool_on": w.pool_on,
                 "optimizer": {"name": "sgd", "lr": w.sparse_lr}, "wire_dtype": wire_dtype, **ids,
                 **({"hot_rows": w.hot_rows} if staleness and w.hot_rows else {}),
             },

@@ -169,6 +169,7 @@ def summarize_options(e: ResolvedModule) -> str:
         parts += [] if o.wire_dtype == "float32" else [f"wire={_short(o.wire_dtype)}"]
         parts += [] if o.ids == "range" else [f"dynamic cap={o.capacity} evict={o.evict}"]
         parts += [f"hot_rows={o.hot_rows}"] if o.hot_rows else []
+        parts += ["pool_on=server"] if o.pool_on == "server" else []
     elif e.strategy == "fsdp":
         parts = ["reshard" if o.reshard_after_forward else "no-reshard"]
         mp = o.mixed_precision

@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 
 from hybrid.plan.errors import Category, PlanError, did_you_mean, one_of
 from hybrid.ps.config import OptimizerSpec as SparseOptimizer
-from hybrid.ps.config import WireDtype, check_wire_dtype
+from hybrid.ps.config import PoolOn, WireDtype, check_pool_on, check_wire_dtype
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -147,6 +147,12 @@ class PSOptions:
     halves those bytes, each value rounded to nearest (ties to even) as it is sent; trainers
     compute in float32 and servers widen the gradients to float32 before the optimizer.
     ``float32`` is exact."""
+    pool_on: PoolOn = "trainer"
+    """Where a training step's bags are pooled: ``trainer`` (the servers send the deduplicated
+    rows), or ``server`` (each server pools the bags of its tables and sends them, then turns the
+    bags' gradients back into row gradients: fewer bytes when bags hold several ids). Needs
+    every table whole on one server (``sharding: table_wise`` or one server) and
+    ``gradient_push: rpc``; exact either way (docs/plans.md)."""
     ids: Literal["range", "dynamic"] = "range"
     """``range``: ids in ``[0, num_embeddings)``, every row allocated up front; ``dynamic``: raw
     int64 ids, a row created on an id's first touch (docs/dynamic_ids.md)."""
@@ -178,6 +184,7 @@ class PSOptions:
         if not isinstance(self.hot_rows, int) or self.hot_rows < 0:
             raise _bad("hot_rows", self.hot_rows, "a number of rows >= 0 (0: no cache)")
         check_wire_dtype(self.wire_dtype)
+        check_pool_on(self.pool_on)
         if self.ids == "dynamic":
             if self.capacity < 1:
                 raise _bad("capacity", self.capacity, "a number of rows >= 1 with ids: dynamic")

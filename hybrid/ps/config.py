@@ -50,6 +50,16 @@ WIRE_BYTES = {"float32": 4, "bfloat16": 2}
 """Bytes of one row or gradient element on the wire, by ``wire_dtype``."""
 
 
+PoolOn = Literal["trainer", "server"]
+POOL_ON: tuple[str, ...] = get_args(PoolOn)
+
+
+def check_pool_on(value: object) -> None:
+    """Raise :class:`PlanError` (key ``pool_on``) unless ``value`` is one of :data:`POOL_ON`."""
+    if value not in POOL_ON:
+        raise _bad("pool_on", value, one_of(POOL_ON))
+
+
 def _bad(key: str, value: object, expected: str) -> PlanError:
     return PlanError(f"got {value!r}; expected {expected}", category="bad_value", key=key)
 
@@ -240,9 +250,14 @@ class CollectionConfig:
     """The dtype of the rows in a server's replies and of the gradients trainers push:
     ``bfloat16`` halves their bytes (each value rounded to nearest, ties to even, once per
     crossing); the servers' storage, optimizer state and update math do not change."""
+    pool_on: PoolOn = "trainer"
+    """Where a step's bags are pooled: ``trainer`` (the servers send rows), or ``server`` (the
+    servers pool each trainer's bags and send them, and turn the bags' gradients back into row
+    gradients; every table whole on one server)."""
 
     def __post_init__(self) -> None:
         check_wire_dtype(self.wire_dtype)
+        check_pool_on(self.pool_on)
         if not self.servers:
             object.__setattr__(self, "servers", tuple(sorted({s for lay in self.layouts for s in lay.servers})))
 

@@ -13,14 +13,24 @@ Ids are int64. Rows and gradients travel in their collection's ``wire_dtype``
 (:class:`hybrid.ps.config.CollectionConfig`, float32 or bfloat16), which every tensor carries
 with it; the layout below does not depend on it.
 
+A collection pooled on its servers (``pool_on: server``) sends with each lookup its
+:class:`Bags` -- how the server pools the rows into the trainer's bags, and how it turns the
+bags' gradients back into row gradients -- and gets back pooled bags instead of rows (one
+``[bags, dim]`` block per group of tables, in group order). The server keeps a lookup's bags
+under its *tag* (a number the trainer gives each of its lookups of the collection, increasing),
+and the push for it carries only the bags' gradients and that tag.
+
 Every transport (:mod:`hybrid.ps.transport`) carries a message as a :class:`Frame`: a flat list
 of integers and a list of tensors, so the layout below is the whole wire format, versioned by
 :data:`VERSION`::
 
     ints:    VERSION, trainer, flags, n_parts, then per part:
-             collection, step, num_raw, has_lookup, [lookup tables], n_pushes, [per push: step, tables]
+             collection, step, num_raw, has_lookup, [lookup tables, [bags]],
+             n_pushes, [per push: step, tag, tables]
              where [tables] is: n, table index x n, count x n
-    tensors: per part: lookup ids (if any), then per push: ids, grad
+             and [bags] is: has_bags, [tag, n_groups, per group: rows, dim, mean, weighted]
+    tensors: per part: lookup ids (if any), per bag group: idx, offsets, [weights], grad_bags,
+             grad_offsets, [grad_scale]; then per push: ids, grad
 
 A message decoded from a transport's buffers may be a view into memory the transport reuses
 for the next message: whoever keeps a tensor beyond handling the message copies it.
@@ -32,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-VERSION = 2
+VERSION = 3
 """Bumped whenever the layout changes; a server refuses a message of another version."""
 
 FLAG_AUTOGRAD = 1
@@ -65,6 +75,62 @@ class Rows:
 
 
 @dataclass
+class BagGroup:
+    """How a server pools one group of a lookup's tables (one dimension and pooling): the
+    group's rows are ``rows`` consecutive rows of the lookup, ``dim`` wide. The forward is
+    ``embedding_bag(idx, rows, offsets, per_sample_weights=weights, mode)``, the backward
+    ``embedding_bag(grad_bags, bags' gradients, grad_offsets, per_sample_weights=grad_scale)``
+    (``include_last_offset`` both): what the trainer would otherwise compute itself
+    (:class:`hybrid.ps.client.routing.PooledRows`). Index tensors are int32."""
+
+    rows: int
+    dim: int
+    mean: bool
+    idx: torch.Tensor
+    """Row (within the group's rows) of every id, bag by bag."""
+    offsets: torch.Tensor
+    """Bag bounds, ``bags + 1`` of them."""
+    weights: torch.Tensor | None
+    """Per-sample weights in ``idx``'s order (float32), or None."""
+    grad_bags: torch.Tensor
+    """The bags of each row's ids, row by row."""
+    grad_offsets: torch.Tensor
+    """Where each row's bags start in ``grad_bags``, ``rows + 1`` of them."""
+    grad_scale: torch.Tensor | None
+    """Each entry of ``grad_bags``'s factor (its weight, or 1 / bag length for mean), or None."""
+
+    @property
+    def bags(self) -> int:
+        return self.offsets.numel() - 1
+
+    def check(self) -> None:
+        """:class:`ProtocolError` unless the tensors agree with each other and with ``rows``."""
+        n = self.idx.numel()
+        for name in ("idx", "offsets", "grad_bags", "grad_offsets"):
+            t = getattr(self, name)
+            if t.dtype != torch.int32 or t.dim() != 1:
+                raise ProtocolError(f"bag group: {name} of {t.dtype}, {t.dim()}-d; expected 1-d int32")
+        if self.offsets.numel() < 1 or self.grad_offsets.numel() != self.rows + 1 or self.grad_bags.numel() != n:
+            raise ProtocolError(f"bag group: {self.offsets.numel()} bag offsets, {self.grad_offsets.numel()} row "
+                                f"offsets for {self.rows} rows, {self.grad_bags.numel()} row entries for {n} ids")
+        for name, t in (("weights", self.weights), ("grad_scale", self.grad_scale)):
+            if t is not None and (t.dtype != torch.float32 or t.numel() != n):
+                raise ProtocolError(f"bag group: {name} of {t.numel()} {t.dtype} for {n} ids")
+
+
+@dataclass
+class Bags:
+    """A lookup pooled on its server (``pool_on: server``): its groups in the lookup's order."""
+
+    tag: int
+    groups: list[BagGroup]
+
+    def numel(self) -> int:
+        """Elements of the pooled reply."""
+        return sum(g.bags * g.dim for g in self.groups)
+
+
+@dataclass
 class Push:
     """A trainer's gradient for the rows it received in one lookup of step ``step``."""
 
@@ -72,7 +138,10 @@ class Push:
     rows: Rows
     grad: torch.Tensor
     """Flat: one gradient row per id, table by table, rows of each table's width, in the
-    collection's ``wire_dtype``."""
+    collection's ``wire_dtype``; for a lookup pooled on the server (``tag`` >= 0), the bags'
+    gradients, group by group, as the reply held the bags (``rows`` then lists nothing)."""
+    tag: int = -1
+    """The pooled lookup this gradient is for (its :attr:`Bags.tag`); -1: row gradients."""
 
 
 @dataclass
@@ -85,6 +154,8 @@ class Part:
     """The training step the lookup is for."""
     lookup: Rows | None = None
     """Rows wanted (None: the part only pushes)."""
+    bags: Bags | None = None
+    """With a lookup: pool its rows into these bags and answer the bags (None: answer the rows)."""
     num_raw: int = 0
     """Ids the trainer's batch held for this server before deduplication (for the counters)."""
     pushes: list[Push] = field(default_factory=list)
@@ -124,9 +195,16 @@ def encode(msg: StepMessage) -> Frame:
         if p.lookup is not None:
             _tables(ints, p.lookup)
             tensors.append(p.lookup.ids)
+            ints.append(int(p.bags is not None))
+            if p.bags is not None:
+                ints += [p.bags.tag, len(p.bags.groups)]
+                for g in p.bags.groups:
+                    ints += [g.rows, g.dim, int(g.mean), int(g.weights is not None)]
+                    tensors += [g.idx, g.offsets] + ([g.weights] if g.weights is not None else [])
+                    tensors += [g.grad_bags, g.grad_offsets] + ([g.grad_scale] if g.grad_scale is not None else [])
         ints.append(len(p.pushes))
         for push in p.pushes:
-            ints.append(push.step)
+            ints += [push.step, push.tag]
             _tables(ints, push.rows)
             tensors += [push.rows.ids, push.grad]
     return Frame(ints, tensors)
@@ -160,6 +238,23 @@ class _Reader:
             raise ProtocolError(f"ids of {ids.numel()} {ids.dtype} for counts summing to {sum(counts)}")
         return Rows(tables, counts, ids)
 
+    def bags(self) -> Bags | None:
+        if not self.int():
+            return None
+        tag, n = self.int(), self.int()
+        groups = []
+        for _ in range(n):
+            rows, dim, mean, weighted = self.int(), self.int(), bool(self.int()), bool(self.int())
+            idx, offsets = self.tensor(), self.tensor()
+            weights = self.tensor() if weighted else None
+            grad_bags, grad_offsets = self.tensor(), self.tensor()
+            # The backward's factors: the weights, or 1/length for mean bags.
+            grad_scale = self.tensor() if weighted or mean else None
+            group = BagGroup(rows, dim, mean, idx, offsets, weights, grad_bags, grad_offsets, grad_scale)
+            group.check()
+            groups.append(group)
+        return Bags(tag, groups)
+
 
 def decode(frame: Frame) -> StepMessage:
     """The message in ``frame``; :class:`ProtocolError` when it is not one of this version."""
@@ -174,10 +269,11 @@ def decode(frame: Frame) -> StepMessage:
         part = Part(collection=r.int(), step=r.int(), num_raw=r.int())
         if r.int():
             part.lookup = r.rows()
+            part.bags = r.bags()
         for _ in range(r.int()):
-            step = r.int()
+            step, tag = r.int(), r.int()
             rows = r.rows()
-            part.pushes.append(Push(step, rows, r.tensor()))
+            part.pushes.append(Push(step, rows, r.tensor(), tag))
         parts.append(part)
     if r.i != len(r.ints) or r.t != len(r.tensors):
         raise ProtocolError("trailing data after the message")

@@ -31,7 +31,7 @@ def _loss(values: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return ((values @ c) ** 2).mean() + values.sum(1).mean()
 
 
-def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=False, lookups="auto"):
+def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=False, lookups="auto", pool_on="trainer"):
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
         return None
@@ -43,7 +43,7 @@ def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=Fals
     for name, lr in OPTIMIZERS.items():
         ebc = make_ebc(seed=0)
         remotes[name] = remote_of(ebc, pipeline, cid=name, num_servers=num_servers, sharding=sharding,
-                                  optimizer={"name": name, "lr": lr}, trainer=me, num_trainers=t_n)
+                                  optimizer={"name": name, "lr": lr}, trainer=me, num_trainers=t_n, pool_on=pool_on)
         ref = make_ebc(seed=0)
         refs[name] = (ref, {t.name: ReferenceSparseOptimizer(name, ref.embedding_bags[t.name].weight.data, lr=lr)
                             for t in tables})
@@ -95,17 +95,21 @@ def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=Fals
 
 
 @pytest.mark.parametrize(
-    "num_servers,sharding,push,prefetch,lookups",
-    [(1, "row_wise", "rpc", False, "auto"), (2, "table_wise", "rpc", False, "auto"),
-     (2, "row_wise", "rpc", True, "auto"), (2, "row_wise", "rpc", True, "rpc"),
-     (2, "row_wise", "rpc", True, "socket"), (2, "row_wise", "dist_autograd", False, "auto")],
+    "num_servers,sharding,push,prefetch,lookups,pool_on",
+    [(1, "row_wise", "rpc", False, "auto", "trainer"), (2, "table_wise", "rpc", False, "auto", "trainer"),
+     (2, "row_wise", "rpc", True, "auto", "trainer"), (2, "row_wise", "rpc", True, "rpc", "trainer"),
+     (2, "row_wise", "rpc", True, "socket", "trainer"), (2, "row_wise", "dist_autograd", False, "auto", "trainer"),
+     (2, "table_wise", "rpc", True, "auto", "server"), (1, "row_wise", "rpc", False, "socket", "server"),
+     (2, "table_wise", "rpc", True, "rpc", "server")],
 )
-def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sharding, push, prefetch, lookups):
+def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sharding, push, prefetch, lookups,
+                                                                 pool_on):
     """``lookups``: ``runtime.ps_transport`` -- auto, through shared memory (every server is on
     this host); socket, over a TCP step connection; rpc, over TensorPipe; under the dist_autograd
-    push always RPC."""
+    push always RPC. ``pool_on: server``: the servers pool the bags (two servers table-wise:
+    a group of tables of one dimension and pooling spread over both)."""
     out = run_distributed(_train, 2 + num_servers, setup="hybrid", num_servers=num_servers, timeout=180,
-                          sharding=sharding, push=push, prefetch=prefetch, lookups=lookups)
+                          sharding=sharding, push=push, prefetch=prefetch, lookups=lookups, pool_on=pool_on)
     stats = out[0]
     for name in OPTIMIZERS:
         per_server = stats[name]
@@ -128,6 +132,10 @@ def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sh
             # Only deduplicated rows cross the wire: never anything table-sized.
             assert st["rows_served"] <= st["ids_requested"]
             assert st["bytes_out"] < STEPS * 2 * sum(4 * t.num_embeddings * t.embedding_dim for t in test_tables())
+        if pool_on == "server":
+            # What the servers sent is the bags, pooled: every sample's features once, float32.
+            bag_bytes = BATCH * sum(4 * t.embedding_dim * len(t.feature_names) for t in test_tables())
+            assert sum(st["bytes_out"] for st in per_server.values()) == STEPS * 2 * bag_bytes, per_server
 
 
 def _bad_ids(rank, world_size, *, policy):

@@ -77,8 +77,30 @@ class RemoteCollection(nn.Module):
                                 f"row must come from its server)", category="bad_value", key="hot_rows")
             self.hot_rows = HotRows(hot_rows, config.staleness, held_rows(config.layouts, config.dynamic),
                                     getattr(torch, config.wire_dtype))
+        self.pools_on_server = config.pool_on == "server"
+        """``pool_on: server``: a step's lookups come back pooled (:meth:`Router.pooled`)."""
+        self._tags = 0
+        if self.pools_on_server:
+            self._check_pool_on_server(pipeline, hot_rows)
         object.__setattr__(self, "pipeline", pipeline)  # not a submodule
         pipeline.collections.append(self)
+
+    def _check_pool_on_server(self, pipeline: StepPipeline, hot_rows: int) -> None:
+        config = self.config
+
+        def refuse(why: str) -> None:
+            raise PlanError(f"{config.cid}: pool_on: server {why}", category="bad_value", key="pool_on")
+
+        split = [lay.table.name for lay in config.layouts if lay.num_shards > 1]
+        if split:
+            refuse(f"needs every table whole on one server; {split} are split over servers (sharding: "
+                   f"table_wise, or one server)")
+        if any(t.pooling == "none" for t in config.tables):
+            refuse("pools bags: an unpooled collection (EmbeddingCollection, nn.Embedding) has none")
+        if hot_rows:
+            refuse("and hot_rows do not go together (the cache keeps rows; the servers send bags)")
+        if pipeline.push_strategy.autograd:
+            refuse("needs runtime.gradient_push: rpc (distributed autograd records rows, not bags)")
 
     @property
     def _hybrid_pipeline(self) -> StepPipeline:
@@ -243,8 +265,13 @@ class RemoteCollection(nn.Module):
         keys = set(kjt.keys())
         return all(f in keys for f in self.router.feature_order)
 
-    def route(self, kjt: KeyedJaggedTensor) -> RoutedBatch:
-        return self.router.route(kjt, where=self.cid)
+    def route(self, kjt: KeyedJaggedTensor, *, step: bool = False) -> RoutedBatch:
+        """``kjt`` routed; for a ``step``'s lookup of a collection pooled on its servers, with
+        each server's bags under this lookup's tag."""
+        tag = -1
+        if step and self.pools_on_server:
+            tag, self._tags = self._tags, self._tags + 1
+        return self.router.route(kjt, where=self.cid, tag=tag)
 
     def prefetch(self, kjt: KeyedJaggedTensor) -> None:
         """Ask now for the rows of the next step's batch (see :meth:`StepPipeline.prefetch`)."""
@@ -286,8 +313,9 @@ class RemoteEmbeddingBagCollection(RemoteCollection):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         routed, rows = self.rows(features)
+        values = self.router.pool(routed, rows) if routed.bags is None else self.router.pooled(routed, rows)
         return KeyedTensor(keys=self.router.embedding_names, length_per_key=self.router.length_per_key,
-                           values=self.router.pool(routed, rows))
+                           values=values)
 
 
 class RemoteEmbeddingCollection(RemoteCollection):

@@ -45,6 +45,9 @@ if TYPE_CHECKING:
     from hybrid.ps.client.collection import RemoteCollection
     from hybrid.ps.client.routing import RoutedBatch
 
+NO_ROWS = Rows([], [], torch.empty(0, dtype=torch.int64))
+"""What a pooled lookup's push lists (its server kept the rows)."""
+
 GRADIENT_PUSHES = ("rpc", "dist_autograd")
 """How row gradients reach the servers (``runtime.gradient_push``)."""
 
@@ -117,6 +120,8 @@ class Received:
     rows: Rows
     remote: torch.Tensor
     local: torch.Tensor
+    tag: int = -1
+    """The pooled lookup the rows are bags of (``pool_on: server``); -1: rows."""
 
 
 @dataclass
@@ -188,7 +193,9 @@ class RidingPush(GradientPush):
         for r in state.received:
             grad = r.local.grad if r.local.grad is not None else torch.zeros_like(r.local)
             grad = grad.reshape(-1).to("cpu")  # the wire carries host tensors, in the leaf's (wire) dtype
-            self.owed.setdefault(r.server, []).append((r.collection, Push(state.step, r.rows, grad)))
+            # A pooled lookup's server kept its rows: the bags' gradients and the tag say it all.
+            push = Push(state.step, r.rows, grad) if r.tag < 0 else Push(state.step, NO_ROWS, grad, r.tag)
+            self.owed.setdefault(r.server, []).append((r.collection, push))
         state.received = []
         nxt = pipeline.open_steps.get(state.step + 1)
         deferred = nxt.deferred if nxt is not None else []
@@ -404,7 +411,8 @@ class StepPipeline:
             request = lk.routed.requests[server]
             if c.hot_rows is not None:  # the rows it holds fresh enough for this step are not asked for
                 request, lk.splits[server] = c.hot_rows.split(server, request, lk.step)
-            parts[id(c)] = Part(collection=c.handle, step=lk.step, lookup=request, num_raw=lk.routed.num_raw[server])
+            parts[id(c)] = Part(collection=c.handle, step=lk.step, lookup=request, num_raw=lk.routed.num_raw[server],
+                                bags=None if lk.routed.bags is None else lk.routed.bags[server])
         for c, push in owed:
             part = parts.get(id(c))
             if part is None:
@@ -441,7 +449,7 @@ class StepPipeline:
         if lk is not None and lk.kjt is not kjt:
             lk = None  # another batch than the one prefetched: its rows are discarded
         if lk is None:
-            lk = Lookup(collection, collection.route(kjt), kjt, state.step)
+            lk = Lookup(collection, collection.route(kjt, step=True), kjt, state.step)
             self.send(state, [lk])
         elif lk.futures is None:  # deferred, and the previous step has not pushed
             if lk in state.deferred:
@@ -460,7 +468,8 @@ class StepPipeline:
         # keeps the reply's dtype (the collection's wire_dtype): the router widens it inside the
         # graph, so the leaf's gradient is already in the dtype it is pushed in.
         local = remote.to(self.device, non_blocking=remote.is_pinned()).detach().requires_grad_(True)
-        state.received.append(Received(lk.collection, server, lk.routed.requests[server], remote, local))
+        state.received.append(Received(lk.collection, server, lk.routed.requests[server], remote, local,
+                                       lk.routed.tag))
         local.register_post_accumulate_grad_hook(self._grad_hook(state))
         return local
 
@@ -474,7 +483,7 @@ class StepPipeline:
         for c in self.collections:
             if not c.accepts(kjt) or id(c) in state.prefetched:
                 continue
-            lk = Lookup(c, c.route(kjt), kjt, state.step)
+            lk = Lookup(c, c.route(kjt, step=True), kjt, state.step)
             state.prefetched[id(c)] = lk
             lookups.append(lk)
         if not lookups:

@@ -13,6 +13,12 @@ sample by sample so that its output is already the ``KeyedTensor`` layout; its b
 more ``embedding_bag`` -- the bags' gradients as the table, one bag per reply row listing the
 bags its ids fell in -- with no id-sized copy and no second sort.
 
+A collection pooled on its servers (``pool_on: server``; every table whole on one server) sends
+each server, with a step's lookup, the bags of the features it holds (:class:`Bags`: the same
+route cut to that server's rows and bags) and gets back the pooled bags, ``[batch, features x
+dim]`` per group; :meth:`Router.pooled` puts the servers' blocks side by side in the
+collection's feature order. Outside a step (evaluation) the rows come back and are pooled here.
+
 Unpooled tables (an ``EmbeddingCollection``'s, pooling ``none``) are routed the same way, ids
 kept in the batch's (feature-major) order: :meth:`Router.embed` gives every id its reply row by
 one ``embedding`` lookup, whose backward sums the gradients of an id's positions into its one
@@ -35,7 +41,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from hybrid import ops
 from hybrid.errors import InputError
 from hybrid.ps.config import CollectionConfig, TableSpec
-from hybrid.ps.protocol import Rows
+from hybrid.ps.protocol import BagGroup, Bags, Rows
 
 
 class BadIdError(InputError):
@@ -89,6 +95,11 @@ class TableGroup:
             dtype=torch.int64)
         self.feature_table = torch.tensor([k for k, t in enumerate(specs) for _ in t.feature_names],
                                           dtype=torch.int64)
+        # pool_on: server (every table on one server): the group's features each server holds, by
+        # position in the group, per server rank; and the one rank holding all of them, if any.
+        feature_rank = [rank[lay.servers[0]] for lay, t in zip(layouts, specs) for _ in t.feature_names]
+        self.columns_on = [[j for j, r in enumerate(feature_rank) if r == k] for k in range(len(config.servers))]
+        self.sole_rank = feature_rank[0] if feature_rank and len(set(feature_rank)) == 1 else None
 
 
 @dataclass
@@ -106,6 +117,10 @@ class RoutedBatch:
     batch_size: int
     counts: list[list[int] | None] = dataclasses.field(default_factory=list)
     """Per group: ids per feature (unpooled groups; ``None`` for pooled ones)."""
+    bags: dict[int, Bags] | None = None
+    """Server -> what it pools (``pool_on: server``, a step's lookup): its replies are pooled bags."""
+    tag: int = -1
+    """The lookup's :attr:`Bags.tag` (-1: not pooled on the servers)."""
 
 
 class Router:
@@ -128,8 +143,20 @@ class Router:
             for f in g.features:
                 where[f] = (col, g.dim)
                 col += g.dim
-        perm = [c for f in self.feature_order for c in range(where[f][0], where[f][0] + where[f][1])]
-        self.columns = None if perm == list(range(col)) else torch.tensor(perm, dtype=torch.int64)
+        self.columns = _permutation(where, self.feature_order)
+        # Pooled on the servers: each server's reply is its groups' blocks, [batch, its features
+        # of the group x dim] each; the blocks side by side, servers in order, then these columns.
+        self.blocks: dict[int, list[int]] = {}
+        where, col = {}, 0
+        for r, s in enumerate(self.servers):
+            self.blocks[s] = []
+            for g in self.groups:
+                if g.columns_on[r]:
+                    self.blocks[s].append(len(g.columns_on[r]) * g.dim)
+                    for j in g.columns_on[r]:
+                        where[g.features[j]] = (col, g.dim)
+                        col += g.dim
+        self.pooled_columns = _permutation(where, self.feature_order) if col else None
 
     def locate(self, table: int, row: int) -> tuple[int, int]:
         """(server, row in that server's shard) of global row ``row`` of table ``table`` (the
@@ -139,7 +166,51 @@ class Router:
         return lay.servers[int(lay.shard_of(ids)[0])], int(lay.local_ids(ids)[0])
 
     # -- forward --------------------------------------------------------------------------------
-    def route(self, kjt: KeyedJaggedTensor, *, where: str) -> RoutedBatch:
+    def route(self, kjt: KeyedJaggedTensor, *, where: str, tag: int = -1) -> RoutedBatch:
+        """The batch routed; with ``tag`` >= 0 (``pool_on: server``) each server's bags too, under
+        that tag."""
+        routed = self._route(kjt, where=where)
+        if tag >= 0:
+            routed.tag = tag
+            routed.bags = {s: Bags(tag, self._bag_groups(routed, r)) for r, s in enumerate(self.servers)}
+        return routed
+
+    def _bag_groups(self, routed: RoutedBatch, r: int) -> list[BagGroup]:
+        """Server rank ``r``'s bags: per group with features there, the group's route cut to the
+        server's rows and bags, bags numbered sample by sample over its features."""
+        out = []
+        b = routed.batch_size
+        i32 = torch.int32
+        for g, route in zip(self.groups, routed.routes):
+            cols = g.columns_on[r]
+            if not cols:
+                continue
+            mean, scale = g.pooling == "mean", route.grad_scale
+            if g.sole_rank == r:  # the whole group is here: the route as it is
+                out.append(BagGroup(route.num_unique, g.dim, mean, route.idx.to(i32), route.offsets.to(i32),
+                                    route.weights, route.grad_bags.to(i32), route.grad_offsets.to(i32), scale))
+                continue
+            per = route.per.sum(1)
+            start, n = int(per[:r].sum()), int(per[r])
+            nf = len(g.features)
+            lengths = route.offsets.diff()
+            wanted = torch.zeros(nf, dtype=torch.bool)
+            wanted[cols] = True
+            bag_mask = wanted.repeat(b)
+            entries = torch.repeat_interleave(bag_mask, lengths, output_size=route.idx.numel())
+            local_bag = torch.full((b * nf,), -1, dtype=torch.int64)
+            local_bag[bag_mask] = torch.arange(b * len(cols))
+            go = route.grad_offsets[start : start + n + 1]
+            first, last = int(go[0]), int(go[-1])
+            out.append(BagGroup(
+                n, g.dim, mean, (route.idx[entries] - start).to(i32),
+                torch.cat([lengths.new_zeros(1), lengths[bag_mask].cumsum(0)]).to(i32),
+                None if route.weights is None else route.weights[entries],
+                local_bag.index_select(0, route.grad_bags[first:last]).to(i32), (go - first).to(i32),
+                None if scale is None else scale[first:last]))
+        return out
+
+    def _route(self, kjt: KeyedJaggedTensor, *, where: str) -> RoutedBatch:
         check_kjt(kjt, where=where)
         missing = [f for f in self.feature_order if f not in kjt.keys()]
         if missing:
@@ -226,6 +297,22 @@ class Router:
             return values
         return values.index_select(1, self.columns.to(values.device, non_blocking=True))
 
+    def pooled(self, routed: RoutedBatch, replies: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The collection's pooled values ``[batch, sum of feature dims]`` (collection feature
+        order) from each server's pooled bags (``pool_on: server``), widened to float32 inside the
+        graph as :meth:`_group_rows` widens rows."""
+        b = routed.batch_size
+        blocks = []
+        for s in self.servers:
+            reply, pos = replies[s].to(torch.float32), 0
+            for width in self.blocks[s]:
+                blocks.append(reply[pos : pos + b * width].view(b, width))
+                pos += b * width
+        values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        if self.pooled_columns is None:
+            return values
+        return values.index_select(1, self.pooled_columns.to(values.device, non_blocking=True))
+
     def embed(self, routed: RoutedBatch, rows: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Feature -> its ids' rows ``[ids of the feature, dim]`` in the batch's order (an
         unpooled collection), from each server's reply. The backward sums the gradients of each
@@ -252,6 +339,13 @@ class Router:
         chunks = [parts[s][k].view(-1, g.dim) for s in self.servers]
         rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         return rows.to(torch.float32)
+
+
+def _permutation(where: dict[str, tuple[int, int]], order: list[str]) -> torch.Tensor | None:
+    """The columns that put features laid out as ``where`` says (feature -> first column, width)
+    in ``order``; None when they already are."""
+    perm = [c for f in order for c in range(where[f][0], where[f][0] + where[f][1])]
+    return None if perm == list(range(len(perm))) else torch.tensor(perm, dtype=torch.int64)
 
 
 def _features(kjt: KeyedJaggedTensor, features: list[str], *, weighted: bool

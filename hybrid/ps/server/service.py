@@ -134,12 +134,12 @@ class ParameterServer:
 
     # -- the step's messages ----------------------------------------------------------------------
     def push(self, shard: CollectionShard, trainer: int, step: int, parts, *, inline: bool = True,
-             keeps_copy: bool = True) -> None:
+             keeps_copy: bool = True, unpooled: bool = False) -> None:
         """Apply (or keep) one trainer's gradients, then answer the lookups that were waiting for
-        them (here, or on :attr:`answers` when ``inline`` is false). ``keeps_copy``: as
-        :meth:`CollectionShard.push` takes it."""
+        them (here, or on :attr:`answers` when ``inline`` is false). ``keeps_copy``, ``unpooled``:
+        as :meth:`CollectionShard.push` takes them."""
         try:
-            shard.push(trainer, step, parts, keeps_copy=keeps_copy)
+            shard.push(trainer, step, parts, keeps_copy=keeps_copy, unpooled=unpooled)
         finally:
             for fn, err in shard.ready_waiters():
                 if inline:
@@ -156,10 +156,21 @@ class ParameterServer:
             for part, shard in zip(msg.parts, shards):
                 if part.lookup is None and part.pushes:
                     shard.counters.push_messages += 1
+                if msg.autograd and part.bags is not None:
+                    raise ValueError(f"{shard.cid}: a lookup pooled on the server cannot be recorded by "
+                                     f"distributed autograd (pool_on: server needs gradient_push: rpc)")
                 by_step: dict[int, list] = {}
+                unpooled = any(push.tag >= 0 for push in part.pushes)
                 for push in part.pushes:
-                    by_step.setdefault(push.step, []).append((push.rows, push.grad))
+                    if (push.tag >= 0) != unpooled:
+                        raise ValueError(f"{shard.cid}: pooled and row gradients in one message")
+                    # A pooled lookup's gradient comes back as row gradients of its own memory.
+                    by_step.setdefault(push.step, []).append(
+                        shard.unpool(msg.trainer, push.tag, push.grad) if unpooled else (push.rows, push.grad))
                 for step, parts in by_step.items():
+                    if unpooled:
+                        self.push(shard, msg.trainer, step, parts, keeps_copy=False, unpooled=True)
+                        continue
                     # A channel's frame is reused once the message is answered; a sync push kept
                     # for the step's other pushes needs a copy, unless the answer waits for that
                     # step to be applied (a lookup of a later step of the same collection; an
@@ -169,7 +180,8 @@ class ParameterServer:
                         borrowed.append((shard, step))
                     self.push(shard, msg.trainer, step, parts, keeps_copy=via_channel and not waits)
             # One tensor of rows per part, then the parts' versions (see hybrid.ps.protocol).
-            sizes = [shard.numel(p.lookup) if p.lookup is not None else 0 for p, shard in zip(msg.parts, shards)]
+            sizes = [0 if p.lookup is None else p.bags.numel() if p.bags is not None else shard.numel(p.lookup)
+                     for p, shard in zip(msg.parts, shards)]
             sizes.append(len(msg.parts))
             dtypes = [shard.wire_dtype for shard in shards] + [torch.int64]
             out = (buffers(sizes, dtypes) if buffers is not None
@@ -286,6 +298,10 @@ class _Answer:
             shard.counters.channel_lookups += int(self.via_channel)
             shard.counters.ids_requested += part.num_raw
             shard.counters.bytes_in += part.lookup.ids.numel() * 8
+            if part.bags is not None:
+                shard.counters.bytes_in += sum(t.numel() * t.element_size() for g in part.bags.groups
+                                               for t in (g.idx, g.offsets, g.weights, g.grad_bags, g.grad_offsets,
+                                                         g.grad_scale) if t is not None)
             shard.when_ready(part.step - 1 - shard.staleness,
                              lambda err, i=i, part=part, shard=shard: self._one(i, part, shard, err))
 
@@ -314,7 +330,10 @@ class _Answer:
             else:
                 # Read before the rows: every push through it is in them (a later one may be too).
                 self.out[-1][i] = shard.complete_through
-                shard.gather(part.lookup, out=self.out[i], step=part.step)
+                if part.bags is not None:
+                    shard.gather_pooled(self.msg.trainer, part.lookup, part.bags, self.out[i], step=part.step)
+                else:
+                    shard.gather(part.lookup, out=self.out[i], step=part.step)
         except BaseException as e:  # noqa: BLE001 - handed to the trainer
             self._fail(e)
             return

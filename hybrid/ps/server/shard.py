@@ -18,11 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from hybrid import ops
 from hybrid.ps.config import CollectionConfig
 from hybrid.ps.init import initial_rows, table_key
-from hybrid.ps.protocol import Rows
+from hybrid.ps.protocol import Bags, Rows
 from hybrid.ps.server.dynamic import DynamicSlots, commit_updates, plan_updates, read_rows
 from hybrid.ps.server.lazy import BLOCK_ROWS, LazyRows
 from hybrid.ps.server.memory import table_tensor
@@ -184,6 +185,17 @@ class LookedUp:
                 and self.versions == [t.dynamic.version for t in shards] and torch.equal(self.rows.ids, rows.ids))
 
 
+@dataclass(eq=False)
+class PooledLookup:
+    """What a server keeps of a lookup it pooled (``pool_on: server``) until the trainer pushes
+    the bags' gradients for it: the rows (a copy of the ids) and, per group of tables, its
+    bags, dimension and the backward's tensors (copies)."""
+
+    rows: Rows
+    groups: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    """Per group: bags, dim, grad_bags, grad_offsets, grad_scale (:class:`hybrid.ps.protocol.BagGroup`)."""
+
+
 class CollectionShard:
     """The tables of one remote collection that live on this server, and their step state."""
 
@@ -217,6 +229,8 @@ class CollectionShard:
         self.pending: dict[int, list[tuple[int, Contribution]]] = defaultdict(list)
         """Step -> (trainer, contribution) of its pushes so far (sync); applied in trainer order,
         so a step's result never depends on the order its pushes arrived in."""
+        self.pooled: dict[int, dict[int, PooledLookup]] = defaultdict(dict)
+        """Trainer -> tag -> its pooled lookups not yet pushed for (:meth:`gather_pooled`)."""
         self.waiters: list[tuple[int, float, Callable[[BaseException | None], None]]] = []
         self.failed: BaseException | None = None
         self.lock = threading.RLock()
@@ -239,25 +253,97 @@ class CollectionShard:
         given): each value is rounded to nearest, ties to even, as it is copied out of its table.
         ``step``: the training step of the lookup, whose update pushes gradients for these rows
         (dynamic tables keep what the maps said of them for it, :class:`LookedUp`)."""
-        shards = self.shards_of(rows)
         assert out is None or out.dtype == self.wire_dtype, (out.dtype, self.wire_dtype)
-        if self.config.dynamic is not None:
-            return self._gather_dynamic(rows, shards, out, step)
-        with self.lock:
-            self._ensure(shards, rows)
-            try:
-                got = ops.gather_rows([t.weight for t in shards], rows.ids, rows.counts, out=out,
-                                      dtype=self.wire_dtype)
-            except ops.RowOutOfRange as e:
-                raise self._outside(shards[e.table], e.row, "lookup") from None
+        got = self._read(rows, out, step, self.wire_dtype)
         self.counters.rows_served += int(rows.ids.numel())
         self.counters.bytes_out += got.numel() * got.element_size()
         return got
 
+    def _read(self, rows: Rows, out: torch.Tensor | None, step: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`gather` without the counters, in ``dtype``."""
+        shards = self.shards_of(rows)
+        if self.config.dynamic is not None:
+            return self._gather_dynamic(rows, shards, out, step, dtype)
+        with self.lock:
+            self._ensure(shards, rows)
+            try:
+                return ops.gather_rows([t.weight for t in shards], rows.ids, rows.counts, out=out, dtype=dtype)
+            except ops.RowOutOfRange as e:
+                raise self._outside(shards[e.table], e.row, "lookup") from None
+
+    def gather_pooled(self, trainer: int, rows: Rows, bags: Bags, out: torch.Tensor, *, step: int) -> None:
+        """``pool_on: server``: the rows asked for, pooled into the lookup's bags (float32, as the
+        trainer would pool them), written into ``out`` in :attr:`wire_dtype`, group after group;
+        what the backward needs is kept for the trainer's push (:meth:`unpool`)."""
+        flat = self._read(rows, None, step, torch.float32)
+        pos = o = 0
+        kept = []
+        for g in bags.groups:
+            table = flat[pos : pos + g.rows * g.dim].view(g.rows, g.dim)
+            pos += g.rows * g.dim
+            dst = out[o : o + g.bags * g.dim].view(g.bags, g.dim)
+            o += g.bags * g.dim
+            if g.idx.numel():
+                dst.copy_(F.embedding_bag(g.idx, table, g.offsets, mode="mean" if g.mean else "sum",
+                                          per_sample_weights=g.weights, include_last_offset=True))
+            else:
+                dst.zero_()
+            kept.append((g.bags, g.dim, g.grad_bags.clone(), g.grad_offsets.clone(),
+                         None if g.grad_scale is None else g.grad_scale.clone()))
+        if pos != flat.numel() or o != out.numel():
+            raise ValueError(f"{self.cid} on ps{self.server}: the lookup's bag groups cover {pos} of its "
+                             f"{flat.numel()} row elements and {o} of {out.numel()} pooled ones")
+        with self.lock:
+            self.pooled[trainer][bags.tag] = PooledLookup(rows.owned(), kept)
+        self.counters.rows_served += int(rows.ids.numel())
+        self.counters.bytes_out += out.numel() * out.element_size()
+
+    def unpool(self, trainer: int, tag: int, grad: torch.Tensor) -> Contribution:
+        """The row gradients of ``trainer``'s pooled lookup ``tag`` from its bags' gradients
+        (``grad``, flat, in :attr:`wire_dtype`): float32, computed as the trainer's pooling
+        backward would. Lookups of the trainer with a smaller tag were never used (their rows
+        were discarded) and are dropped. A failure fails the collection, as a failed push does
+        (the step it belongs to can never complete)."""
+        try:
+            return self._unpool(trainer, tag, grad)
+        except BaseException as e:
+            with self.lock:
+                self.failed = e
+            raise
+
+    def _unpool(self, trainer: int, tag: int, grad: torch.Tensor) -> Contribution:
+        if grad.dtype != self.wire_dtype:
+            raise TypeError(f"{self.cid} on ps{self.server}: a gradient of {grad.dtype}; this collection's "
+                            f"wire_dtype is {self.config.wire_dtype} (trainers and servers disagree)")
+        with self.lock:
+            mine = self.pooled[trainer]
+            kept = mine.pop(tag, None)
+            for old in [t for t in mine if t < tag]:
+                del mine[old]
+        if kept is None:
+            raise RuntimeError(f"{self.cid} on ps{self.server}: trainer {trainer} pushed the gradient of pooled "
+                               f"lookup {tag}, which this server does not hold")
+        self.counters.bytes_in += grad.numel() * grad.element_size()
+        grad = grad.float()
+        expected = sum(b * d for b, d, *_ in kept.groups)
+        if grad.numel() != expected:
+            raise ValueError(f"{self.cid} on ps{self.server}: a pooled gradient of {grad.numel()} elements for "
+                             f"{expected} pooled ones")
+        out, pos = [], 0
+        for bags, dim, grad_bags, grad_offsets, grad_scale in kept.groups:
+            g = grad[pos : pos + bags * dim].view(bags, dim)
+            pos += bags * dim
+            if grad_bags.numel():
+                out.append(F.embedding_bag(grad_bags, g, grad_offsets, mode="sum", per_sample_weights=grad_scale,
+                                           include_last_offset=True).view(-1))
+            else:
+                out.append(g.new_zeros((grad_offsets.numel() - 1) * dim))
+        return kept.rows, out[0] if len(out) == 1 else torch.cat(out)
+
     def _gather_dynamic(self, rows: Rows, shards: list[TableShard], out: torch.Tensor | None,
-                        step: int | None) -> torch.Tensor:
+                        step: int | None, dtype: torch.dtype) -> torch.Tensor:
         numel = sum(n * t.dim for n, t in zip(rows.counts, shards))
-        out = torch.empty(numel, dtype=self.wire_dtype) if out is None else out[:numel]
+        out = torch.empty(numel, dtype=dtype) if out is None else out[:numel]
         # Rows are read as float32 (initial values are computed so), then narrowed in one copy.
         full = out if out.dtype == torch.float32 else torch.empty(numel)
         with self.lock:
@@ -270,8 +356,6 @@ class CollectionShard:
                                                      found, seen, [t.dynamic.version for t in shards]))
         if full is not out:
             out.copy_(full)
-        self.counters.rows_served += int(rows.ids.numel())
-        self.counters.bytes_out += out.numel() * out.element_size()
         return out
 
     @staticmethod
@@ -314,22 +398,25 @@ class CollectionShard:
             self.counters.wait_s += now - since
         return [(fn, err) for _, _, fn in ready]
 
-    def push(self, trainer: int, step: int, parts: list[Contribution], *, keeps_copy: bool = True) -> None:
+    def push(self, trainer: int, step: int, parts: list[Contribution], *, keeps_copy: bool = True,
+             unpooled: bool = False) -> None:
         """One trainer's gradients for ``step``, one contribution per lookup it made of this
         collection in that step; applied when the step is due (sync: every trainer's arrived).
         ``keeps_copy``: the tensors may be reused by the transport after this call, so a push
         kept for later is copied (false: they stay valid until the step is applied, or until
         :meth:`own_pending`). Gradients arrive in :attr:`wire_dtype` and are widened to
-        float32 here, before anything else reads them. Call :meth:`ready_waiters` afterwards."""
+        float32 here, before anything else reads them (``unpooled``: they are :meth:`unpool`'s,
+        float32 already). Call :meth:`ready_waiters` afterwards."""
         self.counters.gradients += 1
-        self.counters.bytes_in += sum(g.numel() * g.element_size() for _, g in parts)
         try:
-            for _, g in parts:
-                if g.dtype != self.wire_dtype:
-                    raise TypeError(f"{self.cid} on ps{self.server}: a gradient of {g.dtype}; this collection's "
-                                    f"wire_dtype is {self.config.wire_dtype} (trainers and servers disagree)")
-            if self.wire_dtype != torch.float32:
-                parts = [(r, g.float()) for r, g in parts]
+            if not unpooled:
+                self.counters.bytes_in += sum(g.numel() * g.element_size() for _, g in parts)
+                for _, g in parts:
+                    if g.dtype != self.wire_dtype:
+                        raise TypeError(f"{self.cid} on ps{self.server}: a gradient of {g.dtype}; this collection's "
+                                        f"wire_dtype is {self.config.wire_dtype} (trainers and servers disagree)")
+                if self.wire_dtype != torch.float32:
+                    parts = [(r, g.float()) for r, g in parts]
             with self.lock:
                 if self.failed is not None:
                     raise RuntimeError(f"{self.cid} on ps{self.server} failed earlier") from self.failed

@@ -33,7 +33,7 @@ STEP, ROWS, ERROR = 1, 2, 3
 HEADER = struct.Struct("<qqqqq")  # magic, seq, kind, number of ints, number of tensors
 ENTRY = struct.Struct("<qqq")  # dtype code, elements, offset
 ALIGN = 64
-DTYPES = {0: torch.int64, 1: torch.float32, 2: torch.uint8, 3: torch.bfloat16, 4: torch.float16}
+DTYPES = {0: torch.int64, 1: torch.float32, 2: torch.uint8, 3: torch.bfloat16, 4: torch.float16, 5: torch.int32}
 CODES = {v: k for k, v in DTYPES.items()}
 
 
