@@ -3,6 +3,7 @@ stand-in, with real processes."""
 
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -16,7 +17,7 @@ from tests.support.sparse import global_batch, kjt_slice, make_ebc, teacher_task
 B = 16
 
 
-def _async(rank, world_size, *, num_servers):
+def _async(rank, world_size, *, num_servers, pool_on):
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
         return None
@@ -24,7 +25,7 @@ def _async(rank, world_size, *, num_servers):
     ebc = make_ebc(seed=0)
     pipeline = make_pipeline(trainer=role.index, num_servers=num_servers, staleness=1)
     remote = remote_of(ebc, pipeline, cid="a", num_servers=num_servers, optimizer={"name": "adagrad", "lr": 0.3},
-                       trainer=role.index, num_trainers=role.num_trainers, staleness=1)
+                       trainer=role.index, num_trainers=role.num_trainers, staleness=1, pool_on=pool_on)
     dist.barrier()
     # A learnable task: the target is a fixed function of the ids.
     batch, head, opt = teacher_task(tables, trainer=role.index, num_trainers=role.num_trainers, batch=B)
@@ -53,8 +54,9 @@ def _async(rank, world_size, *, num_servers):
     return losses, stats
 
 
-def test_async_staleness_one_trains_and_never_reads_rows_older_than_k():
-    out = run_distributed(_async, 3, setup="hybrid", num_servers=1, timeout=150)
+@pytest.mark.parametrize("pool_on", ["trainer", "server"])
+def test_async_staleness_one_trains_and_never_reads_rows_older_than_k(pool_on):
+    out = run_distributed(_async, 3, setup="hybrid", num_servers=1, timeout=150, pool_on=pool_on)
     for losses, _ in out[:2]:
         first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
         assert last < 0.5 * first, (first, last)

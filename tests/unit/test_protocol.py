@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid.ps.protocol import VERSION, Frame, Part, ProtocolError, Push, Rows, StepMessage, decode, encode
+from hybrid.ps.protocol import (VERSION, BagGroup, Bags, Frame, Part, ProtocolError, Push, Rows, StepMessage, decode,
+                                encode)
 
 
 def _rows(n: int, tables=(0, 2)) -> Rows:
@@ -23,14 +24,41 @@ def _same(a: StepMessage, b: StepMessage) -> None:
         if p.lookup is not None:
             assert (p.lookup.tables, p.lookup.counts) == (q.lookup.tables, q.lookup.counts)
             assert torch.equal(p.lookup.ids, q.lookup.ids)
+        assert (p.bags is None) == (q.bags is None)
+        if p.bags is not None:
+            assert p.bags.tag == q.bags.tag and len(p.bags.groups) == len(q.bags.groups)
+            for g, h in zip(p.bags.groups, q.bags.groups):
+                assert (g.rows, g.dim, g.mean) == (h.rows, h.dim, h.mean)
+                for name in ("idx", "offsets", "weights", "grad_bags", "grad_offsets", "grad_scale"):
+                    a, b = getattr(g, name), getattr(h, name)
+                    assert (a is None and b is None) or torch.equal(a, b), name
         assert len(p.pushes) == len(q.pushes)
         for x, y in zip(p.pushes, q.pushes):
+            assert x.tag == y.tag
             assert x.step == y.step and x.rows.tables == y.rows.tables and x.rows.counts == y.rows.counts
             assert torch.equal(x.rows.ids, y.rows.ids) and torch.equal(x.grad, y.grad) and x.grad.dtype == y.grad.dtype
 
 
+def _group(rows: int, bags: int, *, mean: bool = False, weighted: bool = False) -> BagGroup:
+    """A bag group of ``rows`` rows of dim 4, one id per row plus one, in ``bags`` bags."""
+    i32 = torch.int32
+    n = rows + 1
+    idx = torch.cat([torch.arange(rows), torch.zeros(1, dtype=torch.int64)]).to(i32)
+    offsets = torch.linspace(0, n, bags + 1).round().to(i32)
+    scale = torch.rand(n) if mean or weighted else None
+    return BagGroup(rows, 4, mean, idx, offsets, torch.rand(n) if weighted else None, torch.arange(n, dtype=i32) % bags,
+                    torch.cat([torch.zeros(1, dtype=i32), torch.arange(2, n + 1, dtype=i32)]), scale)
+
+
+NO_ROWS = Rows([], [], torch.empty(0, dtype=torch.int64))
+
+
 @pytest.mark.parametrize("msg", [
     StepMessage(trainer=0, parts=[Part(7, step=3, lookup=_rows(5), num_raw=9)]),
+    StepMessage(trainer=1, parts=[Part(7, step=4, lookup=_rows(6), num_raw=9,
+                                       bags=Bags(12, [_group(3, 2, weighted=True), _group(3, 4, mean=True),
+                                                      _group(0, 1)]),
+                                       pushes=[Push(3, NO_ROWS, torch.randn(8), tag=11)])]),
     StepMessage(trainer=1, parts=[Part(7, pushes=[Push(2, _rows(4), torch.randn(16))])]),
     StepMessage(trainer=2, parts=[
         Part(7, step=3, lookup=_rows(6), num_raw=6, pushes=[Push(2, _rows(4), torch.randn(12)),
@@ -39,7 +67,7 @@ def _same(a: StepMessage, b: StepMessage) -> None:
         Part(12, pushes=[Push(2, _rows(3), torch.randn(6).to(torch.bfloat16))]),
     ], autograd=True),
     StepMessage(trainer=0, parts=[]),
-], ids=["lookup", "push", "both-several-parts", "empty"])
+], ids=["lookup", "pooled", "push", "both-several-parts", "empty"])
 def test_every_message_kind_round_trips(msg):
     frame = encode(msg)
     assert frame.ints[0] == VERSION
@@ -62,3 +90,17 @@ def test_another_version_a_short_frame_trailing_data_and_bad_ids_are_refused():
         decode(Frame(frame.ints, [torch.arange(5, dtype=torch.int32)]))
     with pytest.raises(ProtocolError, match="does not fit"):
         decode(Frame([VERSION, 0, 0, 1, 7, 3, 9, 1, 1000], frame.tensors))
+
+
+def test_bag_groups_whose_tensors_disagree_are_refused():
+    good = _group(3, 2, weighted=True)
+    msg = StepMessage(trainer=0, parts=[Part(7, step=3, lookup=_rows(6), bags=Bags(0, [good]))])
+    frame = encode(msg)
+    decode(frame)
+    for k, bad, match in [(1, good.idx.long(), "idx of torch.int64, 1-d; expected 1-d int32"),
+                          (5, good.grad_offsets[:-1], "3 row offsets for 3 rows"),
+                          (3, good.weights[:-1], "weights of 3 torch.float32 for 4 ids")]:
+        tensors = list(frame.tensors)
+        tensors[k] = bad
+        with pytest.raises(ProtocolError, match=match):
+            decode(Frame(frame.ints, tensors))

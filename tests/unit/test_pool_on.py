@@ -1,0 +1,150 @@
+"""``pool_on: server`` without processes: the plan option's checks, what a collection refuses,
+and both ends in this process -- a trainer's router cutting its route per server, each server's
+shard pooling and un-pooling -- against the trainer-side pooling, bit for bit. The distributed
+tests are in ``tests/distributed/test_ps.py`` (sync against one process) and
+``tests/distributed/test_pool_on_server.py``."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from hybrid.plan import PlanError, plan_from_dict
+from hybrid.ps.client import DistAutogradPush, RemoteEmbeddingBagCollection, RemoteEmbeddingCollection, RidingPush
+from hybrid.ps.client.pipeline import StepPipeline
+from hybrid.ps.client.routing import Router
+from hybrid.ps.config import CollectionConfig, DynamicIds, OptimizerSpec
+from hybrid.ps.server.shard import CollectionShard
+from hybrid.ps.sharding import TableSpec, shard_tables
+from tests.unit.test_plan_models import PS_RULE
+
+# Two groups (dim 4 sum: a, c, d; dim 8 mean: b, read by two features), spread over servers.
+TABLES = (TableSpec("a", 50, 4, ("fa",)), TableSpec("b", 30, 8, ("fb", "fb2"), pooling="mean"),
+          TableSpec("c", 7, 4, ("fc",)), TableSpec("d", 40, 4, ("fd",)))
+WEIGHTED = tuple(TableSpec(t.name, t.num_embeddings, t.embedding_dim, t.feature_names) for t in TABLES)
+
+
+def _config(tables=TABLES, *, servers: int = 2, sharding: str = "table_wise", pool_on: str = "server",
+            **kw) -> CollectionConfig:
+    return CollectionConfig(cid="ebc", tables=tables, layouts=tuple(shard_tables(list(tables), servers, sharding)),
+                            optimizer=OptimizerSpec(name="sgd", lr=0.1), num_trainers=1, pool_on=pool_on, **kw)
+
+
+def _pipeline(autograd: bool = False, staleness: int = 0) -> StepPipeline:
+    return StepPipeline(trainer=0, transports={}, server_names=["ps0", "ps1"],
+                        push=DistAutogradPush(10.0) if autograd else RidingPush(), staleness=staleness,
+                        timeout_s=10.0)
+
+
+@pytest.mark.parametrize("value", ["both", "servers", True])
+def test_a_bad_pool_on_names_the_key_and_the_allowed_values(value):
+    with pytest.raises(PlanError, match=rf"modules\.e\.pool_on: got {value!r}.*one of 'trainer', 'server'"):
+        plan_from_dict({"modules": {"e": {**PS_RULE, "pool_on": value}}})
+    assert plan_from_dict({"modules": {"e": {**PS_RULE, "pool_on": "server"}}}).modules["e"].options.pool_on == "server"
+
+
+@pytest.mark.parametrize("case,match", [
+    ("row_wise", r"pool_on: server needs every table whole on one server; \['a', 'b', 'c', 'd'\] are split"),
+    ("unpooled", r"pool_on: server pools bags: an unpooled collection"),
+    ("hot_rows", r"pool_on: server and hot_rows do not go together"),
+    ("dist_autograd", r"pool_on: server needs runtime.gradient_push: rpc"),
+])
+def test_what_a_collection_pooled_on_its_servers_refuses(case, match):
+    kw = {}
+    config = _config(sharding="row_wise") if case == "row_wise" else _config()
+    if case == "unpooled":
+        tables = tuple(TableSpec(t.name, t.num_embeddings, 4, t.feature_names, pooling="none") for t in TABLES)
+        config = _config(tables)
+        cls = RemoteEmbeddingCollection
+    else:
+        cls = RemoteEmbeddingBagCollection
+    pipeline = _pipeline(autograd=case == "dist_autograd", staleness=1 if case == "hot_rows" else 0)
+    if case == "hot_rows":
+        config = _config(staleness=1)
+        kw["hot_rows"] = 10
+    with pytest.raises(PlanError, match=match) as e:
+        cls(config, pipeline=pipeline, server_names=["ps0", "ps1"], **kw)
+    assert e.value.key == "pool_on"
+
+
+def _batch(weighted: bool, seed: int = 0) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(seed)
+    keys = [f for t in TABLES for f in t.feature_names]
+    b = 5
+    lengths = torch.randint(0, 4, (len(keys) * b,), generator=g)
+    lengths[3] = 0  # an empty bag, and a feature with none at all
+    lengths[b * 3 : b * 4] = 0
+    rows = {f: t.num_embeddings for t in TABLES for f in t.feature_names}
+    values = torch.cat([torch.randint(0, rows[f], (int(n),), generator=g)
+                        for f, n in zip(keys, lengths.view(len(keys), b).sum(1))])
+    weights = torch.rand(values.shape, generator=g) if weighted else None
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths, weights=weights)
+
+
+def _shards(config: CollectionConfig) -> dict[int, CollectionShard]:
+    out = {}
+    for s in config.servers:
+        out[s] = CollectionShard(config, s, start_step=0, huge_pages=False)
+        for t in out[s].tables:
+            t.initialize(5)
+    return out
+
+
+@pytest.mark.parametrize("servers,weighted,dynamic", [(2, False, False), (2, True, False), (1, False, False),
+                                                      (3, False, True)])
+def test_servers_pool_and_unpool_as_the_trainer_does_bit_for_bit(servers, weighted, dynamic):
+    tables = WEIGHTED if weighted else TABLES
+    dyn = {"dynamic": DynamicIds(capacity=64, partitions=4)} if dynamic else {}
+    config = _config(tables, servers=servers, weighted=weighted, **dyn)
+    router, shards = Router(config), _shards(config)
+    kjt = _batch(weighted)
+    routed = router.route(kjt, where="test", tag=7)
+    # Trainer-side pooling: the servers' rows, pooled here.
+    rows = {s: shards[s].gather(routed.requests[s]).detach().requires_grad_(True) for s in config.servers}
+    expected = router.pool(routed, rows)
+    # Server-side: each server pools its bags; the trainer puts the blocks side by side.
+    replies = {}
+    for s in config.servers:
+        bags = routed.bags[s]
+        assert bags.tag == 7
+        replies[s] = torch.empty(bags.numel())
+        shards[s].gather_pooled(0, routed.requests[s], bags, replies[s], step=0)
+    replies = {s: r.requires_grad_(True) for s, r in replies.items()}
+    got = router.pooled(routed, replies)
+    assert got.shape == expected.shape == (5, sum(t.embedding_dim * len(t.feature_names) for t in tables))
+    assert torch.equal(got, expected)
+    c = torch.linspace(-1, 1, got.shape[1])
+    ((expected @ c) ** 2).sum().backward()
+    ((got @ c) ** 2).sum().backward()
+    for s in config.servers:
+        rows_back, grad = shards[s].unpool(0, 7, replies[s].grad.reshape(-1))
+        assert rows_back.tables == routed.requests[s].tables and torch.equal(rows_back.ids, routed.requests[s].ids)
+        assert grad.dtype == torch.float32 and torch.equal(grad, rows[s].grad.reshape(-1)), s
+        assert shards[s].pooled[0] == {}  # the lookup's bags were used once, then dropped
+        assert shards[s].counters.bytes_out == (rows[s].numel() + replies[s].numel()) * 4  # both replies
+
+
+def test_a_push_drops_older_unused_lookups_and_an_unknown_tag_fails_the_collection():
+    config = _config(servers=1)
+    router, shard = Router(config), _shards(config)[0]
+    for tag in (3, 4, 5):  # 3 and 4: prefetched, then a different batch came (never pushed)
+        routed = router.route(_batch(False, seed=tag), where="test", tag=tag)
+        shard.gather_pooled(1, routed.requests[0], routed.bags[0], torch.empty(routed.bags[0].numel()), step=0)
+    assert sorted(shard.pooled[1]) == [3, 4, 5]
+    shard.unpool(1, 5, torch.zeros(routed.bags[0].numel()))
+    assert shard.pooled[1] == {}
+    with pytest.raises(RuntimeError, match="trainer 1 pushed the gradient of pooled lookup 4, which this server "
+                                           "does not hold"):
+        shard.unpool(1, 4, torch.zeros(routed.bags[0].numel()))
+    assert shard.failed is not None  # the step can never complete: waiting lookups get the error
+
+
+def test_bfloat16_on_the_wire_rounds_the_pooled_bags_once():
+    config = _config(servers=1, wire_dtype="bfloat16")
+    ref = _config(servers=1)
+    routed = Router(config).route(_batch(False), where="test", tag=0)
+    out = torch.empty(routed.bags[0].numel(), dtype=torch.bfloat16)
+    _shards(config)[0].gather_pooled(0, routed.requests[0], routed.bags[0], out, step=0)
+    full = torch.empty(routed.bags[0].numel())
+    _shards(ref)[0].gather_pooled(0, routed.requests[0], routed.bags[0], full, step=0)
+    assert torch.equal(out, full.to(torch.bfloat16)) and not torch.equal(out.float(), full)
