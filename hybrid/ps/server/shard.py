@@ -275,7 +275,7 @@ class CollectionShard:
         """``pool_on: server``: the rows asked for, pooled into the lookup's bags (float32, as the
         trainer would pool them), written into ``out`` in :attr:`wire_dtype`, group after group;
         what the backward needs is kept for the trainer's push (:meth:`unpool`)."""
-        flat = self._read(rows, None, step, torch.float32)
+        flat = self._read(rows, _scratch(self.numel(rows)), step, torch.float32)
         pos = o = 0
         kept = []
         for g in bags.groups:
@@ -760,6 +760,19 @@ class _Planned:
         pieces = dict(zip(self.keys, inverse.split(sizes)))
         index = {id(e): k for k, e in enumerate(self.looked)}
         return _cat([pieces[(index[id(e)], i)] for i in order for e in matched[i]])
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """``numel`` float32 of this thread's scratch memory, grown as needed: a pooled lookup's rows
+    live there between the gather and the pooling (a fresh megabyte each time costs its page
+    faults)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH.buf = torch.empty(max(numel, 1 << 16))
+    return buf[:numel]
 
 
 def _copied(part: Contribution) -> Contribution:
