@@ -53,10 +53,13 @@ def build_dlrm(seed: int = 0, *, plain: bool = False) -> DLRM:
 
 
 def make_plan(dense: str, sharding: str, opt: str, num_servers: int, world_size: int):
+    """``sharding`` ``table_wise+pool_on_server``: table-wise with ``pool_on: server``."""
+    sharding, _, pool = sharding.partition("+")
     modules = {
         "sparse_arch.embedding_bag_collection": {
             "strategy": "parameter_server", "sharding": sharding,
             "optimizer": {"name": SPARSE_OPT[opt], "lr": LR[opt][1]},
+            **({"pool_on": "server"} if pool == "pool_on_server" else {}),
         },
         **copy.deepcopy(DENSE[dense]),
     }
@@ -135,6 +138,7 @@ def _equivalence(rank, world_size, *, num_servers, configs):
 
 
 ALL = [(d, s, o) for d in ("ddp", "fsdp", "mixed") for s in ("table_wise", "row_wise") for o in ("sgd", "adagrad")]
+ALL += [("ddp", "table_wise+pool_on_server", "adagrad"), ("fsdp", "table_wise+pool_on_server", "sgd")]
 
 
 @pytest.mark.slow
