@@ -21,6 +21,9 @@ its interface carried per step, and each hybrid server its bytes beside their mi
 
 ``--wire-dtype bfloat16`` runs every hybrid system with its tables' ``wire_dtype: bfloat16``:
 rows and gradients cross between trainers and servers in 16 bits (the line's ``wire_dtype``).
+``--pool-on server`` runs them with ``pool_on: server`` (tables table-wise): the servers send
+pooled bags and take the bags' gradients (the line's ``pool_on``); the bytes' minimum still
+counts rows.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ def summarize(system: str, w: Workload, reports: list[dict]) -> dict:
     if "breakdown_s" in trainers[0]:
         line["breakdown_s"] = trainers[0]["breakdown_s"]
         line["wire_dtype"] = trainers[0]["wire_dtype"]
+        line["pool_on"] = trainers[0]["pool_on"]
         if "hot_rows" in trainers[0]:  # each trainer's cache, since it was made (warm-up included)
             line["hot_rows"] = {r["name"]: r["hot_rows"] for r in trainers}
         by_name = {r["name"]: r for r in reports}

@@ -91,6 +91,18 @@ def test_wire_dtype_bfloat16_halves_the_rows_bytes_and_their_minimum():
     assert s["bytes_recv_per_step"] > s["min_bytes_per_step"], s
 
 
+def test_pool_on_server_sends_bags_and_trains_as_one_process():
+    res = run_hybrid([*TINY, "--systems", "local,hybrid_sync", "--pool-on", "server"], module="benchmarks.run",
+                     timeout=300)
+    assert res.returncode == 0, res.output
+    local, line = _lines(res.stdout)
+    assert line["pool_on"] == "server", line
+    assert line["final_loss"] == pytest.approx(local["final_loss"], rel=1e-5), (line, local)
+    s = line["servers"]["ps0"]
+    # Every lookup's answer is its trainer's bags pooled: 16 samples x 2 tables x dim 8, float32.
+    assert s["bytes_sent_per_step"] == pytest.approx(s["lookups_per_step"] * 16 * 2 * 8 * 4), s
+
+
 def test_memory_benchmark_fsdp_holds_a_shard_of_what_ddp_holds():
     res = run_hybrid(["--width", "64", "--layers", "2", "--trainers", "2", "--steps", "2", "--rows", "100"],
                      module="benchmarks.memory", timeout=300)
