@@ -19,16 +19,13 @@ class NonFinite(FloatingPointError):
     """A gradient or a new weight is NaN or infinite; nothing was written."""
 
 
-@dataclass
-class Route:
-    """How one batch's ids split over servers, and how to pool (or gather) the replies."""
+@dataclass(kw_only=True)
+class Pooling:
+    """How rows are pooled into bags -- ``embedding_bag(idx, rows, offsets,
+    per_sample_weights=weights)`` -- and how the bags' gradients become the rows' --
+    ``embedding_bag(grad_bags, bags' gradients, grad_offsets, per_sample_weights=grad_scale)``,
+    ``include_last_offset`` both."""
 
-    requests_ids: torch.Tensor
-    """Deduplicated local row ids, server by server, table by table, ascending within a table."""
-    per: torch.Tensor
-    """[num_servers, num_tables] ids of each table in each server's request."""
-    raw: torch.Tensor
-    """[num_servers] ids before deduplication."""
     idx: torch.Tensor
     """Row (in the replies concatenated in server order) of every id, in bag order."""
     offsets: torch.Tensor
@@ -41,6 +38,18 @@ class Route:
     """Backward: where each reply row's group starts in ``grad_bags`` (``include_last_offset``)."""
     grad_scale: torch.Tensor | None
     """Backward: each id's factor (its weight, or 1/len(bag) for mean), grouped as grad_bags."""
+
+
+@dataclass(kw_only=True)
+class Route(Pooling):
+    """How one batch's ids split over servers, and how to pool (or gather) the replies."""
+
+    requests_ids: torch.Tensor
+    """Deduplicated local row ids, server by server, table by table, ascending within a table."""
+    per: torch.Tensor
+    """[num_servers, num_tables] ids of each table in each server's request."""
+    raw: torch.Tensor
+    """[num_servers] ids before deduplication."""
     num_unique: int
 
 

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybrid.ops.reference import Pooling
+
 VERSION = 3
 """Bumped whenever the layout changes; a server refuses a message of another version."""
 
@@ -74,30 +76,19 @@ class Rows:
         return Rows(list(self.tables), list(self.counts), self.ids.clone())
 
 
-@dataclass
-class BagGroup:
+@dataclass(kw_only=True)
+class BagGroup(Pooling):
     """How a server pools one group of a lookup's tables (one dimension and pooling): the
-    group's rows are ``rows`` consecutive rows of the lookup, ``dim`` wide. The forward is
-    ``embedding_bag(idx, rows, offsets, per_sample_weights=weights, mode)``, the backward
-    ``embedding_bag(grad_bags, bags' gradients, grad_offsets, per_sample_weights=grad_scale)``
-    (``include_last_offset`` both): what the trainer would otherwise compute itself
-    (:class:`hybrid.ps.client.routing.PooledRows`). Index tensors are int32."""
+    group's rows are ``rows`` consecutive rows of the lookup, ``dim`` wide, pooled and un-pooled
+    as :class:`Pooling` says -- what the trainer would otherwise compute itself
+    (:class:`hybrid.ps.client.routing.PooledRows`). The tensors are the trainer's route's
+    (:class:`hybrid.ops.reference.Route`) cut to this server: rows numbered within the group,
+    bags sample by sample over the server's features of the group; index tensors int32,
+    ``weights`` and ``grad_scale`` float32 or None."""
 
     rows: int
     dim: int
     mean: bool
-    idx: torch.Tensor
-    """Row (within the group's rows) of every id, bag by bag."""
-    offsets: torch.Tensor
-    """Bag bounds, ``bags + 1`` of them."""
-    weights: torch.Tensor | None
-    """Per-sample weights in ``idx``'s order (float32), or None."""
-    grad_bags: torch.Tensor
-    """The bags of each row's ids, row by row."""
-    grad_offsets: torch.Tensor
-    """Where each row's bags start in ``grad_bags``, ``rows + 1`` of them."""
-    grad_scale: torch.Tensor | None
-    """Each entry of ``grad_bags``'s factor (its weight, or 1 / bag length for mean), or None."""
 
     @property
     def bags(self) -> int:
@@ -250,7 +241,8 @@ class _Reader:
             grad_bags, grad_offsets = self.tensor(), self.tensor()
             # The backward's factors: the weights, or 1/length for mean bags.
             grad_scale = self.tensor() if weighted or mean else None
-            group = BagGroup(rows, dim, mean, idx, offsets, weights, grad_bags, grad_offsets, grad_scale)
+            group = BagGroup(rows=rows, dim=dim, mean=mean, idx=idx, offsets=offsets, weights=weights,
+                             grad_bags=grad_bags, grad_offsets=grad_offsets, grad_scale=grad_scale)
             group.check()
             groups.append(group)
         return Bags(tag, groups)

@@ -46,8 +46,10 @@ def _group(rows: int, bags: int, *, mean: bool = False, weighted: bool = False) 
     idx = torch.cat([torch.arange(rows), torch.zeros(1, dtype=torch.int64)]).to(i32)
     offsets = torch.linspace(0, n, bags + 1).round().to(i32)
     scale = torch.rand(n) if mean or weighted else None
-    return BagGroup(rows, 4, mean, idx, offsets, torch.rand(n) if weighted else None, torch.arange(n, dtype=i32) % bags,
-                    torch.cat([torch.zeros(1, dtype=i32), torch.arange(2, n + 1, dtype=i32)]), scale)
+    return BagGroup(rows=rows, dim=4, mean=mean, idx=idx, offsets=offsets, weights=torch.rand(n) if weighted else None,
+                    grad_bags=torch.arange(n, dtype=i32) % bags,
+                    grad_offsets=torch.cat([torch.zeros(1, dtype=i32), torch.arange(2, n + 1, dtype=i32)]),
+                    grad_scale=scale)
 
 
 NO_ROWS = Rows([], [], torch.empty(0, dtype=torch.int64))

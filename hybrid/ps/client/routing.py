@@ -187,8 +187,10 @@ class Router:
                 continue
             mean, scale = g.pooling == "mean", route.grad_scale
             if g.sole_rank == r:  # the whole group is here: the route as it is
-                out.append(BagGroup(route.num_unique, g.dim, mean, route.idx.to(i32), route.offsets.to(i32),
-                                    route.weights, route.grad_bags.to(i32), route.grad_offsets.to(i32), scale))
+                out.append(BagGroup(rows=route.num_unique, dim=g.dim, mean=mean, idx=route.idx.to(i32),
+                                    offsets=route.offsets.to(i32), weights=route.weights,
+                                    grad_bags=route.grad_bags.to(i32), grad_offsets=route.grad_offsets.to(i32),
+                                    grad_scale=scale))
                 continue
             per = route.per.sum(1)
             start, n = int(per[:r].sum()), int(per[r])
@@ -203,11 +205,11 @@ class Router:
             go = route.grad_offsets[start : start + n + 1]
             first, last = int(go[0]), int(go[-1])
             out.append(BagGroup(
-                n, g.dim, mean, (route.idx[entries] - start).to(i32),
-                torch.cat([lengths.new_zeros(1), lengths[bag_mask].cumsum(0)]).to(i32),
-                None if route.weights is None else route.weights[entries],
-                local_bag.index_select(0, route.grad_bags[first:last]).to(i32), (go - first).to(i32),
-                None if scale is None else scale[first:last]))
+                rows=n, dim=g.dim, mean=mean, idx=(route.idx[entries] - start).to(i32),
+                offsets=torch.cat([lengths.new_zeros(1), lengths[bag_mask].cumsum(0)]).to(i32),
+                weights=None if route.weights is None else route.weights[entries],
+                grad_bags=local_bag.index_select(0, route.grad_bags[first:last]).to(i32),
+                grad_offsets=(go - first).to(i32), grad_scale=None if scale is None else scale[first:last]))
         return out
 
     def _route(self, kjt: KeyedJaggedTensor, *, where: str) -> RoutedBatch:
