@@ -281,6 +281,21 @@ class Plan:
                                 f"a synchronous lookup: set sync.staleness >= 2 (k = 1 reads rows one step older "
                                 f"than a prefetch brings) or hot_rows: 0", category="bad_value",
                                 key=f"modules.{key}.hot_rows", where=rule.where)
+            if rule.strategy == "parameter_server" and rule.options.pool_on == "server":
+                self._check_pool_on(key, rule)
+
+    def _check_pool_on(self, key: str, rule: Rule) -> None:
+        """``pool_on: server`` needs every table whole on one server and no trainer cache."""
+        o = rule.options
+        why = None
+        if o.hot_rows:
+            why = "and hot_rows do not go together (the cache keeps rows; the servers send bags): set hot_rows: 0"
+        elif o.sharding == "row_wise" and len(o.server_list(self.topology.parameter_servers)) > 1:
+            why = ("needs every table whole on one server; row_wise spreads each table over the servers: set "
+                   "sharding: table_wise (or keep pool_on: trainer)")
+        if why is not None:
+            raise PlanError(f"server {why}", category="bad_value", key=f"modules.{key}.pool_on",
+                            where=rule.where)
 
     @property
     def default_rule(self) -> Rule | None:

@@ -43,6 +43,21 @@ def test_a_bad_pool_on_names_the_key_and_the_allowed_values(value):
     assert plan_from_dict({"modules": {"e": {**PS_RULE, "pool_on": "server"}}}).modules["e"].options.pool_on == "server"
 
 
+def test_a_plan_that_cannot_pool_on_its_servers_is_refused_naming_the_rule():
+    def plan(**rule):
+        return plan_from_dict({"topology": {"parameter_servers": 2}, "sync": {"staleness": 2},
+                               "modules": {"e": {**PS_RULE, "pool_on": "server", **rule}}})
+
+    with pytest.raises(PlanError, match=r"modules\.e\.pool_on: server needs every table whole on one "
+                                        r"server; row_wise spreads") as e:
+        plan(sharding="row_wise")
+    assert e.value.category == "bad_value"
+    with pytest.raises(PlanError, match=r"modules\.e\.pool_on: server and hot_rows do not go together"):
+        plan(sharding="table_wise", hot_rows=100)
+    assert plan(sharding="table_wise").modules["e"].options.pool_on == "server"
+    assert plan(sharding="row_wise", servers=[1]).modules["e"].options.sharding == "row_wise"  # one server
+
+
 @pytest.mark.parametrize("case,match", [
     ("row_wise", r"pool_on: server needs every table whole on one server; \['a', 'b', 'c', 'd'\] are split"),
     ("unpooled", r"pool_on: server pools bags: an unpooled collection"),
