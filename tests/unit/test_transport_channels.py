@@ -239,3 +239,34 @@ def test_a_failed_answer_leaves_no_kept_push_reading_the_frame(server, kind):
     a, b = shard.tables[0].weight, shard.tables[1].weight
     assert a[1].tolist() == [-0.5, -1.0] and a[3].tolist() == [-1.5, -2.0] and b[4].tolist() == [-2.5, -3.0]
     trainer.close()
+
+
+def test_a_frame_sent_from_its_tensors_is_the_frame_a_region_holds():
+    """The step connection sends a frame's tensors from where they are (gathered by ``sendmsg``,
+    however many calls the kernel takes): the bytes that arrive are those ``write_frame`` lays out
+    in a region, for every dtype the wire carries, empty and strided tensors included."""
+    from hybrid.ps.protocol import Frame
+    from hybrid.ps.transport.channel import STEP, frame_pieces, write_frame
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(600_000, generator=g)  # 2.4 MB: more than one sendmsg takes on a socket pair
+    frame = Frame([3, -1, 2**40], [torch.arange(7), big, torch.randn(5, generator=g).to(torch.bfloat16),
+                                   torch.arange(9, dtype=torch.int32), torch.empty(0), torch.randn(4, 6)[:, ::2]])
+    region = torch.zeros(4 << 20, dtype=torch.uint8)
+    end = write_frame(region, 5, STEP, frame)
+    pieces, n = frame_pieces(5, STEP, frame)
+    assert n == end > big.numel() * 4
+    a, b = socket.socketpair()
+    got = bytearray()
+
+    def read() -> None:
+        while len(got) < 8 + n:
+            got.extend(b.recv(1 << 16))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    tcp._send_pieces(a, [tcp._LENGTH.pack(n), *pieces])
+    reader.join(timeout=30)
+    a.close(), b.close()
+    assert tcp._LENGTH.unpack(bytes(got[:8]))[0] == n
+    assert bytes(got[8:]) == bytes(region[:end].numpy())

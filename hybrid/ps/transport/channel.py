@@ -52,15 +52,37 @@ def layout(n_ints: int, nbytes: list[int]) -> tuple[list[int], int]:
     return offsets, offset
 
 
+def _head(seq: int, kind: int, frame: Frame) -> tuple[bytes, list[int], int]:
+    """A frame's header (magic, sequence, kind, counts, its ints and tensor entries), where its
+    tensors go, and its end."""
+    tensors = frame.tensors
+    offsets, end = layout(len(frame.ints), [t.numel() * t.element_size() for t in tensors])
+    meta = struct.pack(f"<{len(frame.ints)}q", *frame.ints) + b"".join(
+        ENTRY.pack(CODES[t.dtype], t.numel(), off) for t, off in zip(tensors, offsets))
+    return HEADER.pack(MAGIC, seq, kind, len(frame.ints), len(tensors)) + meta, offsets, end
+
+
+def frame_pieces(seq: int, kind: int, frame: Frame) -> tuple[list, int]:
+    """The bytes :func:`write_frame` would lay out, as pieces to send one after the other (the
+    header, then each tensor's own memory after the zeros that align it), and their length:
+    a frame sent from where its tensors are, without a copy."""
+    head, offsets, end = _head(seq, kind, frame)
+    pieces, at = [head], len(head)
+    for t, off in zip(frame.tensors, offsets):
+        if off > at:
+            pieces.append(bytes(off - at))
+        flat = t.reshape(-1).contiguous()
+        pieces.append(memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b"")
+        at = off + flat.numel() * flat.element_size()
+    return pieces, end
+
+
 def write_frame(region: torch.Tensor, seq: int, kind: int, frame: Frame) -> int:
     """Lay out ``frame`` in ``region`` (uint8); its end, or 0 if it does not fit."""
     tensors = frame.tensors
-    offsets, end = layout(len(frame.ints), [t.numel() * t.element_size() for t in tensors])
+    head, offsets, end = _head(seq, kind, frame)
     if end > region.numel():
         return 0
-    meta = struct.pack(f"<{len(frame.ints)}q", *frame.ints) + b"".join(
-        ENTRY.pack(CODES[t.dtype], t.numel(), off) for t, off in zip(tensors, offsets))
-    head = HEADER.pack(MAGIC, seq, kind, len(frame.ints), len(tensors)) + meta
     region[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
     for t, off in zip(tensors, offsets):
         dst = region[off : off + t.numel() * t.element_size()].view(t.dtype)
@@ -127,7 +149,13 @@ class TrainerEnd(Transport, ABC):
 
     @abstractmethod
     def _post(self, end: int) -> bool:
-        """The frame in ``req[:end]`` goes to the server; ``False`` if the server is gone."""
+        """The frame :meth:`_write` laid out (``end`` bytes) goes to the server; ``False`` if the
+        server is gone."""
+
+    def _write(self, seq: int, frame: Frame) -> int:
+        """Lay out message ``seq`` for :meth:`_post`: here, in ``req``; its end, or 0 if it does
+        not fit."""
+        return write_frame(self.req, seq, STEP, frame)
 
     @abstractmethod
     def _receive(self, left_s: float, block: bool) -> bool | None:
@@ -141,7 +169,7 @@ class TrainerEnd(Transport, ABC):
                 self.outstanding is not None and not self._collect(block=not self.outstanding.answers_rows)):
             return self.fallback.send(msg)
         seq = self.seq + 1
-        end = write_frame(self.req, seq, STEP, protocol.encode(msg))
+        end = self._write(seq, protocol.encode(msg))
         if not end:
             return self.fallback.send(msg)
         if not self._post(end):

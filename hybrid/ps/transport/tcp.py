@@ -33,7 +33,8 @@ import torch
 import torch.distributed.rpc as rpc
 
 from hybrid.ps.transport import Transport
-from hybrid.ps.transport.channel import ChannelError, ServerEnd, TrainerEnd, reply_region
+from hybrid.ps.protocol import Frame
+from hybrid.ps.transport.channel import STEP, ChannelError, ServerEnd, TrainerEnd, frame_pieces, reply_region
 
 DEFAULT_CAPACITY = 16 << 20
 """Bytes of each direction's region: a bigger message goes over RPC."""
@@ -75,8 +76,20 @@ def _recv_frame(sock: socket.socket, region: torch.Tensor, deadline: float | Non
 
 
 def _send_frame(sock: socket.socket, region: torch.Tensor, end: int) -> None:
-    sock.sendall(_LENGTH.pack(end))
-    sock.sendall(memoryview(region[:end].numpy()))
+    _send_pieces(sock, [_LENGTH.pack(end), memoryview(region[:end].numpy())])
+
+
+def _send_pieces(sock: socket.socket, pieces: list) -> None:
+    """Send ``pieces`` one after the other, gathered by the kernel (``sendmsg``), however many
+    calls that takes."""
+    views = [memoryview(p).cast("B") for p in pieces if len(p)]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
 
 
 class SocketTransport(TrainerEnd):
@@ -89,6 +102,7 @@ class SocketTransport(TrainerEnd):
         super().__init__(server, torch.empty(capacity, dtype=torch.uint8), torch.empty(2 * capacity, dtype=torch.uint8),
                          fallback=fallback, timeout_s=timeout_s)
         self.sock: socket.socket | None = sock
+        self.pieces: list = []
 
     @classmethod
     def open(cls, server: str, trainer: int, *, fallback: Transport, timeout_s: float,
@@ -108,9 +122,19 @@ class SocketTransport(TrainerEnd):
             return None
         return cls(server, sock, capacity, fallback=fallback, timeout_s=timeout_s)
 
+    def _write(self, seq: int, frame: Frame) -> int:
+        # Sent from where its tensors are (a gradient, the ids): no copy into a region first. The
+        # server's region is as large as ``req``, so what would not fit there goes over RPC.
+        pieces, end = frame_pieces(seq, STEP, frame)
+        if end > self.req.numel():
+            return 0
+        self.pieces = pieces
+        return end
+
     def _post(self, end: int) -> bool:
+        pieces, self.pieces = self.pieces, []
         try:
-            _send_frame(self.sock, self.req, end)
+            _send_pieces(self.sock, [_LENGTH.pack(end), *pieces])
         except (OSError, AttributeError):
             return False
         return True
