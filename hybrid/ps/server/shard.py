@@ -338,7 +338,7 @@ class CollectionShard:
                                            include_last_offset=True).view(-1))
             else:
                 out.append(g.new_zeros((grad_offsets.numel() - 1) * dim))
-        return kept.rows, out[0] if len(out) == 1 else torch.cat(out)
+        return kept.rows, out[0] if len(out) == 1 else torch.cat(out) if out else grad.new_zeros(0)
 
     def _gather_dynamic(self, rows: Rows, shards: list[TableShard], out: torch.Tensor | None,
                         step: int | None, dtype: torch.dtype) -> torch.Tensor:
