@@ -21,14 +21,14 @@ from tests.support.sparse import global_batch, kjt_slice, make_ebc
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 
 
-def _on_gpu(rank, world_size):
+def _on_gpu(rank, world_size, *, pool_on):
     role = role_of(rank, world_size, 1)
     if not role.is_trainer:
         return None
     device = torch.device("cuda", 0)
     ebc = make_ebc(seed=0)
     pipeline = make_pipeline(trainer=0, num_servers=1, staleness=0, device=device)
-    remote = remote_of(ebc, pipeline, cid="g", num_servers=1, optimizer={"name": "sgd", "lr": 0.5})
+    remote = remote_of(ebc, pipeline, cid="g", num_servers=1, optimizer={"name": "sgd", "lr": 0.5}, pool_on=pool_on)
     local = make_ebc(seed=0).to(device)
     kjt = kjt_slice(global_batch(0, sparse.test_tables(), 8), 0, 8)
     with step(pipeline) as s:
@@ -53,8 +53,10 @@ def _on_gpu(rank, world_size):
     return True
 
 
-def test_rows_reach_the_trainer_s_gpu_and_train_as_a_local_collection_there():
-    assert run_distributed(_on_gpu, 2, setup="hybrid", num_servers=1, timeout=120, start="spawn")[0]
+@pytest.mark.parametrize("pool_on", ["trainer", "server"])
+def test_rows_reach_the_trainer_s_gpu_and_train_as_a_local_collection_there(pool_on):
+    """``pool_on: server``: the servers' pooled bags reach the GPU instead of rows."""
+    assert run_distributed(_on_gpu, 2, setup="hybrid", num_servers=1, timeout=120, start="spawn", pool_on=pool_on)[0]
 
 
 def _train(rank, world_size, *, tmp, overrides):
