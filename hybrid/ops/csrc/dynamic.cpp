@@ -623,6 +623,51 @@ Tensor dynamic_rows(TensorList weights, const Tensor& ids, const Tensor& slots, 
   return hits;
 }
 
+// Three or more runs of one table merged by a tournament (a loser tree): each id out costs
+// log2(runs) comparisons, however many runs there are. A run's key is its head id, or past
+// every id once the run is done (the high word; ids compare as signed). Equal ids of several
+// runs come out one after the other: the first is the next distinct id, the others map to it.
+// Writes the distinct ids from u[nu], each id's index into inv; returns the new nu.
+int64_t merge_tournament(const int64_t* ip, int64_t* head, const int64_t* end, int64_t runs, int64_t* u,
+                         int64_t* inv, int64_t nu) {
+  using Key = unsigned __int128;
+  int64_t width = 1;
+  while (width < runs) width *= 2;
+  std::vector<Key> key(static_cast<size_t>(width));
+  const auto key_of = [&](int64_t r) -> Key {
+    if (r >= runs || head[r] >= end[r]) return Key{1} << 64;
+    return static_cast<Key>(static_cast<uint64_t>(ip[head[r]]) ^ (uint64_t{1} << 63));
+  };
+  for (int64_t r = 0; r < width; r++) key[r] = key_of(r);
+  // loser[i] for the inner nodes 1..width-1; winners found bottom-up to build it.
+  std::vector<int64_t> loser(static_cast<size_t>(width)), win(static_cast<size_t>(2 * width));
+  for (int64_t r = 0; r < width; r++) win[width + r] = r;
+  for (int64_t i = width - 1; i >= 1; i--) {
+    const int64_t a = win[2 * i], b = win[2 * i + 1];
+    const bool b_first = key[b] < key[a];
+    win[i] = b_first ? b : a;
+    loser[i] = b_first ? a : b;
+  }
+  const Key done = Key{1} << 64;
+  const int64_t first = nu;
+  int64_t w = win[1];
+  while (key[w] < done) {
+    const int64_t id = ip[head[w]];
+    const bool fresh = nu == first || u[nu - 1] != id;  // without a branch: ids repeat at random
+    u[nu] = id;
+    nu += fresh;
+    inv[head[w]++] = nu - 1;
+    key[w] = key_of(w);
+    for (int64_t node = (w + width) / 2; node >= 1; node /= 2) {  // the path to the root, replayed
+      const int64_t other = loser[node];
+      const bool swap = key[other] < key[w];
+      loser[node] = swap ? w : other;
+      w = swap ? other : w;
+    }
+  }
+  return nu;
+}
+
 // The distinct ids of every table of an update whose ids come as ascending distinct runs (one
 // per trainer): ids holds, table after table, that table's `runs` runs (counts[t * runs + r]
 // long). Returns (the distinct ids, ascending within a table, table after table; how many each
@@ -679,16 +724,7 @@ std::tuple<Tensor, Tensor, Tensor> merge_ids(const Tensor& ids, IntArrayRef coun
       pp[t] = nu - first;
       continue;
     }
-    while (true) {  // the smallest head id next; every run holding it moves on
-      int64_t best = -1;
-      for (int64_t r = 0; r < runs; r++)
-        if (head[r] < end[r] && (best < 0 || ip[head[r]] < ip[head[best]])) best = r;
-      if (best < 0) break;
-      const int64_t id = ip[head[best]];
-      for (int64_t r = 0; r < runs; r++)
-        if (head[r] < end[r] && ip[head[r]] == id) inv[head[r]++] = nu;
-      u[nu++] = id;
-    }
+    nu = merge_tournament(ip, head.data(), end.data(), runs, u, inv, nu);
     pp[t] = nu - first;
   }
   return {uniq.narrow(0, 0, nu), per, inverse};
