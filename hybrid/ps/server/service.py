@@ -8,7 +8,9 @@ in :meth:`ParameterServer.handle_step` either way.
 One step message (:class:`hybrid.ps.protocol.StepMessage`): for each part, the pushes it carries
 are applied (or kept until the step's last trainer's is in), then the part's lookup is answered
 once the step may read; the reply -- one tensor of rows per part -- goes back when every part's
-rows are gathered. A lookup that must wait is a callback, completed by whoever completes the
+rows are gathered (a collection pooled on its servers answers its bags pooled, and its pushes
+carry the bags' gradients: :meth:`CollectionShard.gather_pooled`, :meth:`CollectionShard.unpool`).
+A lookup that must wait is a callback, completed by whoever completes the
 step it waits for; answers that a distributed-autograd backward completes are handed to
 :attr:`ParameterServer.answers` (a lookup recorded from the engine's thread would make a graph
 there).
