@@ -99,8 +99,10 @@ class SocketTransport(TrainerEnd):
 
     def __init__(self, server: str, sock: socket.socket, capacity: int, *, fallback: Transport,
                  timeout_s: float) -> None:
-        super().__init__(server, torch.empty(capacity, dtype=torch.uint8), torch.empty(2 * capacity, dtype=torch.uint8),
+        # No request region: a frame is sent from its tensors (:meth:`_write`).
+        super().__init__(server, torch.empty(0, dtype=torch.uint8), torch.empty(2 * capacity, dtype=torch.uint8),
                          fallback=fallback, timeout_s=timeout_s)
+        self.capacity = capacity
         self.sock: socket.socket | None = sock
         self.pieces: list = []
 
@@ -124,9 +126,9 @@ class SocketTransport(TrainerEnd):
 
     def _write(self, seq: int, frame: Frame) -> int:
         # Sent from where its tensors are (a gradient, the ids): no copy into a region first. The
-        # server's region is as large as ``req``, so what would not fit there goes over RPC.
+        # server's region holds ``capacity`` bytes, so what would not fit there goes over RPC.
         pieces, end = frame_pieces(seq, STEP, frame)
-        if end > self.req.numel():
+        if end > self.capacity:
             return 0
         self.pieces = pieces
         return end
