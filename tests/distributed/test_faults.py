@@ -119,10 +119,16 @@ def _assert_all_failed_naming(report: str, logs: dict[str, str], names: list[str
         assert peer in text, f"{name} does not name {peer}:\n{text}\n---\n{report}"
 
 
+POOLED = ["plan.modules.sparse_arch.embedding_bag_collection.pool_on=server",
+          "plan.modules.sparse_arch.embedding_bag_collection.sharding=table_wise"]
+
+
 @pytest.mark.serial  # bounds how long it takes: runs alone (make test)
-@pytest.mark.parametrize("method", ["gather", "push"], ids=["mid-forward", "mid-backward"])
-def test_server_killed_ends_every_process_naming_it(tmp_path, method):
-    report, logs, elapsed = _run_fault(tmp_path, 4, 2, {"who": "ps0", "kind": "die", "method": method, "after": 6})
+@pytest.mark.parametrize("method,overrides", [("gather", []), ("push", []), ("unpool", POOLED)],
+                         ids=["mid-forward", "mid-backward", "mid-backward-pooled-on-server"])
+def test_server_killed_ends_every_process_naming_it(tmp_path, method, overrides):
+    report, logs, elapsed = _run_fault(tmp_path, 4, 2, {"who": "ps0", "kind": "die", "method": method, "after": 6},
+                                       overrides)
     assert elapsed < RPC_TIMEOUT + MARGIN, elapsed
     _assert_all_failed_naming(report, logs, ["trainer0", "trainer1", "ps1"], "ps0")
 
