@@ -21,12 +21,12 @@ import torch
 from hybrid.ops.reference import DynamicPlan, ForeignPart, NonFinite, PartFull, Route, RowOutOfRange, _table_views
 
 __all__ = ["AVAILABLE", "DynamicPlan", "ForeignPart", "NonFinite", "PartFull", "Route", "RowOutOfRange",
-           "dynamic_commit_", "dynamic_plan", "dynamic_rows", "gather_rows", "merge_ids", "initial_rows_", "optimizer_rows",
+           "bag_rows", "dynamic_commit_", "dynamic_plan", "dynamic_rows", "gather_rows", "merge_ids", "initial_rows_", "optimizer_rows",
            "optimizer_step_", "populate_", "route", "route_hashed", "scatter_rows_", "sgd_rows_", "sum_rows", "sum_runs"]
 
 OPS = ("route", "route_hashed", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows", "optimizer_step_",
        "scatter_rows_", "initial_rows_", "merge_ids", "sum_runs", "dynamic_plan", "dynamic_commit_",
-       "dynamic_rows", "populate_")
+       "dynamic_rows", "populate_", "bag_rows")
 """The operators ``hybrid._C`` registers under ``torch.ops.hybrid``."""
 
 STATE_KEYS = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",),
@@ -300,9 +300,23 @@ def dynamic_rows(weights, ids, slots, seen, counts, *, admit_after, keys, bounds
                                          admit_after, [int(k) for k in keys], [float(b) for b in bounds], out)
 
 
+def bag_rows(idx, offsets, *, rows, features, weights=None, mean=False):
+    """The backward's index of bags pooled on a server (``pool_on: server``): ``idx`` (int32)
+    the row of every id bag by bag, ``offsets`` (int32) the bags' bounds, bags numbered sample by
+    sample over ``features`` features (bag ``s * features + j``). Returns, grouped row by row
+    (``grad_offsets``, ``rows + 1`` bounds), each row's bags (``grad_bags``) and factors
+    (``grad_scale``: the weights, ``1 / len(bag)`` for ``mean``, else None) in the order a
+    trainer's :func:`route` gives them: feature, then sample, then place in the bag."""
+    grad_bags, grad_offsets, grad_scale = torch.ops.hybrid.bag_rows(
+        idx.contiguous(), offsets.contiguous(), int(rows), int(features),
+        None if weights is None else weights.contiguous(), bool(mean))
+    return grad_bags, grad_offsets, grad_scale if weights is not None or mean else None
+
+
 # Without the extension every public name is the reference's own function.
 if not AVAILABLE:
     from hybrid.ops.reference import (  # noqa: F811
+        bag_rows,
         dynamic_commit_,
         dynamic_plan,
         dynamic_rows,

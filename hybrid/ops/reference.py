@@ -20,11 +20,9 @@ class NonFinite(FloatingPointError):
 
 
 @dataclass(kw_only=True)
-class Pooling:
-    """How rows are pooled into bags -- ``embedding_bag(idx, rows, offsets,
-    per_sample_weights=weights)`` -- and how the bags' gradients become the rows' --
-    ``embedding_bag(grad_bags, bags' gradients, grad_offsets, per_sample_weights=grad_scale)``,
-    ``include_last_offset`` both."""
+class BagLayout:
+    """How rows are pooled into bags: ``embedding_bag(idx, rows, offsets,
+    per_sample_weights=weights, include_last_offset=True)``."""
 
     idx: torch.Tensor
     """Row (in the replies concatenated in server order) of every id, in bag order."""
@@ -32,6 +30,13 @@ class Pooling:
     """Bag bounds (``include_last_offset``)."""
     weights: torch.Tensor | None
     """Per-sample weights in ``idx``'s order."""
+
+
+@dataclass(kw_only=True)
+class Pooling(BagLayout):
+    """A :class:`BagLayout` and how the bags' gradients become the rows': ``embedding_bag(grad_bags,
+    bags' gradients, grad_offsets, per_sample_weights=grad_scale, include_last_offset=True)``."""
+
     grad_bags: torch.Tensor
     """Backward: the bag of every id, grouped by reply row (rows in reply order)."""
     grad_offsets: torch.Tensor
@@ -547,6 +552,32 @@ def dynamic_plan(tables, ids, found, seen, counts, *, step, partitions, admit_af
     flat = [torch.cat(x) if x else _EMPTY for x in lists]
     return DynamicPlan(torch.cat(slots_out) if slots_out else _EMPTY,
                        torch.tensor(sizes, dtype=torch.int64).view(len(counts), 4), *flat)
+
+
+def bag_rows(idx, offsets, *, rows, features, weights=None, mean=False):
+    i32 = torch.int32
+    lengths = offsets.diff().to(torch.int64)
+    nbags = lengths.numel()
+    if nbags % features:
+        raise ValueError(f"{nbags} bags are not a whole number of samples of {features} features")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= rows):
+        raise ValueError(f"idx holds rows outside [0, {rows})")
+    bag = torch.repeat_interleave(torch.arange(nbags), lengths, output_size=idx.numel())
+    samples = nbags // features
+    # Ids in the batch's feature-major order (feature, sample, place in the bag), then grouped
+    # by row, that order kept.
+    feature_major = torch.argsort((bag % features) * samples + bag // features, stable=True)
+    by_row = feature_major.index_select(0, torch.argsort(idx.index_select(0, feature_major), stable=True))
+    grad_bags = bag.index_select(0, by_row).to(i32)
+    grad_offsets = torch.cat([torch.zeros(1, dtype=torch.int64),
+                              torch.bincount(idx.to(torch.int64), minlength=rows).cumsum(0)]).to(i32)
+    if weights is not None:
+        scale = weights.index_select(0, by_row)
+    elif mean:
+        scale = (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag).index_select(0, by_row)
+    else:
+        scale = None
+    return grad_bags, grad_offsets, scale
 
 
 def merge_ids(ids, counts, *, runs):

@@ -14,11 +14,11 @@ Ids are int64. Rows and gradients travel in their collection's ``wire_dtype``
 with it; the layout below does not depend on it.
 
 A collection pooled on its servers (``pool_on: server``) sends with each lookup its
-:class:`Bags` -- how the server pools the rows into the trainer's bags, and how it turns the
-bags' gradients back into row gradients -- and gets back pooled bags instead of rows (one
-``[bags, dim]`` block per group of tables, in group order). The server keeps a lookup's bags
-under its *tag* (a number the trainer gives each of its lookups of the collection, increasing),
-and the push for it carries only the bags' gradients and that tag.
+:class:`Bags` -- which of the lookup's rows each of the trainer's bags sums -- and gets back
+pooled bags instead of rows (one ``[bags, dim]`` block per group of tables, in group order). The
+server keeps what turns the bags' gradients back into row gradients under the lookup's *tag* (a
+number the trainer gives each of its lookups of the collection, increasing), and the push for it
+carries only the bags' gradients and that tag.
 
 Every transport (:mod:`hybrid.ps.transport`) carries a message as a :class:`Frame`: a flat list
 of integers and a list of tensors, so the layout below is the whole wire format, versioned by
@@ -28,9 +28,9 @@ of integers and a list of tensors, so the layout below is the whole wire format,
              collection, step, num_raw, has_lookup, [lookup tables, [bags]],
              n_pushes, [per push: step, tag, tables]
              where [tables] is: n, table index x n, count x n
-             and [bags] is: has_bags, [tag, n_groups, per group: rows, dim, mean, weighted]
-    tensors: per part: lookup ids (if any), per bag group: idx, offsets, [weights], grad_bags,
-             grad_offsets, [grad_scale]; then per push: ids, grad
+             and [bags] is: has_bags, [tag, n_groups, per group: rows, dim, mean, features, weighted]
+    tensors: per part: lookup ids (if any), per bag group: idx, offsets, [weights];
+             then per push: ids, grad
 
 A message decoded from a transport's buffers may be a view into memory the transport reuses
 for the next message: whoever keeps a tensor beyond handling the message copies it.
@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybrid.ops.reference import Pooling
+from hybrid.ops.reference import BagLayout
 
-VERSION = 3
+VERSION = 4
 """Bumped whenever the layout changes; a server refuses a message of another version."""
 
 FLAG_AUTOGRAD = 1
@@ -77,36 +77,34 @@ class Rows:
 
 
 @dataclass(kw_only=True)
-class BagGroup(Pooling):
+class BagGroup(BagLayout):
     """How a server pools one group of a lookup's tables (one dimension and pooling): the
-    group's rows are ``rows`` consecutive rows of the lookup, ``dim`` wide, pooled and un-pooled
-    as :class:`Pooling` says -- what the trainer would otherwise compute itself
-    (:class:`hybrid.ps.client.routing.PooledRows`). The tensors are the trainer's route's
-    (:class:`hybrid.ops.reference.Route`) cut to this server: rows numbered within the group,
-    bags sample by sample over the server's features of the group; index tensors int32,
-    ``weights`` and ``grad_scale`` float32 or None."""
+    group's rows are ``rows`` consecutive rows of the lookup, ``dim`` wide, pooled into bags as
+    the :class:`BagLayout` says -- the trainer's route (:class:`hybrid.ops.reference.Route`) cut
+    to this server: rows numbered within the group, bags sample by sample over the server's
+    ``features`` features of the group; ``idx`` and ``offsets`` int32, ``weights`` float32 or
+    None. The server works out the backward's index itself (:func:`hybrid.ops.bag_rows`)."""
 
     rows: int
     dim: int
     mean: bool
+    features: int
 
     @property
     def bags(self) -> int:
         return self.offsets.numel() - 1
 
     def check(self) -> None:
-        """:class:`ProtocolError` unless the tensors agree with each other and with ``rows``."""
+        """:class:`ProtocolError` unless the tensors agree with each other."""
         n = self.idx.numel()
-        for name in ("idx", "offsets", "grad_bags", "grad_offsets"):
+        for name in ("idx", "offsets"):
             t = getattr(self, name)
             if t.dtype != torch.int32 or t.dim() != 1:
                 raise ProtocolError(f"bag group: {name} of {t.dtype}, {t.dim()}-d; expected 1-d int32")
-        if self.offsets.numel() < 1 or self.grad_offsets.numel() != self.rows + 1 or self.grad_bags.numel() != n:
-            raise ProtocolError(f"bag group: {self.offsets.numel()} bag offsets, {self.grad_offsets.numel()} row "
-                                f"offsets for {self.rows} rows, {self.grad_bags.numel()} row entries for {n} ids")
-        for name, t in (("weights", self.weights), ("grad_scale", self.grad_scale)):
-            if t is not None and (t.dtype != torch.float32 or t.numel() != n):
-                raise ProtocolError(f"bag group: {name} of {t.numel()} {t.dtype} for {n} ids")
+        if self.features < 1 or self.offsets.numel() < 1 or self.bags % self.features:
+            raise ProtocolError(f"bag group: {self.bags} bags for {self.features} features a sample")
+        if self.weights is not None and (self.weights.dtype != torch.float32 or self.weights.numel() != n):
+            raise ProtocolError(f"bag group: weights of {self.weights.numel()} {self.weights.dtype} for {n} ids")
 
 
 @dataclass
@@ -190,9 +188,8 @@ def encode(msg: StepMessage) -> Frame:
             if p.bags is not None:
                 ints += [p.bags.tag, len(p.bags.groups)]
                 for g in p.bags.groups:
-                    ints += [g.rows, g.dim, int(g.mean), int(g.weights is not None)]
+                    ints += [g.rows, g.dim, int(g.mean), g.features, int(g.weights is not None)]
                     tensors += [g.idx, g.offsets] + ([g.weights] if g.weights is not None else [])
-                    tensors += [g.grad_bags, g.grad_offsets] + ([g.grad_scale] if g.grad_scale is not None else [])
         ints.append(len(p.pushes))
         for push in p.pushes:
             ints += [push.step, push.tag]
@@ -235,14 +232,11 @@ class _Reader:
         tag, n = self.int(), self.int()
         groups = []
         for _ in range(n):
-            rows, dim, mean, weighted = self.int(), self.int(), bool(self.int()), bool(self.int())
+            rows, dim, mean, features, weighted = self.int(), self.int(), bool(self.int()), self.int(), bool(self.int())
             idx, offsets = self.tensor(), self.tensor()
             weights = self.tensor() if weighted else None
-            grad_bags, grad_offsets = self.tensor(), self.tensor()
-            # The backward's factors: the weights, or 1/length for mean bags.
-            grad_scale = self.tensor() if weighted or mean else None
-            group = BagGroup(rows=rows, dim=dim, mean=mean, idx=idx, offsets=offsets, weights=weights,
-                             grad_bags=grad_bags, grad_offsets=grad_offsets, grad_scale=grad_scale)
+            group = BagGroup(rows=rows, dim=dim, mean=mean, features=features, idx=idx, offsets=offsets,
+                             weights=weights)
             group.check()
             groups.append(group)
         return Bags(tag, groups)

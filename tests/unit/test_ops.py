@@ -176,6 +176,40 @@ def test_route_equals_the_reference(seed, pooling, sample_major):
 
 
 @native
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("pooling", ["sum", "mean", "weighted"])
+def test_bag_rows_equals_the_reference_and_the_route_s_backward(seed, pooling):
+    """A server pooling bags works out the backward's index from the bags alone: what the
+    trainer's route gives (its rows' groups, in the batch's feature-major order), bit for bit --
+    tables read by several features, repeated ids, empty bags included."""
+    g = torch.Generator().manual_seed(seed)
+    ntab = 1 + seed % 3
+    nf = ntab + 1 + seed % 2  # some table is read by two features
+    rows, row_base, _, _, feature_table = _layout(g, num_servers=1, ntab=ntab, nf=nf)
+    rows = rows.clamp(min=1)
+    row_base = torch.cat([rows.new_zeros(1), rows.cumsum(0)])
+    one = torch.ones(ntab, dtype=torch.int64)
+    b = 1 + seed * 3
+    ids, lengths = _batch(g, rows, feature_table, b, max_len=1 + seed)
+    weights = torch.rand(ids.shape, generator=g) if pooling == "weighted" else None
+    route = ops.route(ids, lengths, feature_table, row_base, one, torch.zeros(ntab, 1, dtype=torch.int64),
+                      num_servers=1, batch_size=b, weights=weights, mean=pooling == "mean")
+    i32 = torch.int32
+    kw = dict(rows=route.num_unique, features=nf, weights=route.weights, mean=pooling == "mean")
+    got = ops.bag_rows(route.idx.to(i32), route.offsets.to(i32), **kw)
+    want = ref.bag_rows(route.idx.to(i32), route.offsets.to(i32), **kw)
+    trainer = (route.grad_bags.to(i32), route.grad_offsets.to(i32), route.grad_scale)
+    for name, a, r, t in zip(("grad_bags", "grad_offsets", "grad_scale"), got, want, trainer):
+        assert _equal(a, r) and _equal(a, t), name
+    with pytest.raises(ValueError, match="is not one of the"):
+        ops.bag_rows(torch.tensor([0, 5], dtype=i32), torch.tensor([0, 2], dtype=i32), rows=5, features=1)
+    with pytest.raises(ValueError, match="not a whole number of samples of 2 features"):
+        ops.bag_rows(torch.tensor([0], dtype=i32), torch.tensor([0, 0, 1, 1], dtype=i32), rows=1, features=2)
+    with pytest.raises(ValueError, match="must not decrease"):
+        ops.bag_rows(torch.tensor([0, 0], dtype=i32), torch.tensor([0, 2, 1, 2], dtype=i32), rows=1, features=1)
+
+
+@native
 def test_route_of_empty_batches_and_int32_ids_equals_the_reference():
     g = torch.Generator().manual_seed(7)
     rows, row_base, shards, server_rank, feature_table = _layout(g, num_servers=2, ntab=2, nf=3)

@@ -29,7 +29,8 @@ def _same(a: StepMessage, b: StepMessage) -> None:
             assert p.bags.tag == q.bags.tag and len(p.bags.groups) == len(q.bags.groups)
             for g, h in zip(p.bags.groups, q.bags.groups):
                 assert (g.rows, g.dim, g.mean) == (h.rows, h.dim, h.mean)
-                for name in ("idx", "offsets", "weights", "grad_bags", "grad_offsets", "grad_scale"):
+                assert g.features == h.features
+                for name in ("idx", "offsets", "weights"):
                     a, b = getattr(g, name), getattr(h, name)
                     assert (a is None and b is None) or torch.equal(a, b), name
         assert len(p.pushes) == len(q.pushes)
@@ -40,16 +41,13 @@ def _same(a: StepMessage, b: StepMessage) -> None:
 
 
 def _group(rows: int, bags: int, *, mean: bool = False, weighted: bool = False) -> BagGroup:
-    """A bag group of ``rows`` rows of dim 4, one id per row plus one, in ``bags`` bags."""
-    i32 = torch.int32
+    """A bag group of ``rows`` rows of dim 4, one id per row plus one, in ``bags`` bags of one
+    feature."""
     n = rows + 1
-    idx = torch.cat([torch.arange(rows), torch.zeros(1, dtype=torch.int64)]).to(i32)
-    offsets = torch.linspace(0, n, bags + 1).round().to(i32)
-    scale = torch.rand(n) if mean or weighted else None
-    return BagGroup(rows=rows, dim=4, mean=mean, idx=idx, offsets=offsets, weights=torch.rand(n) if weighted else None,
-                    grad_bags=torch.arange(n, dtype=i32) % bags,
-                    grad_offsets=torch.cat([torch.zeros(1, dtype=i32), torch.arange(2, n + 1, dtype=i32)]),
-                    grad_scale=scale)
+    idx = torch.cat([torch.arange(rows), torch.zeros(1, dtype=torch.int64)]).to(torch.int32)
+    offsets = torch.linspace(0, n, bags + 1).round().to(torch.int32)
+    return BagGroup(rows=rows, dim=4, mean=mean, features=1, idx=idx, offsets=offsets,
+                    weights=torch.rand(n) if weighted else None)
 
 
 NO_ROWS = Rows([], [], torch.empty(0, dtype=torch.int64))
@@ -100,9 +98,13 @@ def test_bag_groups_whose_tensors_disagree_are_refused():
     frame = encode(msg)
     decode(frame)
     for k, bad, match in [(1, good.idx.long(), "idx of torch.int64, 1-d; expected 1-d int32"),
-                          (5, good.grad_offsets[:-1], "3 row offsets for 3 rows"),
                           (3, good.weights[:-1], "weights of 3 torch.float32 for 4 ids")]:
         tensors = list(frame.tensors)
         tensors[k] = bad
         with pytest.raises(ProtocolError, match=match):
             decode(Frame(frame.ints, tensors))
+    ints = list(frame.ints)
+    assert ints[-3] == good.features  # ..., features, weighted, then the part's number of pushes
+    ints[-3] = 3  # 2 bags are not whole samples of 3 features
+    with pytest.raises(ProtocolError, match="2 bags for 3 features a sample"):
+        decode(Frame(ints, frame.tensors))

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -755,6 +756,69 @@ StatusTuple scatter_rows_(const Tensor& dst, const Tensor& rows, const Tensor& s
   return as_tuple(st);
 }
 
+// -- bag_rows ------------------------------------------------------------------------------------
+
+// The backward's index of bags pooled on a server (pool_on: server): for each row, the bags its
+// ids fell in and their factors, grouped row by row -- the order route() gives (a row's ids in
+// the batch's feature-major order: feature, then sample, then place in the bag), so that the
+// row gradients are summed as a trainer sums them. Bags are numbered sample by sample over
+// `features` features: bag s * features + j.
+std::tuple<Tensor, Tensor, Tensor> bag_rows(const Tensor& idx, const Tensor& offsets, int64_t rows,
+                                            int64_t features, const std::optional<Tensor>& weights, bool mean) {
+  check_cpu_contiguous(idx, "idx");
+  check_cpu_contiguous(offsets, "offsets");
+  TORCH_CHECK_TYPE(idx.scalar_type() == at::kInt && offsets.scalar_type() == at::kInt,
+                   "idx and offsets must be int32, got ", idx.scalar_type(), " and ", offsets.scalar_type());
+  TORCH_CHECK_VALUE(idx.dim() == 1 && offsets.dim() == 1 && offsets.numel() >= 1, "idx and offsets must be 1-D, ",
+                    "offsets with at least one entry");
+  TORCH_CHECK_VALUE(rows >= 0 && rows < (int64_t{1} << 31), "rows must be in [0, 2^31), got ", rows);
+  const int64_t n = idx.numel(), nbags = offsets.numel() - 1;
+  TORCH_CHECK_VALUE(features >= 1 && nbags % features == 0, nbags, " bags are not a whole number of samples of ",
+                    features, " features");
+  const int32_t* ip = idx.data_ptr<int32_t>();
+  const int32_t* op = offsets.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(op[0] == 0 && op[nbags] == n, "offsets must run from 0 to ", n, " (the ids), got ", op[0], " to ",
+                    op[nbags]);
+  for (int64_t g = 0; g < nbags; g++)
+    TORCH_CHECK_VALUE(op[g] <= op[g + 1], "offsets must not decrease (bag ", g, ")");
+  const float* wp = nullptr;
+  if (weights.has_value()) {
+    check_float32(*weights, "weights");
+    TORCH_CHECK_VALUE(weights->numel() == n, n, " ids but ", weights->numel(), " weights");
+    wp = weights->data_ptr<float>();
+  }
+  auto i32 = idx.options();
+  Tensor grad_offsets = at::zeros({rows + 1}, i32);
+  int32_t* go = grad_offsets.data_ptr<int32_t>();
+  for (int64_t p = 0; p < n; p++) {
+    TORCH_CHECK_VALUE(ip[p] >= 0 && ip[p] < rows, "idx[", p, "] = ", ip[p], " is not one of the ", rows, " rows");
+    go[ip[p] + 1]++;
+  }
+  for (int64_t r = 0; r < rows; r++) go[r + 1] += go[r];
+  std::vector<int32_t> next(go, go + rows);
+  Tensor grad_bags = at::empty({n}, i32);
+  Tensor grad_scale = at::empty({wp != nullptr || mean ? n : 0}, idx.options().dtype(at::kFloat));
+  int32_t* gb = grad_bags.data_ptr<int32_t>();
+  float* gs = grad_scale.data_ptr<float>();
+  const int64_t samples = nbags / features;
+  for (int64_t j = 0; j < features; j++) {
+    for (int64_t s = 0; s < samples; s++) {
+      const int64_t bag = s * features + j;
+      const float inv_len = 1.0f / static_cast<float>(std::max(op[bag + 1] - op[bag], 1));
+      for (int64_t p = op[bag]; p < op[bag + 1]; p++) {
+        const int32_t q = next[ip[p]]++;
+        gb[q] = static_cast<int32_t>(bag);
+        if (wp != nullptr) {
+          gs[q] = wp[p];
+        } else if (mean) {
+          gs[q] = inv_len;
+        }
+      }
+    }
+  }
+  return {grad_bags, grad_offsets, grad_scale};
+}
+
 std::string isa() { return k::dispatch().isa; }
 
 }  // namespace
@@ -785,6 +849,9 @@ TORCH_LIBRARY(hybrid, m) {
       "Tensor[] grads, float[] grad_scales, float lr, float eps, float weight_decay, float beta1, "
       "float beta2) -> (int, int, int, int)");
   m.def("scatter_rows_(Tensor(a!) dst, Tensor rows, Tensor src) -> (int, int, int, int)");
+  m.def(
+      "bag_rows(Tensor idx, Tensor offsets, int rows, int features, Tensor? weights, bool mean) -> "
+      "(Tensor, Tensor, Tensor)");
   m.def("isa() -> str", isa);
 }
 
@@ -797,6 +864,7 @@ TORCH_LIBRARY_IMPL(hybrid, CompositeExplicitAutograd, m) {
   m.impl("optimizer_rows", optimizer_rows);
   m.impl("optimizer_step_", optimizer_step_);
   m.impl("scatter_rows_", scatter_rows_);
+  m.impl("bag_rows", bag_rows);
 }
 
 // `import hybrid._C` loads this library, which registers the operators above.

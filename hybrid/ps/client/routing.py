@@ -15,7 +15,7 @@ bags its ids fell in -- with no id-sized copy and no second sort.
 
 A collection pooled on its servers (``pool_on: server``; every table whole on one server) sends
 each server, with a step's lookup, the bags of the features it holds (:class:`Bags`: the same
-route cut to that server's rows and bags) and gets back the pooled bags, ``[batch, features x
+route's forward cut to that server's rows and bags) and gets back the pooled bags, ``[batch, features x
 dim]`` per group; :meth:`Router.pooled` puts the servers' blocks side by side in the
 collection's feature order. Outside a step (evaluation) the rows come back and are pooled here.
 
@@ -185,31 +185,22 @@ class Router:
             cols = g.columns_on[r]
             if not cols:
                 continue
-            mean, scale = g.pooling == "mean", route.grad_scale
+            common = dict(dim=g.dim, mean=g.pooling == "mean", features=len(cols))
             if g.sole_rank == r:  # the whole group is here: the route as it is
-                out.append(BagGroup(rows=route.num_unique, dim=g.dim, mean=mean, idx=route.idx.to(i32),
-                                    offsets=route.offsets.to(i32), weights=route.weights,
-                                    grad_bags=route.grad_bags.to(i32), grad_offsets=route.grad_offsets.to(i32),
-                                    grad_scale=scale))
+                out.append(BagGroup(rows=route.num_unique, idx=route.idx.to(i32), offsets=route.offsets.to(i32),
+                                    weights=route.weights, **common))
                 continue
             per = route.per.sum(1)
             start, n = int(per[:r].sum()), int(per[r])
-            nf = len(g.features)
-            lengths = route.offsets.diff()
-            wanted = torch.zeros(nf, dtype=torch.bool)
+            wanted = torch.zeros(len(g.features), dtype=torch.bool)
             wanted[cols] = True
             bag_mask = wanted.repeat(b)
+            lengths = route.offsets.diff()
             entries = torch.repeat_interleave(bag_mask, lengths, output_size=route.idx.numel())
-            local_bag = torch.full((b * nf,), -1, dtype=torch.int64)
-            local_bag[bag_mask] = torch.arange(b * len(cols))
-            go = route.grad_offsets[start : start + n + 1]
-            first, last = int(go[0]), int(go[-1])
             out.append(BagGroup(
-                rows=n, dim=g.dim, mean=mean, idx=(route.idx[entries] - start).to(i32),
+                rows=n, idx=(route.idx[entries] - start).to(i32),
                 offsets=torch.cat([lengths.new_zeros(1), lengths[bag_mask].cumsum(0)]).to(i32),
-                weights=None if route.weights is None else route.weights[entries],
-                grad_bags=local_bag.index_select(0, route.grad_bags[first:last]).to(i32),
-                grad_offsets=(go - first).to(i32), grad_scale=None if scale is None else scale[first:last]))
+                weights=None if route.weights is None else route.weights[entries], **common))
         return out
 
     def _route(self, kjt: KeyedJaggedTensor, *, where: str) -> RoutedBatch:

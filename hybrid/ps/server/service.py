@@ -302,8 +302,7 @@ class _Answer:
             shard.counters.bytes_in += part.lookup.ids.numel() * 8
             if part.bags is not None:
                 shard.counters.bytes_in += sum(t.numel() * t.element_size() for g in part.bags.groups
-                                               for t in (g.idx, g.offsets, g.weights, g.grad_bags, g.grad_offsets,
-                                                         g.grad_scale) if t is not None)
+                                               for t in (g.idx, g.offsets, g.weights) if t is not None)
             shard.when_ready(part.step - 1 - shard.staleness,
                              lambda err, i=i, part=part, shard=shard: self._one(i, part, shard, err))
 

@@ -193,7 +193,7 @@ class PooledLookup:
 
     rows: Rows
     groups: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]]
-    """Per group: bags, dim, grad_bags, grad_offsets, grad_scale (:class:`hybrid.ps.protocol.BagGroup`)."""
+    """Per group: bags, dim, grad_bags, grad_offsets, grad_scale (:func:`hybrid.ops.bag_rows`)."""
 
 
 class CollectionShard:
@@ -274,7 +274,8 @@ class CollectionShard:
     def gather_pooled(self, trainer: int, rows: Rows, bags: Bags, out: torch.Tensor, *, step: int) -> None:
         """``pool_on: server``: the rows asked for, pooled into the lookup's bags (float32, as the
         trainer would pool them), written into ``out`` in :attr:`wire_dtype`, group after group;
-        what the backward needs is kept for the trainer's push (:meth:`unpool`)."""
+        the backward's index (:func:`hybrid.ops.bag_rows`) is kept for the trainer's push
+        (:meth:`unpool`)."""
         flat = self._read(rows, _scratch(self.numel(rows)), step, torch.float32)
         pos = o = 0
         kept = []
@@ -288,8 +289,8 @@ class CollectionShard:
                                           per_sample_weights=g.weights, include_last_offset=True))
             else:
                 dst.zero_()
-            kept.append((g.bags, g.dim, g.grad_bags.clone(), g.grad_offsets.clone(),
-                         None if g.grad_scale is None else g.grad_scale.clone()))
+            kept.append((g.bags, g.dim, *ops.bag_rows(g.idx, g.offsets, rows=g.rows, features=g.features,
+                                                      weights=g.weights, mean=g.mean)))
         if pos != flat.numel() or o != out.numel():
             raise ValueError(f"{self.cid} on ps{self.server}: the lookup's bag groups cover {pos} of its "
                              f"{flat.numel()} row elements and {o} of {out.numel()} pooled ones")
