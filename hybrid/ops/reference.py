@@ -33,21 +33,10 @@ class BagLayout:
 
 
 @dataclass(kw_only=True)
-class Pooling(BagLayout):
-    """A :class:`BagLayout` and how the bags' gradients become the rows': ``embedding_bag(grad_bags,
+class Route(BagLayout):
+    """How one batch's ids split over servers, and how to pool (or gather) the replies: the
+    :class:`BagLayout`, and how the bags' gradients become the rows' -- ``embedding_bag(grad_bags,
     bags' gradients, grad_offsets, per_sample_weights=grad_scale, include_last_offset=True)``."""
-
-    grad_bags: torch.Tensor
-    """Backward: the bag of every id, grouped by reply row (rows in reply order)."""
-    grad_offsets: torch.Tensor
-    """Backward: where each reply row's group starts in ``grad_bags`` (``include_last_offset``)."""
-    grad_scale: torch.Tensor | None
-    """Backward: each id's factor (its weight, or 1/len(bag) for mean), grouped as grad_bags."""
-
-
-@dataclass(kw_only=True)
-class Route(Pooling):
-    """How one batch's ids split over servers, and how to pool (or gather) the replies."""
 
     requests_ids: torch.Tensor
     """Deduplicated local row ids, server by server, table by table, ascending within a table."""
@@ -55,6 +44,12 @@ class Route(Pooling):
     """[num_servers, num_tables] ids of each table in each server's request."""
     raw: torch.Tensor
     """[num_servers] ids before deduplication."""
+    grad_bags: torch.Tensor
+    """Backward: the bag of every id, grouped by reply row (rows in reply order)."""
+    grad_offsets: torch.Tensor
+    """Backward: where each reply row's group starts in ``grad_bags`` (``include_last_offset``)."""
+    grad_scale: torch.Tensor | None
+    """Backward: each id's factor (its weight, or 1/len(bag) for mean), grouped as grad_bags."""
     num_unique: int
 
 

@@ -189,7 +189,7 @@ class LookedUp:
 class PooledLookup:
     """What a server keeps of a lookup it pooled (``pool_on: server``) until the trainer pushes
     the bags' gradients for it: the rows (a copy of the ids) and, per group of tables, its
-    bags, dimension and the backward's tensors (copies)."""
+    bags, dimension and the backward's index (:func:`hybrid.ops.bag_rows`)."""
 
     rows: Rows
     groups: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]]
