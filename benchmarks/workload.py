@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.ps.config import POOL_ON
+
 
 @dataclass(kw_only=True)
 class Workload:
@@ -93,7 +95,7 @@ class Workload:
             ("threads", self.threads >= 1, "an integer >= 1"),
             ("async_staleness", self.async_staleness >= 1, "an integer >= 1"),
             ("hot_rows", self.hot_rows >= 0, "an integer >= 0"),
-            ("pool_on", self.pool_on in ("trainer", "server"), "'trainer' or 'server'"),
+            ("pool_on", self.pool_on in POOL_ON, " or ".join(map(repr, POOL_ON))),
         ]
         for name, ok, expected in checks:
             if not ok:

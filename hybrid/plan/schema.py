@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 
 from hybrid.plan.errors import Category, PlanError, did_you_mean, one_of
 from hybrid.ps.config import OptimizerSpec as SparseOptimizer
-from hybrid.ps.config import PoolOn, WireDtype, check_pool_on, check_wire_dtype
+from hybrid.ps.config import POOL_ON, WIRE_DTYPES, PoolOn, WireDtype, check_choice
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -183,8 +183,8 @@ class PSOptions:
             raise _bad("ids", self.ids, "'range' or 'dynamic'")
         if not isinstance(self.hot_rows, int) or self.hot_rows < 0:
             raise _bad("hot_rows", self.hot_rows, "a number of rows >= 0 (0: no cache)")
-        check_wire_dtype(self.wire_dtype)
-        check_pool_on(self.pool_on)
+        check_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
+        check_choice("pool_on", self.pool_on, POOL_ON)
         if self.ids == "dynamic":
             if self.capacity < 1:
                 raise _bad("capacity", self.capacity, "a number of rows >= 1 with ids: dynamic")

@@ -54,20 +54,15 @@ PoolOn = Literal["trainer", "server"]
 POOL_ON: tuple[str, ...] = get_args(PoolOn)
 
 
-def check_pool_on(value: object) -> None:
-    """Raise :class:`PlanError` (key ``pool_on``) unless ``value`` is one of :data:`POOL_ON`."""
-    if value not in POOL_ON:
-        raise _bad("pool_on", value, one_of(POOL_ON))
-
-
 def _bad(key: str, value: object, expected: str) -> PlanError:
     return PlanError(f"got {value!r}; expected {expected}", category="bad_value", key=key)
 
 
-def check_wire_dtype(value: object) -> None:
-    """Raise :class:`PlanError` (key ``wire_dtype``) unless ``value`` is one of :data:`WIRE_DTYPES`."""
-    if value not in WIRE_DTYPES:
-        raise _bad("wire_dtype", value, one_of(WIRE_DTYPES))
+def check_choice(key: str, value: object, choices: tuple[str, ...]) -> None:
+    """Raise :class:`PlanError` (key ``key``) unless ``value`` is one of ``choices`` (e.g.
+    ``wire_dtype`` of :data:`WIRE_DTYPES`, ``pool_on`` of :data:`POOL_ON`)."""
+    if value not in choices:
+        raise _bad(key, value, one_of(choices))
 
 
 @dataclass(kw_only=True)
@@ -256,8 +251,8 @@ class CollectionConfig:
     gradients; every table whole on one server)."""
 
     def __post_init__(self) -> None:
-        check_wire_dtype(self.wire_dtype)
-        check_pool_on(self.pool_on)
+        check_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
+        check_choice("pool_on", self.pool_on, POOL_ON)
         if not self.servers:
             object.__setattr__(self, "servers", tuple(sorted({s for lay in self.layouts for s in lay.servers})))
 

@@ -82,13 +82,15 @@ def test_what_a_collection_pooled_on_its_servers_refuses(case, match):
     assert e.value.key == "pool_on"
 
 
-def _batch(weighted: bool, seed: int = 0) -> KeyedJaggedTensor:
+def _batch(weighted: bool, seed: int = 0, empty_group: bool = False) -> KeyedJaggedTensor:
     g = torch.Generator().manual_seed(seed)
     keys = [f for t in TABLES for f in t.feature_names]
     b = 5
     lengths = torch.randint(0, 4, (len(keys) * b,), generator=g)
     lengths[3] = 0  # an empty bag, and a feature with none at all
     lengths[b * 3 : b * 4] = 0
+    if empty_group:  # the dim-8 group's two features (fb, fb2) have no id at all
+        lengths[b : b * 3] = 0
     rows = {f: t.num_embeddings for t in TABLES for f in t.feature_names}
     values = torch.cat([torch.randint(0, rows[f], (int(n),), generator=g)
                         for f, n in zip(keys, lengths.view(len(keys), b).sum(1))])
@@ -105,14 +107,15 @@ def _shards(config: CollectionConfig) -> dict[int, CollectionShard]:
     return out
 
 
-@pytest.mark.parametrize("servers,weighted,dynamic", [(2, False, False), (2, True, False), (1, False, False),
-                                                      (3, False, True)])
-def test_servers_pool_and_unpool_as_the_trainer_does_bit_for_bit(servers, weighted, dynamic):
+@pytest.mark.parametrize("servers,weighted,dynamic,empty_group", [
+    (2, False, False, False), (2, True, False, False), (1, False, False, False), (3, False, True, False),
+    (2, False, False, True), (1, True, False, True)])
+def test_servers_pool_and_unpool_as_the_trainer_does_bit_for_bit(servers, weighted, dynamic, empty_group):
     tables = WEIGHTED if weighted else TABLES
     dyn = {"dynamic": DynamicIds(capacity=64, partitions=4)} if dynamic else {}
     config = _config(tables, servers=servers, weighted=weighted, **dyn)
     router, shards = Router(config), _shards(config)
-    kjt = _batch(weighted)
+    kjt = _batch(weighted, empty_group=empty_group)
     routed = router.route(kjt, where="test", tag=7)
     # Trainer-side pooling: the servers' rows, pooled here.
     rows = {s: shards[s].gather(routed.requests[s]).detach().requires_grad_(True) for s in config.servers}

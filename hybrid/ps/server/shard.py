@@ -282,13 +282,10 @@ class CollectionShard:
         for g in bags.groups:
             table = flat[pos : pos + g.rows * g.dim].view(g.rows, g.dim)
             pos += g.rows * g.dim
-            dst = out[o : o + g.bags * g.dim].view(g.bags, g.dim)
+            out[o : o + g.bags * g.dim].view(g.bags, g.dim).copy_(F.embedding_bag(
+                g.idx, table, g.offsets, mode="mean" if g.mean else "sum", per_sample_weights=g.weights,
+                include_last_offset=True))
             o += g.bags * g.dim
-            if g.idx.numel():
-                dst.copy_(F.embedding_bag(g.idx, table, g.offsets, mode="mean" if g.mean else "sum",
-                                          per_sample_weights=g.weights, include_last_offset=True))
-            else:
-                dst.zero_()
             kept.append((g.bags, g.dim, *ops.bag_rows(g.idx, g.offsets, rows=g.rows, features=g.features,
                                                       weights=g.weights, mean=g.mean)))
         if pos != flat.numel() or o != out.numel():
@@ -313,9 +310,7 @@ class CollectionShard:
             raise
 
     def _unpool(self, trainer: int, tag: int, grad: torch.Tensor) -> Contribution:
-        if grad.dtype != self.wire_dtype:
-            raise TypeError(f"{self.cid} on ps{self.server}: a gradient of {grad.dtype}; this collection's "
-                            f"wire_dtype is {self.config.wire_dtype} (trainers and servers disagree)")
+        grad = self._widened(grad)
         with self.lock:
             mine = self.pooled[trainer]
             kept = mine.pop(tag, None)
@@ -324,8 +319,6 @@ class CollectionShard:
         if kept is None:
             raise RuntimeError(f"{self.cid} on ps{self.server}: trainer {trainer} pushed the gradient of pooled "
                                f"lookup {tag}, which this server does not hold")
-        self.counters.bytes_in += grad.numel() * grad.element_size()
-        grad = grad.float()
         expected = sum(b * d for b, d, *_ in kept.groups)
         if grad.numel() != expected:
             raise ValueError(f"{self.cid} on ps{self.server}: a pooled gradient of {grad.numel()} elements for "
@@ -334,12 +327,18 @@ class CollectionShard:
         for bags, dim, grad_bags, grad_offsets, grad_scale in kept.groups:
             g = grad[pos : pos + bags * dim].view(bags, dim)
             pos += bags * dim
-            if grad_bags.numel():
-                out.append(F.embedding_bag(grad_bags, g, grad_offsets, mode="sum", per_sample_weights=grad_scale,
-                                           include_last_offset=True).view(-1))
-            else:
-                out.append(g.new_zeros((grad_offsets.numel() - 1) * dim))
-        return kept.rows, out[0] if len(out) == 1 else torch.cat(out) if out else grad.new_zeros(0)
+            out.append(F.embedding_bag(grad_bags, g, grad_offsets, mode="sum", per_sample_weights=grad_scale,
+                                       include_last_offset=True).view(-1))
+        return kept.rows, _cat(out) if out else grad.new_zeros(0)
+
+    def _widened(self, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient as it arrived (counted), checked to be in :attr:`wire_dtype` and widened to
+        float32 (the same tensor where that is float32)."""
+        if grad.dtype != self.wire_dtype:
+            raise TypeError(f"{self.cid} on ps{self.server}: a gradient of {grad.dtype}; this collection's "
+                            f"wire_dtype is {self.config.wire_dtype} (trainers and servers disagree)")
+        self.counters.bytes_in += grad.numel() * grad.element_size()
+        return grad.float()
 
     def _gather_dynamic(self, rows: Rows, shards: list[TableShard], out: torch.Tensor | None,
                         step: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -411,13 +410,7 @@ class CollectionShard:
         self.counters.gradients += 1
         try:
             if not unpooled:
-                self.counters.bytes_in += sum(g.numel() * g.element_size() for _, g in parts)
-                for _, g in parts:
-                    if g.dtype != self.wire_dtype:
-                        raise TypeError(f"{self.cid} on ps{self.server}: a gradient of {g.dtype}; this collection's "
-                                        f"wire_dtype is {self.config.wire_dtype} (trainers and servers disagree)")
-                if self.wire_dtype != torch.float32:
-                    parts = [(r, g.float()) for r, g in parts]
+                parts = [(r, self._widened(g)) for r, g in parts]
             with self.lock:
                 if self.failed is not None:
                     raise RuntimeError(f"{self.cid} on ps{self.server} failed earlier") from self.failed
