@@ -257,6 +257,7 @@ def test_a_frame_sent_from_its_tensors_is_the_frame_a_region_holds():
     pieces, n = frame_pieces(5, STEP, frame)
     assert n == end > big.numel() * 4
     a, b = socket.socketpair()
+    a.settimeout(30), b.settimeout(30)  # never a hang: a stalled end raises instead
     got = bytearray()
 
     def read() -> None:
