@@ -187,11 +187,15 @@ def test_bad_ids_modulo_policy_wraps_ids():
 
 
 def _raw_state(cid):
-    """On a server: its tables and optimizer state as they are (no waiting, even after a failure)."""
+    """On a server: its tables and optimizer state as they are (no waiting, even after a failure).
+    Rows still waiting for their initial values (the background fill) are made first: raw memory
+    of a pending row means nothing, and the fill would change it between two reads."""
     from hybrid.ps.server.service import server
 
     shard = server().shard(cid)
     with shard.lock:
+        for t in shard.tables:
+            t.ensure_range(0, t.rows)
         return {t.name: (t.weight.clone(), {k: v.clone() for k, v in t.optim.state.items()}) for t in shard.tables}
 
 
