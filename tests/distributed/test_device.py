@@ -30,7 +30,7 @@ def _on_gpu(rank, world_size, *, pool_on):
     pipeline = make_pipeline(trainer=0, num_servers=1, staleness=0, device=device)
     remote = remote_of(ebc, pipeline, cid="g", num_servers=1, optimizer={"name": "sgd", "lr": 0.5}, pool_on=pool_on)
     local = make_ebc(seed=0).to(device)
-    kjt = kjt_slice(global_batch(0, sparse.test_tables(), 8), 0, 8)
+    kjt = kjt_slice(global_batch(0, sparse.sample_tables(), 8), 0, 8)
     with step(pipeline) as s:
         out = remote(kjt)
         assert out.values().device == device

@@ -87,7 +87,7 @@ def _train(rank, world_size, *, num_servers, dynamic, kind="bag"):
         return None
     t_n, me = role.num_trainers, role.index
     pipeline = make_pipeline(trainer=me, num_servers=num_servers, staleness=0)
-    tables = sparse.test_tables()
+    tables = sparse.sample_tables()
     ebc = _collection(kind, tables)
     c = torch.linspace(-1, 1, sum(t.embedding_dim * len(t.feature_names) for t in tables))
     remotes = {n: remote_of(ebc, pipeline, cid=n, num_servers=num_servers, optimizer={"name": n, "lr": lr},

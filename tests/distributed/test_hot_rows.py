@@ -10,7 +10,7 @@ from hybrid.launch.roles import role_of
 from hybrid.ps.client import make_pipeline, step
 from tests.harness import run_distributed
 from tests.support.remote import remote_of
-from tests.support.sparse import make_ebc, teacher_task, test_tables
+from tests.support.sparse import make_ebc, teacher_task, sample_tables
 
 B = 16
 K = 3
@@ -20,7 +20,7 @@ def _cached(rank, world_size, *, num_servers):
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
         return None
-    tables = test_tables()
+    tables = sample_tables()
     local = make_ebc(seed=0)  # the rows every server starts from
     pipeline = make_pipeline(trainer=role.index, num_servers=num_servers, staleness=K)
     opts = dict(num_servers=num_servers, optimizer={"name": "sgd", "lr": 0.3}, trainer=role.index,

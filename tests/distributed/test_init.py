@@ -18,7 +18,7 @@ LAYOUTS = [(sharding, servers) for sharding in ("table_wise", "row_wise") for se
 
 def _tables():
     # Row counts that 2 and 3 do not divide, and a table of one row.
-    return [*sparse.test_tables(), EmbeddingBagConfig(name="t3", embedding_dim=3, num_embeddings=1, feature_names=["f4"])]
+    return [*sparse.sample_tables(), EmbeddingBagConfig(name="t3", embedding_dim=3, num_embeddings=1, feature_names=["f4"])]
 
 
 def _created(rank, world_size):

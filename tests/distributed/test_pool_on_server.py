@@ -18,7 +18,7 @@ from hybrid.ps.client import make_pipeline, step
 from hybrid.ps.config import DynamicIds
 from tests.harness import run_distributed
 from tests.support.remote import remote_of
-from tests.support.sparse import global_batch, kjt_slice, make_ebc, test_tables
+from tests.support.sparse import global_batch, kjt_slice, make_ebc, sample_tables
 
 STEPS, BATCH = 8, 6
 DYNAMIC = DynamicIds(capacity=128, partitions=4, evict="lru")
@@ -37,7 +37,7 @@ def _loss(values: torch.Tensor) -> torch.Tensor:
 
 def _data(k: int) -> dict:
     """Step ``k``'s global batch, with per-sample weights (which unweighted collections ignore)."""
-    return global_batch(k, test_tables(), 2 * BATCH, weighted=True)
+    return global_batch(k, sample_tables(), 2 * BATCH, weighted=True)
 
 
 def _train(rank, world_size, *, num_servers):
@@ -104,7 +104,7 @@ def test_pooling_on_the_servers_trains_exactly_as_pooling_on_the_trainers():
     out = run_distributed(_train, 4, setup="hybrid", num_servers=2, timeout=240)
     trainers = out[:2]
     res = trainers[0]
-    per_sample = sum(t.embedding_dim * len(t.feature_names) for t in test_tables())
+    per_sample = sum(t.embedding_dim * len(t.feature_names) for t in sample_tables())
     for name in COLLECTIONS:
         stats = res[name]
         # What crossed each way: the bags, pooled -- every sample's features once.

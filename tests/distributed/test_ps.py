@@ -19,7 +19,7 @@ from tests.support.sparse import (
     global_batch,
     kjt_slice,
     make_ebc,
-    test_tables,
+    sample_tables,
     touched_rows,
 )
 
@@ -37,7 +37,7 @@ def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=Fals
         return None
     t_n, me = role.num_trainers, role.index
     pipeline = make_pipeline(trainer=me, num_servers=num_servers, staleness=0, gradient_push=push, transport=lookups)
-    tables = test_tables()
+    tables = sample_tables()
     c = torch.linspace(-1, 1, sum(t.embedding_dim * len(t.feature_names) for t in tables))
     remotes, refs = {}, {}
     for name, lr in OPTIMIZERS.items():
@@ -131,10 +131,10 @@ def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sh
             assert st["complete_through"] == STEPS - 1
             # Only deduplicated rows cross the wire: never anything table-sized.
             assert st["rows_served"] <= st["ids_requested"]
-            assert st["bytes_out"] < STEPS * 2 * sum(4 * t.num_embeddings * t.embedding_dim for t in test_tables())
+            assert st["bytes_out"] < STEPS * 2 * sum(4 * t.num_embeddings * t.embedding_dim for t in sample_tables())
         if pool_on == "server":
             # What the servers sent is the bags, pooled: every sample's features once, float32.
-            bag_bytes = BATCH * sum(4 * t.embedding_dim * len(t.feature_names) for t in test_tables())
+            bag_bytes = BATCH * sum(4 * t.embedding_dim * len(t.feature_names) for t in sample_tables())
             assert sum(st["bytes_out"] for st in per_server.values()) == STEPS * 2 * bag_bytes, per_server
 
 
@@ -145,7 +145,7 @@ def _bad_ids(rank, world_size, *, policy):
     ebc = make_ebc(seed=0)
     pipeline = make_pipeline(trainer=0, num_servers=1, staleness=0)
     remote = remote_of(ebc, pipeline, cid="bad", num_servers=1, optimizer={"name": "sgd", "lr": 1.0}, id_policy=policy)
-    data = global_batch(0, test_tables(), 4)
+    data = global_batch(0, sample_tables(), 4)
     ln, ids, w = data["f0"]
     ids = ids.clone()
     ids[0], ids[-1] = 57, -3  # table t0 has 50 rows
@@ -222,7 +222,7 @@ def _failing_update(rank, world_size, *, num_servers):
     ebc = make_ebc(seed=0)
     pipeline = make_pipeline(trainer=0, num_servers=1, staleness=0)
     remote = remote_of(ebc, pipeline, cid="faulty", num_servers=1, optimizer={"name": "adagrad", "lr": 0.5})
-    kjt = kjt_slice(global_batch(0, test_tables(), 4), 0, 4)
+    kjt = kjt_slice(global_batch(0, sample_tables(), 4), 0, 4)
     with step(pipeline) as st:  # one good step, so the optimizer state is not all zeros
         st.backward(remote(kjt).values().sum())
     pipeline.flush()

@@ -12,7 +12,7 @@ from hybrid.launch.roles import role_of
 from hybrid.ps.client import make_pipeline, step
 from tests.harness import run_distributed
 from tests.support.remote import remote_bag, remote_of
-from tests.support.sparse import global_batch, kjt_slice, make_ebc, teacher_task, test_tables
+from tests.support.sparse import global_batch, kjt_slice, make_ebc, teacher_task, sample_tables
 
 B = 16
 
@@ -21,7 +21,7 @@ def _async(rank, world_size, *, num_servers, pool_on):
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
         return None
-    tables = test_tables()
+    tables = sample_tables()
     ebc = make_ebc(seed=0)
     pipeline = make_pipeline(trainer=role.index, num_servers=num_servers, staleness=1)
     remote = remote_of(ebc, pipeline, cid="a", num_servers=num_servers, optimizer={"name": "adagrad", "lr": 0.3},
@@ -71,7 +71,7 @@ def _weighted_and_bag(rank, world_size):
     ebc = make_ebc(seed=3, weighted=True)
     pipeline = make_pipeline(trainer=0, num_servers=1, staleness=0)
     remote = remote_of(ebc, pipeline, cid="w", num_servers=1, optimizer={"name": "sgd", "lr": 1.0}, seed=3)
-    kjt = kjt_slice(global_batch(0, test_tables(), 8, weighted=True), 0, 8)
+    kjt = kjt_slice(global_batch(0, sample_tables(), 8, weighted=True), 0, 8)
     with step(pipeline) as st:
         out = remote(kjt)
         torch.testing.assert_close(out.values(), ebc(kjt).values())

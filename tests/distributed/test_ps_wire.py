@@ -41,7 +41,7 @@ COLLECTIONS = {
 
 
 def _module(pooled: bool):
-    tables = sparse.test_tables()
+    tables = sparse.sample_tables()
     if pooled:
         return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     # torchrec's EmbeddingCollection takes one embedding dim for all its tables.
@@ -134,12 +134,12 @@ def _train(rank, world_size, *, num_servers, push, prefetch, lookups):
     sent = {name: {"ids": 0, "elements": 0} for name in COLLECTIONS}
     nxt = None
     for s in range(STEPS):
-        data = global_batch(s, sparse.test_tables(), t_n * BATCH)
+        data = global_batch(s, sparse.sample_tables(), t_n * BATCH)
         kjt = nxt if nxt is not None else kjt_slice(data, me * BATCH, (me + 1) * BATCH)
         with step(pipeline) as st:
             outs = {n: r(kjt) for n, r in remotes.items()}
             if prefetch and s + 1 < STEPS:
-                nxt = kjt_slice(global_batch(s + 1, sparse.test_tables(), t_n * BATCH), me * BATCH, (me + 1) * BATCH)
+                nxt = kjt_slice(global_batch(s + 1, sparse.sample_tables(), t_n * BATCH), me * BATCH, (me + 1) * BATCH)
                 st.prefetch(nxt)
             for r in pipeline.current.received:
                 name = r.collection.cid
@@ -156,7 +156,7 @@ def _train(rank, world_size, *, num_servers, push, prefetch, lookups):
     dist.barrier()  # every trainer's last push is in, so the last step is applied everywhere
     result = {"sent": sent}
     if me == 0:
-        kjt = kjt_slice(global_batch(STEPS, sparse.test_tables(), BATCH), 0, BATCH)
+        kjt = kjt_slice(global_batch(STEPS, sparse.sample_tables(), BATCH), 0, BATCH)
         for name, remote in remotes.items():
             ref = refs[name]
             result[name] = {"stats": remote.stats()}  # the training steps' bytes alone

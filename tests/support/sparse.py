@@ -8,7 +8,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
-def test_tables(mean: bool = True) -> list[EmbeddingBagConfig]:
+def sample_tables(mean: bool = True) -> list[EmbeddingBagConfig]:
     """Three tables: plain sum, a shared mean-pooled table with two features, and a tiny one
     (lots of duplicate ids). ``mean=False`` makes them all sum-pooled (weighted collections)."""
     return [
@@ -23,7 +23,7 @@ def make_ebc(seed: int = 0, weighted: bool = False, tables=None) -> EmbeddingBag
     """A local collection holding the rows the servers start from with ``seed``."""
     from hybrid.ps.init import init_tables
 
-    ebc = EmbeddingBagCollection(tables=tables or test_tables(mean=not weighted), is_weighted=weighted,
+    ebc = EmbeddingBagCollection(tables=tables or sample_tables(mean=not weighted), is_weighted=weighted,
                                  device=torch.device("meta"))
     return init_tables(ebc, seed=seed)
 

@@ -651,7 +651,7 @@ def test_a_wrong_dtype_raises_type_error_naming_the_argument():
         ops.gather_rows([t[0].double()], ids, [2])
     with pytest.raises(TypeError, match="out must be float32, bfloat16 or float16, got Int"):
         ops.gather_rows(t, ids, [2], out=torch.zeros(8, dtype=torch.int32))
-    with pytest.raises(TypeError, match="grads\[0\] must be float32, bfloat16 or float16, got Double"):
+    with pytest.raises(TypeError, match=r"grads\[0\] must be float32, bfloat16 or float16, got Double"):
         ops.sgd_rows_(t, ids, [2], torch.ones(8, dtype=torch.float64), alpha=-1.0)
     with pytest.raises(TypeError, match=r"state\[0\] must be float32, got Double"):
         ops.optimizer_rows("adagrad", ids, torch.ones(2, 4), grad_scale=1.0, weight=t[0],

@@ -11,7 +11,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from hybrid.ps.client import BadIdError, RemoteEmbeddingBagCollection
 from hybrid.ps.client.routing import Router
 from tests.support.sparse import global_batch, kjt_slice
-from tests.support.sparse import test_tables as mixed_tables
+from tests.support.sparse import sample_tables as mixed_tables
 
 
 def _same_dim_tables(pooling: PoolingType) -> list[EmbeddingBagConfig]:
