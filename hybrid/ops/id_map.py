@@ -71,6 +71,13 @@ class HashIdMap:
         self.used = torch.ops.hybrid.id_map_erase_(self.keys, self.slots, ids.to(torch.int64).contiguous().reshape(-1),
                                                     self.used)
 
+    def clear(self) -> None:
+        """Remove every id and give the table's memory back (a fresh minimal table)."""
+        self.version += 1
+        self.keys = self.empty(16, torch.int64).zero_()
+        self.slots = self.empty(16, torch.int64).fill_(-1)
+        self.used = 0
+
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids ascending, their slots)."""
         present = self.slots >= 0

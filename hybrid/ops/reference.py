@@ -347,6 +347,12 @@ class IdMap:
         keep = ~torch.isin(self.keys, ids.to(torch.int64))
         self.keys, self.slots = self.keys[keep], self.slots[keep]
 
+    def clear(self) -> None:
+        """Remove every id."""
+        self.version += 1
+        self.keys = torch.empty(0, dtype=torch.int64)
+        self.slots = torch.empty(0, dtype=torch.int64)
+
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids ascending, their slots)."""
         return self.keys.clone(), self.slots.clone()

@@ -167,7 +167,10 @@ def summarize_options(e: ResolvedModule) -> str:
         parts += [] if o.id_policy == "error" else [f"ids={o.id_policy}"]
         parts += [] if o.storage_dtype == "float32" else [f"rows={_short(o.storage_dtype)}"]
         parts += [] if o.wire_dtype == "float32" else [f"wire={_short(o.wire_dtype)}"]
-        parts += [] if o.ids == "range" else [f"dynamic cap={o.capacity} evict={o.evict}"]
+        if o.ids == "dynamic":
+            admit = f" admit_after={o.admit_after}" if o.admit_after > 1 else ""
+            admit += f" window={o.admit_window}" if o.admit_window else ""
+            parts.append(f"dynamic cap={o.capacity} evict={o.evict}{admit}")
         parts += [f"hot_rows={o.hot_rows}"] if o.hot_rows else []
         parts += ["pool_on=server"] if o.pool_on == "server" else []
     elif e.strategy == "fsdp":

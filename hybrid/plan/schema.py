@@ -164,6 +164,8 @@ class PSOptions:
     """``ids: dynamic``: ``none`` | ``lru`` | ``ttl:<steps>`` when a table is full."""
     partitions: int = 0
     """``ids: dynamic``: hash parts per table (0: ``min(64, capacity)``)."""
+    admit_window: int = 0
+    """``ids: dynamic`` with ``admit_after`` > 1: steps per window sightings count in; 0: no window."""
     hot_rows: int = 0
     """Async mode (``sync.staleness`` >= 1): rows of each table, per server, every trainer keeps
     from its lookups and uses again while the staleness bound allows, the most used ones
@@ -176,7 +178,7 @@ class PSOptions:
         if self.ids != "dynamic":
             return None
         return DynamicIds(capacity=self.capacity, admit_after=self.admit_after, evict=self.evict,
-                          partitions=self.partitions)
+                          partitions=self.partitions, admit_window=self.admit_window)
 
     def __post_init__(self) -> None:
         if self.ids not in ("range", "dynamic"):

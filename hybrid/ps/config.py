@@ -143,12 +143,22 @@ class DynamicIds:
     none expired fails the step as ``none``)."""
     partitions: int = 0
     """Parts per table; 0: ``min(64, capacity)``."""
+    admit_window: int = 0
+    """With ``admit_after`` > 1: sightings count within windows of this many steps (steps
+    ``[k * W, (k + 1) * W)``); once every trainer's pushes of a window are in, the sightings of
+    ids still without a row are forgotten, so they take memory for the ids of one window at
+    most. 0: kept until admission (they grow with every distinct id ever seen)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity, int) or self.capacity < 1:
             raise _bad("capacity", self.capacity, "a number of rows >= 1 (ids: dynamic)")
         if not isinstance(self.admit_after, int) or self.admit_after < 1:
             raise _bad("admit_after", self.admit_after, "a number of sightings >= 1")
+        if not isinstance(self.admit_window, int) or isinstance(self.admit_window, bool) or self.admit_window < 0:
+            raise _bad("admit_window", self.admit_window, "a number of steps >= 0 (0: sightings never forgotten)")
+        if self.admit_window and self.admit_after == 1:
+            raise _bad("admit_window", self.admit_window,
+                       "0 with admit_after: 1 (every id gets a row on first touch: there are no sightings to forget)")
         self.ttl  # validates evict
         if self.partitions == 0:
             object.__setattr__(self, "partitions", min(64, self.capacity))

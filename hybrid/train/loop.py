@@ -520,7 +520,7 @@ class Trainer:
                     if isinstance(v, (int, float)):
                         agg[k] = agg.get(k, 0) + v
                 for table in (d.get("dynamic") or {}).values():  # ids: dynamic tables, summed
-                    for k in ("rows", "admitted", "evicted", "hits", "looked_up"):
+                    for k in ("rows", "sightings", "admitted", "evicted", "hits", "looked_up"):
                         agg[f"dynamic_{k}"] = agg.get(f"dynamic_{k}", 0) + table[k]
         return out
 
@@ -591,8 +591,9 @@ def _dynamic_counters(d: dict) -> str:
     if "dynamic_rows" not in d:
         return ""
     hit = d["dynamic_hits"] / d["dynamic_looked_up"] if d["dynamic_looked_up"] else 1.0
+    seen = f", {d['dynamic_sightings']:,} ids counted without a row" if d["dynamic_sightings"] else ""
     return (f"; dynamic tables: {d['dynamic_rows']:,} rows, {d['dynamic_admitted']:,} admitted, "
-            f"{d['dynamic_evicted']:,} evicted, hit ratio {hit:.3f}")
+            f"{d['dynamic_evicted']:,} evicted, hit ratio {hit:.3f}{seen}")
 
 
 def _plural(n: int, word: str) -> str:

@@ -129,8 +129,10 @@ def _train(rank, world_size, *, num_servers, dynamic, kind="bag"):
 
 
 @pytest.mark.parametrize("dynamic", [DynamicIds(capacity=64, evict="lru", partitions=4),
-                                     DynamicIds(capacity=200, admit_after=2, evict="ttl:3", partitions=8)],
-                         ids=["lru", "admit2-ttl"])
+                                     DynamicIds(capacity=200, admit_after=2, evict="ttl:3", partitions=8),
+                                     DynamicIds(capacity=48, admit_after=2, evict="lru", partitions=4,
+                                                admit_window=5)],
+                         ids=["lru", "admit2-ttl", "admit2-window5"])
 def test_sync_dynamic_tables_equal_one_process(dynamic):
     out = run_distributed(_train, 4, setup="hybrid", num_servers=2, timeout=240, dynamic=dynamic)
     res = out[0]
@@ -143,6 +145,9 @@ def test_sync_dynamic_tables_equal_one_process(dynamic):
         for server, st in res[n + "/stats"].items():
             assert set(st["dynamic"]) == {"t0", "t1", "t2"}, st
             assert 0 < st["dynamic"]["t0"]["hit_ratio"] <= 1
+            # Ids seen but without a row are counted (with a window of 5: those of steps 10 and 11).
+            seen = sum(st["dynamic"][t]["sightings"] for t in ("t0", "t1", "t2"))
+            assert (seen == 0) == (dynamic.admit_after == 1), st
             # The updates carried out the plans made from the lookups (the equality above holds for them).
             assert 0 < st["plans_used"] <= st["planned_ahead"] <= STEPS, st
 

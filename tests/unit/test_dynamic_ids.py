@@ -233,6 +233,29 @@ def test_plan_options_are_checked():
         DynamicIds(capacity=0)
     assert DynamicIds(capacity=10, evict="ttl:5").ttl == 5
     assert DynamicIds(capacity=1000).partitions == 64
+    with pytest.raises(PlanError, match="admit_after: 1"):
+        DynamicIds(capacity=10, admit_window=5)
+    for bad in (-1, 2.5, True, "10"):
+        with pytest.raises(PlanError, match="a number of steps >= 0"):
+            DynamicIds(capacity=10, admit_after=2, admit_window=bad)
+    assert DynamicIds(capacity=10, admit_after=2, admit_window=7).admit_window == 7
+
+
+@pytest.mark.parametrize("kind", ["native", "reference"])
+def test_a_cleared_id_map_is_empty_takes_new_ids_and_counts_a_version(kind):
+    if kind == "native" and not NATIVE:
+        pytest.skip("hybrid._C not built")
+    m = HashIdMap(4) if kind == "native" else reference.IdMap()
+    ids = torch.arange(0, 3000, 7, dtype=torch.int64) * 1_000_003
+    m.insert(ids, torch.arange(ids.numel()))
+    v = m.version
+    m.clear()
+    assert len(m) == 0 and m.version > v
+    assert bool((m.find(ids) == -1).all()) and m.items()[0].numel() == 0
+    if kind == "native":
+        assert m.keys.numel() == 16  # the grown table's memory went
+    m.insert(ids[:5], torch.arange(5))
+    assert torch.equal(m.find(ids[:6]), torch.tensor([0, 1, 2, 3, 4, -1]))
 
 
 _FIELDS = ("slots", "new_ids", "new_slots", "evicted", "seen_ids", "seen_counts", "admitted_seen")

@@ -248,6 +248,10 @@ LOAD_ERRORS = [
     ({"modules": {"e": {**PS_RULE, "sharding": "column_wise"}}}, "bad_value",
      r"modules\.e\.sharding: got 'column_wise' \(did you mean 'row_wise'\?\); expected one of 'table_wise', 'row_wise'"),
     ({"modules": {"e": {**PS_RULE, "id_policy": "clamp"}}}, "bad_value", r"modules\.e\.id_policy: got 'clamp'; expected one of 'error', 'modulo'"),
+    ({"modules": {"e": {**PS_RULE, "ids": "dynamic", "capacity": 9, "admit_window": 5}}}, "bad_value",
+     r"modules\.e\.admit_window: got 5; expected 0 with admit_after: 1 \(every id gets a row on first touch"),
+    ({"modules": {"e": {**PS_RULE, "ids": "dynamic", "capacity": 9, "admit_after": 2, "admit_window": -1}}}, "bad_value",
+     r"modules\.e\.admit_window: got -1; expected a number of steps >= 0 \(0: sightings never forgotten\)"),
 ]
 
 

@@ -271,3 +271,71 @@ def test_a_sync_push_kept_without_a_copy_borrows_its_tensors_until_made_its_own(
     _push(shard, 1, 0, [p1])
     same = all(torch.equal(a, b) for a, b in zip(_weights(ref), _weights(shard)))
     assert same == owned
+
+
+def _window_shard(admit_window: int, num_trainers: int = 2, staleness: int = 0) -> CollectionShard:
+    from hybrid.ps.config import DynamicIds
+
+    config = CollectionConfig(cid="ebc", tables=tuple(TABLES), layouts=tuple(shard_tables(TABLES, 1, "table_wise")),
+                              optimizer=OptimizerSpec(name="sgd", lr=0.1), num_trainers=num_trainers,
+                              staleness=staleness, gradient_scaling="mean",
+                              dynamic=DynamicIds(capacity=1000, evict="lru", partitions=4, admit_after=2,
+                                                 admit_window=admit_window))
+    return CollectionShard(config, 0, start_step=0, huge_pages=False)
+
+
+def _ids_part(ids_a: list[int], ids_b: list[int]) -> tuple[Rows, torch.Tensor]:
+    ids = [torch.tensor(sorted(ids_a), dtype=torch.int64), torch.tensor(sorted(ids_b), dtype=torch.int64)]
+    return Rows([0, 1], [len(ids_a), len(ids_b)], torch.cat(ids)), torch.ones(4 * (len(ids_a) + len(ids_b)))
+
+
+def _rows_of(shard: CollectionShard) -> list[set[int]]:
+    return [set(t.dynamic.map.items()[0].tolist()) for t in shard.tables]
+
+
+def test_admit_window_counts_sightings_within_windows_of_steps_and_forgets_them_at_each_windows_end():
+    """admit_after 2, admit_window 3 (windows: steps 0-2, 3-5, ...), two trainers, sync: an id
+    seen in two steps of one window gets a row; one seen in the last step of a window and the
+    first of the next does not (its sighting was forgotten when every push of step 2 was in,
+    not at the first trainer's); and the sightings' memory stays that of one window while
+    fresh ids keep coming, where without a window it grows with every id."""
+    shard = _window_shard(3)
+    ids = {0: [5, 77], 1: [5], 2: [9], 3: [9, 11], 4: [11]}  # table a's ids per step (table b: id + 1000)
+    for t in range(5):
+        part = _ids_part(ids[t], [i + 1000 for i in ids[t]])
+        _push(shard, 0, t, [part])
+        if t == 2:  # one push of the window's last step is in: nothing is forgotten yet (77; 5
+            assert [len(tb.dynamic.seen) for tb in shard.tables] == [1, 1]  # has a row, 9 waits for the step)
+        _push(shard, 1, t, [part])
+        if t == 2:
+            assert [len(tb.dynamic.seen) for tb in shard.tables] == [0, 0]
+    assert _rows_of(shard) == [{5, 11}, {1005, 1011}]  # 9 was seen in steps 2 and 3: two windows
+
+    bounded, unbounded = _window_shard(4), _window_shard(0)
+    most = 0
+    for t in range(40):  # 3 fresh ids a step, each seen once
+        part = _ids_part([3 * t, 3 * t + 1, 3 * t + 2], [10**6 + t])
+        for shard in (bounded, unbounded):
+            _push(shard, 0, t, [part])
+            _push(shard, 1, t, [part])
+        most = max(most, len(bounded.tables[0].dynamic.seen))
+    # Between steps: the ids of at most the window's first three steps (its last forgets all).
+    assert most == 3 * 3 and len(unbounded.tables[0].dynamic.seen) == 40 * 3
+    assert not any(_rows_of(bounded)) and not any(_rows_of(unbounded))
+
+
+
+def test_admit_window_in_async_mode_closes_once_every_trainers_pushes_through_its_last_step_are_in():
+    """Staleness 1: each push is applied as it arrives, and the window (steps 0-1) closes when the
+    slower trainer's push of step 1 is in -- after the faster one's push of step 2, whose
+    sightings go with it."""
+    shard = _window_shard(2, staleness=1)
+    for t, ids in ((0, [1, 2]), (1, [3]), (2, [4])):
+        _push(shard, 0, t, [_ids_part(ids, [])])
+    assert len(shard.tables[0].dynamic.seen) == 4
+    _push(shard, 1, 0, [_ids_part([1], [])])  # 1: a second sighting in the window: a row
+    assert _rows_of(shard)[0] == {1} and len(shard.tables[0].dynamic.seen) == 3
+    _push(shard, 1, 1, [_ids_part([5], [])])
+    assert len(shard.tables[0].dynamic.seen) == 0 and shard.complete_through == 1
+    _push(shard, 1, 2, [_ids_part([4], [])])  # 4's sighting of step 2 was forgotten: one now
+    assert _rows_of(shard)[0] == {1} and len(shard.tables[0].dynamic.seen) == 1

@@ -12,6 +12,9 @@ evictions are a function of the step's ids alone:
   smaller id; never one touched this step), under ``ttl:N`` an expired one; none left: a
   :class:`CapacityError` before anything changed.
 
+With ``admit_window`` W the sightings are forgotten at the end of every W-th step
+(``CollectionShard._end_of_step``), so sightings count within windows of W steps.
+
 Lookups (:meth:`DynamicSlots.find`, :func:`read_rows`) change nothing but the hit counters. The
 maps probe in C++ (:mod:`hybrid.ops.id_map`); the decisions and the reads of every table of a
 collection are one operator call each (``hybrid.ops.dynamic_plan``, ``dynamic_commit_``,
@@ -66,9 +69,11 @@ class DynamicCounters:
     """Looked-up ids that had a row."""
     looked_up: int = 0
 
-    def as_dict(self, rows: int) -> dict:
-        return {"rows": rows, "admitted": self.admitted, "evicted": self.evicted, "hits": self.hits,
-                "looked_up": self.looked_up, "hit_ratio": self.hits / self.looked_up if self.looked_up else 1.0}
+    def as_dict(self, rows: int, sightings: int) -> dict:
+        """``sightings``: ids counted but without a row now (their map's size)."""
+        return {"rows": rows, "sightings": sightings, "admitted": self.admitted, "evicted": self.evicted,
+                "hits": self.hits, "looked_up": self.looked_up,
+                "hit_ratio": self.hits / self.looked_up if self.looked_up else 1.0}
 
 
 class DynamicSlots:

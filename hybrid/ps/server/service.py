@@ -483,7 +483,8 @@ def rpc_stats(handle: int) -> dict:
     d["complete_through"] = shard.complete_through
     if shard.config.dynamic is not None:
         with shard.lock:
-            d["dynamic"] = {t.name: t.dynamic.counters.as_dict(t.dynamic.rows) for t in shard.tables}
+            d["dynamic"] = {t.name: t.dynamic.counters.as_dict(t.dynamic.rows, len(t.dynamic.seen))
+                            for t in shard.tables}
     with shard.lock:
         d["rows_to_fill"] = shard.rows_to_fill()
     held = huge_page_bytes()  # the whole process's, every collection's tables together

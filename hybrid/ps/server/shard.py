@@ -430,10 +430,21 @@ class CollectionShard:
                 while self.arrived.get(self.complete_through + 1, 0) == self.num_trainers:
                     self.arrived.pop(self.complete_through + 1)
                     self.complete_through += 1
+                    self._end_of_step(self.complete_through)
         except BaseException as e:
             with self.lock:
                 self.failed = e
             raise
+
+    def _end_of_step(self, step: int) -> None:
+        """Every trainer's pushes through ``step`` are in (caller holds the lock): the last step
+        of an ``admit_window`` forgets the sightings of ids still without a row. Keyed to the
+        step, not to an update, so one process and any number of servers forget at the same
+        point, and a checkpoint taken between steps holds the sightings of the current window."""
+        dyn = self.config.dynamic
+        if dyn is not None and dyn.admit_window and (step + 1) % dyn.admit_window == 0:
+            for t in self.tables:
+                t.dynamic.seen.clear()
 
     def own_pending(self, trainer: int, step: int) -> None:
         """Copy ``trainer``'s kept pushes of ``step`` (not yet applied) out of the memory they
