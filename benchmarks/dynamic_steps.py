@@ -14,6 +14,12 @@ trainers compute) and ``update`` (the server, both trainers; what the last gradi
 filled to it, then 20 steps of 8,500 distinct ids of which half are new (each new id evicts a
 row): the median milliseconds of the step's plan and of its commit (the id map's changes
 included). A full table's step should cost the same at any capacity.
+
+``--sightings WINDOW [WINDOW ...]``: instead, one ``admit_after: 2`` table (capacity 200,000, 64
+parts) through 300 sync steps of 10,000 recurring ids (out of 50,000) and 10,000 fresh ones each
+(a long tail seen once), once per ``admit_window`` given (0: none): the sightings kept at the end
+and at most, the sightings map's largest size in MiB, the rows admitted and the milliseconds a
+step.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from benchmarks.systems.hybrid_ps import plan_dict
 from benchmarks.workload import Data, Workload
 from hybrid.ps.client.routing import Router
 from hybrid.ps.config import CollectionConfig, DynamicIds, OptimizerSpec, TableSpec
+from hybrid.ps.protocol import Rows
 from hybrid.ps.server.dynamic import DynamicSlots, commit_updates, plan_updates
 from hybrid.ps.server.shard import CollectionShard
 from hybrid.ps.sharding import shard_tables
@@ -98,15 +105,45 @@ def full_table(capacity: int, steps: int = 20, seed: int = 0) -> dict[str, float
     return {"plan": statistics.median(plan_ms), "commit": statistics.median(commit_ms)}
 
 
+def sightings(window: int, steps: int = 300, per_step: int = 10_000, seed: int = 0) -> dict[str, float]:
+    """One ``admit_after: 2`` table with ``admit_window`` ``window`` through ``steps`` sync steps
+    of ``per_step`` recurring ids (of 5 * ``per_step``) and ``per_step`` fresh ones each."""
+    spec = DynamicIds(capacity=200_000, evict="lru", partitions=64, admit_after=2, admit_window=window)
+    specs = [TableSpec("t", 1000, 16, ("f",))]
+    cfg = CollectionConfig(cid="ebc", tables=tuple(specs), layouts=tuple(shard_tables(specs, 1, "table_wise")),
+                           optimizer=OptimizerSpec(name="sgd", lr=0.1), num_trainers=1, dynamic=spec)
+    shard = CollectionShard(cfg, 0, start_step=0, huge_pages=False)
+    seen = shard.tables[0].dynamic.seen
+    g = torch.Generator().manual_seed(seed)
+    most, mib, t0 = 0, 0.0, time.perf_counter()
+    for step in range(steps):
+        ids = torch.cat([torch.randint(0, 5 * per_step, (per_step,), generator=g),
+                         torch.randint(0, 2**62, (per_step,), generator=g)]).unique()
+        shard.push(0, step, [(Rows([0], [ids.numel()], ids), torch.ones(ids.numel() * 16))])
+        most, mib = max(most, len(seen)), max(mib, seen.keys.numel() * 16 / 2**20)
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    return {"sightings": len(seen), "most": most, "map_mib": mib,
+            "rows": shard.tables[0].dynamic.rows, "ms": ms}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3, help="runs per table kind, alternating; medians reported")
     p.add_argument("--full", type=int, nargs="+", metavar="CAPACITY",
                    help="time a step of one full evict: lru table of each capacity instead")
+    p.add_argument("--sightings", type=int, nargs="+", metavar="WINDOW",
+                   help="a long tail of ids through an admit_after: 2 table, once per admit_window (0: none)")
     Workload.add_arguments(p)
     args = p.parse_args()
     w = Workload.from_args(args)
     torch.set_num_threads(w.threads)
+    if args.sightings:
+        print(f"{'window':>8s} {'sightings':>10s} {'at most':>10s} {'map MiB':>8s} {'rows':>8s} {'ms/step':>8s}")
+        for window in args.sightings:
+            got = sightings(window)
+            print(f"{window:8d} {got['sightings']:10,d} {got['most']:10,d} {got['map_mib']:8.1f} {got['rows']:8,d} "
+                  f"{got['ms']:8.2f}")
+        return
     if args.full:
         print(f"{'capacity':>10s} {'plan':>8s} {'commit':>8s}  ms a step (one table, 8,500 ids, half new)")
         for capacity in args.full:
