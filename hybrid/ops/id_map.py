@@ -74,9 +74,8 @@ class HashIdMap:
     def clear(self) -> None:
         """Remove every id and give the table's memory back (a fresh minimal table)."""
         self.version += 1
-        self.keys = self.empty(16, torch.int64).zero_()
-        self.slots = self.empty(16, torch.int64).fill_(-1)
-        self.used = 0
+        fresh = HashIdMap(0, empty=self.empty)
+        self.keys, self.slots, self.used = fresh.keys, fresh.slots, 0
 
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids ascending, their slots)."""

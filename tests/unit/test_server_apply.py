@@ -117,13 +117,15 @@ def test_16_bit_storage_is_the_float32_update_rounded_once(storage_dtype, name):
 
 
 
-def _dynamic_shard(name: str, admit_after: int) -> CollectionShard:
+def _dynamic_shard(name: str, admit_after: int, *, capacity: int = 24, admit_window: int = 0,
+                   staleness: int = 0) -> CollectionShard:
     from hybrid.ps.config import DynamicIds
 
     config = CollectionConfig(cid="ebc", tables=tuple(TABLES), layouts=tuple(shard_tables(TABLES, 1, "table_wise")),
-                              optimizer=OptimizerSpec(name=name, lr=0.1), num_trainers=2, staleness=0,
+                              optimizer=OptimizerSpec(name=name, lr=0.1), num_trainers=2, staleness=staleness,
                               gradient_scaling="mean",
-                              dynamic=DynamicIds(capacity=24, evict="lru", partitions=4, admit_after=admit_after))
+                              dynamic=DynamicIds(capacity=capacity, evict="lru", partitions=4, admit_after=admit_after,
+                                                 admit_window=admit_window))
     return CollectionShard(config, 0, start_step=0, huge_pages=False)
 
 
@@ -273,15 +275,9 @@ def test_a_sync_push_kept_without_a_copy_borrows_its_tensors_until_made_its_own(
     assert same == owned
 
 
-def _window_shard(admit_window: int, num_trainers: int = 2, staleness: int = 0) -> CollectionShard:
-    from hybrid.ps.config import DynamicIds
-
-    config = CollectionConfig(cid="ebc", tables=tuple(TABLES), layouts=tuple(shard_tables(TABLES, 1, "table_wise")),
-                              optimizer=OptimizerSpec(name="sgd", lr=0.1), num_trainers=num_trainers,
-                              staleness=staleness, gradient_scaling="mean",
-                              dynamic=DynamicIds(capacity=1000, evict="lru", partitions=4, admit_after=2,
-                                                 admit_window=admit_window))
-    return CollectionShard(config, 0, start_step=0, huge_pages=False)
+def _window_shard(admit_window: int, staleness: int = 0) -> CollectionShard:
+    """Plain SGD, admit_after 2, room for every id the window tests bring."""
+    return _dynamic_shard("sgd", 2, capacity=1000, admit_window=admit_window, staleness=staleness)
 
 
 def _ids_part(ids_a: list[int], ids_b: list[int]) -> tuple[Rows, torch.Tensor]:
