@@ -24,13 +24,19 @@ Every transport (:mod:`hybrid.ps.transport`) carries a message as a :class:`Fram
 of integers and a list of tensors, so the layout below is the whole wire format, versioned by
 :data:`VERSION`::
 
-    ints:    VERSION, trainer, flags, n_parts, then per part:
+    ints:    VERSION, trainer, flags, stream, seq, n_parts, then per part:
              collection, step, num_raw, has_lookup, [lookup tables, [bags]],
              n_pushes, [per push: step, tag, tables]
              where [tables] is: n, table index x n, count x n
              and [bags] is: has_bags, [tag, n_groups, per group: rows, dim, mean, features, weighted]
     tensors: per part: lookup ids (if any), per bag group: idx, offsets, [weights];
              then per push: ids, grad
+
+Each trainer numbers its messages to a server (``stream``, ``seq``: one stream per
+:class:`~hybrid.ps.transport.Transport`, ``seq`` from 1): a message may travel a frame channel
+or its RPC fallback, and RPC may hand two messages to two threads, so the server handles a
+stream's messages in the order they were sent whatever the way they came (a push of step ``s``
+before one of ``s + 1``). ``seq`` 0: not numbered, handled as it comes.
 
 A message decoded from a transport's buffers may be a view into memory the transport reuses
 for the next message: whoever keeps a tensor beyond handling the message copies it.
@@ -44,7 +50,7 @@ import torch
 
 from hybrid.ops.reference import BagLayout
 
-VERSION = 4
+VERSION = 5
 """Bumped whenever the layout changes; a server refuses a message of another version."""
 
 FLAG_AUTOGRAD = 1
@@ -159,6 +165,10 @@ class StepMessage:
     parts: list[Part]
     autograd: bool = False
     """See :data:`FLAG_AUTOGRAD`."""
+    stream: int = 0
+    """The trainer's numbered stream this message belongs to (set by the transport)."""
+    seq: int = 0
+    """Its number in the stream, from 1; 0: not numbered (handled as it comes)."""
 
 
 @dataclass
@@ -177,7 +187,7 @@ def _tables(ints: list[int], rows: Rows) -> None:
 
 def encode(msg: StepMessage) -> Frame:
     """The frame of ``msg`` (tensors are referenced, not copied)."""
-    ints = [VERSION, msg.trainer, FLAG_AUTOGRAD if msg.autograd else 0, len(msg.parts)]
+    ints = [VERSION, msg.trainer, FLAG_AUTOGRAD if msg.autograd else 0, msg.stream, msg.seq, len(msg.parts)]
     tensors: list[torch.Tensor] = []
     for p in msg.parts:
         ints += [p.collection, p.step, p.num_raw, int(p.lookup is not None)]
@@ -249,7 +259,7 @@ def decode(frame: Frame) -> StepMessage:
     if version != VERSION:
         raise ProtocolError(f"message of protocol version {version}; this server speaks version {VERSION} "
                             f"(trainers and servers must run the same hybrid)")
-    trainer, flags, n_parts = r.int(), r.int(), r.int()
+    trainer, flags, stream, seq, n_parts = r.int(), r.int(), r.int(), r.int(), r.int()
     parts = []
     for _ in range(n_parts):
         part = Part(collection=r.int(), step=r.int(), num_raw=r.int())
@@ -263,4 +273,4 @@ def decode(frame: Frame) -> StepMessage:
         parts.append(part)
     if r.i != len(r.ints) or r.t != len(r.tensors):
         raise ProtocolError("trailing data after the message")
-    return StepMessage(trainer=trainer, parts=parts, autograd=bool(flags & FLAG_AUTOGRAD))
+    return StepMessage(trainer=trainer, parts=parts, autograd=bool(flags & FLAG_AUTOGRAD), stream=stream, seq=seq)

@@ -17,9 +17,25 @@ from tests.support.sparse import global_batch, kjt_slice, make_ebc, teacher_task
 B = 16
 
 
-def _async(rank, world_size, *, num_servers, pool_on):
+def _slow_channel_reads(delay_s: float) -> None:
+    """This server's channel threads pick each message up ``delay_s`` late: a message a trainer
+    sends through RPC meanwhile (while a prefetch's rows are outstanding) arrives first."""
+    from hybrid.ps.transport import channel
+
+    read = channel.read_frame
+
+    def late(region, seq):
+        time.sleep(delay_s)
+        return read(region, seq)
+
+    channel.read_frame = late
+
+
+def _async(rank, world_size, *, num_servers, pool_on, slow_channel=False):
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
+        if slow_channel:
+            _slow_channel_reads(0.02)
         return None
     tables = sample_tables()
     ebc = make_ebc(seed=0)
@@ -54,9 +70,14 @@ def _async(rank, world_size, *, num_servers, pool_on):
     return losses, stats
 
 
-@pytest.mark.parametrize("pool_on", ["trainer", "server"])
-def test_async_staleness_one_trains_and_never_reads_rows_older_than_k(pool_on):
-    out = run_distributed(_async, 3, setup="hybrid", num_servers=1, timeout=150, pool_on=pool_on)
+@pytest.mark.parametrize("pool_on,slow_channel", [("trainer", False), ("server", False), ("server", True)],
+                         ids=["trainer", "server", "server-slow-channel"])
+def test_async_staleness_one_trains_and_never_reads_rows_older_than_k(pool_on, slow_channel):
+    """With a slow channel, each trainer's last push (sent by ``flush`` over RPC while its last
+    prefetch is on the channel) reaches the server first: the server still handles the prefetch
+    (with the push it carries) before it, so the last lookups are answered and counted."""
+    out = run_distributed(_async, 3, setup="hybrid", num_servers=1, timeout=150, pool_on=pool_on,
+                          slow_channel=slow_channel)
     for losses, _ in out[:2]:
         first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
         assert last < 0.5 * first, (first, last)

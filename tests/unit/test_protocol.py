@@ -17,7 +17,7 @@ def _rows(n: int, tables=(0, 2)) -> Rows:
 
 
 def _same(a: StepMessage, b: StepMessage) -> None:
-    assert (a.trainer, a.autograd, len(a.parts)) == (b.trainer, b.autograd, len(b.parts))
+    assert (a.trainer, a.autograd, a.stream, a.seq, len(a.parts)) == (b.trainer, b.autograd, b.stream, b.seq, len(b.parts))
     for p, q in zip(a.parts, b.parts):
         assert (p.collection, p.step, p.num_raw) == (q.collection, q.step, q.num_raw)
         assert (p.lookup is None) == (q.lookup is None)
@@ -67,7 +67,8 @@ NO_ROWS = Rows([], [], torch.empty(0, dtype=torch.int64))
         Part(12, pushes=[Push(2, _rows(3), torch.randn(6).to(torch.bfloat16))]),
     ], autograd=True),
     StepMessage(trainer=0, parts=[]),
-], ids=["lookup", "pooled", "push", "both-several-parts", "empty"])
+    StepMessage(trainer=3, parts=[Part(7, pushes=[Push(2, _rows(4), torch.randn(16))])], stream=2**62 + 5, seq=41),
+], ids=["lookup", "pooled", "push", "both-several-parts", "empty", "numbered"])
 def test_every_message_kind_round_trips(msg):
     frame = encode(msg)
     assert frame.ints[0] == VERSION
@@ -89,7 +90,7 @@ def test_another_version_a_short_frame_trailing_data_and_bad_ids_are_refused():
     with pytest.raises(ProtocolError, match="ids of 5 torch.int32"):
         decode(Frame(frame.ints, [torch.arange(5, dtype=torch.int32)]))
     with pytest.raises(ProtocolError, match="does not fit"):
-        decode(Frame([VERSION, 0, 0, 1, 7, 3, 9, 1, 1000], frame.tensors))
+        decode(Frame([VERSION, 0, 0, 0, 0, 1, 7, 3, 9, 1, 1000], frame.tensors))
 
 
 def test_bag_groups_whose_tensors_disagree_are_refused():

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from hybrid.ps.config import CollectionConfig, OptimizerSpec, collection_handle
-from hybrid.ps.protocol import Part, Push, Rows, StepMessage
+from hybrid.ps.protocol import Part, Push, Rows, StepMessage, encode
 from hybrid.ps.server import service
 from hybrid.ps.sharding import TableSpec, shard_tables
 from hybrid.ps.transport import Transport
-from hybrid.ps.transport import tcp
+from hybrid.ps.transport import channel, tcp
 from hybrid.ps.transport.shm import ChannelError, ShmTransport, _ServerEnd
 from hybrid.ps.transport.tcp import SocketTransport, _SocketServerEnd
 
@@ -33,16 +33,19 @@ TABLES = (TableSpec("a", 20, 2, ("fa",)), TableSpec("b", 10, 2, ("fb",)))
 
 
 class _Recorder(Transport):
-    """The fallback: records what the channel handed over (RPC would send it)."""
+    """The fallback: records what the channel handed over and hands it to the server as RPC
+    would (encoded, decoded, through ``rpc_step``)."""
 
     server = "ps0"
 
     def __init__(self) -> None:
+        super().__init__()
         self.sent: list[StepMessage] = []
 
-    def send(self, msg: StepMessage):
+    def deliver(self, msg: StepMessage):
         self.sent.append(msg)
-        return None
+        frame = encode(msg)
+        return service.rpc_step(frame.ints, [t.clone() for t in frame.tensors])
 
 
 @pytest.fixture
@@ -126,7 +129,9 @@ def test_a_second_message_while_rows_are_outstanding_goes_to_the_fallback(server
     trainer, _, fallback = _pair(kind)
     waiting = trainer.send(_lookup(5))  # step 5 waits for steps through 4: nobody answers it yet
     msg = _lookup(0)
-    assert trainer.send(msg) is None and fallback.sent == [msg], "it could wait forever behind the first"
+    fut = trainer.send(msg)
+    assert fallback.sent == [msg], "it could wait forever behind the first"
+    assert fut.wait()[0].numel() == 6
     shard = server.shard("c")
     with shard.lock:
         shard.complete_through = 4  # as if steps 0-4 were applied
@@ -141,10 +146,13 @@ def test_a_reply_nobody_waited_for_is_collected_by_the_next_send(server, kind):
     trainer, _, fallback = _pair(kind)
     abandoned = trainer.send(_lookup(0))  # e.g. a prefetch discarded for another batch
     deadline = time.monotonic() + 5
-    fut = None
-    while fut is None and time.monotonic() < deadline:
+    while True:  # until the abandoned reply is in: before, a send goes to the fallback
         fut = trainer.send(_lookup(0, ids=(0, 1, 2)))
-    assert fut is not None, "the channel stayed taken by a reply nobody waited for"
+        if not fallback.sent or time.monotonic() > deadline:
+            break
+        fut.wait()
+        fallback.sent.clear()
+    assert not fallback.sent, "the channel stayed taken by a reply nobody waited for"
     assert abandoned.wait()[0].tolist() == [2.0, 3.0, 6.0, 7.0, 8.0, 9.0]  # the late waiter still gets its rows
     assert fut.wait()[0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     trainer.close()
@@ -162,11 +170,49 @@ def test_a_server_error_comes_back_as_the_message_s_error(server, kind):
     trainer.close()
 
 
+def test_a_message_that_took_the_fallback_is_handled_after_the_one_still_on_the_channel(server, kind, monkeypatch):
+    """Step 0's push rides on step 1's lookup through the channel; step 1's push, sent while
+    that lookup's rows are outstanding, takes the fallback and may reach the server first. The
+    server handles the trainer's messages in the order they were sent: the lookup reads the
+    rows after step 0 only, then step 1 applies."""
+    gate = threading.Event()
+    read = channel.read_frame
+
+    def held_read(region, seq):  # the server's channel thread is slow to pick the message up
+        if threading.current_thread().name.startswith("test-"):
+            gate.wait(5)
+        return read(region, seq)
+
+    monkeypatch.setattr(channel, "read_frame", held_read)
+    trainer, _, fallback = _pair(kind)
+    rows = Rows([0, 1], [2, 1], torch.tensor([1, 3, 4]))
+    g0, g1 = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), torch.full((6,), 10.0)
+    looked = trainer.send(_lookup(1, pushes=[Push(0, rows, g0)]))
+    pushed = trainer.send(StepMessage(trainer=0, parts=[Part(collection_handle("c"), pushes=[Push(1, rows, g1)])]))
+    assert len(fallback.sent) == 1
+    shard = server.shard("c")
+    deadline = time.monotonic() + 5
+    while server.inbox.held_count() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.inbox.held_count() == 1 and shard.counters.gradients == 0, "step 1's push waits for step 0's"
+    gate.set()
+    got = looked.wait()[0]
+    pushed.wait()
+    start = torch.tensor([2.0, 3.0, 6.0, 7.0, 8.0, 9.0])  # table a rows 1 and 3, table b row 4 (sgd, lr 1)
+    assert got.tolist() == (start - g0).tolist()
+    a, b = shard.tables[0].weight, shard.tables[1].weight
+    assert torch.cat([a[1], a[3], b[4]]).tolist() == (start - g0 - g1).tolist()
+    assert shard.complete_through == 1 and server.inbox.held_count() == 0
+    trainer.close()
+
+
 def test_a_silent_server_is_named_after_the_timeout_and_a_closed_one_at_once(server, kind):
-    trainer, end, _ = _pair(kind, timeout_s=0.5)
+    trainer, end, fallback = _pair(kind, timeout_s=0.5)
     with pytest.raises(ChannelError, match="ps0 did not answer within runtime.rpc_timeout_s: timeout \\(500 ms\\)"):
         trainer.send(_lookup(9)).wait()  # step 9 waits for step 8, which never comes
-    assert trainer.send(_lookup(0)) is None, "a broken channel sends nothing more"
+    msg = _lookup(0)
+    trainer.send(msg)
+    assert fallback.sent == [msg], "a broken channel sends nothing more"
     trainer.close()
 
     trainer, end, fallback = _pair(kind)
@@ -175,7 +221,8 @@ def test_a_silent_server_is_named_after_the_timeout_and_a_closed_one_at_once(ser
     with pytest.raises(ChannelError, match=f"ps0 closed the {trainer.what}: EOF"):
         fut.wait()
     msg = _lookup(0)
-    assert trainer.send(msg) is None and fallback.sent == [msg]  # RPC then names the server
+    trainer.send(msg)
+    assert fallback.sent == [msg]  # RPC then names the server
     trainer.close()
 
 

@@ -59,6 +59,46 @@ class DoesNotFit(RuntimeError):
     """A collection's shards would not fit in this server's memory; nothing was allocated."""
 
 
+class _Inbox:
+    """Each trainer stream's step messages handled in the order the trainer sent them
+    (:mod:`hybrid.ps.protocol`: ``stream``, ``seq``). A message that comes before one sent
+    earlier -- the earlier one still on a frame channel while this one took RPC, or two RPC
+    threads -- is held and handled, by the thread that handles the missing one, right after it.
+    Only the handling is ordered (pushes applied or kept, lookups registered); answers still come
+    whenever each lookup may read."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.expected: dict[tuple[int, int], int] = {}
+        self.held: dict[tuple[int, int], dict[int, Callable[[], None]]] = {}
+
+    def handle(self, msg: StepMessage, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (which handles ``msg``, answering its errors itself) in ``msg``'s turn."""
+        if msg.seq <= 0:
+            fn()
+            return
+        key, seq = (msg.trainer, msg.stream), msg.seq
+        with self.lock:
+            if seq != self.expected.get(key, 1):
+                self.held.setdefault(key, {})[seq] = fn
+                return
+        while fn is not None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the next message's turn must still come
+                logger.exception("ps: handling message %d of trainer %d failed", seq, msg.trainer)
+            seq += 1
+            with self.lock:
+                self.expected[key] = seq
+                waiting = self.held.get(key)
+                fn = waiting.pop(seq, None) if waiting else None
+
+    def held_count(self) -> int:
+        """Messages waiting for one sent before them."""
+        with self.lock:
+            return sum(len(w) for w in self.held.values())
+
+
 class _Lookup(torch.autograd.Function):
     """Rows out in forward; their gradient goes to the shard's step bookkeeping in backward
     (``gradient_push: dist_autograd``). Its input is a per-shard anchor leaf, so distributed
@@ -88,6 +128,7 @@ class ParameterServer:
         # Answers to lookups completed on a distributed-autograd engine thread, in order.
         self.answers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybrid-ps-answer")
         self.filler = _Filler(self)
+        self.inbox = _Inbox()
 
     def create(self, config: CollectionConfig, *, start_step: int, init: str) -> int:
         """Create (or replace) this server's shard of ``config``; returns its handle. Raises
@@ -151,7 +192,11 @@ class ParameterServer:
 
     def handle_step(self, msg: StepMessage, reply: Reply, buffers: Buffers | None = None, *,
                     via_channel: bool = False) -> None:
-        """Apply the message's pushes, then answer its lookups once each may read."""
+        """Apply the message's pushes, then answer its lookups once each may read; in its turn
+        among its stream's messages (:class:`_Inbox`)."""
+        self.inbox.handle(msg, lambda: self._handle_step(msg, reply, buffers, via_channel))
+
+    def _handle_step(self, msg: StepMessage, reply: Reply, buffers: Buffers | None, via_channel: bool) -> None:
         borrowed: list[tuple[CollectionShard, int]] = []  # kept pushes that still read the frame
         try:
             shards = [self.shard(p.collection) for p in msg.parts]

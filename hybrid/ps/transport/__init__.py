@@ -19,6 +19,9 @@ calls through :func:`call` straight into the same :class:`hybrid.ps.server.servi
 
 from __future__ import annotations
 
+import itertools
+import secrets
+import threading
 from abc import ABC, abstractmethod
 from typing import Literal, Protocol
 
@@ -37,14 +40,28 @@ class ReplyFuture(Protocol):
 
 
 class Transport(ABC):
-    """One trainer's connection to one parameter server for step messages."""
+    """One trainer's connection to one parameter server for step messages: one numbered stream
+    (:mod:`hybrid.ps.protocol`), so that the server handles them in the order they were sent,
+    whichever way each went (a frame channel hands some to its RPC fallback)."""
 
     server: str
     """The server's RPC worker name (``ps0``), for messages."""
 
-    @abstractmethod
+    def __init__(self) -> None:
+        self.stream = secrets.randbits(62)  # unique among the streams one server sees
+        self._numbers = itertools.count(1)
+        self._numbering = threading.Lock()
+
     def send(self, msg: StepMessage) -> ReplyFuture:
-        """Send ``msg``; the future yields one tensor per part (empty for a push-only part)."""
+        """Number ``msg`` in this transport's stream and send it; the future yields one tensor per
+        part (empty for a push-only part)."""
+        with self._numbering:  # numbered and handed over together: the server waits for any gap
+            msg.stream, msg.seq = self.stream, next(self._numbers)
+            return self.deliver(msg)
+
+    @abstractmethod
+    def deliver(self, msg: StepMessage) -> ReplyFuture:
+        """Send ``msg`` as numbered (a channel hands what it cannot carry to its fallback's)."""
 
     def close(self) -> None:
         """Release what the transport holds (nothing for RPC)."""
@@ -95,9 +112,10 @@ class LocalTransport(Transport):
     same checks; the server owns what it keeps), handled by the same ``handle_step``."""
 
     def __init__(self, server: str) -> None:
+        super().__init__()
         self.server = server
 
-    def send(self, msg: StepMessage) -> ReplyFuture:
+    def deliver(self, msg: StepMessage) -> ReplyFuture:
         from hybrid.ps import protocol
         from hybrid.ps.server import service
 

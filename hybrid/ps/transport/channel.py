@@ -129,7 +129,8 @@ class TrainerEnd(Transport, ABC):
     reply read from ``rep`` (twice the size of a reply: :func:`reply_region`). A message sent
     while a reply carrying rows is outstanding (it may wait for a step this message completes: a
     prefetch), too big for the region, or with distributed-autograd lookups goes over ``fallback``
-    (RPC); a push-only reply is collected first. So with one message outstanding, the reply of
+    (RPC), numbered in this channel's stream: the server handles it after the message still on
+    the channel. A push-only reply is collected first. So with one message outstanding, the reply of
     message ``n`` is overwritten by that of ``n + 2`` at the earliest, sent once ``n + 1``'s reply
     was collected: a reply's rows are consumed (pooled, copied to a device) as they are received,
     long before. Subclasses move the bytes (:meth:`_post`, :meth:`_receive`)."""
@@ -139,6 +140,7 @@ class TrainerEnd(Transport, ABC):
 
     def __init__(self, server: str, req: torch.Tensor, rep: torch.Tensor, *, fallback: Transport,
                  timeout_s: float) -> None:
+        super().__init__()
         self.server = server
         self.fallback = fallback
         self.timeout_s = timeout_s
@@ -164,17 +166,17 @@ class TrainerEnd(Transport, ABC):
         if not yet, ``None`` at end-of-file (the server closed its end). May raise
         :class:`ChannelError`."""
 
-    def send(self, msg: StepMessage):
+    def deliver(self, msg: StepMessage):
         if self.closed or msg.autograd or (
                 self.outstanding is not None and not self._collect(block=not self.outstanding.answers_rows)):
-            return self.fallback.send(msg)
+            return self.fallback.deliver(msg)
         seq = self.seq + 1
         end = self._write(seq, protocol.encode(msg))
         if not end:
-            return self.fallback.send(msg)
+            return self.fallback.deliver(msg)
         if not self._post(end):
             self.closed = True  # the server is gone: RPC says so, naming it
-            return self.fallback.send(msg)
+            return self.fallback.deliver(msg)
         self.seq = seq
         self.outstanding = _Reply(self, answers_rows=any(p.lookup is not None for p in msg.parts))
         return self.outstanding

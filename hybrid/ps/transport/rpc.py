@@ -14,9 +14,10 @@ from hybrid.ps.transport import Transport
 
 class RpcTransport(Transport):
     def __init__(self, server: str, *, timeout_s: float) -> None:
+        super().__init__()
         self.server = server
         self.timeout_s = timeout_s
 
-    def send(self, msg: StepMessage) -> torch.futures.Future:
+    def deliver(self, msg: StepMessage) -> torch.futures.Future:
         frame = protocol.encode(msg)
         return rpc.rpc_async(self.server, service.rpc_step, args=(frame.ints, frame.tensors), timeout=self.timeout_s)
