@@ -206,6 +206,29 @@ def test_a_message_that_took_the_fallback_is_handled_after_the_one_still_on_the_
     trainer.close()
 
 
+def test_rpc_messages_out_of_order_are_held_and_one_that_comes_twice_is_refused(server):
+    """Two RPC threads may hand a stream's messages over in either order: the later one waits
+    for the earlier; a message handled already (sent again) is refused, not applied twice."""
+    rows = Rows([0, 1], [2, 1], torch.tensor([1, 3, 4]))
+
+    def push(step: int, seq: int):
+        msg = StepMessage(trainer=0, parts=[Part(collection_handle("c"), pushes=[Push(step, rows, torch.ones(6))])],
+                          stream=77, seq=seq)
+        frame = encode(msg)
+        return service.rpc_step(frame.ints, list(frame.tensors))
+
+    shard = server.shard("c")
+    second = push(1, seq=2)
+    assert not second.done() and shard.counters.gradients == 0 and server.inbox.held_count() == 1
+    push(0, seq=1).wait()
+    second.wait()
+    assert shard.counters.gradients == 2 and shard.complete_through == 1 and server.inbox.held_count() == 0
+    with pytest.raises(RuntimeError, match="message 1 of trainer 0's stream came twice; handled once"):
+        push(0, seq=1).wait()
+    assert shard.counters.gradients == 2
+    assert shard.tables[0].weight[1].tolist() == [0.0, 1.0]  # 2, 3 less two steps of ones (sgd, lr 1)
+
+
 def test_a_silent_server_is_named_after_the_timeout_and_a_closed_one_at_once(server, kind):
     trainer, end, fallback = _pair(kind, timeout_s=0.5)
     with pytest.raises(ChannelError, match="ps0 did not answer within runtime.rpc_timeout_s: timeout \\(500 ms\\)"):

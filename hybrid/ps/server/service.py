@@ -71,17 +71,26 @@ class _Inbox:
         self.lock = threading.Lock()
         self.expected: dict[tuple[int, int], int] = {}
         self.held: dict[tuple[int, int], dict[int, Callable[[], None]]] = {}
+        self.running: set[tuple[int, int]] = set()  # streams whose expected message is being handled
 
-    def handle(self, msg: StepMessage, fn: Callable[[], None]) -> None:
-        """Run ``fn`` (which handles ``msg``, answering its errors itself) in ``msg``'s turn."""
+    def handle(self, msg: StepMessage, fn: Callable[[], None], again: Callable[[], None]) -> None:
+        """Run ``fn`` (which handles ``msg``, answering its errors itself) in ``msg``'s turn;
+        ``again`` instead when that turn is past (the message came a second time)."""
         if msg.seq <= 0:
             fn()
             return
         key, seq = (msg.trainer, msg.stream), msg.seq
         with self.lock:
-            if seq != self.expected.get(key, 1):
+            expected = self.expected.get(key, 1)
+            if seq > expected:
                 self.held.setdefault(key, {})[seq] = fn
                 return
+            turn = seq == expected and key not in self.running
+            if turn:
+                self.running.add(key)
+        if not turn:
+            again()
+            return
         while fn is not None:
             try:
                 fn()
@@ -92,6 +101,8 @@ class _Inbox:
                 self.expected[key] = seq
                 waiting = self.held.get(key)
                 fn = waiting.pop(seq, None) if waiting else None
+                if fn is None:
+                    self.running.discard(key)
 
     def held_count(self) -> int:
         """Messages waiting for one sent before them."""
@@ -194,7 +205,9 @@ class ParameterServer:
                     via_channel: bool = False) -> None:
         """Apply the message's pushes, then answer its lookups once each may read; in its turn
         among its stream's messages (:class:`_Inbox`)."""
-        self.inbox.handle(msg, lambda: self._handle_step(msg, reply, buffers, via_channel))
+        self.inbox.handle(msg, lambda: self._handle_step(msg, reply, buffers, via_channel),
+                          lambda: reply(None, RuntimeError(f"ps{self.index}: message {msg.seq} of trainer "
+                                                           f"{msg.trainer}'s stream came twice; handled once")))
 
     def _handle_step(self, msg: StepMessage, reply: Reply, buffers: Buffers | None, via_channel: bool) -> None:
         borrowed: list[tuple[CollectionShard, int]] = []  # kept pushes that still read the frame
