@@ -53,9 +53,9 @@ def _cached(rank, world_size, *, num_servers):
     pipeline.flush()
     dist.barrier()
     stats = None
-    if role.index == 0:  # each trainer's last prefetch (of a step never run) may still be on its way
+    if role.index == 0:  # each trainer's last prefetch (of a step never run) may still be unanswered
         deadline = time.monotonic() + 10
-        while (stats := trained.stats()["ps0"])["lookups"] < 2 * 61 and time.monotonic() < deadline:
+        while (stats := trained.stats()["ps0"])["answered"] < 2 * 61 and time.monotonic() < deadline:
             time.sleep(0.05)
     counters = {c.cid: c.hot_rows.counters.as_dict() for c in (still, trained)}
     pipeline.close()

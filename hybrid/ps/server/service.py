@@ -393,6 +393,7 @@ class _Answer:
                     shard.gather_pooled(self.msg.trainer, part.lookup, part.bags, self.out[i], step=part.step)
                 else:
                     shard.gather(part.lookup, out=self.out[i], step=part.step)
+            shard.counters.answered += 1
         except BaseException as e:  # noqa: BLE001 - handed to the trainer
             self._fail(e)
             return

@@ -36,6 +36,9 @@ class ServerCounters:
     """What a server counts per collection; trainers read them with ``stats()``."""
 
     lookups: int = 0
+    answered: int = 0
+    """Lookups whose rows were gathered for the answer (``lookups - answered``: waiting for their
+    step, or failed)."""
     gradients: int = 0
     """Gradient pushes received (one per trainer per step that looked up here)."""
     push_messages: int = 0
