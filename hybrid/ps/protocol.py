@@ -36,7 +36,8 @@ Each trainer numbers its messages to a server (``stream``, ``seq``: one stream p
 :class:`~hybrid.ps.transport.Transport`, ``seq`` from 1): a message may travel a frame channel
 or its RPC fallback, and RPC may hand two messages to two threads, so the server handles a
 stream's messages in the order they were sent whatever the way they came (a push of step ``s``
-before one of ``s + 1``). ``seq`` 0: not numbered, handled as it comes.
+before one of ``s + 1``). ``seq`` 0: not numbered, handled as it comes (distributed-autograd
+lookups: RPC records each on the thread that runs it, and they carry no pushes).
 
 A message decoded from a transport's buffers may be a view into memory the transport reuses
 for the next message: whoever keeps a tensor beyond handling the message copies it.

@@ -206,6 +206,17 @@ def test_a_message_that_took_the_fallback_is_handled_after_the_one_still_on_the_
     trainer.close()
 
 
+def test_a_transport_numbers_its_messages_but_not_distributed_autograd_lookups(server):
+    fallback = _Recorder()
+    lookup = _lookup(0)
+    lookup.autograd = True
+    fallback.send(lookup).wait()
+    fallback.send(_lookup(0)).wait()
+    fallback.send(_lookup(0)).wait()
+    assert [(m.stream, m.seq) for m in fallback.sent] == [(0, 0), (fallback.stream, 1), (fallback.stream, 2)]
+    assert fallback.stream != _Recorder().stream
+
+
 def test_rpc_messages_out_of_order_are_held_and_one_that_comes_twice_is_refused(server):
     """Two RPC threads may hand a stream's messages over in either order: the later one waits
     for the earlier; a message handled already (sent again) is refused, not applied twice."""

@@ -54,7 +54,11 @@ class Transport(ABC):
 
     def send(self, msg: StepMessage) -> ReplyFuture:
         """Number ``msg`` in this transport's stream and send it; the future yields one tensor per
-        part (empty for a push-only part)."""
+        part (empty for a push-only part). Distributed-autograd lookups go unnumbered: RPC
+        records each in the sender's autograd context on the thread that runs it, so it cannot
+        wait for another thread, and they carry no pushes to order."""
+        if msg.autograd:
+            return self.deliver(msg)
         with self._numbering:  # numbered and handed over together: the server waits for any gap
             msg.stream, msg.seq = self.stream, next(self._numbers)
             return self.deliver(msg)
