@@ -17,7 +17,8 @@ def _rows(n: int, tables=(0, 2)) -> Rows:
 
 
 def _same(a: StepMessage, b: StepMessage) -> None:
-    assert (a.trainer, a.autograd, a.stream, a.seq, len(a.parts)) == (b.trainer, b.autograd, b.stream, b.seq, len(b.parts))
+    head = lambda m: (m.trainer, m.autograd, m.stream, m.seq, len(m.parts))  # noqa: E731
+    assert head(a) == head(b)
     for p, q in zip(a.parts, b.parts):
         assert (p.collection, p.step, p.num_raw) == (q.collection, q.step, q.num_raw)
         assert (p.lookup is None) == (q.lookup is None)
