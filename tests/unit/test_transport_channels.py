@@ -22,7 +22,7 @@ from hybrid.ps.config import CollectionConfig, OptimizerSpec, collection_handle
 from hybrid.ps.protocol import Part, Push, Rows, StepMessage, encode
 from hybrid.ps.server import service
 from hybrid.ps.sharding import TableSpec, shard_tables
-from hybrid.ps.transport import Transport
+from hybrid.ps.transport import LocalTransport
 from hybrid.ps.transport import channel, tcp
 from hybrid.ps.transport.shm import ChannelError, ShmTransport, _ServerEnd
 from hybrid.ps.transport.tcp import SocketTransport, _SocketServerEnd
@@ -32,20 +32,17 @@ KINDS = ["shm", "socket"] if os.path.isdir("/dev/shm") else ["socket"]
 TABLES = (TableSpec("a", 20, 2, ("fa",)), TableSpec("b", 10, 2, ("fb",)))
 
 
-class _Recorder(Transport):
-    """The fallback: records what the channel handed over and hands it to the server as RPC
-    would (encoded, decoded, through ``rpc_step``)."""
-
-    server = "ps0"
+class _Recorder(LocalTransport):
+    """The fallback: records what the channel handed over and hands it to the server in this
+    process as RPC would (encoded, decoded, through ``rpc_step``)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__("ps0")
         self.sent: list[StepMessage] = []
 
     def deliver(self, msg: StepMessage):
         self.sent.append(msg)
-        frame = encode(msg)
-        return service.rpc_step(frame.ints, [t.clone() for t in frame.tensors])
+        return super().deliver(msg)
 
 
 @pytest.fixture
