@@ -44,6 +44,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from benchmarks.workload import HelpFormatter
 from hybrid import ops
 from hybrid.ps.server.memory import huge_page_bytes, table_tensor
 
@@ -296,7 +297,7 @@ def table(lines: list[dict]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> Setup:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     defaults = Setup()
     p.add_argument("--rows", type=int, default=defaults.rows, help="rows of the table")
     p.add_argument("--dim", type=int, default=defaults.dim, help="floats per row")

@@ -35,7 +35,7 @@ import torch
 
 from benchmarks.launch import BenchmarkError, spawn
 from benchmarks.systems.hybrid_ps import plan_dict
-from benchmarks.workload import Data, Workload, build_dlrm, loss_fn
+from benchmarks.workload import Data, HelpFormatter, Workload, build_dlrm, loss_fn
 
 REPO = Path(__file__).resolve().parents[1]
 SEQUENTIAL_PLAN = REPO / "conf/plans/sequential.yaml"
@@ -226,7 +226,7 @@ def table(lines: list[dict]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default="dlrm", choices=["dlrm", "sequential"],
                    help="dlrm: the wide-MLP DLRM; sequential: the sequential recommender's large preset")
     p.add_argument("--trainers", default="2,4", help="comma-separated trainer counts")

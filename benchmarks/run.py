@@ -42,7 +42,7 @@ from benchmarks.launch import BenchmarkError
 from benchmarks.network import EmulatedNetwork, NetworkError, parse_network
 from benchmarks.systems import SYSTEMS
 from benchmarks.systems.torchrec_dmp import SHARDINGS
-from benchmarks.workload import Workload
+from benchmarks.workload import HelpFormatter, Workload
 from hybrid.ps.config import WIRE_BYTES, WIRE_DTYPES
 
 TARGETS = {
@@ -246,7 +246,7 @@ def ratio_table(lines: list[dict]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated systems to run, in order; known: {', '.join(SYSTEMS)}")

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from benchmarks.launch import BenchmarkError, spawn
 from benchmarks.systems.common import train
 from benchmarks.systems.hybrid_ps import plan_dict, train_step, wait_filled
-from benchmarks.workload import Data, Workload, build_dlrm
+from benchmarks.workload import Data, HelpFormatter, Workload, build_dlrm
 
 SIZES = {
     "100k": {"tables": 8, "rows": 100_000, "dim": 32, "servers": 1},
@@ -191,7 +191,7 @@ def measure(name: str, *, trainers: int, warmup: int, steps: int, timeout_s: flo
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--sizes", default="100k,1M,4M", help=f"comma-separated sizes, in order; known: {', '.join(SIZES)}")
     p.add_argument("--trainers", type=int, default=2, help="trainer processes")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps")

@@ -27,6 +27,16 @@ from torch import nn
 from hybrid.ps.config import POOL_ON
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends an option's default to its help, unless the help already says it or there is none
+    to say (a default of ``None`` defers to something the help names)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 @dataclass(kw_only=True)
 class Workload:
     """Every number of a benchmark run; each field is a ``--flag`` of ``benchmarks.run``."""
