@@ -214,6 +214,28 @@ def test_a_transport_numbers_its_messages_but_not_distributed_autograd_lookups(s
     assert fallback.stream != _Recorder().stream
 
 
+def test_a_message_whose_handing_over_raised_leaves_no_gap_in_the_stream(server):
+    """A message that could not be handed over (the send raised) was never sent: the next one
+    takes its number, so the server does not hold it, and every later one, for the gap."""
+
+    class Refusing(_Recorder):
+        refuse = True
+
+        def deliver(self, msg: StepMessage):
+            if self.refuse:
+                self.refuse = False
+                raise ConnectionError("no route to ps0")
+            return super().deliver(msg)
+
+    transport = Refusing()
+    with pytest.raises(ConnectionError):
+        transport.send(_lookup(0))
+    got = transport.send(_lookup(0))
+    assert got.done(), "held by the server for the message that was never sent"
+    assert got.wait()[0].tolist() == [2.0, 3.0, 6.0, 7.0, 8.0, 9.0]
+    assert [m.seq for m in transport.sent] == [1] and server.inbox.held_count() == 0
+
+
 def test_rpc_messages_out_of_order_are_held_and_one_that_comes_twice_is_refused(server):
     """Two RPC threads may hand a stream's messages over in either order: the later one waits
     for the earlier; a message handled already (sent again) is refused, not applied twice."""

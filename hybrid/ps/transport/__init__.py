@@ -19,7 +19,6 @@ calls through :func:`call` straight into the same :class:`hybrid.ps.server.servi
 
 from __future__ import annotations
 
-import itertools
 import secrets
 import threading
 from abc import ABC, abstractmethod
@@ -49,7 +48,7 @@ class Transport(ABC):
 
     def __init__(self) -> None:
         self.stream = secrets.randbits(62)  # unique among the streams one server sees
-        self._numbers = itertools.count(1)
+        self._next = 1
         self._numbering = threading.Lock()
 
     def send(self, msg: StepMessage) -> ReplyFuture:
@@ -60,8 +59,12 @@ class Transport(ABC):
         if msg.autograd:
             return self.deliver(msg)
         with self._numbering:  # numbered and handed over together: the server waits for any gap
-            msg.stream, msg.seq = self.stream, next(self._numbers)
-            return self.deliver(msg)
+            msg.stream, msg.seq = self.stream, self._next
+            fut = self.deliver(msg)
+            # A message whose handing over raised was not sent: its number goes to the next one,
+            # or the server would hold every later message for the gap.
+            self._next += 1
+            return fut
 
     @abstractmethod
     def deliver(self, msg: StepMessage) -> ReplyFuture:
