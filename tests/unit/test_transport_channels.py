@@ -250,6 +250,11 @@ def test_rpc_messages_out_of_order_are_held_and_one_that_comes_twice_is_refused(
     shard = server.shard("c")
     second = push(1, seq=2)
     assert not second.done() and shard.counters.gradients == 0 and server.inbox.held_count() == 1
+    again = push(1, seq=2)  # while the first is held: refused at once, the first still to be handled
+    assert again.done(), "the copy took the held message's place"
+    with pytest.raises(RuntimeError, match="message 2 of trainer 0's stream came twice; handled once"):
+        again.wait()
+    assert server.inbox.held_count() == 1
     push(0, seq=1).wait()
     second.wait()
     assert shard.counters.gradients == 2 and shard.complete_through == 1 and server.inbox.held_count() == 0

@@ -75,15 +75,17 @@ class _Inbox:
 
     def handle(self, msg: StepMessage, fn: Callable[[], None], again: Callable[[], None]) -> None:
         """Run ``fn`` (which handles ``msg``, answering its errors itself) in ``msg``'s turn;
-        ``again`` instead when that turn is past (the message came a second time)."""
+        ``again`` instead when the message came a second time (its turn past, or a copy of it
+        already held)."""
         if msg.seq <= 0:
             fn()
             return
         key, seq = (msg.trainer, msg.stream), msg.seq
         with self.lock:
             expected = self.expected.get(key, 1)
-            if seq > expected:
-                self.held.setdefault(key, {})[seq] = fn
+            held = self.held.setdefault(key, {})
+            if seq > expected and seq not in held:
+                held[seq] = fn
                 return
             turn = seq == expected and key not in self.running
             if turn:
