@@ -21,9 +21,10 @@ its interface carried per step, and each hybrid server its bytes beside their mi
 
 ``--wire-dtype bfloat16`` runs every hybrid system with its tables' ``wire_dtype: bfloat16``:
 rows and gradients cross between trainers and servers in 16 bits (the line's ``wire_dtype``).
-``--pool-on server`` runs them with ``pool_on: server`` (tables table-wise): the servers send
-pooled bags and take the bags' gradients (the line's ``pool_on``); the bytes' minimum still
-counts rows.
+``--pool-on server`` runs them with ``pool_on: server`` (tables table-wise), ``--pool-on
+trainer`` with ``trainer``; the default, ``auto``, pools on the servers where the trainers reach
+them over the network. Pooled on the servers, they send pooled bags and take the bags'
+gradients (the line's ``pool_on``: where the pooling was); the bytes' minimum still counts rows.
 """
 
 from __future__ import annotations

@@ -80,9 +80,11 @@ class Workload:
     hot_rows: int = 0
     """``hybrid_async``'s ``hot_rows``: rows per table and server each trainer keeps (0: none;
     serves rows from ``async_staleness`` 2 on, the next batch being prefetched)."""
-    pool_on: str = "trainer"
-    """Every hybrid system's ``pool_on``: ``trainer`` (servers send rows) or ``server`` (servers
-    send pooled bags; tables table-wise)."""
+    pool_on: str = "auto"
+    """Every hybrid system's ``pool_on``: ``auto`` (the plan's default: on the servers where a
+    trainer reaches them over the network, as under ``--network emulated``, else on the
+    trainers), ``trainer`` (servers send rows) or ``server`` (servers send pooled bags; tables
+    table-wise)."""
 
     def __post_init__(self) -> None:
         checks = [

@@ -153,7 +153,7 @@ def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hoo
     pipeline.close()
     report["samples_per_step"] = w.batch
     report["wire_dtype"] = ebc.config.wire_dtype
-    report["pool_on"] = ebc.config.pool_on
+    report["pool_on"] = "server" if ebc.pools_on_server else "trainer"  # as pool_on resolved
     if ebc.hot_rows is not None:
         report["hot_rows"] = ebc.hot_rows.counters.as_dict()
     if role.index == 0:

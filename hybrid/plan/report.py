@@ -172,7 +172,7 @@ def summarize_options(e: ResolvedModule) -> str:
             admit += f" window={o.admit_window}" if o.admit_window else ""
             parts.append(f"dynamic cap={o.capacity} evict={o.evict}{admit}")
         parts += [f"hot_rows={o.hot_rows}"] if o.hot_rows else []
-        parts += ["pool_on=server"] if o.pool_on == "server" else []
+        parts += [] if o.pool_on == "auto" else [f"pool_on={o.pool_on}"]
     elif e.strategy == "fsdp":
         parts = ["reshard" if o.reshard_after_forward else "no-reshard"]
         mp = o.mixed_precision

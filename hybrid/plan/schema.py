@@ -147,12 +147,15 @@ class PSOptions:
     halves those bytes, each value rounded to nearest (ties to even) as it is sent; trainers
     compute in float32 and servers widen the gradients to float32 before the optimizer.
     ``float32`` is exact."""
-    pool_on: PoolOn = "trainer"
+    pool_on: PoolOn = "auto"
     """Where a training step's bags are pooled: ``trainer`` (the servers send the deduplicated
-    rows), or ``server`` (each server pools the bags of its tables and sends them, then turns the
-    bags' gradients back into row gradients: fewer bytes when bags hold several ids). Needs
-    every table whole on one server (``sharding: table_wise`` or one server) and
-    ``gradient_push: rpc``; exact either way (docs/plans.md)."""
+    rows), ``server`` (each server pools the bags of its tables and sends them, then turns the
+    bags' gradients back into row gradients: fewer bytes when bags hold several ids; needs every
+    table whole on one server -- ``sharding: table_wise`` or one server --, no ``hot_rows`` and
+    ``gradient_push: rpc``), or ``auto``: on the servers for a trainer that reaches every server
+    of the module over the network (another host, or ``runtime.ps_transport`` socket or rpc) where
+    the module can be pooled there, else on the trainer. Exact either way in float32
+    (docs/plans.md)."""
     ids: Literal["range", "dynamic"] = "range"
     """``range``: ids in ``[0, num_embeddings)``, every row allocated up front; ``dynamic``: raw
     int64 ids, a row created on an id's first touch (docs/dynamic_ids.md)."""

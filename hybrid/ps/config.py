@@ -50,7 +50,7 @@ WIRE_BYTES = {"float32": 4, "bfloat16": 2}
 """Bytes of one row or gradient element on the wire, by ``wire_dtype``."""
 
 
-PoolOn = Literal["trainer", "server"]
+PoolOn = Literal["auto", "trainer", "server"]
 POOL_ON: tuple[str, ...] = get_args(PoolOn)
 
 
@@ -255,10 +255,13 @@ class CollectionConfig:
     """The dtype of the rows in a server's replies and of the gradients trainers push:
     ``bfloat16`` halves their bytes (each value rounded to nearest, ties to even, once per
     crossing); the servers' storage, optimizer state and update math do not change."""
-    pool_on: PoolOn = "trainer"
-    """Where a step's bags are pooled: ``trainer`` (the servers send rows), or ``server`` (the
+    pool_on: PoolOn = "auto"
+    """Where a step's bags are pooled: ``trainer`` (the servers send rows), ``server`` (the
     servers pool each trainer's bags and send them, and turn the bags' gradients back into row
-    gradients; every table whole on one server)."""
+    gradients; every table whole on one server), or ``auto``: each trainer pools on the servers
+    where it reaches every server of the collection over a network connection and the collection
+    can be pooled there, else on itself (:meth:`RemoteCollection.pools_on_server
+    <hybrid.ps.client.collection.RemoteCollection>`)."""
 
     def __post_init__(self) -> None:
         check_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)

@@ -36,7 +36,8 @@ def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=Fals
     if not role.is_trainer:
         return None
     t_n, me = role.num_trainers, role.index
-    pipeline = make_pipeline(trainer=me, num_servers=num_servers, staleness=0, gradient_push=push, transport=lookups)
+    transport = lookups.split("|")[me] if "|" in lookups else lookups  # "a|b": trainer 0's, trainer 1's
+    pipeline = make_pipeline(trainer=me, num_servers=num_servers, staleness=0, gradient_push=push, transport=transport)
     tables = sample_tables()
     c = torch.linspace(-1, 1, sum(t.embedding_dim * len(t.feature_names) for t in tables))
     remotes, refs = {}, {}
@@ -76,7 +77,7 @@ def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=Fals
                 opts[t.name].step(ref.embedding_bags[t.name].weight.grad, touched[t.name])
     pipeline.flush()
     dist.barrier()  # every trainer's last push is in, so the last step is applied everywhere
-    result = {"max_fwd_err": max_fwd_err}
+    result = {"max_fwd_err": max_fwd_err, "pools_on_server": {n: r.pools_on_server for n, r in remotes.items()}}
     if me == 0:
         for n, remote in remotes.items():
             weights, states = remote.read_tables(with_state=True)
@@ -100,17 +101,21 @@ def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=Fals
      (2, "row_wise", "rpc", True, "auto", "trainer"), (2, "row_wise", "rpc", True, "rpc", "trainer"),
      (2, "row_wise", "rpc", True, "socket", "trainer"), (2, "row_wise", "dist_autograd", False, "auto", "trainer"),
      (2, "table_wise", "rpc", True, "auto", "server"), (1, "row_wise", "rpc", False, "socket", "server"),
-     (2, "table_wise", "rpc", True, "rpc", "server")],
+     (2, "table_wise", "rpc", True, "rpc", "server"), (1, "row_wise", "rpc", True, "socket|auto", "auto")],
 )
 def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sharding, push, prefetch, lookups,
                                                                  pool_on):
     """``lookups``: ``runtime.ps_transport`` -- auto, through shared memory (every server is on
     this host); socket, over a TCP step connection; rpc, over TensorPipe; under the dist_autograd
     push always RPC. ``pool_on: server``: the servers pool the bags (two servers table-wise:
-    a group of tables of one dimension and pooling spread over both)."""
+    a group of tables of one dimension and pooling spread over both). ``socket|auto`` with
+    ``pool_on: auto``: trainer 0 reaches the server over TCP and has it pool its bags, trainer 1
+    through shared memory and pools its own -- one step, both kinds of push."""
     out = run_distributed(_train, 2 + num_servers, setup="hybrid", num_servers=num_servers, timeout=180,
                           sharding=sharding, push=push, prefetch=prefetch, lookups=lookups, pool_on=pool_on)
     stats = out[0]
+    want = {"trainer": [False, False], "server": [True, True], "auto": [True, False]}[pool_on]  # auto: socket|auto
+    assert [set(out[k]["pools_on_server"].values()) for k in (0, 1)] == [{want[0]}, {want[1]}], out[:2]
     for name in OPTIMIZERS:
         per_server = stats[name]
         for server, st in per_server.items():
@@ -126,7 +131,7 @@ def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sh
                 # before the next lookup arrives (dist_autograd: the backward delivers each).
                 assert st["push_messages"] == STEPS * 2, (server, st)
             assert st["updates_applied"] == STEPS, (server, st)
-            via_channel = push == "rpc" and lookups in ("auto", "socket")
+            via_channel = push == "rpc" and lookups in ("auto", "socket", "socket|auto")
             assert st["channel_lookups"] == (STEPS * 2 if via_channel else 0), (server, st)
             assert st["complete_through"] == STEPS - 1
             # Only deduplicated rows cross the wire: never anything table-sized.

@@ -1,4 +1,5 @@
 """``pool_on: server`` without processes: the plan option's checks, what a collection refuses,
+where ``auto`` pools,
 and both ends in this process -- a trainer's router cutting its route per server, each server's
 shard pooling and un-pooling -- against the trainer-side pooling, bit for bit. The distributed
 tests are in ``tests/distributed/test_ps.py`` (sync against one process) and
@@ -16,6 +17,8 @@ from hybrid.ps.client.routing import Router
 from hybrid.ps.config import CollectionConfig, DynamicIds, OptimizerSpec
 from hybrid.ps.server.shard import CollectionShard
 from hybrid.ps.sharding import TableSpec, shard_tables
+from hybrid.ps.transport import LocalTransport
+from hybrid.ps.transport.rpc import RpcTransport
 from tests.unit.test_plan_models import PS_RULE
 
 # Two groups (dim 4 sum: a, c, d; dim 8 mean: b, read by two features), spread over servers.
@@ -38,7 +41,7 @@ def _pipeline(autograd: bool = False, staleness: int = 0) -> StepPipeline:
 
 @pytest.mark.parametrize("value", ["both", "servers", True])
 def test_a_bad_pool_on_names_the_key_and_the_allowed_values(value):
-    with pytest.raises(PlanError, match=rf"modules\.e\.pool_on: got {value!r}.*one of 'trainer', 'server'"):
+    with pytest.raises(PlanError, match=rf"modules\.e\.pool_on: got {value!r}.*one of 'auto', 'trainer', 'server'"):
         plan_from_dict({"modules": {"e": {**PS_RULE, "pool_on": value}}})
     assert plan_from_dict({"modules": {"e": {**PS_RULE, "pool_on": "server"}}}).modules["e"].options.pool_on == "server"
 
@@ -80,6 +83,34 @@ def test_what_a_collection_pooled_on_its_servers_refuses(case, match):
     with pytest.raises(PlanError, match=match) as e:
         cls(config, pipeline=pipeline, server_names=["ps0", "ps1"], **kw)
     assert e.value.key == "pool_on"
+
+
+def test_auto_pools_on_the_servers_only_where_every_one_is_across_the_network_and_can_pool():
+    """``auto`` (the default): pooled on the servers when each of the collection's servers is
+    reached over a network connection (TCP, RPC) and nothing stands in the way; on the trainer
+    where one shares its memory (in process, shared memory) or where ``server`` would be
+    refused -- silently, as a choice, not an error."""
+    assert CollectionConfig.__dataclass_fields__["pool_on"].default == "auto"
+    assert plan_from_dict({"modules": {"e": PS_RULE}}).modules["e"].options.pool_on == "auto"
+    remote = {0: RpcTransport("ps0", timeout_s=1.0), 1: RpcTransport("ps1", timeout_s=1.0)}
+    near = {0: RpcTransport("ps0", timeout_s=1.0), 1: LocalTransport("ps1")}
+    assert not any(t.shares_memory for t in remote.values()) and near[1].shares_memory
+
+    def pools(config=None, *, transports=remote, autograd=False, cls=RemoteEmbeddingBagCollection, **kw) -> bool:
+        pipeline = _pipeline(autograd=autograd, staleness=config.staleness if config else 0)
+        pipeline.transports = transports
+        config = config or _config(pool_on="auto")
+        return cls(config, pipeline=pipeline, server_names=["ps0", "ps1"], **kw).pools_on_server
+
+    assert pools()
+    assert not pools(transports=near)
+    assert not pools(_config(pool_on="trainer"))
+    assert pools(_config(pool_on="server"), transports=near)  # asked for: wherever the servers are
+    assert not pools(_config(sharding="row_wise", pool_on="auto"))
+    assert not pools(_config(pool_on="auto", staleness=1), hot_rows=10)
+    assert not pools(autograd=True)
+    unpooled = tuple(TableSpec(t.name, t.num_embeddings, 4, t.feature_names, pooling="none") for t in TABLES)
+    assert not pools(_config(unpooled, pool_on="auto"), cls=RemoteEmbeddingCollection)
 
 
 def _batch(weighted: bool, seed: int = 0, empty_group: bool = False) -> KeyedJaggedTensor:

@@ -77,30 +77,42 @@ class RemoteCollection(nn.Module):
                                 f"row must come from its server)", category="bad_value", key="hot_rows")
             self.hot_rows = HotRows(hot_rows, config.staleness, held_rows(config.layouts, config.dynamic),
                                     getattr(torch, config.wire_dtype))
-        self.pools_on_server = config.pool_on == "server"
-        """``pool_on: server``: a step's lookups come back pooled (:meth:`Router.pooled`)."""
+        self.pools_on_server = self._pools_on_server(pipeline, hot_rows)
+        """Whether a step's lookups come back pooled (:meth:`Router.pooled`): ``pool_on``
+        resolved for this trainer."""
         self._tags = 0
-        if self.pools_on_server:
-            self._check_pool_on_server(pipeline, hot_rows)
         object.__setattr__(self, "pipeline", pipeline)  # not a submodule
         pipeline.collections.append(self)
 
-    def _check_pool_on_server(self, pipeline: StepPipeline, hot_rows: int) -> None:
+    def _pools_on_server(self, pipeline: StepPipeline, hot_rows: int) -> bool:
+        """``pool_on`` for this trainer: ``auto`` pools on the servers where the collection can be
+        pooled there and every one of its servers is reached over a network connection (TCP or
+        RPC: pooled bags are fewer bytes to carry), and on the trainer where a server shares its
+        memory (rows cost little to move there, and pooling would load the server)."""
         config = self.config
+        if config.pool_on == "trainer":
+            return False
+        why = self._cannot_pool_on_server(pipeline, hot_rows)
+        if config.pool_on == "server":
+            if why is not None:
+                raise PlanError(f"{config.cid}: pool_on: server {why}", category="bad_value", key="pool_on")
+            return True
+        return why is None and not any(pipeline.transports[s].shares_memory for s in config.servers)
 
-        def refuse(why: str) -> None:
-            raise PlanError(f"{config.cid}: pool_on: server {why}", category="bad_value", key="pool_on")
-
+    def _cannot_pool_on_server(self, pipeline: StepPipeline, hot_rows: int) -> str | None:
+        """Why this collection cannot be pooled on its servers, or ``None``."""
+        config = self.config
         split = [lay.table.name for lay in config.layouts if lay.num_shards > 1]
         if split:
-            refuse(f"needs every table whole on one server; {split} are split over servers (sharding: "
-                   f"table_wise, or one server)")
+            return (f"needs every table whole on one server; {split} are split over servers (sharding: "
+                    f"table_wise, or one server)")
         if any(t.pooling == "none" for t in config.tables):
-            refuse("pools bags: an unpooled collection (EmbeddingCollection, nn.Embedding) has none")
+            return "pools bags: an unpooled collection (EmbeddingCollection, nn.Embedding) has none"
         if hot_rows:
-            refuse("and hot_rows do not go together (the cache keeps rows; the servers send bags)")
+            return "and hot_rows do not go together (the cache keeps rows; the servers send bags)"
         if pipeline.push_strategy.autograd:
-            refuse("needs runtime.gradient_push: rpc (distributed autograd records rows, not bags)")
+            return "needs runtime.gradient_push: rpc (distributed autograd records rows, not bags)"
+        return None
 
     @property
     def _hybrid_pipeline(self) -> StepPipeline:

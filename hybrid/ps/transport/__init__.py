@@ -45,6 +45,10 @@ class Transport(ABC):
 
     server: str
     """The server's RPC worker name (``ps0``), for messages."""
+    shares_memory: bool = False
+    """Whether the messages stay in this host's memory (the server in this process, or a
+    shared-memory channel) rather than crossing a network connection (TCP, RPC): what
+    ``pool_on: auto`` goes by."""
 
     def __init__(self) -> None:
         self.stream = secrets.randbits(62)  # unique among the streams one server sees
@@ -117,6 +121,8 @@ def call(server: str, fn, args: tuple = (), *, timeout_s: float) -> torch.future
 class LocalTransport(Transport):
     """Step messages to the server held by this process: encoded and decoded as over RPC (the
     same checks; the server owns what it keeps), handled by the same ``handle_step``."""
+
+    shares_memory = True
 
     def __init__(self, server: str) -> None:
         super().__init__()

@@ -63,6 +63,7 @@ class ShmTransport(TrainerEnd):
     """One trainer's shared-memory channel to one server on its host: one message at a time."""
 
     what = "shared-memory channel"
+    shares_memory = True
 
     def __init__(self, server: str, directory: Path, capacity: int, *, fallback: Transport, timeout_s: float) -> None:
         super().__init__(server, torch.from_file(str(directory / "req"), shared=True, size=capacity, dtype=torch.uint8),
