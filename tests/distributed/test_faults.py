@@ -121,16 +121,26 @@ def _assert_all_failed_naming(report: str, logs: dict[str, str], names: list[str
 
 POOLED = ["plan.modules.sparse_arch.embedding_bag_collection.pool_on=server",
           "plan.modules.sparse_arch.embedding_bag_collection.sharding=table_wise"]
+TCP = ["runtime.ps_transport=socket"]
+"""Step messages over the TCP step connection, as to a server on another host."""
 
 
 @pytest.mark.serial  # bounds how long it takes: runs alone (make test)
-@pytest.mark.parametrize("method,overrides", [("gather", []), ("push", []), ("unpool", POOLED)],
-                         ids=["mid-forward", "mid-backward", "mid-backward-pooled-on-server"])
+@pytest.mark.parametrize("method,overrides", [("gather", []), ("push", []), ("unpool", POOLED), ("gather", TCP)],
+                         ids=["mid-forward", "mid-backward", "mid-backward-pooled-on-server", "mid-forward-over-tcp"])
 def test_server_killed_ends_every_process_naming_it(tmp_path, method, overrides):
     report, logs, elapsed = _run_fault(tmp_path, 4, 2, {"who": "ps0", "kind": "die", "method": method, "after": 6},
                                        overrides)
     assert elapsed < RPC_TIMEOUT + MARGIN, elapsed
     _assert_all_failed_naming(report, logs, ["trainer0", "trainer1", "ps1"], "ps0")
+    _assert_step_messages_went(logs, overrides)
+
+
+def _assert_step_messages_went(logs: dict[str, str], overrides: list[str]) -> None:
+    """Each trainer's step messages to ps0 took the transport the test asked for."""
+    way = "TCP step connection" if overrides == TCP else "shared-memory channel"
+    for name in ("trainer0", "trainer1"):
+        assert f"step messages to ps0 go through {way}" in logs[name], logs[name]
 
 
 @pytest.mark.serial  # bounds how long it takes: runs alone (make test)
@@ -147,9 +157,10 @@ def test_trainer_killed_ends_every_process_naming_it(tmp_path):
 
 
 @pytest.mark.serial  # bounds how long it takes: runs alone (make test)
-def test_slow_server_gives_a_timeout_error_naming_it(tmp_path):
+@pytest.mark.parametrize("overrides", [[], TCP], ids=["shared-memory", "tcp"])
+def test_slow_server_gives_a_timeout_error_naming_it(tmp_path, overrides):
     report, logs, elapsed = _run_fault(tmp_path, 3, 1, {"who": "ps0", "kind": "sleep", "method": "gather", "after": 6,
-                                                        "seconds": RPC_TIMEOUT + 10})
+                                                        "seconds": RPC_TIMEOUT + 10}, overrides)
     assert elapsed < RPC_TIMEOUT + 10 + MARGIN, elapsed  # the sleeper itself ends when it wakes
     # The trainer whose lookup hangs names ps0 and the timeout. The other names ps0 too, or --
     # when its own lookups were answered (each trainer has its own shared-memory channel and
@@ -159,6 +170,7 @@ def test_slow_server_gives_a_timeout_error_naming_it(tmp_path):
     timed_out = [n for n in ("trainer0", "trainer1") if "lookup on parameter server ps0 failed" in logs[n]
                  and "timeout (8000 ms)" in logs[n]]
     assert timed_out, logs  # the trainer whose lookup hung says so; the other may fail on it first
+    _assert_step_messages_went(logs, overrides)
 
 
 def _never_started_server(rank: int, world_size: int, *, tmp: str):

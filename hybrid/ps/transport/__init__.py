@@ -26,6 +26,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from hybrid.log import logger
 from hybrid.ps.protocol import StepMessage
 
 TransportName = Literal["auto", "socket", "rpc"]
@@ -45,6 +46,8 @@ class Transport(ABC):
 
     server: str
     """The server's RPC worker name (``ps0``), for messages."""
+    what: str = "RPC"
+    """How the messages travel, in words (logged once per server, named in errors)."""
     shares_memory: bool = False
     """Whether the messages stay in this host's memory (the server in this process, or a
     shared-memory channel) rather than crossing a network connection (TCP, RPC): what
@@ -122,6 +125,7 @@ class LocalTransport(Transport):
     """Step messages to the server held by this process: encoded and decoded as over RPC (the
     same checks; the server owns what it keeps), handled by the same ``handle_step``."""
 
+    what = "this process"
     shares_memory = True
 
     def __init__(self, server: str) -> None:
@@ -140,12 +144,19 @@ def connect(server: str, trainer: int, *, mode: str, timeout_s: float) -> Transp
     """The transport to ``server``: in this process when it is held here (:func:`serve_here`);
     with ``mode`` ``auto``, shared memory where the server shares this host and the channel could
     be set up, else a TCP step connection (:mod:`hybrid.ps.transport.tcp`); with ``socket``,
-    that connection whatever the host; RPC where neither could be made, and with ``rpc``."""
+    that connection whatever the host; RPC where neither could be made, and with ``rpc``. Logs
+    which, once."""
+
+    transport = _open(server, trainer, mode=mode, timeout_s=timeout_s)
+    logger.info("trainer %d: step messages to %s go through %s", trainer, server, transport.what)
+    return transport
+
+
+def _open(server: str, trainer: int, *, mode: str, timeout_s: float) -> Transport:
     from hybrid.ps.transport.rpc import RpcTransport
 
     if server in _HERE:
         return LocalTransport(server)
-
     rpc_transport = RpcTransport(server, timeout_s=timeout_s)
     if mode == "rpc":
         return rpc_transport

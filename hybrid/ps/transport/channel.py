@@ -136,7 +136,7 @@ class TrainerEnd(Transport, ABC):
     long before. Subclasses move the bytes (:meth:`_post`, :meth:`_receive`)."""
 
     what = "channel"
-    """Named in errors (``shared-memory channel``, ``step connection``)."""
+    """Named in errors (``shared-memory channel``, ``TCP step connection``)."""
 
     def __init__(self, server: str, req: torch.Tensor, rep: torch.Tensor, *, fallback: Transport,
                  timeout_s: float) -> None:

@@ -13,6 +13,8 @@ from hybrid.ps.transport import Transport
 
 
 class RpcTransport(Transport):
+    what = "RPC (TensorPipe)"
+
     def __init__(self, server: str, *, timeout_s: float) -> None:
         super().__init__()
         self.server = server

@@ -95,7 +95,7 @@ def _send_pieces(sock: socket.socket, pieces: list) -> None:
 class SocketTransport(TrainerEnd):
     """One trainer's step connection to one server: one message at a time."""
 
-    what = "step connection"
+    what = "TCP step connection"
 
     def __init__(self, server: str, sock: socket.socket, capacity: int, *, fallback: Transport,
                  timeout_s: float) -> None:
@@ -166,7 +166,7 @@ class SocketTransport(TrainerEnd):
 class _SocketServerEnd(ServerEnd):
     """The server's end of one trainer's step connection."""
 
-    what = "step connection"
+    what = "TCP step connection"
 
     def __init__(self, sock: socket.socket, capacity: int, name: str) -> None:
         super().__init__(torch.empty(capacity, dtype=torch.uint8), torch.empty(capacity, dtype=torch.uint8), name,
