@@ -6,6 +6,8 @@ tests are in ``tests/distributed/test_ps.py`` (sync against one process) and
 ``tests/distributed/test_pool_on_server.py``."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -111,6 +113,42 @@ def test_auto_pools_on_the_servers_only_where_every_one_is_across_the_network_an
     assert not pools(autograd=True)
     unpooled = tuple(TableSpec(t.name, t.num_embeddings, 4, t.feature_names, pooling="none") for t in TABLES)
     assert not pools(_config(unpooled, pool_on="auto"), cls=RemoteEmbeddingCollection)
+
+
+def test_auto_says_why_a_trainer_across_the_network_pools_itself(caplog):
+    """Where every server is across the network but ``server`` would be refused, ``auto`` pools on
+    the trainer and says why in one line (the fix is often one plan key); nothing where a server
+    shares the trainer's memory, the servers pool, or the collection has no bags."""
+    from hybrid.log import logger
+
+    remote = {0: RpcTransport("ps0", timeout_s=1.0), 1: RpcTransport("ps1", timeout_s=1.0)}
+
+    def said(config, *, transports=remote, cls=RemoteEmbeddingBagCollection) -> list[str]:
+        pipeline = _pipeline()
+        pipeline.transports = transports
+        caplog.clear()
+        level, propagate = logger.level, logger.propagate
+        logger.addHandler(caplog.handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # caught once, by the handler above
+        try:
+            cls(config, pipeline=pipeline, server_names=["ps0", "ps1"])
+        finally:
+            logger.removeHandler(caplog.handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
+        return [r.getMessage() for r in caplog.records]
+
+    assert said(_config(sharding="row_wise", pool_on="auto")) == [
+        "ebc: trainer 0 pools its bags itself (pool_on: auto); its servers, across the network, would send fewer "
+        "bytes pooling them, but pool_on: server needs every table whole on one server; ['a', 'b', 'c', 'd'] are "
+        "split over servers (sharding: table_wise, or one server)"]
+    assert said(_config(sharding="row_wise", pool_on="auto"),
+                transports={0: RpcTransport("ps0", timeout_s=1.0), 1: LocalTransport("ps1")}) == []
+    assert said(_config(pool_on="auto")) == []  # pooled on the servers
+    assert said(_config(sharding="row_wise", pool_on="trainer")) == []  # asked for
+    unpooled = tuple(TableSpec(t.name, t.num_embeddings, 4, t.feature_names, pooling="none") for t in TABLES)
+    assert said(_config(unpooled, pool_on="auto"), cls=RemoteEmbeddingCollection) == []
 
 
 def _batch(weighted: bool, seed: int = 0, empty_group: bool = False) -> KeyedJaggedTensor:

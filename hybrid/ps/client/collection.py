@@ -21,6 +21,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from hybrid.errors import PlanError
+from hybrid.log import logger
 from hybrid.ps.client.cache import HotRows
 from hybrid.ps.client.pipeline import StepPipeline, _server_error
 from hybrid.ps.client.routing import BadBatchError, BadIdError, RoutedBatch, Router
@@ -88,7 +89,8 @@ class RemoteCollection(nn.Module):
         """``pool_on`` for this trainer: ``auto`` pools on the servers where the collection can be
         pooled there and every one of its servers is reached over a network connection (TCP or
         RPC: pooled bags are fewer bytes to carry), and on the trainer where a server shares its
-        memory (rows cost little to move there, and pooling would load the server)."""
+        memory (rows cost little to move there, and pooling would load the server). Where every
+        server is across the network but something stands in the way, says what, once (info)."""
         config = self.config
         if config.pool_on == "trainer":
             return False
@@ -97,7 +99,12 @@ class RemoteCollection(nn.Module):
             if why is not None:
                 raise PlanError(f"{config.cid}: pool_on: server {why}", category="bad_value", key="pool_on")
             return True
-        return why is None and not any(pipeline.transports[s].shares_memory for s in config.servers)
+        remote = not any(pipeline.transports[s].shares_memory for s in config.servers)
+        if why is not None and remote and not any(t.pooling == "none" for t in config.tables):
+            logger.info("%s: trainer %d pools its bags itself (pool_on: auto); its servers, across the network, "
+                        "would send fewer bytes pooling them, but pool_on: server %s", config.cid,
+                        pipeline.trainer, why)
+        return why is None and remote
 
     def _cannot_pool_on_server(self, pipeline: StepPipeline, hot_rows: int) -> str | None:
         """Why this collection cannot be pooled on its servers, or ``None``."""
