@@ -144,9 +144,10 @@ def _assert_step_messages_went(logs: dict[str, str], overrides: list[str]) -> No
 
 
 @pytest.mark.serial  # bounds how long it takes: runs alone (make test)
-def test_trainer_killed_ends_every_process_naming_it(tmp_path):
+@pytest.mark.parametrize("overrides", [[], TCP], ids=["shared-memory", "tcp"])
+def test_trainer_killed_ends_every_process_naming_it(tmp_path, overrides):
     report, logs, elapsed = _run_fault(tmp_path, 3, 1, {"who": "trainer1", "kind": "die_trainer", "after_s": 12.0},
-                                       ["train.steps=100000"])
+                                       ["train.steps=100000", *overrides])
     assert elapsed < RPC_TIMEOUT + MARGIN, elapsed
     _assert_all_failed_naming(report, logs, ["ps0", "trainer0"], "trainer1")
     # trainer0's first line after the death names trainer1 (not the gloo error it ran into)
@@ -154,6 +155,7 @@ def test_trainer_killed_ends_every_process_naming_it(tmp_path):
     stamped = [(float(line.split()[0]), line) for line in logs["trainer0"].splitlines() if line[:1].isdigit()]
     first = next(line for t, line in stamped if t >= died)
     assert "peers not answering: trainer1" in first, logs["trainer0"]
+    _assert_step_messages_went(logs, overrides)
 
 
 @pytest.mark.serial  # bounds how long it takes: runs alone (make test)
