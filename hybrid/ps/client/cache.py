@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hybrid.ops import scatter_rows_
 from hybrid.ops.id_map import IdMap, id_hash
 from hybrid.ps.protocol import Rows
 
@@ -270,9 +271,9 @@ class HotRows:
             full = got
             if miss.numel() < request.ids.numel():
                 full = torch.empty(request.ids.numel(), dim, dtype=reply.dtype)
-                full.index_copy_(0, miss, got)
+                scatter_rows_(full, miss, got)
                 at = torch.nonzero(hit).squeeze(1)
-                full.index_copy_(0, at, pool.rows.index_select(0, slots.index_select(0, at)))
+                scatter_rows_(full, at, pool.rows.index_select(0, slots.index_select(0, at)))
             self._keep(split, pool, miss, got, version)
             return full.reshape(-1)
         out, sent, start = [], 0, 0  # several widths: table by table
@@ -303,7 +304,7 @@ class HotRows:
         held = torch.nonzero(slots >= 0).squeeze(1)
         if held.numel():  # too old: refreshed in place
             at = slots.index_select(0, held)
-            pool.rows.index_copy_(0, at, rows.index_select(0, held))
+            scatter_rows_(pool.rows, at, rows.index_select(0, held))
             pool.version.index_fill_(0, at, version)
             self.counters.refreshed += at.numel()
         new = torch.nonzero((slots < 0) & split.admit.index_select(0, pick)).squeeze(1)
@@ -316,7 +317,7 @@ class HotRows:
         keys = split.keys.index_select(0, at)
         pool.ids.index_copy_(0, take, split.request.ids.index_select(0, at))
         pool.tables.index_copy_(0, take, split.tables.index_select(0, at))
-        pool.rows.index_copy_(0, take, rows.index_select(0, new))
+        scatter_rows_(pool.rows, take, rows.index_select(0, new))
         pool.version.index_fill_(0, take, version)
         pool.uses.index_fill_(0, take, 1)
         pool.map.insert(keys, take)
