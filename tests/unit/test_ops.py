@@ -639,6 +639,52 @@ def test_optimizer_rows_refuses_a_non_finite_new_weight_like_the_reference():
                                       state=state, lr=0.1, eps=1e-8, weight_decay=0.0, beta1=0.9, beta2=0.999)
 
 
+@native
+def test_hot_rows_find_counts_as_the_tensor_operations_do():
+    """``hybrid::hot_rows_find_`` (the hot-row cache's find) against the cache's tensor
+    operations on two copies of one pool: held, stale, absent and hash-colliding rows, and keys
+    that share sketch counters (each sees every request of the call)."""
+    import copy
+
+    from hybrid.ps.client.cache import HotRows, _keys
+    from hybrid.ps.protocol import Rows
+
+    g = torch.Generator().manual_seed(3)
+    cache = HotRows(64, staleness=2, tables=[(4, {0: 500}), (4, {0: 500})], dtype=torch.float32)
+    for step in range(6):  # fill the pool through the cache itself, rows of versions 1..6
+        ids = [torch.unique(torch.randint(0, 60, (40,), generator=g)) for _ in range(2)]
+        request = Rows([0, 1], [len(i) for i in ids], torch.cat(ids))
+        sent, split = cache.split(0, request, step + 3)
+        cache.join(split, torch.randn(sent.ids.numel() * 4, generator=g), step + 1)
+    pool = cache.pools[(0, 4)]
+    assert 0 < pool.capacity - pool.n_free and pool.sketch.sum() > 0
+    ids = torch.cat([torch.arange(0, 80), torch.arange(0, 80)])  # held, not held, both tables
+    tables = torch.cat([torch.zeros(80, dtype=torch.int64), torch.ones(80, dtype=torch.int64)])
+    keys = _keys(ids, tables)
+    width = pool.sketch.shape[1]
+    colliding = torch.tensor([7, 7 + width, 7 + 2 * width, (5 << 32) + 9, (5 << 32) + 11])  # share a counter
+    keys = torch.cat([keys, colliding])
+    ids = torch.cat([ids, torch.full((5,), 999)])
+    tables = torch.cat([tables, torch.zeros(5, dtype=torch.int64)])
+    held_key = int(pool.map.items()[0][0])  # a key the map holds, asked for another row: a miss
+    keys, ids, tables = torch.cat([keys, torch.tensor([held_key])]), torch.cat([ids, torch.tensor([777])]), \
+        torch.cat([tables, torch.tensor([1])])
+    twin = copy.deepcopy(pool)
+    hits, first = {}, None
+    for need in (0, 3, 5, 100):
+        got = pool.find_and_count(keys, ids, tables, need)
+        first = got if first is None else first
+        want = twin.find_and_count_reference(keys, ids, tables, need)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), need
+        assert torch.equal(pool.uses, twin.uses) and torch.equal(pool.sketch, twin.sketch)
+        hits[need] = int(got[1].sum())
+    slots = got[0]
+    assert (slots >= 0).any() and (slots < 0).any() and slots[-6:].eq(-1).all()  # the last six are misses
+    assert first[2][160:163].all()  # first asked for, but three keys on one pair of counters: 3 >= 2
+    assert hits[0] == int((slots >= 0).sum()) > hits[5] > 0 == hits[100]  # versions 1..6 against need
+
+
 # -- refusals of malformed arguments (TORCH_CHECK in the operators) ----------------------------------
 
 @native

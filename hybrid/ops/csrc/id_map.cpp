@@ -1,13 +1,15 @@
-// The id -> row slot map of a dynamic table (hybrid/ps/server/dynamic.py) and the hash that
-// routes raw ids to servers. The map is two int64 tensors of one power-of-two size: keys (raw
+// The id -> row slot map of a dynamic table (hybrid/ps/server/dynamic.py), the hash that routes
+// raw ids to servers, and the find of a trainer's hot-row cache over such a map. The map is two int64 tensors of one power-of-two size: keys (raw
 // ids) and slots (-1: empty), open addressing with linear probing from fmix64(id); erasing
 // shifts the following entries back (no tombstones), so a probe never runs past the first empty
 // entry. The tensors belong to the caller, which grows them (and checkpoints them as tensors).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "hash.h"
@@ -220,9 +222,87 @@ Tensor id_hash(const Tensor& ids) {
   return out;
 }
 
+void check_same_size(const Tensor& t, int64_t n, const char* what, const char* like) {
+  check_ids(t, what);
+  TORCH_CHECK_VALUE(t.numel() == n, what, " must hold one entry per entry of ", like, " (", n, "), got ",
+                    t.numel());
+}
+
+// A trainer's hot-row cache (hybrid/ps/client/cache.py), one pool: each requested (table, id) --
+// keys[i] its hash, the key of the pool's map -- found in the pool: its slot where the map has the
+// key and the slot holds that very table and id (a hash collision is a miss), else -1. A held row
+// counts one more use and is a hit where its version is at least `need`. Every key also counts one
+// more request in the two rows of the count-min sketch (each key's counter in each row: its low and
+// its high 32 bits, masked), and is to be admitted where, after every key of the call is counted,
+// the smaller of its two counters reaches `admit_after`. Returns (slots, hit, admit).
+std::tuple<Tensor, Tensor, Tensor> hot_rows_find_(const Tensor& map_keys, const Tensor& map_slots,
+                                                  const Tensor& keys, const Tensor& ids, const Tensor& tables,
+                                                  const Tensor& pool_ids, const Tensor& pool_tables,
+                                                  const Tensor& pool_version, const Tensor& pool_uses,
+                                                  const Tensor& sketch, int64_t need, int64_t admit_after) {
+  check_map(map_keys, map_slots);
+  check_ids(keys, "keys");
+  const int64_t n = keys.numel();
+  check_same_size(ids, n, "ids", "keys");
+  check_same_size(tables, n, "tables", "keys");
+  check_ids(pool_ids, "pool_ids");
+  const int64_t cap = pool_ids.numel();
+  check_same_size(pool_tables, cap, "pool_tables", "pool_ids");
+  check_same_size(pool_version, cap, "pool_version", "pool_ids");
+  check_same_size(pool_uses, cap, "pool_uses", "pool_ids");
+  TORCH_CHECK_TYPE(sketch.scalar_type() == at::kInt, "sketch must be int32, got ", sketch.scalar_type());
+  TORCH_CHECK_VALUE(sketch.device().is_cpu() && sketch.is_contiguous() && sketch.dim() == 2 && sketch.size(0) == 2,
+                    "sketch must be a contiguous [2, width] CPU tensor, got shape ", sketch.sizes());
+  const int64_t width = sketch.size(1);
+  TORCH_CHECK_VALUE(width > 0 && (width & (width - 1)) == 0 && width <= (int64_t{1} << 31),
+                    "sketch width must be a power of two up to 2^31, got ", width);
+
+  Tensor slots = at::empty({n}, keys.options());
+  Tensor hit = at::empty({n}, keys.options().dtype(at::kBool));
+  Tensor admit = at::empty({n}, keys.options().dtype(at::kBool));
+  const int64_t *k = keys.data_ptr<int64_t>(), *q = ids.data_ptr<int64_t>(), *tb = tables.data_ptr<int64_t>();
+  const int64_t *pid = pool_ids.data_ptr<int64_t>(), *ptab = pool_tables.data_ptr<int64_t>();
+  const int64_t* pver = pool_version.data_ptr<int64_t>();
+  int64_t* uses = pool_uses.data_ptr<int64_t>();
+  int64_t* o = slots.data_ptr<int64_t>();
+  bool* h = hit.data_ptr<bool>();
+  bool* a = admit.data_ptr<bool>();
+  find_into(map_keys.data_ptr<int64_t>(), map_slots.data_ptr<int64_t>(),
+            static_cast<uint64_t>(map_keys.numel() - 1), k, n, o);
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t s = o[i];
+    TORCH_CHECK_VALUE(s < cap, "the map holds slot ", s, " of a pool of ", cap);
+    if (s >= 0 && pid[s] == q[i] && ptab[s] == tb[i]) {
+      uses[s]++;
+      h[i] = pver[s] >= need;
+    } else {
+      o[i] = -1;
+      h[i] = false;
+    }
+  }
+  // Counted in two passes (all increments, then the reads), as index_add_ then index_select do:
+  // two keys that share a counter both see both requests.
+  int32_t* row0 = sketch.data_ptr<int32_t>();
+  int32_t* row1 = row0 + width;
+  const uint64_t mask = static_cast<uint64_t>(width - 1);
+  auto at0 = [&](int64_t key) { return static_cast<uint64_t>(key) & mask; };
+  auto at1 = [&](int64_t key) { return (static_cast<uint64_t>(key) >> 32) & mask; };
+  auto bump = [](int32_t& c) { c = static_cast<int32_t>(static_cast<uint32_t>(c) + 1u); };
+  for (int64_t i = 0; i < n; i++) {
+    bump(row0[at0(k[i])]);
+    bump(row1[at1(k[i])]);
+  }
+  for (int64_t i = 0; i < n; i++) a[i] = std::min(row0[at0(k[i])], row1[at1(k[i])]) >= admit_after;
+  return {slots, hit, admit};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hybrid, m) {
+  m.def(
+      "hot_rows_find_(Tensor map_keys, Tensor map_slots, Tensor keys, Tensor ids, Tensor tables, Tensor pool_ids, "
+      "Tensor pool_tables, Tensor pool_version, Tensor(a!) pool_uses, Tensor(b!) sketch, int need, "
+      "int admit_after) -> (Tensor, Tensor, Tensor)");
   m.def("id_map_find(Tensor keys, Tensor slots, Tensor ids) -> Tensor");
   m.def("id_maps_find(Tensor[] keys, Tensor[] slots, Tensor ids, int[] counts) -> Tensor");
   m.def("id_map_insert_(Tensor(a!) keys, Tensor(b!) slots, Tensor ids, Tensor values, int used) -> int");
@@ -240,4 +320,5 @@ TORCH_LIBRARY_IMPL(hybrid, CompositeExplicitAutograd, m) {
   m.impl("id_map_erase_", id_map_erase_);
   m.impl("id_maps_update_", id_maps_update_);
   m.impl("id_hash", id_hash);
+  m.impl("hot_rows_find_", hot_rows_find_);
 }

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hybrid.ops import scatter_rows_
-from hybrid.ops.id_map import IdMap, id_hash
+from hybrid.ops.id_map import HashIdMap, IdMap, id_hash
 from hybrid.ps.protocol import Rows
 
 DECAY_STEPS = 16
@@ -130,6 +130,27 @@ class _Pool:
         for row, i in zip(self.sketch, at):
             row.index_add_(0, i, ones)
         return torch.minimum(self.sketch[0].index_select(0, at[0]), self.sketch[1].index_select(0, at[1]))
+
+    def find_and_count(self, keys: torch.Tensor, ids: torch.Tensor, tables: torch.Tensor,
+                       need: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For requested (table, id) pairs (``keys`` their hashes): each one's slot (-1 where not
+        held), whether it is a hit (held with a version >= ``need``), and whether it is asked
+        for often enough to be let in; counts a use of each held row and a request of each key.
+        One native operator (``hybrid::hot_rows_find_``) where the map is the native one."""
+        if isinstance(self.map, HashIdMap):
+            return torch.ops.hybrid.hot_rows_find_(self.map.keys, self.map.slots, keys, ids, tables, self.ids,
+                                                   self.tables, self.version, self.uses, self.sketch, need,
+                                                   ADMIT_AFTER)
+        return self.find_and_count_reference(keys, ids, tables, need)
+
+    def find_and_count_reference(self, keys: torch.Tensor, ids: torch.Tensor, tables: torch.Tensor,
+                                 need: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`find_and_count` in tensor operations (without the native extension)."""
+        s = self.find(keys, ids, tables)
+        held = s >= 0
+        self.uses.index_add_(0, s[held], torch.ones(int(held.sum()), dtype=torch.int64))
+        hit = held & (self.version.index_select(0, s.clamp(min=0)) >= need)
+        return s, hit, self.count(keys) >= ADMIT_AFTER
 
     def find(self, keys: torch.Tensor, ids: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Each (table, id)'s slot (``keys`` their hashes), -1 where not held."""
@@ -238,11 +259,7 @@ class HotRows:
         keys = _keys(request.ids, tables)
         for pool, sel in self._groups(server, tables) if n else []:
             ids, tab, k = (request.ids, tables, keys) if sel is None else (request.ids[sel], tables[sel], keys[sel])
-            s = pool.find(k, ids, tab)
-            held = s >= 0
-            pool.uses.index_add_(0, s[held], torch.ones(int(held.sum()), dtype=torch.int64))
-            h = held & (pool.version.index_select(0, s.clamp(min=0)) >= need)
-            a = pool.count(k) >= ADMIT_AFTER
+            s, h, a = pool.find_and_count(k, ids, tab, need)
             if sel is None:
                 slots, hit, admit = s, h, a
             else:
