@@ -1,8 +1,9 @@
 // The id -> row slot map of a dynamic table (hybrid/ps/server/dynamic.py), the hash that routes
-// raw ids to servers, and the find of a trainer's hot-row cache over such a map. The map is two int64 tensors of one power-of-two size: keys (raw
-// ids) and slots (-1: empty), open addressing with linear probing from fmix64(id); erasing
-// shifts the following entries back (no tombstones), so a probe never runs past the first empty
-// entry. The tensors belong to the caller, which grows them (and checkpoints them as tensors).
+// raw ids to servers, and the find of a trainer's hot-row cache over such a map. The map is two
+// int64 tensors of one power-of-two size: keys (raw ids) and slots (-1: empty), open addressing
+// with linear probing from fmix64(id); erasing shifts the following entries back (no
+// tombstones), so a probe never runs past the first empty entry. The tensors belong to the
+// caller, which grows them (and checkpoints them as tensors).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

@@ -46,7 +46,7 @@ class Transport(ABC):
 
     server: str
     """The server's RPC worker name (``ps0``), for messages."""
-    what: str = "RPC"
+    what: str = "transport"
     """How the messages travel, in words (logged once per server, named in errors)."""
     shares_memory: bool = False
     """Whether the messages stay in this host's memory (the server in this process, or a
@@ -146,7 +146,6 @@ def connect(server: str, trainer: int, *, mode: str, timeout_s: float) -> Transp
     be set up, else a TCP step connection (:mod:`hybrid.ps.transport.tcp`); with ``socket``,
     that connection whatever the host; RPC where neither could be made, and with ``rpc``. Logs
     which, once."""
-
     transport = _open(server, trainer, mode=mode, timeout_s=timeout_s)
     logger.info("trainer %d: step messages to %s go through %s", trainer, server, transport.what)
     return transport
