@@ -685,6 +685,21 @@ def test_hot_rows_find_counts_as_the_tensor_operations_do():
     assert hits[0] == int((slots >= 0).sum()) > hits[5] > 0 == hits[100]  # versions 1..6 against need
 
 
+@native
+def test_hot_rows_find_refuses_a_slot_outside_its_pool_before_counting_anything():
+    from hybrid.ops.id_map import HashIdMap
+
+    m = HashIdMap(8)
+    m.insert(torch.tensor([5, 6]), torch.tensor([1, 9]))  # slot 9: beyond a pool of 4
+    uses, sketch, pool = torch.zeros(4, dtype=torch.int64), torch.zeros(2, 16, dtype=torch.int32), torch.zeros(
+        4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="the map holds slot 9 of a pool of 4"):
+        torch.ops.hybrid.hot_rows_find_(m.keys, m.slots, torch.tensor([5, 6]), torch.zeros(2, dtype=torch.int64),
+                                        torch.zeros(2, dtype=torch.int64), pool, pool.clone(), pool.clone(), uses,
+                                        sketch, 0, 2)
+    assert not uses.any() and not sketch.any()
+
+
 # -- refusals of malformed arguments (TORCH_CHECK in the operators) ----------------------------------
 
 @native

@@ -270,9 +270,10 @@ std::tuple<Tensor, Tensor, Tensor> hot_rows_find_(const Tensor& map_keys, const 
   bool* a = admit.data_ptr<bool>();
   find_into(map_keys.data_ptr<int64_t>(), map_slots.data_ptr<int64_t>(),
             static_cast<uint64_t>(map_keys.numel() - 1), k, n, o);
+  for (int64_t i = 0; i < n; i++)  // before anything is counted: an error changes nothing
+    TORCH_CHECK_VALUE(o[i] < cap, "the map holds slot ", o[i], " of a pool of ", cap);
   for (int64_t i = 0; i < n; i++) {
     const int64_t s = o[i];
-    TORCH_CHECK_VALUE(s < cap, "the map holds slot ", s, " of a pool of ", cap);
     if (s >= 0 && pid[s] == q[i] && ptab[s] == tb[i]) {
       uses[s]++;
       h[i] = pver[s] >= need;
