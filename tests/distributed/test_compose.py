@@ -10,10 +10,12 @@ All twelve configurations run in one set of processes, one after the other (``co
 """
 
 import copy
+import threading
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.autograd as dist_autograd
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torchrec.models.dlrm import DLRM
@@ -203,6 +205,30 @@ def _meta(rank, world_size, *, num_servers):
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses)))
     assert all(not torch.equal(full(p).detach(), before[n]) for n, p in model.named_parameters())
+
+    # A DDP/FSDP module refuses to run inside a distributed-autograd context (its gradients
+    # would go into the context, unsynchronized); a context current on another thread only is
+    # no reason to refuse.
+    _, _, data = global_data(0, role.num_trainers * B)
+    batch = kjt_slice(data, role.index * B, (role.index + 1) * B)
+    opened, release = threading.Event(), threading.Event()
+
+    def hold_a_context() -> None:
+        with dist_autograd.context():
+            opened.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold_a_context)
+    holder.start()
+    try:
+        assert opened.wait(30) and dist_autograd._get_debug_info()["num_autograd_contexts"] == 1
+        model(batch)
+    finally:
+        release.set()
+        holder.join()
+    with dist_autograd.context() as ctx, pytest.raises(
+            RuntimeError, match=rf"^tower \(a DDP/FSDP module\) ran inside distributed-autograd context {ctx}:"):
+        model(batch)
 
     # A buffer computed in __init__ (DLRM's interaction indices) cannot come back from meta: refused.
     with torch.device("meta"):
