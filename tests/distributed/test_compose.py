@@ -243,6 +243,7 @@ def _meta(rank, world_size, *, num_servers):
 
 def test_a_model_built_on_meta_is_sharded_then_materialized():
     """Construct on meta, shard, materialize: each trainer allocates only its FSDP shard, tables
-    are initialized by the servers, and the model trains."""
+    are initialized by the servers, and the model trains; its FSDP tower refuses to run inside a
+    distributed-autograd context (and runs beside one open on another thread)."""
     out = run_distributed(_meta, 3, setup="hybrid", num_servers=1, timeout=120)
     assert out[0] is not None and out[1] is not None
