@@ -252,10 +252,6 @@ class Rule:
         cls = STRATEGY_OPTIONS[self.strategy]
         assert isinstance(self.options, cls), f"{self.strategy} needs {cls.__name__}"
 
-    @property
-    def is_default(self) -> bool:
-        return self.key == DEFAULT_RULE
-
 
 @dataclass(kw_only=True)
 class Plan:

@@ -99,9 +99,6 @@ class LazyRows:
         if need.numel():
             self._make(need + lo)
 
-    def ensure_all(self) -> None:
-        self.ensure_range(0, self.rows)
-
     def overwrite(self, start: int, stop: int) -> None:
         """Local rows ``[start, stop)`` of the weight are about to be written whole: the blocks
         they cover entirely only get their optimizer state's initial values (their rows come

@@ -492,16 +492,6 @@ def rpc_write_rows(handle: int, table: str, start: int, rows: torch.Tensor) -> N
         t.weight[start : start + rows.shape[0]] = rows
 
 
-def rpc_write_state(handle: int, table: str, state: dict[str, torch.Tensor]) -> None:
-    """Replace a table shard's optimizer state (restore)."""
-    shard = server().shard(handle)
-    t = shard.table(table)
-    with shard.lock:
-        t.ensure_range(0, t.rows)  # rows not written yet keep their initial values
-        for k, v in state.items():
-            t.optim.state[k].copy_(v)
-
-
 @rpc.functions.async_execution
 def rpc_read_shard(handle: int, table: str, after_step: int = -1):
     """A copy of this server's rows of ``table`` and their optimizer state, once every trainer's

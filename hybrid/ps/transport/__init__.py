@@ -95,11 +95,6 @@ def serve_here(server: str, options=None) -> None:  # noqa: ANN001 - a service.S
         _HERE.add(server)
 
 
-def is_here(server: str) -> bool:
-    """Whether ``server`` is held by this process (:func:`serve_here`)."""
-    return server in _HERE
-
-
 def call(server: str, fn, args: tuple = (), *, timeout_s: float) -> torch.futures.Future:  # noqa: ANN001
     """Run the server entry point ``fn(*args)`` on ``server`` and return a future of its answer:
     over RPC, or in this process when the server is held here (an ``async_execution`` entry
