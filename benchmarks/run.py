@@ -44,6 +44,7 @@ from benchmarks.network import EmulatedNetwork, NetworkError, parse_network
 from benchmarks.systems import SYSTEMS
 from benchmarks.systems.torchrec_dmp import SHARDINGS
 from benchmarks.workload import HelpFormatter, Workload
+from hybrid.launch.init import PS_TRANSPORTS
 from hybrid.ps.config import WIRE_BYTES, WIRE_DTYPES
 
 TARGETS = {
@@ -268,7 +269,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="loopback: every process on this host; emulated: every process a host of its own on an "
                         "emulated network, links shaped to rate R (default 10gbit) and one-way delay D (default "
                         "50us; 0 for none), see benchmarks/network.py (needs root)")
-    p.add_argument("--ps-transport", choices=("auto", "socket", "rpc"), default=None,
+    p.add_argument("--ps-transport", choices=PS_TRANSPORTS, default=None,
                    help="hybrid's step messages: auto (shared memory on one host, a TCP step connection "
                         "across hosts), socket (that connection everywhere) or rpc (default: RuntimeOptions')")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default="float32",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,10 @@ import torch.distributed.rpc as rpc
 from hybrid.launch.address import gloo_on, rpc_transports
 from hybrid.launch.roles import Role
 from hybrid.log import logger
+
+PsTransport = Literal["auto", "socket", "rpc"]
+"""How step messages reach a parameter server (``runtime.ps_transport``)."""
+PS_TRANSPORTS: tuple[str, ...] = get_args(PsTransport)
 
 
 @dataclass(kw_only=True)
@@ -53,7 +57,7 @@ class RuntimeOptions:
     the moment they are complete): one message per server per step. ``dist_autograd``:
     ``torch.distributed.autograd`` carries them (a context per step and ``dist_autograd.backward``),
     as in PyTorch's RPC tutorials. Both train the same numbers."""
-    ps_transport: Literal["auto", "socket", "rpc"] = "auto"
+    ps_transport: PsTransport = "auto"
     """How step messages reach a parameter server (:mod:`hybrid.ps.transport`): ``auto`` through
     shared memory to a server on the trainer's own host (files in ``/dev/shm`` and a FIFO
     doorbell: no TensorPipe threads, no pickling) and through a TCP connection of their own to

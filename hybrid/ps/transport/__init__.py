@@ -22,15 +22,12 @@ from __future__ import annotations
 import secrets
 import threading
 from abc import ABC, abstractmethod
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
 from hybrid.log import logger
 from hybrid.ps.protocol import StepMessage
-
-TransportName = Literal["auto", "socket", "rpc"]
-TRANSPORTS: tuple[str, ...] = ("auto", "socket", "rpc")
 
 
 class ReplyFuture(Protocol):
