@@ -44,8 +44,7 @@ from benchmarks.network import EmulatedNetwork, NetworkError, parse_network
 from benchmarks.systems import SYSTEMS
 from benchmarks.systems.torchrec_dmp import SHARDINGS
 from benchmarks.workload import HelpFormatter, Workload
-from hybrid.launch.init import PS_TRANSPORTS
-from hybrid.ps.config import WIRE_BYTES, WIRE_DTYPES
+from hybrid.ps.config import PS_TRANSPORTS, WIRE_BYTES, WIRE_DTYPES
 
 TARGETS = {
     # (system, baseline, minimum ratio of samples/s), by the network the run used

@@ -22,7 +22,7 @@ two small MLPs in one bucket save a millisecond per step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -32,8 +32,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybrid.log import logger, warn_once
+from hybrid.plan.schema import CommHook
 
-COMM_HOOKS = ("none", "fp16", "bf16")
+COMM_HOOKS: tuple[str, ...] = get_args(CommHook)
 
 
 def _bf16_compress_hook_any_backend(state, bucket):  # noqa: ANN001 - DDP refuses a hook whose bucket annotation is not GradBucket

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -19,10 +18,7 @@ import torch.distributed.rpc as rpc
 from hybrid.launch.address import gloo_on, rpc_transports
 from hybrid.launch.roles import Role
 from hybrid.log import logger
-
-PsTransport = Literal["auto", "socket", "rpc"]
-"""How step messages reach a parameter server (``runtime.ps_transport``)."""
-PS_TRANSPORTS: tuple[str, ...] = get_args(PsTransport)
+from hybrid.ps.config import GradientPushWay, PsTransport
 
 
 @dataclass(kw_only=True)
@@ -51,7 +47,7 @@ class RuntimeOptions:
     ptrace is restricted."""
     num_worker_threads: int = 8
     """RPC worker threads per process."""
-    gradient_push: Literal["rpc", "dist_autograd"] = "rpc"
+    gradient_push: GradientPushWay = "rpc"
     """How the embedding rows' gradients reach the servers. ``rpc`` (default): they ride on the
     trainer's next message to each server (in sync mode, the next step's prefetched lookup, sent
     the moment they are complete): one message per server per step. ``dist_autograd``:

@@ -16,9 +16,11 @@ from typing import Any, Literal, get_args
 
 from hybrid.plan.errors import Category, PlanError, did_you_mean, one_of
 from hybrid.ps.config import OptimizerSpec as SparseOptimizer
-from hybrid.ps.config import POOL_ON, WIRE_DTYPES, PoolOn, WireDtype, check_choice
+from hybrid.ps.config import POOL_ON, WIRE_DTYPES, PoolOn, Sharding, StorageDtype, WireDtype, check_choice
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+CommHook = Literal["none", "fp16", "bf16"]
+"""A DDP communication hook (``comm_hook``): none, or gradients compressed to 16 bits on the wire."""
 
 DEFAULT_RULE = "*"
 """The ``modules`` key of the default rule (quote it in YAML: ``"*":``)."""
@@ -110,7 +112,7 @@ class DDPOptions:
     ``auto``: only when the module holds a floating-point buffer; integer buffers (index tables
     such as DLRM's ``triu_indices``, BatchNorm's ``num_batches_tracked``, which every trainer
     counts alike) are left alone, as TorchRec's DistributedModelParallel leaves all of them."""
-    comm_hook: Literal["none", "fp16", "bf16"] = "none"
+    comm_hook: CommHook = "none"
     """``none``: DDP's own mean all-reduce; ``fp16``/``bf16``: compress gradients to this dtype for
     the all-reduce (``default_hooks.fp16_compress_hook`` / ``bf16_compress_hook``)."""
     merge: bool = True
@@ -131,14 +133,14 @@ class PSOptions:
 
     optimizer: SparseOptimizer
     """The servers' sparse optimizer, e.g. ``{name: rowwise_adagrad, lr: 0.05}`` (required)."""
-    sharding: Literal["table_wise", "row_wise"] = "row_wise"
+    sharding: Sharding = "row_wise"
     """``row_wise``: every table's rows spread cyclically over the servers; ``table_wise``:
     each whole table on one server, balanced by bytes."""
     servers: list[int] | str = "all"
     """``all``, or the indices of the servers that hold these tables, e.g. ``[0, 1]``."""
     id_policy: Literal["error", "modulo"] = "error"
     """What an id >= num_embeddings does: ``error`` stops the step, ``modulo`` wraps it."""
-    storage_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    storage_dtype: StorageDtype = "float32"
     """How the servers store the rows: ``bfloat16`` / ``float16`` halve their memory; the
     optimizer state and every update's arithmetic stay float32 and each new row is rounded to
     nearest once (rows travel as ``wire_dtype`` says). ``float32`` is exact."""

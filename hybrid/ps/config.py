@@ -13,10 +13,10 @@ from typing import Literal, get_args
 
 from hybrid.errors import PlanError, did_you_mean, one_of
 
-SPARSE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+SparseOptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
+SPARSE_OPTIMIZERS: tuple[str, ...] = get_args(SparseOptimizerName)
 """The row-sparse optimizers the servers implement."""
 
-SparseOptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
 Pooling = Literal["sum", "mean", "none"]
 """How a feature's rows reach the model: pooled per bag (``sum``, ``mean``: an
 ``EmbeddingBagCollection``) or one row per id (``none``: an ``EmbeddingCollection``). Only the
@@ -52,6 +52,18 @@ WIRE_BYTES = {"float32": 4, "bfloat16": 2}
 
 PoolOn = Literal["auto", "trainer", "server"]
 POOL_ON: tuple[str, ...] = get_args(PoolOn)
+
+Sharding = Literal["table_wise", "row_wise"]
+"""How a collection's tables are placed on its servers (:mod:`hybrid.ps.sharding`)."""
+SHARDINGS: tuple[str, ...] = get_args(Sharding)
+
+PsTransport = Literal["auto", "socket", "rpc"]
+"""How step messages reach a parameter server (``runtime.ps_transport``, :mod:`hybrid.ps.transport`)."""
+PS_TRANSPORTS: tuple[str, ...] = get_args(PsTransport)
+
+GradientPushWay = Literal["rpc", "dist_autograd"]
+"""How row gradients reach the servers (``runtime.gradient_push``)."""
+GRADIENT_PUSHES: tuple[str, ...] = get_args(GradientPushWay)
 
 
 def _bad(key: str, value: object, expected: str) -> PlanError:

@@ -11,13 +11,10 @@ to the least-loaded server), ties broken by server order, so the layout is deter
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from hybrid.ps.config import TableSpec
-
-Sharding = Literal["table_wise", "row_wise"]
+from hybrid.ps.config import SHARDINGS, Sharding, TableSpec
 
 
 @dataclass(frozen=True)
@@ -69,8 +66,8 @@ def shard_tables(
     servers: list[int] | None = None,
 ) -> list[TableLayout]:
     """Place ``tables`` on ``servers`` (default: all ``num_servers``), in table order."""
-    if sharding not in ("table_wise", "row_wise"):
-        raise ValueError(f"sharding must be 'table_wise' or 'row_wise', got {sharding!r}")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {', '.join(map(repr, SHARDINGS))}, got {sharding!r}")
     servers = list(range(num_servers)) if servers is None else list(servers)
     if not servers:
         raise ValueError("no parameter server to place the tables on")

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hybrid.errors import InputError
+from hybrid.ps.config import GRADIENT_PUSHES
 from hybrid.ps.protocol import Part, Push, Rows, StepMessage
 from hybrid.ps.transport import ReplyFuture, Transport
 
@@ -48,8 +49,6 @@ if TYPE_CHECKING:
 NO_ROWS = Rows([], [], torch.empty(0, dtype=torch.int64))
 """What a pooled lookup's push lists (its server kept the rows)."""
 
-GRADIENT_PUSHES = ("rpc", "dist_autograd")
-"""How row gradients reach the servers (``runtime.gradient_push``)."""
 
 
 class ServerError(RuntimeError):
