@@ -16,7 +16,8 @@ from typing import Any, Literal, get_args
 
 from hybrid.plan.errors import Category, PlanError, did_you_mean, one_of
 from hybrid.ps.config import OptimizerSpec as SparseOptimizer
-from hybrid.ps.config import POOL_ON, WIRE_DTYPES, PoolOn, Sharding, StorageDtype, WireDtype, check_choice
+from hybrid.ps.config import (IDS_MODES, POOL_ON, WIRE_DTYPES, GradientScaling, IdPolicy, IdsMode, PoolOn, Sharding,
+                              StorageDtype, WireDtype, check_choice)
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 CommHook = Literal["none", "fp16", "bf16"]
@@ -51,7 +52,7 @@ class SyncOptions:
     staleness: int = 0
     """0 = synchronous (equal to single-process training); k >= 1 = asynchronous, lookups may
     miss at most the last k updates."""
-    gradient_scaling: Literal["mean", "sum"] = "mean"
+    gradient_scaling: GradientScaling = "mean"
     """``mean``: trainers' embedding gradients are averaged, as DDP averages dense ones, so the
     run equals single-process training on the concatenated global batch with a mean loss.
     ``sum``: they are added."""
@@ -138,7 +139,7 @@ class PSOptions:
     each whole table on one server, balanced by bytes."""
     servers: list[int] | str = "all"
     """``all``, or the indices of the servers that hold these tables, e.g. ``[0, 1]``."""
-    id_policy: Literal["error", "modulo"] = "error"
+    id_policy: IdPolicy = "error"
     """What an id >= num_embeddings does: ``error`` stops the step, ``modulo`` wraps it."""
     storage_dtype: StorageDtype = "float32"
     """How the servers store the rows: ``bfloat16`` / ``float16`` halve their memory; the
@@ -158,7 +159,7 @@ class PSOptions:
     of the module over the network (another host, or ``runtime.ps_transport`` socket or rpc) where
     the module can be pooled there, else on the trainer. Exact either way in float32
     (docs/plans.md)."""
-    ids: Literal["range", "dynamic"] = "range"
+    ids: IdsMode = "range"
     """``range``: ids in ``[0, num_embeddings)``, every row allocated up front; ``dynamic``: raw
     int64 ids, a row created on an id's first touch (docs/dynamic_ids.md)."""
     capacity: int = 0
@@ -186,8 +187,7 @@ class PSOptions:
                           partitions=self.partitions, admit_window=self.admit_window)
 
     def __post_init__(self) -> None:
-        if self.ids not in ("range", "dynamic"):
-            raise _bad("ids", self.ids, "'range' or 'dynamic'")
+        check_choice("ids", self.ids, IDS_MODES)
         if not isinstance(self.hot_rows, int) or self.hot_rows < 0:
             raise _bad("hot_rows", self.hot_rows, "a number of rows >= 0 (0: no cache)")
         check_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)

@@ -122,6 +122,11 @@ class OptimizerSpec:
 
 
 IdsMode = Literal["range", "dynamic"]
+IDS_MODES: tuple[str, ...] = get_args(IdsMode)
+GradientScaling = Literal["mean", "sum"]
+"""How the trainers' row gradients combine: ``mean`` (scaled by 1 / trainers, as DDP averages) or ``sum``."""
+IdPolicy = Literal["error", "modulo"]
+"""An id outside its table: ``error`` refuses the batch, ``modulo`` wraps it."""
 
 
 def part_of(ids, partitions: int):
@@ -249,9 +254,9 @@ class CollectionConfig:
     """Trainers whose gradients make up one step (sync mode waits for all of them)."""
     staleness: int = 0
     """0: sync; k >= 1: a lookup of step t waits only for steps through t - 1 - k."""
-    gradient_scaling: Literal["mean", "sum"] = "mean"
+    gradient_scaling: GradientScaling = "mean"
     """``mean``: each trainer's gradient is scaled by 1 / num_trainers, as DDP averages."""
-    id_policy: Literal["error", "modulo"] = "error"
+    id_policy: IdPolicy = "error"
     """An id outside its table: ``error`` refuses the batch, ``modulo`` wraps it."""
     init_seed: int = 0
     """Seed of the tables' initial values (see :mod:`hybrid.ps.init`)."""
