@@ -16,7 +16,6 @@ from hybrid.ps.client.collection import (
     RemoteTable,
 )
 from hybrid.ps.client.pipeline import (
-    GRADIENT_PUSHES,
     DistAutogradPush,
     RidingPush,
     ServerError,
@@ -25,6 +24,7 @@ from hybrid.ps.client.pipeline import (
     pipeline_of,
     step,
 )
+from hybrid.ps.config import GRADIENT_PUSHES
 from hybrid.ps.transport import connect
 
 

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hybrid.errors import InputError
-from hybrid.ps.config import GRADIENT_PUSHES
 from hybrid.ps.protocol import Part, Push, Rows, StepMessage
 from hybrid.ps.transport import ReplyFuture, Transport
 
