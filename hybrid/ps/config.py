@@ -287,6 +287,12 @@ class CollectionConfig:
             object.__setattr__(self, "servers", tuple(sorted({s for lay in self.layouts for s in lay.servers})))
 
     @property
+    def unpooled(self) -> bool:
+        """An unpooled collection's (``EmbeddingCollection``, ``nn.Embedding``): rows reach the
+        model one per id, there are no bags."""
+        return any(t.pooling == "none" for t in self.tables)
+
+    @property
     def scale(self) -> float:
         """What a server multiplies each trainer's gradient by."""
         return 1.0 / self.num_trainers if self.gradient_scaling == "mean" else 1.0

@@ -100,7 +100,7 @@ class RemoteCollection(nn.Module):
                 raise PlanError(f"{config.cid}: pool_on: server {why}", category="bad_value", key="pool_on")
             return True
         remote = not any(pipeline.transports[s].shares_memory for s in config.servers)
-        if why is not None and remote and not any(t.pooling == "none" for t in config.tables):
+        if why is not None and remote and not config.unpooled:
             logger.info("%s: trainer %d pools its bags itself (pool_on: auto); its servers, across the network, "
                         "would send fewer bytes pooling them, but pool_on: server %s", config.cid,
                         pipeline.trainer, why)
@@ -113,7 +113,7 @@ class RemoteCollection(nn.Module):
         if split:
             return (f"needs every table whole on one server; {split} are split over servers (sharding: "
                     f"table_wise, or one server)")
-        if any(t.pooling == "none" for t in config.tables):
+        if config.unpooled:
             return "pools bags: an unpooled collection (EmbeddingCollection, nn.Embedding) has none"
         if hot_rows:
             return "and hot_rows do not go together (the cache keeps rows; the servers send bags)"

@@ -49,7 +49,6 @@ NO_ROWS = Rows([], [], torch.empty(0, dtype=torch.int64))
 """What a pooled lookup's push lists (its server kept the rows)."""
 
 
-
 class ServerError(RuntimeError):
     """A parameter server failed, died or did not answer in time; the message names it."""
 
