@@ -133,10 +133,8 @@ class TrainerEnd(Transport, ABC):
     the channel. A push-only reply is collected first. So with one message outstanding, the reply of
     message ``n`` is overwritten by that of ``n + 2`` at the earliest, sent once ``n + 1``'s reply
     was collected: a reply's rows are consumed (pooled, copied to a device) as they are received,
-    long before. Subclasses move the bytes (:meth:`_post`, :meth:`_receive`)."""
-
-    what = "channel"
-    """Named in errors (``shared-memory channel``, ``TCP step connection``)."""
+    long before. Subclasses move the bytes (:meth:`_post`, :meth:`_receive`) and say what they
+    are (:attr:`Transport.what`: ``shared-memory channel``, ``TCP step connection``)."""
 
     def __init__(self, server: str, req: torch.Tensor, rep: torch.Tensor, *, fallback: Transport,
                  timeout_s: float) -> None:
