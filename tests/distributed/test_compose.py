@@ -54,7 +54,7 @@ def build_dlrm(seed: int = 0, *, plain: bool = False) -> DLRM:
     return model
 
 
-def make_plan(dense: str, sharding: str, opt: str, num_servers: int, world_size: int):
+def make_plan(dense: str, sharding: str, opt: str, num_servers: int, world_size: int, staleness: int = 0):
     """``sharding`` ``table_wise+pool_on_server``: table-wise with ``pool_on: server``."""
     sharding, _, pool = sharding.partition("+")
     modules = {
@@ -66,7 +66,7 @@ def make_plan(dense: str, sharding: str, opt: str, num_servers: int, world_size:
         **copy.deepcopy(DENSE[dense]),
     }
     return plan_from_dict({"world_size": world_size, "topology": {"parameter_servers": num_servers},
-                           "modules": modules})
+                           "modules": modules, "sync": {"staleness": staleness}})
 
 
 def global_data(step: int, n: int):
@@ -247,3 +247,85 @@ def test_a_model_built_on_meta_is_sharded_then_materialized():
     distributed-autograd context (and runs beside one open on another thread)."""
     out = run_distributed(_meta, 3, setup="hybrid", num_servers=1, timeout=120)
     assert out[0] is not None and out[1] is not None
+
+
+def _prefetch_timing(rank, world_size, *, num_servers):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from hybrid.ps.client import BadIdError, pipeline_of
+
+    role = role_of(rank, world_size, num_servers)
+    if not role.is_trainer:
+        return None
+    t_n, me = role.num_trainers, role.index
+    lo, hi = me * B, (me + 1) * B
+    out = {}
+    for ci, (dense, staleness) in enumerate((("ddp", 1), ("ddp", 0), ("fsdp", 1))):
+        model = build_dlrm()
+        hybrid.compose(model, make_plan(dense, "row_wise", "sgd", num_servers, world_size, staleness), role=role,
+                       name=f"p{ci}")
+        pipeline = pipeline_of(model)
+        inside = []
+        route = pipeline._prefetch
+
+        def recording(kjt, ahead, route=route, inside=inside):  # where each prefetch is routed and sent
+            inside.append(torch._C._current_graph_task_id() != -1)
+            route(kjt, ahead)
+
+        pipeline._prefetch = recording
+        optimizer = dense_opt("sgd", model.parameters())
+
+        def batch(s):
+            return kjt_slice(global_data(s, t_n * B)[2], lo, hi)
+
+        def run_step(s, kjt, nxt):
+            dense_x, labels, _ = global_data(s, t_n * B)
+            with hybrid.step(model, optimizer) as st:
+                logits = model(dense_x[lo:hi], kjt).squeeze(1)
+                st.prefetch(nxt)
+                loss = F.binary_cross_entropy_with_logits(logits, labels[lo:hi])
+                st.backward(loss)
+            return loss.item()
+
+        losses, kjt = [], batch(0)
+        for s in range(STEPS):
+            nxt = batch(s + 1)
+            losses.append(run_step(s, kjt, nxt))
+            # Step 5 runs on a copy of the batch prefetched for it: the prefetched rows are
+            # discarded and the step looks its own up.
+            kjt = batch(s + 1) if s == 4 else nxt
+        report = {"overlap": pipeline.overlap_allreduce, "inside": inside, "losses": losses}
+        if staleness and dense == "ddp":
+            # A bad id in the batch prefetched inside the backward: the step fails with the
+            # routing's own error, and the next step runs (its rows not prefetched).
+            good = batch(STEPS + 1)
+            values = good.values().clone()
+            values[-1] = 10**6
+            bad = KeyedJaggedTensor.from_lengths_sync(keys=good.keys(), values=values, lengths=good.lengths())
+            try:
+                run_step(STEPS, kjt, bad)
+            except BadIdError as e:
+                report["error"] = str(e)
+            report["after"] = run_step(STEPS + 1, good, batch(STEPS + 2))
+        pipeline.flush()
+        out[(dense, staleness)] = report
+    return out
+
+
+def test_asynchronous_steps_route_the_next_batch_while_ddp_all_reduces():
+    """With staleness >= 1 and a DDP dense part, ``s.prefetch`` routes and sends the next batch
+    inside the backward, while DDP's all-reduce is in flight; a sync step (whose lookup rides on
+    its gradient push) and an FSDP one route at the call. An error of the deferred routing
+    reaches the loop as itself, from ``s.backward``. A step run on another batch object than the
+    one prefetched for it looks its rows up itself, in every mode."""
+    for out in run_distributed(_prefetch_timing, 3, setup="hybrid", num_servers=1, timeout=150):
+        if out is None:
+            continue
+        a, s, f = out[("ddp", 1)], out[("ddp", 0)], out[("fsdp", 1)]
+        assert a["overlap"] and not s["overlap"] and not f["overlap"]
+        assert a["inside"] == [True] * (STEPS + 2)  # the bad batch was routed there too
+        assert s["inside"] == [False] * STEPS and f["inside"] == [False] * STEPS
+        assert "f3" in a["error"] and "1000000" in a["error"], a["error"]
+        for r in (a, s, f):
+            assert all(0.0 < x < 2.0 for x in r["losses"]), r["losses"]
+        assert 0.0 < a["after"] < 2.0
