@@ -318,13 +318,9 @@ def compose(
         if entry.strategy == "local":
             DENSE_STRATEGIES["local"](model, entry.fqn, mesh=mesh, options=entry.options)
     # ddp modules with equal options share one DDP (one set of buckets) where that is exact.
-    # Asynchronous steps route and send the next batch's lookups while DDP's all-reduce is in
-    # flight (StepPipeline.prefetch): the trainer would otherwise wait there for the others.
     ddp = [(e.fqn, e.options) for e in order if e.strategy == "ddp"]
-    during = pipeline.during_allreduce if pipeline.collections and pipeline.staleness > 0 else None
     for root, fqns, opts in merge_groups(model, ddp):
-        if apply_ddp_merged(model, root, fqns, mesh=mesh, options=opts, during_allreduce=during) and during:
-            pipeline.overlap_allreduce = True
+        apply_ddp_merged(model, root, fqns, mesh=mesh, options=opts)
     for entry in order:
         if entry.strategy in ("ddp", "fsdp"):
             _guard_dense(model.get_submodule(entry.fqn), entry.fqn)

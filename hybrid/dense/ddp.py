@@ -22,7 +22,6 @@ two small MLPs in one bucket save a millisecond per step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, get_args
 
 import torch
@@ -46,40 +45,11 @@ def _bf16_compress_hook_any_backend(state, bucket):  # noqa: ANN001 - DDP refuse
 
 
 def _comm_hook(name: str, device_type: str):
-    if name == "none":
-        return None
     if name == "fp16":
         return default_hooks.fp16_compress_hook
     if name == "bf16":
         return _bf16_compress_hook_any_backend if device_type == "cpu" else default_hooks.bf16_compress_hook
     raise ValueError(f"ddp comm_hook: got {name!r}; expected one of {', '.join(map(repr, COMM_HOOKS))}")
-
-
-def _mean_allreduce(group, bucket):  # noqa: ANN001 - DDP refuses a hook whose bucket annotation is not GradBucket
-    """DDP's own reduction as a comm hook: the bucket times 1 / world size, then summed over the
-    group -- what DDP's reducer does without a hook where it copies gradients into the bucket
-    (``gradient_as_bucket_view`` off, or a step after ``zero_grad(set_to_none=True)``), to the bit;
-    where gradients already are views of the bucket DDP divides instead, which may differ in the
-    last bit."""
-    buffer = bucket.buffer()
-    buffer.mul_(1.0 / group.size())
-    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
-
-
-def _then_run(hook, during: Callable[[], None]):
-    """``hook`` (DDP's own mean all-reduce where ``None``), followed, once the last bucket's
-    collective of a backward is launched, by ``during()`` on the thread running the backward,
-    while that collective is in flight: the backward has nothing left to compute then, and would
-    only wait for it."""
-    inner = hook if hook is not None else _mean_allreduce
-
-    def allreduce_then_run(state, bucket):  # noqa: ANN001 - DDP refuses a hook whose bucket annotation is not GradBucket
-        fut = inner(state, bucket)
-        if bucket.is_last():
-            during()
-        return fut
-
-    return allreduce_then_run
 
 
 def _is_under(fqn: str, root: str) -> bool:
@@ -151,20 +121,19 @@ def _mergeable(model: nn.Module, fqns: list[str]) -> bool:
                    for p in _path_modules(fqns, root))
 
 
-def apply_ddp_merged(model: nn.Module, root: str, fqns: list[str], *, mesh: DeviceMesh, options: Any,
-                     during_allreduce: Callable[[], None] | None = None) -> bool:
+def apply_ddp_merged(model: nn.Module, root: str, fqns: list[str], *, mesh: DeviceMesh, options: Any) -> None:
     """One DDP for the modules ``fqns`` (a group from :func:`merge_groups`), applied on ``root``.
 
     ``replicate(root, ignored_modules=...)`` takes the members' parameters and nothing else (the
     other branches under ``root`` are ignored), and its forward hooks on ``root`` drive the
     reducer. So a member must run inside ``root``'s forward: one that is called on its own
-    would silently skip the sync; it raises instead, naming the group. ``during_allreduce`` and
-    the result as :func:`apply_ddp`'s.
+    would silently skip the sync; it raises instead, naming the group.
     """
     if len(fqns) == 1 and root == fqns[0]:
-        return apply_ddp(model, root, mesh=mesh, options=options, during_allreduce=during_allreduce)
+        apply_ddp(model, root, mesh=mesh, options=options)
+        return
     if not _has_gradients(", ".join(fqns), [p for f in fqns for p in model.get_submodule(f).parameters()]):
-        return False
+        return
     path = _path_modules(fqns, root)
     ignored = []
     for p in path:
@@ -173,9 +142,8 @@ def apply_ddp_merged(model: nn.Module, root: str, fqns: list[str], *, mesh: Devi
             if child_fqn not in fqns and child_fqn not in path:
                 ignored.append(child)
     _replicate(model, root, mesh=mesh, options=options, ignored_modules=ignored,
-               what=f"{', '.join(fqns)} (one reducer on {root or '<root>'})", during_allreduce=during_allreduce)
+               what=f"{', '.join(fqns)} (one reducer on {root or '<root>'})")
     _require_inside(model, root, fqns)
-    return True
 
 
 def _require_inside(model: nn.Module, root: str, fqns: list[str]) -> None:
@@ -208,8 +176,7 @@ def _require_inside(model: nn.Module, root: str, fqns: list[str]) -> None:
         model.get_submodule(f).register_forward_pre_hook(lambda m, a, f=f: check(m, a, fqn=f))
 
 
-def apply_ddp(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any,
-              during_allreduce: Callable[[], None] | None = None) -> bool:
+def apply_ddp(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any) -> None:
     """Make ``model.get_submodule(fqn)`` data parallel over ``mesh`` (the trainers), in place.
 
     Options (read by attribute): ``bucket_cap_mb``, ``static_graph``, ``gradient_as_bucket_view``,
@@ -221,16 +188,11 @@ def apply_ddp(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any,
     The module's parameters must be materialized on the mesh's device. As the
     ``DistributedDataParallel`` constructor does, this broadcasts rank 0's parameters to every
     trainer now (a collective: every trainer must call it). Gradients of a plain
-    ``loss.backward()`` are then averaged over the trainers. ``during_allreduce`` (if given) runs
-    once a backward's last bucket all-reduce has been launched, while it is in flight. Returns
-    whether DDP was applied (not where no parameter requires a gradient).
+    ``loss.backward()`` are then averaged over the trainers.
     """
     name = fqn or "<root>"
-    if not _has_gradients(name, list(model.get_submodule(fqn).parameters())):
-        return False
-    _replicate(model, fqn, mesh=mesh, options=options, ignored_modules=[], what=name,
-               during_allreduce=during_allreduce)
-    return True
+    if _has_gradients(name, list(model.get_submodule(fqn).parameters())):
+        _replicate(model, fqn, mesh=mesh, options=options, ignored_modules=[], what=name)
 
 
 def _has_gradients(name: str, params: list[nn.Parameter]) -> bool:
@@ -276,13 +238,11 @@ def _sync_buffers_from_rank0(module: nn.Module, ignored_modules: list[nn.Module]
 
 
 def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ignored_modules: list[nn.Module],
-               what: str, during_allreduce: Callable[[], None] | None = None) -> None:
+               what: str) -> None:
     module = model.get_submodule(fqn)
     broadcast = broadcasts_buffers(module, ignored_modules, options.broadcast_buffers)
     group = mesh.get_group()
-    hook = _comm_hook(options.comm_hook, mesh.device_type)
-    if during_allreduce is not None:
-        hook = _then_run(hook, during_allreduce)
+    hook = _comm_hook(options.comm_hook, mesh.device_type) if options.comm_hook != "none" else None
     replicate(
         module,
         ignored_modules=ignored_modules,

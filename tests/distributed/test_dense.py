@@ -306,58 +306,6 @@ def test_ddp_comm_hooks_are_registered_and_track_uncompressed_training():
         assert any(not torch.equal(v, ref_state[k]) for k, v in state.items())  # the hook did something
 
 
-def _during_allreduce(rank: int, world_size: int, *, steps: int):
-    """DDP's own reduction, and the same with a ``during_allreduce`` callback (every comm hook:
-    none, fp16; several buckets; gradients as views of the buckets): where the callback ran and
-    what training gave, on 3 ranks (where a mean's rounding shows)."""
-    import threading
-
-    from torch.distributed._composable import replicate
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    out = {}
-    cases = {"none": DDPOpts(), "none, 2+ buckets": DDPOpts(bucket_cap_mb=0.0005),
-             "none, bucket views": DDPOpts(gradient_as_bucket_view=True, static_graph=True),
-             "fp16": DDPOpts(comm_hook="fp16")}
-    for case, opts in cases.items():
-        runs = {}
-        for with_callback in (False, True):
-            calls = []
-
-            def during() -> None:  # noqa: B023 - each model's own list, read before the next
-                calls.append((threading.current_thread() is threading.main_thread(),
-                              torch._C._current_graph_task_id() != -1))
-
-            model = build()
-            applied = apply_ddp(model, "", mesh=mesh, options=opts, during_allreduce=during if with_callback else None)
-            losses = train(model, "sgd", rank=rank, world_size=world_size, steps=steps)
-            # DDP starts with one bucket and splits it by bucket_cap_mb after the first step.
-            buckets = len(replicate.state(model)._ddp.reducer._get_zeros_like_grad_buckets())
-            runs[with_callback] = (applied, buckets, calls, losses, full_state(model))
-        out[case] = runs
-    return out
-
-
-def test_a_callback_runs_while_each_bucket_is_all_reduced_and_changes_nothing():
-    """``during_allreduce`` (what asynchronous hybrid steps route the next batch in) runs on the
-    training thread, inside the backward, once a step (at the last bucket), and the reduction
-    around it is DDP's own to the bit."""
-    steps = 4
-    for out in run_distributed(_during_allreduce, 3, timeout=60, steps=steps):
-        for case, runs in out.items():
-            applied, buckets, calls, losses, state = runs[True]
-            ref_applied, ref_buckets, ref_calls, ref_losses, ref_state = runs[False]
-            assert applied and ref_applied
-            assert ref_calls == []
-            assert buckets == ref_buckets and (buckets > 1) == ("2+" in case), (case, buckets)
-            assert calls == [(True, True)] * steps, (case, calls)
-            assert losses == ref_losses, case
-            for k, v in state.items():
-                assert torch.equal(v, ref_state[k]), (case, k)
-            init = build().state_dict()
-            assert all(not torch.equal(v, init[k]) for k, v in state.items())  # every parameter trained
-
-
 class Indexed(nn.Module):
     """Mixed behind a fixed feature permutation held as an integer buffer (like DLRM's
     ``triu_indices``), with an optional BatchNorm (float running statistics) in front, and an

@@ -140,10 +140,6 @@ class StepState:
     pushed: bool = False
     context: Any = None
     """``dist_autograd``: the thread holding this step's context."""
-    overlapped: list[tuple[Any, int]] = field(default_factory=list)
-    """Prefetches (``kjt``, ``ahead``) left for the dense all-reduce of this step's backward."""
-    overlap_error: BaseException | None = None
-    """What one of them raised there, raised again when the backward returns."""
 
 
 class GradientPush:
@@ -346,9 +342,6 @@ class StepPipeline:
         self.current: StepState | None = None
         self.last_times: StepTimes | None = None
         self.collections: list[RemoteCollection] = []
-        self.overlap_allreduce = False
-        """A comm hook of the dense part's DDP calls :meth:`during_allreduce` in each backward
-        (set by ``compose``): asynchronous steps route and send their prefetches there."""
 
     # -- steps ----------------------------------------------------------------------------------
     def _state(self, step: int) -> StepState:
@@ -374,7 +367,6 @@ class StepPipeline:
         if state is None:
             return
         self.last_times = state.times
-        state.overlapped.clear()  # a step that failed before its backward prefetches nothing
         if not backward_done and not state.sent:
             self.open_steps.pop(state.step, None)
             if state.context is not None:
@@ -481,44 +473,7 @@ class StepPipeline:
     def prefetch(self, kjt, ahead: int = 1) -> None:
         """Route the batch of the step ``ahead`` steps on (for every collection whose features
         ``kjt`` holds) and ask for its rows: at once where the step may already read them
-        (staleness >= ``ahead``, or no step open), else together with this step's gradient push.
-
-        Asked for before the backward of an asynchronous step whose dense part is all-reduced
-        by DDP (:attr:`overlap_allreduce`), the routing and the send wait for that all-reduce:
-        they run while it is in flight (:meth:`during_allreduce`), in time that the trainer
-        would otherwise spend waiting for the other trainers, or when the backward returns if
-        no all-reduce ran."""
-        cur = self.current
-        if (self.overlap_allreduce and cur is not None and not cur.in_backward and not cur.pushed
-                and self.staleness >= ahead):
-            cur.overlapped.append((kjt, ahead))
-            return
-        self._prefetch(kjt, ahead)
-
-    def during_allreduce(self) -> None:
-        """The dense part's all-reduce of this step's backward is in flight (DDP's comm hook):
-        run the prefetches left for it. An error is kept for :meth:`after_backward`, so that it
-        reaches the training loop as itself rather than through DDP's reducer."""
-        cur = self.current
-        if cur is None or not cur.in_backward:
-            return
-        while cur.overlapped and cur.overlap_error is None:
-            kjt, ahead = cur.overlapped.pop(0)
-            try:
-                self._prefetch(kjt, ahead)
-            except Exception as e:  # noqa: BLE001 - raised again by after_backward
-                cur.overlap_error = e
-
-    def after_backward(self, state: StepState) -> None:
-        """The step's ``loss.backward()`` returned: run what no all-reduce ran, raise what failed."""
-        error, state.overlap_error = state.overlap_error, None
-        if error is not None:
-            state.overlapped.clear()
-            raise error
-        while state.overlapped:
-            self._prefetch(*state.overlapped.pop(0))
-
-    def _prefetch(self, kjt, ahead: int) -> None:
+        (staleness >= ``ahead``, or no step open), else together with this step's gradient push."""
         base = self.next_step if self.current is None else self.current.step
         state = self._state(base + ahead)
         lookups = []
@@ -584,8 +539,7 @@ class StepHandle:
         return self._state.times if self._state is not None else StepTimes()
 
     def prefetch(self, kjt) -> None:
-        """Ask for the rows the next step's batch (its sparse features ``kjt``) will need: now,
-        or while this step's dense all-reduce runs (:meth:`StepPipeline.prefetch`)."""
+        """Ask now for the rows the next step's batch (its sparse features ``kjt``) will need."""
         if self._pipeline is not None:
             self._pipeline.prefetch(kjt)
 
@@ -605,7 +559,6 @@ class StepHandle:
         if state is not None:
             state.times.dense += t1 - self._t0 - state.times.lookup
             self._pipeline.gradients_ready(state)
-            self._pipeline.after_backward(state)
         if self._optimizer is not None:
             self._optimizer.step()
             self._optimizer.zero_grad(set_to_none=True)
