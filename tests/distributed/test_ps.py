@@ -218,14 +218,14 @@ def _break_updates(cid):
     shard_module.step_ = step_
 
 
-def _failing_update(rank, world_size, *, num_servers):
+def _failing_update(rank, world_size, *, num_servers, transport):
     import torch.distributed.rpc as rpc
 
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
         return None
     ebc = make_ebc(seed=0)
-    pipeline = make_pipeline(trainer=0, num_servers=1, staleness=0)
+    pipeline = make_pipeline(trainer=0, num_servers=1, staleness=0, transport=transport)
     remote = remote_of(ebc, pipeline, cid="faulty", num_servers=1, optimizer={"name": "adagrad", "lr": 0.5})
     kjt = kjt_slice(global_batch(0, sample_tables(), 4), 0, 4)
     with step(pipeline) as st:  # one good step, so the optimizer state is not all zeros
@@ -245,9 +245,13 @@ def _failing_update(rank, world_size, *, num_servers):
     return err, before, after
 
 
-def test_exception_in_a_server_update_reaches_the_trainer_and_applies_nothing():
-    err, before, after = run_distributed(_failing_update, 2, setup="hybrid", num_servers=1, timeout=90)[0]
-    assert err is not None and "injected fault in the update of faulty on ps0" in err, err
+@pytest.mark.parametrize("transport", ["auto", "socket", "rpc"])
+def test_exception_in_a_server_update_reaches_the_trainer_and_applies_nothing(transport):
+    """Over every transport; over RPC the server's error comes back as the answer's value
+    (torch's ``async_execution``), raised by the trainer as the error it is."""
+    err, before, after = run_distributed(_failing_update, 2, setup="hybrid", num_servers=1, timeout=90,
+                                         transport=transport)[0]
+    assert err is not None and err.startswith("ServerError: ") and "injected fault in the update of faulty on ps0" in err, err
     assert any(st["sum"].abs().sum() > 0 for _, st in before.values())  # there was state to lose
     for name, (w, st) in before.items():
         assert torch.equal(w, after[name][0]), name

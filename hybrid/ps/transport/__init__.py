@@ -92,6 +92,16 @@ def serve_here(server: str, options=None) -> None:  # noqa: ANN001 - a service.S
         _HERE.add(server)
 
 
+def raise_error_answer(fut: torch.futures.Future):
+    """The value of an RPC future, raising an error the server gave: ``torch.distributed.rpc``
+    hands the error of an ``async_execution`` entry point's future to the caller as the answer's
+    value rather than raising it."""
+    value = fut.wait()
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
 def call(server: str, fn, args: tuple = (), *, timeout_s: float) -> torch.futures.Future:  # noqa: ANN001
     """Run the server entry point ``fn(*args)`` on ``server`` and return a future of its answer:
     over RPC, or in this process when the server is held here (an ``async_execution`` entry
@@ -99,7 +109,7 @@ def call(server: str, fn, args: tuple = (), *, timeout_s: float) -> torch.future
     if server not in _HERE:
         import torch.distributed.rpc as rpc
 
-        return rpc.rpc_async(server, fn, args=args, timeout=timeout_s)
+        return rpc.rpc_async(server, fn, args=args, timeout=timeout_s).then(raise_error_answer)
     try:
         out = fn(*args)
     except Exception as e:  # noqa: BLE001 - delivered through the future, as RPC does

@@ -9,7 +9,7 @@ import torch.distributed.rpc as rpc
 from hybrid.ps import protocol
 from hybrid.ps.protocol import StepMessage
 from hybrid.ps.server import service
-from hybrid.ps.transport import Transport
+from hybrid.ps.transport import Transport, raise_error_answer
 
 
 class RpcTransport(Transport):
@@ -22,4 +22,5 @@ class RpcTransport(Transport):
 
     def deliver(self, msg: StepMessage) -> torch.futures.Future:
         frame = protocol.encode(msg)
-        return rpc.rpc_async(self.server, service.rpc_step, args=(frame.ints, frame.tensors), timeout=self.timeout_s)
+        return rpc.rpc_async(self.server, service.rpc_step, args=(frame.ints, frame.tensors),
+                             timeout=self.timeout_s).then(raise_error_answer)
