@@ -38,8 +38,8 @@ DENSE = {
     "fsdp": {"dense_arch": {"strategy": "fsdp"}, "over_arch": {"strategy": "fsdp"}},
     "mixed": {"dense_arch": {"strategy": "ddp"}, "over_arch": {"strategy": "fsdp"}},
 }
-LR = {"sgd": (0.1, 0.5), "adagrad": (0.05, 0.1)}  # (dense, sparse)
-SPARSE_OPT = {"sgd": "sgd", "adagrad": "rowwise_adagrad"}
+LR = {"sgd": (0.1, 0.5), "adagrad": (0.05, 0.1), "adam": (0.1, 0.05)}  # (dense, sparse)
+SPARSE_OPT = {"sgd": "sgd", "adagrad": "rowwise_adagrad", "adam": "adam"}
 
 
 def build_dlrm(seed: int = 0, *, plain: bool = False) -> DLRM:
@@ -315,3 +315,68 @@ def test_a_step_on_another_batch_than_the_one_prefetched_looks_its_rows_up():
             assert len(r["losses"]) == STEPS and all(0.0 < x < 2.0 for x in r["losses"]), (cfg, r["losses"])
             assert "f3" in r["error"] and "1000000" in r["error"], (cfg, r["error"])
             assert 0.0 < r["after"] < 2.0, cfg
+
+
+def _aborted(rank, world_size, *, num_servers, configs, abort):
+    """Sync training with a prefetch every step, where every trainer raises inside step
+    ``abort`` after its forward -- a forward on a copy of the batch prefetched for it, so that
+    prefetched lookup is discarded -- and goes on; the reference skips that step."""
+    role = role_of(rank, world_size, num_servers)
+    if not role.is_trainer:
+        return None
+    t_n, me = role.num_trainers, role.index
+    lo, hi = me * B, (me + 1) * B
+    steps = 8
+    report = {}
+    for ci, (dense, sharding, opt) in enumerate(configs):
+        model, ref = build_dlrm(), build_dlrm(plain=True)
+        hybrid.compose(model, make_plan(dense, sharding, opt, num_servers, world_size), role=role, name=f"a{ci}")
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR[opt][0])
+        ref_tables = {t.name: ref.sparse_arch.embedding_bag_collection.embedding_bags[t.name].weight for t in TABLES}
+        ref_opt = torch.optim.SGD([p for n, p in ref.named_parameters() if "embedding_bags" not in n], lr=LR[opt][0])
+        ref_sparse = {n: ReferenceSparseOptimizer(SPARSE_OPT[opt], w.data, lr=LR[opt][1]) for n, w in ref_tables.items()}
+        kjt = kjt_slice(global_data(0, t_n * B)[2], lo, hi)
+        errors = []
+        for s in range(steps):
+            dense_x, labels, data = global_data(s, t_n * B)
+            nxt = kjt_slice(global_data(s + 1, t_n * B)[2], lo, hi)
+            if s == abort:
+                kjt = kjt_slice(data, lo, hi)  # an equal batch, not the object prefetched
+            try:
+                with hybrid.step(model, optimizer) as st:
+                    logits = model(dense_x[lo:hi], kjt).squeeze(1)
+                    st.prefetch(nxt)
+                    loss = F.binary_cross_entropy_with_logits(logits, labels[lo:hi])
+                    if s == abort:
+                        raise ValueError(f"user error in step {s}")
+                    st.backward(loss)
+            except ValueError as e:
+                errors.append(str(e))
+            kjt = nxt
+            if s == abort:
+                continue
+            ref_opt.zero_grad()
+            for w in ref_tables.values():
+                w.grad = None
+            F.binary_cross_entropy_with_logits(ref(dense_x, kjt_slice(data, 0, t_n * B)).squeeze(1), labels).backward()
+            ref_opt.step()
+            touched = touched_rows(data, TABLES)
+            for n, w in ref_tables.items():
+                ref_sparse[n].step(w.grad, touched[n])
+        got = {k: full(v).detach() for k, v in model.state_dict().items()}
+        want = ref.state_dict()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=lambda m: f"{dense}/{sharding}/{opt} {k}: {m}")
+        report[(dense, sharding, opt)] = errors
+    return report
+
+
+def test_a_step_that_raises_before_its_backward_changes_nothing():
+    """Every trainer raises inside one step, after its forward, and trains on: the tables and the
+    dense part end as one process training on every other step -- with Adam, where a zero
+    gradient would still move rows, and with the step's prefetched lookup discarded (its forward
+    ran on another batch object), pooling on the trainers and on the servers."""
+    configs = [("ddp", "row_wise", "adam"), ("ddp", "table_wise+pool_on_server", "adam")]
+    out = run_distributed(_aborted, 3, setup="hybrid", num_servers=1, timeout=150, configs=configs, abort=3)
+    for r in out[:2]:
+        assert r == {c: ["user error in step 3"] for c in configs}

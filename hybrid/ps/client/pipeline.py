@@ -138,6 +138,8 @@ class StepState:
     in_backward: bool = False
     ready: int = 0
     pushed: bool = False
+    aborted: bool = False
+    """The step ended without its backward: its pushes carry no gradient."""
     context: Any = None
     """``dist_autograd``: the thread holding this step's context."""
 
@@ -188,6 +190,12 @@ class RidingPush(GradientPush):
 
     def push(self, pipeline: StepPipeline, state: StepState) -> None:
         for r in state.received:
+            if state.aborted:
+                # No rows: the step counts as pushed and changes nothing (a zero gradient would
+                # still move rows under Adam or weight decay). A pooled lookup's server drops it
+                # at this trainer's next pooled push.
+                self.owed.setdefault(r.server, []).append((r.collection, Push(state.step, NO_ROWS, r.remote.new_empty(0))))
+                continue
             grad = r.local.grad if r.local.grad is not None else torch.zeros_like(r.local)
             grad = grad.reshape(-1).to("cpu")  # the wire carries host tensors, in the leaf's (wire) dtype
             # A pooled lookup's server kept its rows: the bags' gradients and the tag say it all.
@@ -361,8 +369,9 @@ class StepPipeline:
 
     def end(self, backward_done: bool) -> None:
         """Close the current step. A step that ends without its backward (an exception) but did
-        send lookups still pushes zeros for every row it received, so the other trainers are not
-        left waiting for this one; a step that sent nothing is not counted."""
+        send lookups still pushes, without gradients, for every lookup it made, so the other
+        trainers are not left waiting for this one and the tables do not change; a step that sent
+        nothing is not counted."""
         state, self.current = self.current, None
         if state is None:
             return
@@ -374,6 +383,7 @@ class StepPipeline:
             return
         self.next_step = state.step + 1
         if not backward_done:
+            state.aborted = True
             for lookup in state.inflight:
                 for s, rows in lookup.wait(self.timeout_s).items():
                     self._receive(state, lookup, s, rows)
@@ -444,7 +454,12 @@ class StepPipeline:
         t0 = time.perf_counter()
         lk = state.prefetched.pop(id(collection), None)
         if lk is not None and lk.kjt is not kjt:
-            lk = None  # another batch than the one prefetched: its rows are discarded
+            # Another batch than the one prefetched: its rows are discarded, and nothing is ever
+            # pushed for them (a server drops a lookup kept without a push).
+            for kept in (state.inflight, state.deferred):
+                if lk in kept:
+                    kept.remove(lk)
+            lk = None
         if lk is None:
             lk = Lookup(collection, collection.route(kjt, step=True), kjt, state.step)
             self.send(state, [lk])
