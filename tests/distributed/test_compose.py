@@ -23,6 +23,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import hybrid
+from hybrid.launch.init import RuntimeOptions
 from hybrid.launch.roles import role_of
 from hybrid.plan import plan_from_dict
 from tests.harness import run_distributed
@@ -280,6 +281,7 @@ def _prefetch_then_other_batch(rank, world_size, *, num_servers):
             return loss.item()
 
         losses, kjt = [], batch(0)
+        model._hybrid_pipeline.prefetch(kjt)  # before the first step: for the first step
         for s in range(STEPS):
             nxt = batch(s + 1)
             losses.append(run_step(s, kjt, nxt))
@@ -299,6 +301,7 @@ def _prefetch_then_other_batch(rank, world_size, *, num_servers):
             report["error"] = str(e)
         report["after"] = run_step(STEPS + 1, good, batch(STEPS + 2))
         model._hybrid_pipeline.flush()
+        report["lookups"] = model.sparse_arch.embedding_bag_collection.stats()["ps0"]["lookups"]
         out[(dense, staleness)] = report
     return out
 
@@ -306,7 +309,9 @@ def _prefetch_then_other_batch(rank, world_size, *, num_servers):
 def test_a_step_on_another_batch_than_the_one_prefetched_looks_its_rows_up():
     """A step run on another batch object than the one prefetched for it (here an equal copy)
     discards the prefetched rows and looks its own up, in sync and async mode; a bad id in a
-    batch to prefetch fails that step with the routing's own error, and the next step runs."""
+    batch to prefetch fails that step with the routing's own error, and the next step runs. A
+    prefetch before the first step is the first step's: per trainer, one lookup for it and one
+    per prefetch, plus one for each of the two discarding steps and the step after the bad id."""
     for out in run_distributed(_prefetch_then_other_batch, 3, setup="hybrid", num_servers=1, timeout=150):
         if out is None:
             continue
@@ -315,9 +320,10 @@ def test_a_step_on_another_batch_than_the_one_prefetched_looks_its_rows_up():
             assert len(r["losses"]) == STEPS and all(0.0 < x < 2.0 for x in r["losses"]), (cfg, r["losses"])
             assert "f3" in r["error"] and "1000000" in r["error"], (cfg, r["error"])
             assert 0.0 < r["after"] < 2.0, cfg
+            assert r["lookups"] == 2 * (1 + STEPS + 2 + 1 + 1), (cfg, r["lookups"])
 
 
-def _aborted(rank, world_size, *, num_servers, configs, abort):
+def _aborted(rank, world_size, *, num_servers, configs, abort, push):
     """Sync training with a prefetch every step, where every trainer raises inside step
     ``abort`` after its forward -- a forward on a copy of the batch prefetched for it, so that
     prefetched lookup is discarded -- and goes on; the reference skips that step."""
@@ -330,7 +336,8 @@ def _aborted(rank, world_size, *, num_servers, configs, abort):
     report = {}
     for ci, (dense, sharding, opt) in enumerate(configs):
         model, ref = build_dlrm(), build_dlrm(plain=True)
-        hybrid.compose(model, make_plan(dense, sharding, opt, num_servers, world_size), role=role, name=f"a{ci}")
+        hybrid.compose(model, make_plan(dense, sharding, opt, num_servers, world_size), role=role, name=f"a{ci}",
+                       runtime_options=RuntimeOptions(gradient_push=push))
         optimizer = torch.optim.SGD(model.parameters(), lr=LR[opt][0])
         ref_tables = {t.name: ref.sparse_arch.embedding_bag_collection.embedding_bags[t.name].weight for t in TABLES}
         ref_opt = torch.optim.SGD([p for n, p in ref.named_parameters() if "embedding_bags" not in n], lr=LR[opt][0])
@@ -371,12 +378,17 @@ def _aborted(rank, world_size, *, num_servers, configs, abort):
     return report
 
 
-def test_a_step_that_raises_before_its_backward_changes_nothing():
+@pytest.mark.parametrize("push", ["rpc", "dist_autograd"])
+def test_a_step_that_raises_before_its_backward_changes_nothing(push):
     """Every trainer raises inside one step, after its forward, and trains on: the tables and the
     dense part end as one process training on every other step -- with Adam, where a zero
     gradient would still move rows, and with the step's prefetched lookup discarded (its forward
-    ran on another batch object), pooling on the trainers and on the servers."""
-    configs = [("ddp", "row_wise", "adam"), ("ddp", "table_wise+pool_on_server", "adam")]
-    out = run_distributed(_aborted, 3, setup="hybrid", num_servers=1, timeout=150, configs=configs, abort=3)
+    ran on another batch object), pooling on the trainers and on the servers; for both gradient
+    pushes (distributed autograd cannot pool on the servers)."""
+    configs = [("ddp", "row_wise", "adam")]
+    if push == "rpc":
+        configs.append(("ddp", "table_wise+pool_on_server", "adam"))
+    out = run_distributed(_aborted, 3, setup="hybrid", num_servers=1, timeout=150, configs=configs, abort=3,
+                          push=push)
     for r in out[:2]:
         assert r == {c: ["user error in step 3"] for c in configs}

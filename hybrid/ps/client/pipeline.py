@@ -300,6 +300,7 @@ class DistAutogradPush(GradientPush):
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.last: Future | None = None
+        self.empty: list[tuple[str, ReplyFuture]] = []
 
     def start(self, pipeline: StepPipeline, state: StepState) -> None:
         if state.context is None:
@@ -312,6 +313,20 @@ class DistAutogradPush(GradientPush):
         import torch.distributed.autograd as dist_autograd
 
         received, state.received = state.received, []
+        if state.aborted:
+            # No backward: each server gets the step's push without rows, as a plain message
+            # (the step counts as done and changes nothing; a zero gradient would move rows
+            # under Adam or weight decay).
+            parts: dict[int, dict[int, Part]] = {}
+            for r in received:
+                parts.setdefault(r.server, {}).setdefault(
+                    id(r.collection), Part(collection=r.collection.handle,
+                                           pushes=[Push(state.step, NO_ROWS, r.remote.new_empty(0))]))
+            for server, mine in parts.items():
+                msg = StepMessage(trainer=pipeline.trainer, parts=list(mine.values()))
+                self.empty.append((pipeline.server_names[server], pipeline.transports[server].send(msg)))
+            state.context.release()
+            return
 
         def backward(ctx_id: int) -> None:
             if received:
@@ -326,6 +341,12 @@ class DistAutogradPush(GradientPush):
         if self.last is not None:
             last, self.last = self.last, None
             last.result(timeout=self.timeout_s)
+        empty, self.empty = self.empty, []
+        for name, fut in empty:
+            try:
+                fut.wait()
+            except Exception as e:  # noqa: BLE001
+                raise _server_error("gradient push", name, e) from e
 
     def before_step(self, pipeline: StepPipeline) -> None:
         self.wait(pipeline)
@@ -487,9 +508,10 @@ class StepPipeline:
 
     def prefetch(self, kjt, ahead: int = 1) -> None:
         """Route the batch of the step ``ahead`` steps on (for every collection whose features
-        ``kjt`` holds) and ask for its rows: at once where the step may already read them
-        (staleness >= ``ahead``, or no step open), else together with this step's gradient push."""
-        base = self.next_step if self.current is None else self.current.step
+        ``kjt`` holds; with no step open, ``ahead`` 1 is the next step to run) and ask for its
+        rows: at once where the step may already read them (staleness >= ``ahead``, or no step
+        open), else together with this step's gradient push."""
+        base = self.next_step - 1 if self.current is None else self.current.step
         state = self._state(base + ahead)
         lookups = []
         for c in self.collections:
