@@ -240,7 +240,7 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
                 collections=collections, keys=keys, key=key,
             )
             removed = F.prune(ckpt.parent, keep, current=ckpt)
-            newer = [p.name for s, p in F.checkpoints(ckpt.parent) if s > step]
+            newer = [p.name for s, p in F.scan(ckpt.parent)[0] if s > step]
             gone = f" (removed {', '.join(p.name for p in removed)})" if removed else ""
             logger.info("saved checkpoint %s%s", ckpt, gone)
             if newer:

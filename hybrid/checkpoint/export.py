@@ -159,12 +159,20 @@ def export(ckpt: str | Path, out: str | Path, *, key: bytes | None = None,
     back, and no table is ever whole in this process while writing. Every file is written
     atomically; the index last."""
     path = F.resolve(ckpt)
+    out = Path(out)
+    if out.resolve().is_relative_to(path.resolve()):
+        raise F.CheckpointError(f"export: the output {out} is inside the checkpoint {path}; write it elsewhere "
+                                f"(an export there could replace the checkpoint's own files)")
+    if out.is_dir():
+        raise F.CheckpointError(f"export: the output {out} is a directory; name a file")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise F.CheckpointError(f"export: cannot create the output's directory {out.parent} ({e.strerror or e})") from None
     manifest = F.read_manifest(path, key=key)
     dense = dense_state_dict(path, manifest)
     _dynamic(path, manifest, dense)
     tables = _tables(path, manifest, dense)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     index_path = out.with_name(f"{out.name}.index.json")
     index_path.unlink(missing_ok=True)  # an earlier export's, now stale
     table_bytes = sum(t["num_embeddings"] * t["embedding_dim"] * 4 for t in tables.values())
@@ -191,8 +199,12 @@ def export(ckpt: str | Path, out: str | Path, *, key: bytes | None = None,
 
 def _save_atomic(state: dict[str, torch.Tensor], out: Path) -> None:
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    F.save_tensors(state, tmp)
-    os.replace(tmp, out)
+    try:
+        F.save_tensors(state, tmp)
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise F.CheckpointError(f"export: cannot write {out} ({e.strerror or e})") from None
 
 
 def load_export(out: str | Path) -> dict[str, torch.Tensor]:

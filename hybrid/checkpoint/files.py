@@ -167,6 +167,8 @@ def read_manifest(ckpt: str | Path, *, key: bytes | None = None) -> dict[str, An
 
 def _read_unverified(ckpt: str | Path) -> dict[str, Any]:
     path = Path(ckpt) / MANIFEST
+    if path.exists() and not path.is_file():
+        raise CheckpointError(f"{path}: not a file")
     if not path.is_file():
         why = "it does not exist" if not Path(ckpt).exists() else (
             f"it has no {MANIFEST}: the save did not finish (a crash mid-save), so it is not a checkpoint")
@@ -315,27 +317,60 @@ def unwrap_dcp_error(e: BaseException) -> BaseException:
 # -- finding and pruning ---------------------------------------------------------------------------
 
 
-def checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``root`` (those with a readable manifest), oldest first."""
-    root = Path(root)
+def scan(root: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
+    """The ``step_*`` directories under ``root`` that hold a manifest: those whose manifest
+    reads as a checkpoint of that step (oldest first), and those whose manifest does not, with
+    why. A directory without a manifest is a save that did not finish, in neither list."""
+    complete, unreadable = [], []
     if not root.is_dir():
-        return []
-    out = []
+        return complete, unreadable
     for d in root.iterdir():
         m = STEP_DIR.match(d.name)
-        if m and d.is_dir() and (d / MANIFEST).is_file():
-            try:
-                # listing only: the one picked is verified (signature included) when it is opened
-                out.append((int(_read_unverified(d)["step"]), d))
-            except CheckpointError:
-                continue
-    return sorted(out)
+        if not (m and d.is_dir() and (d / MANIFEST).exists()):
+            continue
+        try:
+            # listing only: the one picked is verified (signature included) when it is opened
+            step = _read_unverified(d).get("step")
+            if type(step) is not int or step != int(m.group(1)):
+                raise CheckpointError(f"{d / MANIFEST}: its step is {step!r}, not the directory's {int(m.group(1))}")
+        except CheckpointError as e:
+            unreadable.append((d, str(e)))
+            continue
+        complete.append((step, d))
+    return sorted(complete), sorted(unreadable)
+
+
+def checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root``, oldest first. A ``step_*`` directory whose manifest
+    is there but does not read as that step's raises :class:`CheckpointError` naming it: it is
+    not a save that stopped midway (those have no manifest), and passing over it would resume
+    from an older step and let the next save's pruning delete it."""
+    complete, unreadable = scan(Path(root))
+    if unreadable:
+        d, why = unreadable[-1]
+        raise CheckpointError(f"{why}; a save leaves no such manifest. Restore it, or move {d.name} out of "
+                              f"{d.parent} to use the checkpoints before it")
+    return complete
 
 
 def latest(root: str | Path) -> Path | None:
     """The newest complete checkpoint under ``root``, or ``None``."""
     found = checkpoints(root)
     return found[-1][1] if found else None
+
+
+def refuse_overwrite(root: str | Path, start_step: int, *, resumed: bool) -> None:
+    """Raise :class:`CheckpointError` where a run saving under ``root`` from ``start_step`` on
+    would overwrite or prune checkpoints of another run: any, for a run that does not resume;
+    those after ``start_step``, for one that does (a save replaces its step's directory, and
+    pruning keeps the newest). Leftovers of saves that did not finish are not checkpoints."""
+    complete, unreadable = scan(Path(root))
+    later = [d.name for s, d in complete if not resumed or s > start_step] + [d.name for d, _ in unreadable]
+    if later:
+        what = "a run that does not resume" if not resumed else f"a run resumed at step {start_step}"
+        raise CheckpointError(
+            f"checkpoint.dir {root} holds {', '.join(sorted(later))} of another run, which {what} would overwrite "
+            f"or remove: resume the newest (checkpoint.resume=latest), move them away, or pick another checkpoint.dir")
 
 
 def resolve(path: str | Path) -> Path:
@@ -360,10 +395,11 @@ def prepare(ckpt: Path) -> None:
 
 def prune(root: str | Path, keep: int, *, current: Path) -> list[Path]:
     """Keep the newest ``keep`` complete checkpoints (always ``current``); remove the rest and
-    every incomplete ``step_*`` directory (leftovers of crashed saves). Returns what was removed."""
+    every incomplete ``step_*`` directory (leftovers of crashed saves, without a manifest); a
+    directory whose manifest does not read is kept. Returns what was removed."""
     root = Path(root)
-    complete = checkpoints(root)
-    keep_paths = {p for _, p in complete[-keep:]} | {current}
+    complete, unreadable = scan(root)
+    keep_paths = {p for _, p in complete[-keep:]} | {current} | {d for d, _ in unreadable}  # never what it cannot read
     removed = []
     for d in sorted(root.iterdir()):
         if not (STEP_DIR.match(d.name) and d.is_dir()) or d in keep_paths:

@@ -274,6 +274,7 @@ class Trainer:
         self._ckpt_key = self._checkpoint_key()
         self.resume = self._find_resume()
         self.start_step = self.resume.step if self.resume is not None else 0
+        self._check_checkpoint_dir()
         self.model = hybrid.compose(model, resolve(plan, model, world_size=role.world_size), role=role,
                                     runtime_options=cfg.runtime, start_step=self.start_step,
                                     init_tables="server" if self.resume is not None else "auto",
@@ -425,6 +426,23 @@ class Trainer:
 
         ck = self.cfg.checkpoint
         return find_resume(ck.resume, ck.dir, key=self._ckpt_key)
+
+    def _check_checkpoint_dir(self) -> None:
+        """Before any step: ``checkpoint.dir`` can be made and written, and holds no checkpoint
+        of another run that this run's saves would overwrite or prune."""
+        from hybrid.checkpoint.files import CheckpointError, refuse_overwrite
+
+        root = self.cfg.checkpoint.dir
+        if not root:
+            return
+        path = Path(root).expanduser()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint.dir {root}: cannot create it ({e.strerror or e})") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise CheckpointError(f"checkpoint.dir {root}: not writable by this process")
+        refuse_overwrite(path, self.start_step, resumed=self.resume is not None)
 
     def _restore(self, ckpt) -> None:
         """Model, optimizers, tables (by the servers), step numbering, RNG, data position."""

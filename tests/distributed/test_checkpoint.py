@@ -303,3 +303,23 @@ def test_with_the_key_a_rewritten_manifest_is_refused(straight, tmp_path):
                  f"checkpoint.key_file={key_file}")
     assert res.returncode == 2 and "Traceback" not in res.output, res.output
     assert len(_error_lines(res)) == 1 and "does not verify" in _error_lines(res)[0], res.output
+
+
+def test_a_run_refuses_a_checkpoint_dir_it_would_overwrite_or_cannot_make(straight, tmp_path):
+    """Before its first step, one line and exit 2: a run that does not resume, pointed at a
+    checkpoint.dir holding another run's checkpoints (its saves would replace or prune them),
+    changes none of their files; a checkpoint.dir that cannot be made (a file is in the way)."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(straight / "ckpt", root)
+    before = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
+    res = _train(tmp_path / "fresh", f"checkpoint.dir={root}", "checkpoint.every=10", nproc=1)
+    errors = _error_lines(res)
+    assert res.returncode == 2 and len(errors) == 1, res.output
+    assert "of another run" in errors[0] and "checkpoint.resume=latest" in errors[0], res.output
+    assert sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")) == before
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    res = _train(tmp_path / "blocked", f"checkpoint.dir={blocker / 'ckpt'}", nproc=1)
+    errors = _error_lines(res)
+    assert res.returncode == 2 and len(errors) == 1 and "cannot create it" in errors[0], res.output
+    assert "Traceback" not in res.output and not (tmp_path / "blocked" / "metrics.jsonl").exists(), res.output

@@ -226,6 +226,70 @@ def test_prune_keeps_the_newest_and_removes_leftovers(tmp_path):
     assert [s for s, _ in F.checkpoints(tmp_path)] == [6, 8]
 
 
+def _steps(root: Path, *steps: int) -> None:
+    for step in steps:
+        d = F.step_dir(root, step)
+        F.prepare(d)
+        F.write_manifest(d, step=step, files=[])
+
+
+@pytest.mark.parametrize("damage", ["not json", "another step", "a step that is text", "a directory", "version"])
+def test_a_manifest_that_does_not_read_stops_resume_and_is_never_pruned(tmp_path, damage):
+    """A step directory whose manifest is there but does not read as that step's is not a save
+    that stopped midway: listing the checkpoints names it instead of passing over it (which
+    resumed from an older step and let the next save prune the damaged one)."""
+    _steps(tmp_path, 2, 4)
+    manifest = F.step_dir(tmp_path, 4) / F.MANIFEST
+    doc = json.loads(manifest.read_text())
+    if damage == "not json":
+        manifest.write_text(manifest.read_text() + "}")
+    elif damage == "a directory":
+        manifest.unlink()
+        manifest.mkdir()
+    else:
+        doc.update({"another step": {"step": -5}, "a step that is text": {"step": "abc"},
+                    "version": {"version": 99}}[damage])
+        manifest.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=r"step_00000004/manifest\.json.*move step_00000004 out of"):
+        F.latest(tmp_path)
+    _steps(tmp_path, 6)
+    removed = F.prune(tmp_path, 1, current=F.step_dir(tmp_path, 6))
+    assert [p.name for p in removed] == ["step_00000002"]
+    assert manifest.exists()
+
+
+def test_a_run_refuses_a_checkpoint_dir_whose_checkpoints_it_would_overwrite(tmp_path):
+    """A run that does not resume refuses a checkpoint.dir holding any checkpoint (its saves
+    would replace or prune them); a resumed one refuses only those after its step. A save that
+    stopped midway (no manifest) is not a checkpoint."""
+    F.refuse_overwrite(tmp_path / "none", 0, resumed=False)
+    F.prepare(F.step_dir(tmp_path, 3))  # a crashed save
+    F.refuse_overwrite(tmp_path, 0, resumed=False)
+    _steps(tmp_path, 2, 4)
+    with pytest.raises(CheckpointError, match="holds step_00000002, step_00000004 of another run, which a run "
+                                              "that does not resume would overwrite"):
+        F.refuse_overwrite(tmp_path, 0, resumed=False)
+    with pytest.raises(CheckpointError, match="holds step_00000004 of another run, which a run resumed at step 2"):
+        F.refuse_overwrite(tmp_path, 2, resumed=True)
+    F.refuse_overwrite(tmp_path, 4, resumed=True)
+
+
+def test_export_refuses_an_output_inside_the_checkpoint_or_one_it_cannot_write(tmp_path):
+    from hybrid.checkpoint.export import export
+
+    spec = SparseOptimSpec(name="sgd")
+    ckpt = _save(tmp_path / "ck", "row_wise", 1, spec, _full(spec))
+    before = (ckpt / F.MANIFEST).read_bytes()
+    with pytest.raises(CheckpointError, match="is inside the checkpoint"):
+        export(ckpt, ckpt / F.MANIFEST)
+    assert (ckpt / F.MANIFEST).read_bytes() == before
+    with pytest.raises(CheckpointError, match="is a directory"):
+        export(ckpt, tmp_path)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match="cannot create the output's directory"):
+        export(ckpt, tmp_path / "file" / "model.pt")
+
+
 def test_manifest_is_replaced_atomically(tmp_path):
     F.write_manifest(tmp_path, step=1, files=[F.FileEntry("a", 1, "00")])
     F.write_manifest(tmp_path, step=2, files=[])
