@@ -8,6 +8,7 @@ leaves RPC, so nobody tears down a transport a peer still uses.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -19,6 +20,13 @@ from hybrid.launch.address import gloo_on, rpc_transports
 from hybrid.launch.roles import Role
 from hybrid.log import logger
 from hybrid.ps.config import GradientPushWay, PsTransport
+
+
+TENSORPIPE_TRANSPORTS = ("uv", "shm")
+"""TensorPipe's transports that listen only where hybrid says: ``uv`` (TCP, bound to
+``runtime.address``) and ``shm`` (this machine's shared memory)."""
+TENSORPIPE_CHANNELS = ("basic", "cma", "mpt_uv", "xth", "cuda_basic", "cuda_ipc", "cuda_gdr", "cuda_xth")
+"""TensorPipe's channels (the CUDA ones where it was built with CUDA)."""
 
 
 @dataclass(kw_only=True)
@@ -77,11 +85,26 @@ class RuntimeOptions:
     together need more of this machine before starting any process."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.server_memory_fraction <= 1:
-            from hybrid.errors import PlanError
+        from hybrid.errors import PlanError
 
+        if not 0 < self.server_memory_fraction <= 1:
             raise PlanError(f"got {self.server_memory_fraction!r}; expected a share of memory in (0, 1]",
                             category="bad_value", key="server_memory_fraction")
+        for name in ("rpc_timeout_s", "pg_timeout_s", "shutdown_timeout_s", "heartbeat_s", "startup_timeout_s",
+                     "kill_grace_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise PlanError(f"got {value!r}; expected a number of seconds above 0", category="bad_value",
+                                key=name)
+        if not (isinstance(self.num_worker_threads, int) and self.num_worker_threads >= 1):
+            raise PlanError(f"got {self.num_worker_threads!r}; expected at least 1", category="bad_value",
+                            key="num_worker_threads")
+        for name, known in (("transports", TENSORPIPE_TRANSPORTS), ("channels", TENSORPIPE_CHANNELS)):
+            values = list(getattr(self, name))
+            bad = [v for v in values if v not in known]
+            if bad or not values:
+                raise PlanError(f"got {values!r}; expected a non-empty list of {', '.join(map(repr, known))}",
+                                category="bad_value", key=name)
 
 
 def device_type() -> str:

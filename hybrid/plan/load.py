@@ -74,12 +74,17 @@ def _build(raw: Any, overrides: Sequence[str], locate: _Locator, source: str) ->
         raise e.at(locate(e.key)) from None
 
 
-def _read_yaml(path: Path) -> tuple[Any, str]:
+def _read_yaml(path: Path, what: str = "plan") -> tuple[Any, str]:
+    """A YAML file (``what``: the plan or the training config, for messages) as plain data, and its text."""
     where = str(path)
     try:
         text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise PlanError(f"the {what} file is not UTF-8 text (byte {e.object[e.start]:#04x})", category="io",
+                        where=f"{where}:{line}") from None
     except OSError as e:
-        detail = f"cannot read the plan file: {e.strerror or e}"
+        detail = f"cannot read the {what} file: {e.strerror or e}"
         raise PlanError(detail, category="io", where=where) from None
     try:
         return _to_plain(OmegaConf.load(path)), text

@@ -151,7 +151,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, model
     if path is None:
         raw, locate, source = {}, _Locator("", {}, overrides), ""
     else:
-        raw, text = _read_yaml(Path(path))
+        raw, text = _read_yaml(Path(path), "training config")
         locate, source = _Locator(str(path), _key_lines(text), overrides), str(path)
     try:
         return _build(raw or {}, overrides, source, flag=model_flag, plan_model=model, plan_source=plan_source)

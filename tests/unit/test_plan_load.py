@@ -291,6 +291,35 @@ def test_plan_error_keeps_key_category_and_location():
     assert str(err.under("x").at("f.yaml:3")) == "f.yaml:3: x.sync.staleness: " + err.detail
 
 
+@pytest.mark.parametrize("override,message", [
+    ("runtime.kill_grace_s=-1", r"runtime\.kill_grace_s: got -1\.0; expected a number of seconds above 0"),
+    ("runtime.rpc_timeout_s=0", r"runtime\.rpc_timeout_s: got 0\.0; expected a number of seconds above 0"),
+    ("runtime.pg_timeout_s=nan", r"runtime\.pg_timeout_s: got nan; expected"),
+    ("runtime.num_worker_threads=0", r"runtime\.num_worker_threads: got 0; expected at least 1"),
+    ("runtime.transports=[ibv]", r"runtime\.transports: got \['ibv'\]; expected a non-empty list of 'uv', 'shm'"),
+    ("runtime.channels=[]", r"runtime\.channels: got \[\]; expected a non-empty list of 'basic'"),
+])
+def test_runtime_values_are_checked_and_named(override, message):
+    """Timeouts, threads and TensorPipe's transports and channels are checked before any process
+    starts (else torch fails later with its own words, from every process)."""
+    from hybrid.train.config import load_config
+
+    with pytest.raises(PlanError, match=message):
+        load_config(None, [override], model="dlrm")
+
+
+def test_a_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    from hybrid.plan import load_plan
+    from hybrid.train.config import load_config
+
+    bad = tmp_path / "p.yaml"
+    bad.write_bytes(b"world_size: 3\nmodules:\n  x: {strategy: ddp}  # gr\xfc\xdfe\n")
+    with pytest.raises(PlanError, match=r"p\.yaml:3: the plan file is not UTF-8 text \(byte 0xfc\)"):
+        load_plan(bad)
+    with pytest.raises(PlanError, match=r"p\.yaml:3: the training config file is not UTF-8 text"):
+        load_config(str(bad), [], model="dlrm")
+
+
 def test_runtime_gradient_push_is_checked_and_named():
     from hybrid.train.config import load_config
 
