@@ -39,6 +39,7 @@ import io
 import json
 import logging
 import os
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -63,11 +64,35 @@ def expand_paths(paths: Sequence[str]) -> list[str]:
     return out
 
 
+class _GzipFile(gzip.GzipFile):
+    """A gzip file whose damaged or truncated data raises :class:`InputError` naming the file
+    (``gzip`` raises ``zlib.error``, ``EOFError`` or ``BadGzipFile`` without it), wherever the
+    reading stops: at the check before a run or in its middle."""
+
+    def _named(self, fn, *args):  # noqa: ANN001, ANN202
+        try:
+            return fn(*args)
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise InputError(f"{self.name}: a damaged or truncated gzip file ({e})") from None
+
+    def read(self, size=-1):  # noqa: ANN001, ANN201
+        return self._named(super().read, size)
+
+    def read1(self, size=-1):  # noqa: ANN001, ANN201
+        return self._named(super().read1, size)
+
+    def readline(self, size=-1):  # noqa: ANN001, ANN201
+        return self._named(super().readline, size)
+
+    def peek(self, n):  # noqa: ANN001, ANN201
+        return self._named(super().peek, n)
+
+
 def open_binary(path: str) -> IO[bytes]:
     """``path`` for reading bytes, decompressed when it is gzip (by its magic number, not its name)."""
     with open(path, "rb") as f:
         gzipped = f.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rb") if gzipped else open(path, "rb")  # type: ignore[return-value]
+    return _GzipFile(path, "rb") if gzipped else open(path, "rb")  # type: ignore[return-value]
 
 
 def show(value: Any, limit: int = 40) -> str:

@@ -331,8 +331,9 @@ class Trainer:
                 yield self._on_device(batch)
             epoch, first = epoch + 1, 0
             if not produced:
-                raise ValueError(f"{self.role.name}: the training data yielded no batch "
-                                 f"(data.batch_size={self.cfg.data.batch_size} per trainer)")
+                raise InputError(f"{self.role.name}: the training data yielded no batch of data.batch_size="
+                                 f"{self.cfg.data.batch_size} samples per trainer (no samples, or fewer than "
+                                 f"one batch for every trainer)")
             if self.t.epochs and epoch >= self.t.epochs:
                 return
             if hasattr(self.train_data, "restart"):

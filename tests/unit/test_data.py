@@ -513,6 +513,27 @@ def test_csv_columns_and_sharding(tmp_path):
         _csv([path], sparse_columns=["user"])
 
 
+@pytest.mark.parametrize("damage", ["truncated", "corrupted"])
+def test_a_damaged_gzip_file_is_an_input_error_naming_it(tmp_path, damage):
+    """Cut short or with changed bytes, a gzip file raises one InputError naming it, from the
+    check before a run and from reading it in a run."""
+    from hybrid.errors import InputError
+
+    path = tmp_path / "a.csv.gz"
+    rows = [f"{i % 2},{i % 10},{i / 2},{i % 10},{i}" for i in range(20000)]
+    packed = gzip.compress(("label,user,price,items,age\n" + "\n".join(rows) + "\n").encode(), mtime=0)
+    if damage == "truncated":
+        packed = packed[: len(packed) * 2 // 3]
+    else:
+        mid = len(packed) * 2 // 3
+        packed = packed[:mid] + bytes([packed[mid] ^ 0xFF]) * 64 + packed[mid + 64 :]
+    path.write_bytes(packed)
+    with pytest.raises(InputError, match=re.escape(f"{path}: a damaged or truncated gzip file (")):
+        _csv([path], batch_size=2, check_lines=10).check_files()  # the check reads a block past the damage
+    with pytest.raises(InputError, match=re.escape(f"{path}: a damaged or truncated gzip file (")):
+        list(_csv([path], batch_size=2))
+
+
 def test_csv_retrieval_without_labels(tmp_path):
     path = tmp_path / "pairs.csv"
     path.write_text("u,i\n1,2\n3,4\n")
