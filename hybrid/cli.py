@@ -218,6 +218,9 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"error: launch -n: got {args.nproc}; expected 1 (one process: the trainer holds the tables) "
               "or more (trainers + parameter servers)", file=sys.stderr)
         return EXIT_USAGE
+    if args.max_restarts < 0:
+        print(f"error: launch --max-restarts: got {args.max_restarts}; expected 0 or more", file=sys.stderr)
+        return EXIT_USAGE
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]

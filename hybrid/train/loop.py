@@ -285,7 +285,11 @@ class Trainer:
         self.train_data, self.eval_data = train_data, eval_data
         self.out_dir = cfg.out_dir
         earlier = self._earlier_rows() if self.rank0 and self.resume is not None else []
-        self.writer = MetricsWriter(self.out_dir, tensorboard=self.t.tensorboard) if self.rank0 else None
+        try:
+            self.writer = MetricsWriter(self.out_dir, tensorboard=self.t.tensorboard) if self.rank0 else None
+        except OSError as e:
+            raise InputError(f"train.out_dir {self.out_dir}: cannot write {e.filename or 'there'} "
+                             f"({e.strerror or e})") from None
         for row in earlier:  # a resumed run continues the metrics of the run it resumes
             self.writer.write(row)
         self.skipped = 0

@@ -308,7 +308,8 @@ def test_with_the_key_a_rewritten_manifest_is_refused(straight, tmp_path):
 def test_a_run_refuses_a_checkpoint_dir_it_would_overwrite_or_cannot_make(straight, tmp_path):
     """Before its first step, one line and exit 2: a run that does not resume, pointed at a
     checkpoint.dir holding another run's checkpoints (its saves would replace or prune them),
-    changes none of their files; a checkpoint.dir that cannot be made (a file is in the way)."""
+    changes none of their files; a checkpoint.dir, or a train.out_dir, that cannot be made (a
+    file is in the way)."""
     root = tmp_path / "ckpt"
     shutil.copytree(straight / "ckpt", root)
     before = sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
@@ -323,3 +324,7 @@ def test_a_run_refuses_a_checkpoint_dir_it_would_overwrite_or_cannot_make(straig
     errors = _error_lines(res)
     assert res.returncode == 2 and len(errors) == 1 and "cannot create it" in errors[0], res.output
     assert "Traceback" not in res.output and not (tmp_path / "blocked" / "metrics.jsonl").exists(), res.output
+    res = _train(blocker / "out", nproc=1)  # train.out_dir under a file
+    errors = _error_lines(res)
+    assert res.returncode == 2 and errors == [f"error: train.out_dir {blocker / 'out'}: cannot write {blocker / 'out'} "
+                                              f"(Not a directory)"], res.output

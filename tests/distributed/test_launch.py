@@ -66,6 +66,13 @@ def test_config_mistake_names_file_line_and_key(tmp_path):
     assert f"{bad}:5" in res.stderr and "optimiser" in res.stderr and "optimizer" in res.stderr, res.output
 
 
+def test_negative_max_restarts_is_one_line():
+    res = run_hybrid(["launch", "-n", "3", "--max-restarts", "-1", "train", "--plan", "conf/plans/dlrm.yaml"],
+                     timeout=60)
+    assert res.returncode == 2 and res.stderr.strip() == "error: launch --max-restarts: got -1; expected 0 or more", \
+        res.output
+
+
 def test_train_with_half_a_torchrun_environment_says_how_to_start_it():
     """No RANK: one-process mode (tests/distributed/test_one_process.py); RANK without the rest
     of torchrun's variables is a mistake."""
