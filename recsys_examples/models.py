@@ -26,8 +26,28 @@ CRITEO_SPARSE = [f"C{i}" for i in range(1, 27)]
 """Categorical (sparse) features of a Criteo line, in file order."""
 
 
+def _count(key: str, value: object) -> int:
+    """``value`` as a size of at least 1, or a ``ValueError`` naming ``model.<key>``."""
+    if type(value) is not int or value < 1:
+        raise ValueError(f"model.{key}: got {value!r}; expected an integer >= 1")
+    return value
+
+
+def _widths(key: str, widths: Sequence[int], *, last: int | None = None) -> list[int]:
+    """An MLP's layer widths (each >= 1; the last ``last`` where given), or a ``ValueError``."""
+    if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence) or not widths:
+        raise ValueError(f"model.{key}: got {widths!r}; expected a list of layer widths")
+    out = [_count(key, w) for w in widths]
+    if last is not None and out[-1] != last:
+        raise ValueError(f"model.{key}: the last width is the model's output, {last}; got {out}")
+    return out
+
+
 def _rows(num_embeddings: int | Sequence[int], features: Sequence[str]) -> list[int]:
-    rows = [int(num_embeddings)] * len(features) if isinstance(num_embeddings, int) else [int(n) for n in num_embeddings]
+    if isinstance(num_embeddings, Sequence) and not isinstance(num_embeddings, (str, bytes)):
+        rows = [_count("num_embeddings", n) for n in num_embeddings]
+    else:
+        rows = [_count("num_embeddings", num_embeddings)] * len(features)
     if len(rows) != len(features):
         raise ValueError(f"model.num_embeddings: {len(rows)} sizes for {len(features)} features {list(features)}")
     if min(rows, default=1) < 1:
@@ -63,6 +83,8 @@ def build_dlrm(
     """TorchRec's DLRM (bottom MLP, dot interaction, top MLP); ``forward`` returns ``[n, 1]`` logits."""
     if seed is not None:
         torch.manual_seed(seed)
+    _count("embedding_dim", embedding_dim)
+    bottom_mlp, top_mlp = _widths("bottom_mlp", bottom_mlp), _widths("top_mlp", top_mlp, last=1)
     if bottom_mlp[-1] != embedding_dim:
         raise ValueError(f"model.bottom_mlp: the last width must equal embedding_dim={embedding_dim} "
                          f"(DLRM's dot interaction); got {list(bottom_mlp)}")
@@ -89,6 +111,9 @@ def build_dcn(
     """DLRM with a DCN-v2 low-rank cross network as its interaction (TorchRec's ``DLRM_DCN``)."""
     if seed is not None:
         torch.manual_seed(seed)
+    _count("embedding_dim", embedding_dim)
+    bottom_mlp, top_mlp = _widths("bottom_mlp", bottom_mlp), _widths("top_mlp", top_mlp, last=1)
+    _count("dcn_num_layers", dcn_num_layers), _count("dcn_low_rank_dim", dcn_low_rank_dim)
     device = torch.device(device) if device is not None else None
     ebc = EmbeddingBagCollection(tables=embedding_tables(features, num_embeddings, embedding_dim, pooling), device=device)
     return DLRM_DCN(embedding_bag_collection=ebc, dense_in_features=num_dense, dense_arch_layer_sizes=list(bottom_mlp),
@@ -134,6 +159,8 @@ def build_two_tower(
     """A two-tower retrieval model: one collection and one MLP tower per side."""
     if seed is not None:
         torch.manual_seed(seed)
+    _count("embedding_dim", embedding_dim)
+    tower = _widths("tower", tower)
     device = torch.device(device) if device is not None else None
     features = [*query_features, *item_features]
     rows = _rows(num_embeddings, features)

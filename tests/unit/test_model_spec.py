@@ -6,6 +6,7 @@ and what a :class:`hybrid.train.ModelSpec` does with it. User packages are writt
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -243,3 +244,23 @@ def test_example_schemas():
     tt = recsys_examples.two_tower
     s = tt.data_schema(tt.make_model(device="meta"))
     assert (s.num_dense, s.task, s.query_features) == (0, "retrieval", ["user_id", "user_history"])
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"top_mlp": [8, 2]}, "model.top_mlp: the last width is the model's output, 1; got [8, 2]"),
+    ({"top_mlp": [-8, 1]}, "model.top_mlp: got -8; expected an integer >= 1"),
+    ({"bottom_mlp": [0, 4], "embedding_dim": 4}, "model.bottom_mlp: got 0; expected an integer >= 1"),
+    ({"num_embeddings": "lots"}, "model.num_embeddings: got 'lots'; expected an integer >= 1"),
+    ({"num_embeddings": [10, 0]}, "model.num_embeddings: got 0; expected an integer >= 1"),
+    ({"embedding_dim": 0}, "model.embedding_dim: got 0; expected an integer >= 1"),
+    ({"top_mlp": "8,1"}, "model.top_mlp: got '8,1'; expected a list of layer widths"),
+])
+def test_example_models_name_a_bad_size(kwargs, message):
+    """The examples' builders refuse a bad size with its model.* key (a run shows the line once,
+    before any process trains) instead of torch's words from inside the layers."""
+    from recsys_examples.models import build_dlrm
+
+    args = {"num_embeddings": 10, "embedding_dim": 4, "features": ["a", "b"], "num_dense": 3, "bottom_mlp": [8, 4],
+            "top_mlp": [8, 1], **kwargs}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_dlrm(**args)
