@@ -181,7 +181,39 @@ def _read_unverified(ckpt: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not a {FORMAT} manifest")
     if doc.get("version") != VERSION:
         raise CheckpointError(f"{path}: manifest version {doc.get('version')!r}; this hybrid reads version {VERSION}")
+    _check_sections(doc, path)
     return doc
+
+
+def _check_sections(doc: dict[str, Any], path: Path) -> None:
+    """The manifest's sections have the types a save writes (what reading them relies on), else
+    :class:`CheckpointError` naming the section: a manifest edited by hand or by a tool."""
+    def bad(section: str, expected: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {section}: got {doc.get(section)!r:.80}; expected {expected} (the manifest "
+                               f"was edited: hybrid writes none so)")
+
+    def count(v: Any, least: int) -> bool:
+        return type(v) is int and v >= least
+
+    if not count(doc.get("step"), 0):
+        raise bad("step", "a step number >= 0")
+    files = doc.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and count(e.get("size"), 0) and isinstance(e.get("sha256"), str) for e in files.values()):
+        raise bad("files", "a map of file paths to their size and sha256")
+    world = doc.get("world", {"trainers": 1, "servers": 0})
+    if not (isinstance(world, dict) and count(world.get("trainers"), 1) and count(world.get("servers"), 0)):
+        raise bad("world", "the numbers of trainers (>= 1) and servers (>= 0)")
+    for section, kind, expected in (("train", dict, "a map"), ("dense", dict, "a map"),
+                                    ("collections", list, "a list"), ("keys", list, "a list")):
+        if section in doc and not isinstance(doc[section], kind):
+            raise bad(section, expected)
+    if not all(isinstance(c, dict) for c in doc.get("collections", [])):
+        raise bad("collections", "a list of collections")
+    data = doc.get("train", {}).get("data", [0, 0])
+    if not (isinstance(data, list) and len(data) == 2 and all(count(v, 0) for v in data)):
+        raise CheckpointError(f"{path}: train.data: got {data!r:.80}; expected [epoch, batch] (the manifest was "
+                              f"edited: hybrid writes none so)")
 
 
 def manifest_entry(manifest: dict[str, Any], rel: str) -> FileEntry:

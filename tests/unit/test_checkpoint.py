@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -288,6 +289,23 @@ def test_export_refuses_an_output_inside_the_checkpoint_or_one_it_cannot_write(t
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="cannot create the output's directory"):
         export(ckpt, tmp_path / "file" / "model.pt")
+
+
+@pytest.mark.parametrize("edit,section", [
+    ({"files": None}, "files"), ({"files": {"a": {"size": "1", "sha256": "0"}}}, "files"),
+    ({"step": "abc"}, "step"), ({"world": {"trainers": 0, "servers": 1}}, "world"),
+    ({"train": {"data": "x"}}, "train.data"), ({"collections": {}}, "collections"),
+])
+def test_a_manifest_with_a_section_of_another_type_is_refused_naming_it(tmp_path, edit, section):
+    """Edited by hand or by a tool (no key), a manifest whose section has another type than a
+    save writes is refused, naming the section, before anything reads it."""
+    _steps(tmp_path, 4)
+    d = F.step_dir(tmp_path, 4)
+    doc = json.loads((d / F.MANIFEST).read_text())
+    doc.update(edit)
+    (d / F.MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=rf"manifest\.json: {re.escape(section)}: got .*the manifest was edited"):
+        F.read_manifest(d, key=b"")
 
 
 def test_manifest_is_replaced_atomically(tmp_path):
