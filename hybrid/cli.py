@@ -159,7 +159,7 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
         "For several machines run torchrun yourself (see docs/training.md, Several machines)."))
     p.add_argument("-n", "--nproc", type=int, required=True, help="processes (trainers + parameter servers)")
     p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of the whole group on a failure")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="the hybrid command to run, e.g. train --plan ...")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="train and its arguments: train --plan ...")
     p.set_defaults(handler=_launch_main)
 
 
@@ -227,20 +227,22 @@ def _launch(args: argparse.Namespace) -> int:
     if not command:
         print("error: launch: no command; e.g. hybrid launch -n 3 train --plan conf/plans/dlrm.yaml", file=sys.stderr)
         return EXIT_USAGE
+    if command[0] != "train":
+        print(f"error: launch runs `train`, the one command that runs on several processes; got {command[0]!r} "
+              f"(run `hybrid {command[0]} ...` by itself)", file=sys.stderr)
+        return EXIT_USAGE
     from hybrid.launch.address import numeric_address
-    from hybrid.launch.init import RuntimeOptions
 
-    runtime, names = RuntimeOptions(), []
-    if command[0] == "train":  # check plan, config and data here: a mistake is one message, exit 2
-        status, runtime, names = _check_train(command[1:], args.nproc)
-        if status:
-            return status
+    # plan, config and data are checked here: a mistake is one message, exit 2
+    status, runtime, names = _check_train(command[1:], args.nproc)
+    if status:
+        return status
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; said here so it is not a surprise
     # torch's C++ warnings off in the processes started here (TORCH_CPP_LOG_LEVEL=WARNING brings
     # them back): when a process ends, every peer's RPC agent would print its raw "EOF"/"connection
     # reset" lines before hybrid's own message that names the process.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    if args.nproc == 1 and command[0] == "train":
+    if args.nproc == 1:
         # One-process mode: the whole job runs here, as `hybrid train` without torchrun runs it
         # (torch, the plan and the model are loaded already).
         import torch

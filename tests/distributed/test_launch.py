@@ -66,6 +66,11 @@ def test_config_mistake_names_file_line_and_key(tmp_path):
     assert f"{bad}:5" in res.stderr and "optimiser" in res.stderr and "optimizer" in res.stderr, res.output
 
 
+def test_launch_runs_train_only():
+    res = run_hybrid(["launch", "-n", "3", "export", "runs/x", "model.pt"], timeout=60)
+    assert res.returncode == 2 and res.stderr.strip().startswith("error: launch runs `train`"), res.output
+
+
 def test_negative_max_restarts_is_one_line():
     res = run_hybrid(["launch", "-n", "3", "--max-restarts", "-1", "train", "--plan", "conf/plans/dlrm.yaml"],
                      timeout=60)
