@@ -166,9 +166,10 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
 def _check_train(argv: Sequence[str], world_size: int):
     """Check a ``train`` command's plan, config and data files: the exit status (2 and one
     message for a mistake), the runtime options and each rank's process name."""
+    from hybrid.checkpoint.files import CheckpointError, checkpoint_key
     from hybrid.launch.init import RuntimeOptions
     from hybrid.launch.roles import role_of
-    from hybrid.train.loop import load_run
+    from hybrid.train.loop import checkpoint_start, load_run
 
     from hybrid.plan import check_server_memory
 
@@ -177,7 +178,8 @@ def _check_train(argv: Sequence[str], world_size: int):
         plan, cfg, model, resolved = load_run(args.plan, args.config, args.overrides, world_size, model=args.model)
         # Every process runs here: tables that do not fit are refused before any starts.
         check_server_memory(resolved, model, fraction=cfg.runtime.server_memory_fraction)
-    except PlanError as e:
+        checkpoint_start(cfg, key=checkpoint_key(cfg.checkpoint.key_file))
+    except (PlanError, CheckpointError) as e:
         print_error(e)
         return EXIT_USAGE, RuntimeOptions(), []
     names = [role_of(r, world_size, resolved.num_servers).name for r in range(world_size)]

@@ -76,6 +76,31 @@ def load_run(plan_path: str, config_path: str | None, overrides: Sequence[str], 
     return plan, cfg, meta, resolved
 
 
+def checkpoint_start(cfg: RunConfig, *, key: bytes | None):
+    """The checkpoint a run resumes from (``checkpoint.resume``; ``None``: step 0), with
+    ``checkpoint.dir`` checked for it: it can be made and written, and holds no checkpoint of
+    another run that the run's saves would overwrite or prune. Raises ``CheckpointError`` naming
+    the key; the launcher calls it before any process starts, every trainer before its first step."""
+    from hybrid.checkpoint import find_resume
+    from hybrid.checkpoint.files import CheckpointError, refuse_overwrite
+
+    ck = cfg.checkpoint
+    try:
+        resume = find_resume(ck.resume, ck.dir, key=key)
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint.resume={ck.resume}: {e}") from None
+    if ck.dir:
+        path = Path(ck.dir).expanduser()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint.dir {ck.dir}: cannot create it ({e.strerror or e})") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise CheckpointError(f"checkpoint.dir {ck.dir}: not writable by this process")
+        refuse_overwrite(path, resume.step if resume is not None else 0, resumed=resume is not None)
+    return resume
+
+
 def _check_data_files(cfg: RunConfig, meta: nn.Module) -> None:
     """The data files exist, can be read, are not empty and have the named columns (PlanError)."""
     try:
@@ -272,9 +297,8 @@ class Trainer:
         # Checkpoint to resume from (hybrid.checkpoint), found before composing: its step numbers
         # the trainers' runtime and the servers' step bookkeeping, and its tables replace the init.
         self._ckpt_key = self._checkpoint_key()
-        self.resume = self._find_resume()
+        self.resume = checkpoint_start(cfg, key=self._ckpt_key)
         self.start_step = self.resume.step if self.resume is not None else 0
-        self._check_checkpoint_dir()
         self.model = hybrid.compose(model, resolve(plan, model, world_size=role.world_size), role=role,
                                     runtime_options=cfg.runtime, start_step=self.start_step,
                                     init_tables="server" if self.resume is not None else "auto",
@@ -425,29 +449,6 @@ class Trainer:
         from hybrid.checkpoint.files import checkpoint_key
 
         return checkpoint_key(self.cfg.checkpoint.key_file)
-
-    def _find_resume(self):
-        from hybrid.checkpoint import find_resume
-
-        ck = self.cfg.checkpoint
-        return find_resume(ck.resume, ck.dir, key=self._ckpt_key)
-
-    def _check_checkpoint_dir(self) -> None:
-        """Before any step: ``checkpoint.dir`` can be made and written, and holds no checkpoint
-        of another run that this run's saves would overwrite or prune."""
-        from hybrid.checkpoint.files import CheckpointError, refuse_overwrite
-
-        root = self.cfg.checkpoint.dir
-        if not root:
-            return
-        path = Path(root).expanduser()
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"checkpoint.dir {root}: cannot create it ({e.strerror or e})") from None
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise CheckpointError(f"checkpoint.dir {root}: not writable by this process")
-        refuse_overwrite(path, self.start_step, resumed=self.resume is not None)
 
     def _restore(self, ckpt) -> None:
         """Model, optimizers, tables (by the servers), step numbering, RNG, data position."""
