@@ -108,11 +108,8 @@ def _plan_main(args: argparse.Namespace) -> int:
     try:
         plan = load_plan(args.plan, args.overrides)
         name, key = (args.model, "--model") if args.model else (plan.model, "model")
-        if not name:
-            raise PlanError(f"no model: set `model:` in the plan or pass --model (package.module:attr or a registered "
-                            f"name: {', '.join(known_models()) or 'none'})", category="unknown_model", key="model")
         dense_optimizer = "adagrad"
-        if args.config:
+        if args.config:  # the model as a run finds it: --model, else the config's model.name, else the plan's
             from hybrid.train.config import load_config
 
             cfg = load_config(args.config, model=plan.model, model_flag=args.model, plan_source=plan.source)
@@ -120,6 +117,10 @@ def _plan_main(args: argparse.Namespace) -> int:
             model = meta_model(cfg.spec, cfg.model_kwargs, name=name, where=cfg.source)
             dense_optimizer = cfg.train.optimizer
         else:
+            if not name:
+                raise PlanError(f"no model: set `model:` in the plan, pass --model (package.module:attr or a "
+                                f"registered name: {', '.join(known_models()) or 'none'}) or a --config that names "
+                                f"one", category="unknown_model", key="model")
             model = meta_model(resolve_model(name, key=key), name=name, key=key)
         world_size, note = _world_size(args.world_size, plan)
         resolved = resolve(plan, model, world_size=world_size)

@@ -105,10 +105,15 @@ def test_unknown_model_lists_known_names(plan, devices, capsys):
 def test_plan_without_model_and_without_world_size(tmp_path, devices, capsys):
     path = str(write(tmp_path, '{modules: {"*": {strategy: ddp}}}\n'))
     assert cli.main(["plan", "check", path]) == 2
-    assert ("error: model: no model: set `model:` in the plan or pass --model (package.module:attr or a registered "
-            "name: dcn, dlrm, sequential, two_tower)") in capsys.readouterr().err
+    assert ("error: model: no model: set `model:` in the plan, pass --model (package.module:attr or a registered "
+            "name: dcn, dlrm, sequential, two_tower) or a --config that names one") in capsys.readouterr().err
     assert cli.main(["plan", "check", path, "--model", TINY]) == 0
     assert "(world size 2 = parameter_servers + 1 trainer; set world_size or pass --world-size)" in capsys.readouterr().out
+    # A training config's model.name is the model, as a run finds it.
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model:\n  name: {TINY}\n")
+    assert cli.main(["plan", "check", path, "--config", str(config)]) == 0, capsys.readouterr().err
+    assert f"on {TINY}" in capsys.readouterr().out
 
 
 def test_bad_yaml_and_missing_file(tmp_path, devices, capsys):
