@@ -236,7 +236,8 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
             F.write_manifest(
                 ckpt, step=step, files=[e for part in entries for e in part] + table_files,
                 world={"trainers": world, "servers": len(remotes[0][1].server_names) if remotes else 0},
-                train=train_state or {}, dense={"dir": "dense", "optimizer": optimizer is not None},
+                train=train_state or {}, dense={"dir": "dense", "optimizer": optimizer is not None,
+                                                **({"optimizer_class": type(optimizer).__name__} if optimizer else {})},
                 collections=collections, keys=keys, key=key,
             )
             removed = F.prune(ckpt.parent, keep, current=ckpt)
@@ -366,7 +367,13 @@ class Checkpoint:
             set_optimizer_state_dict,
         )
 
-        with_optim = optimizer is not None and bool(self.manifest.get("dense", {}).get("optimizer"))
+        dense = self.manifest.get("dense", {})
+        with_optim = optimizer is not None and bool(dense.get("optimizer"))
+        saved_class = dense.get("optimizer_class")
+        if with_optim and saved_class is not None and saved_class != type(optimizer).__name__:
+            raise CheckpointError(f"{self.path} holds the state of dense optimizer {saved_class}; this run's is "
+                                  f"{type(optimizer).__name__} (train.optimizer): resume with the optimizer it was "
+                                  f"saved with")
         if optimizer is not None and not with_optim:
             logger.warning("%s holds no dense optimizer state; the optimizer starts fresh", self.path)
         state = _dense_state(model, optimizer if with_optim else None)

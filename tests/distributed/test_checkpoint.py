@@ -328,3 +328,16 @@ def test_a_run_refuses_a_checkpoint_dir_it_would_overwrite_or_cannot_make(straig
     errors = _error_lines(res)
     assert res.returncode == 2 and errors == [f"error: train.out_dir {blocker / 'out'}: cannot write {blocker / 'out'} "
                                               f"(Not a directory)"], res.output
+
+
+def test_resuming_with_another_dense_optimizer_names_both(straight, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(straight / "ckpt", root)
+    saved = read_manifest(latest(root), key=KEY.encode())["dense"]["optimizer_class"]
+    other = "adam" if saved == "SGD" else "sgd"
+    res = _train(tmp_path / "out", f"checkpoint.dir={root}", "checkpoint.resume=latest", f"train.optimizer={other}",
+                 env={KEY_ENV: KEY}, nproc=1)
+    errors = _error_lines(res)
+    assert res.returncode == 2 and len(errors) == 1, res.output
+    assert f"holds the state of dense optimizer {saved}; this run's is" in errors[0] and "train.optimizer" in errors[0], \
+        res.output
