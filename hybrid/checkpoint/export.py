@@ -56,15 +56,18 @@ def load_tables(ckpt: str | Path, manifest: dict[str, Any] | None = None
             if t.get("dynamic") is not None:
                 raise CheckpointError(f"{ckpt}: table {t['key']} has ids: dynamic; read it with dynamic_table()")
             weight = torch.empty(t["num_embeddings"], t["embedding_dim"])
+            filled = torch.zeros(t["num_embeddings"], dtype=torch.bool)
             state: dict[str, torch.Tensor] = {}
             for k, f in enumerate(t["files"]):
                 data = F.load_tensors(ckpt, FileEntry(f["path"], int(f["size"]), f["sha256"]))
                 rows = F.saved_rows(t, k, data["weight"].shape[0])
                 weight[rows] = data["weight"]
+                filled[rows] = True
                 for name, v in data["state"].items():
                     if name not in state:
                         state[name] = torch.empty((t["num_embeddings"], *v.shape[1:]), dtype=v.dtype)
                     state[name][rows] = v
+            F.uncovered(t, filled)
             out[t["key"]] = (weight, state)
     return out
 
@@ -75,9 +78,16 @@ this many bytes, named in an index."""
 
 
 def _ordered(manifest: dict[str, Any], keys) -> list[str]:
-    """``keys`` in the plain model's order (the manifest's), any others after."""
+    """``keys`` in the plain model's order (the manifest's), any others after; every key of the
+    model must be among them (else :class:`CheckpointError`: a table or tensor nothing holds)."""
     keys = list(keys)
-    order = [k for k in manifest.get("keys") or [] if k in keys]
+    model_keys = manifest.get("keys") or []
+    missing = [k for k in model_keys if k not in keys]
+    if missing:
+        raise CheckpointError(f"the checkpoint holds nothing for {missing[0]!r}"
+                              f"{f' and {len(missing) - 1} more keys' if len(missing) > 1 else ''} of the model "
+                              f"(the manifest was edited)")
+    order = [k for k in model_keys if k in keys]
     return order + [k for k in keys if k not in order]
 
 
@@ -123,6 +133,7 @@ def table_rows(ckpt: Path, table: dict[str, Any], start: int, stop: int) -> torc
     """Global rows ``[start, stop)`` of a saved table (its manifest entry), read one saved part at
     a time: only the parts holding some of them are read."""
     out = torch.empty(stop - start, table["embedding_dim"])
+    filled = torch.zeros(stop - start, dtype=torch.bool)
     for index, f in enumerate(table["files"]):
         rows = F.saved_rows(table, index)
         if rows is not None and not bool(((rows >= start) & (rows < stop)).any()):
@@ -131,6 +142,8 @@ def table_rows(ckpt: Path, table: dict[str, Any], start: int, stop: int) -> torc
         rows = F.saved_rows(table, index, weight.shape[0])
         keep = ((rows >= start) & (rows < stop)).nonzero().flatten()
         out[rows.index_select(0, keep) - start] = weight.index_select(0, keep).float()
+        filled[rows.index_select(0, keep) - start] = True
+    F.uncovered(table, filled, start)
     return out
 
 

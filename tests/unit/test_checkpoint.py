@@ -308,6 +308,33 @@ def test_a_manifest_with_a_section_of_another_type_is_refused_naming_it(tmp_path
         F.read_manifest(d, key=b"")
 
 
+@pytest.mark.parametrize("edit,message", [
+    ("fewer rows", "fall outside table"), ("more rows", "is in no saved file"), ("a part's rows", "holds"),
+])
+def test_a_manifest_whose_tables_disagree_with_their_files_is_refused(tmp_path, edit, message):
+    """Edited without a key, so every file still matches its checksum: a table's row count or a
+    part's rows that disagree with what the files hold are refused, never read past or left as
+    uninitialized memory."""
+    from hybrid.checkpoint.export import table_rows
+
+    spec = SparseOptimSpec(name="sgd")
+    ckpt = _save(tmp_path, "row_wise", 2, spec, _full(spec))
+    doc = json.loads((ckpt / F.MANIFEST).read_text())
+    t = doc["collections"][0]["tables"][0]
+    if edit == "fewer rows":
+        t["num_embeddings"] //= 2
+    elif edit == "more rows":
+        t["num_embeddings"] *= 2
+    else:
+        a, b = t["files"][0]["rows"]
+        t["files"][0]["rows"] = [a, b - 1]
+    (ckpt / F.MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=f"{message}.*the manifest was edited"):
+        load_tables(ckpt, F.read_manifest(ckpt, key=b""))
+    with pytest.raises(CheckpointError, match=f"{message}.*the manifest was edited"):
+        table_rows(ckpt, t, 0, t["num_embeddings"])
+
+
 def test_manifest_is_replaced_atomically(tmp_path):
     F.write_manifest(tmp_path, step=1, files=[F.FileEntry("a", 1, "00")])
     F.write_manifest(tmp_path, step=2, files=[])
