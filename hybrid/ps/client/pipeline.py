@@ -145,10 +145,16 @@ class StepState:
 
 
 class GradientPush:
-    """How a step's row gradients reach the servers: the interface of both implementations."""
+    """How a step's row gradients reach the servers: the interface of both implementations, and
+    the pushes both send as step messages -- owed to a server, then sent and reaped (every push
+    of ``gradient_push: rpc``; an aborted step's under ``dist_autograd``)."""
 
     autograd = False
     """Lookups are recorded by distributed autograd."""
+
+    def __init__(self) -> None:
+        self.owed: dict[int, list[tuple[RemoteCollection, Push]]] = {}
+        self.sent: list[tuple[str, ReplyFuture]] = []
 
     def start(self, pipeline: StepPipeline, state: StepState) -> None:
         """A step is opened (before anything of it is sent)."""
@@ -159,7 +165,42 @@ class GradientPush:
 
     def take(self, server: int) -> list[tuple[RemoteCollection, Push]]:
         """Gradients owed to ``server`` that the message about to go there should carry."""
-        return []
+        return self.owed.pop(server, [])
+
+    def owe(self, state: StepState) -> None:
+        """Owe each server the pushes of the step's received rows: their gradients, or, for a
+        step that ended without its backward, no rows (the step counts as pushed and changes
+        nothing: a zero gradient would still move rows under Adam or weight decay; a pooled
+        lookup's server drops it at this trainer's next pooled push)."""
+        for r in state.received:
+            if state.aborted:
+                push = Push(state.step, NO_ROWS, r.remote.new_empty(0))
+            else:
+                grad = r.local.grad if r.local.grad is not None else torch.zeros_like(r.local)
+                grad = grad.reshape(-1).to("cpu")  # the wire carries host tensors, in the leaf's (wire) dtype
+                # A pooled lookup's server kept its rows: the bags' gradients and the tag say it all.
+                push = Push(state.step, r.rows, grad) if r.tag < 0 else Push(state.step, NO_ROWS, grad, r.tag)
+            self.owed.setdefault(r.server, []).append((r.collection, push))
+        state.received = []
+
+    def send_owed(self, pipeline: StepPipeline) -> None:
+        """Send what is owed on messages of its own (what no lookup is about to carry)."""
+        for server in list(self.owed):
+            parts, _ = pipeline.parts_for(server, [], self.take(server))
+            msg = StepMessage(trainer=pipeline.trainer, parts=parts)
+            self.sent.append((pipeline.server_names[server], pipeline.transports[server].send(msg)))
+
+    def reap(self, wait: bool) -> None:
+        """Drop finished sends, raising the first failure; with ``wait``, wait for all."""
+        sent, self.sent = self.sent, []
+        for name, fut in sent:
+            if not wait and not _done(fut):
+                self.sent.append((name, fut))
+                continue
+            try:
+                fut.wait()
+            except Exception as e:  # noqa: BLE001
+                raise _server_error("gradient push", name, e) from e
 
     def push(self, pipeline: StepPipeline, state: StepState) -> None:
         """The step's received rows all have their gradients: deliver them."""
@@ -181,27 +222,8 @@ class RidingPush(GradientPush):
     """``gradient_push: rpc``: gradients are owed to their server and ride on the next message
     to it; in sync mode they leave at once (with the next step's deferred lookups)."""
 
-    def __init__(self) -> None:
-        self.owed: dict[int, list[tuple[RemoteCollection, Push]]] = {}
-        self.sent: list[tuple[str, ReplyFuture]] = []
-
-    def take(self, server: int) -> list[tuple[RemoteCollection, Push]]:
-        return self.owed.pop(server, [])
-
     def push(self, pipeline: StepPipeline, state: StepState) -> None:
-        for r in state.received:
-            if state.aborted:
-                # No rows: the step counts as pushed and changes nothing (a zero gradient would
-                # still move rows under Adam or weight decay). A pooled lookup's server drops it
-                # at this trainer's next pooled push.
-                self.owed.setdefault(r.server, []).append((r.collection, Push(state.step, NO_ROWS, r.remote.new_empty(0))))
-                continue
-            grad = r.local.grad if r.local.grad is not None else torch.zeros_like(r.local)
-            grad = grad.reshape(-1).to("cpu")  # the wire carries host tensors, in the leaf's (wire) dtype
-            # A pooled lookup's server kept its rows: the bags' gradients and the tag say it all.
-            push = Push(state.step, r.rows, grad) if r.tag < 0 else Push(state.step, NO_ROWS, grad, r.tag)
-            self.owed.setdefault(r.server, []).append((r.collection, push))
-        state.received = []
+        self.owe(state)
         nxt = pipeline.open_steps.get(state.step + 1)
         deferred = nxt.deferred if nxt is not None else []
         if nxt is not None:
@@ -211,31 +233,12 @@ class RidingPush(GradientPush):
         if pipeline.staleness == 0:
             self.send_owed(pipeline)
 
-    def send_owed(self, pipeline: StepPipeline) -> None:
-        """Send what is owed on messages of its own (what no lookup is about to carry)."""
-        for server in list(self.owed):
-            parts, _ = pipeline.parts_for(server, [], self.take(server))
-            msg = StepMessage(trainer=pipeline.trainer, parts=parts)
-            self.sent.append((pipeline.server_names[server], pipeline.transports[server].send(msg)))
-
     def wait(self, pipeline: StepPipeline) -> None:
         self.send_owed(pipeline)
         self.reap(wait=True)
 
     def before_step(self, pipeline: StepPipeline) -> None:
         self.reap(wait=False)
-
-    def reap(self, wait: bool) -> None:
-        """Drop finished sends, raising the first failure; with ``wait``, wait for all."""
-        sent, self.sent = self.sent, []
-        for name, fut in sent:
-            if not wait and not _done(fut):
-                self.sent.append((name, fut))
-                continue
-            try:
-                fut.wait()
-            except Exception as e:  # noqa: BLE001
-                raise _server_error("gradient push", name, e) from e
 
 
 def _done(fut: ReplyFuture) -> bool:
@@ -298,9 +301,9 @@ class DistAutogradPush(GradientPush):
     autograd = True
 
     def __init__(self, timeout_s: float) -> None:
+        super().__init__()
         self.timeout_s = timeout_s
         self.last: Future | None = None
-        self.empty: list[tuple[str, ReplyFuture]] = []
 
     def start(self, pipeline: StepPipeline, state: StepState) -> None:
         if state.context is None:
@@ -312,21 +315,12 @@ class DistAutogradPush(GradientPush):
     def push(self, pipeline: StepPipeline, state: StepState) -> None:
         import torch.distributed.autograd as dist_autograd
 
-        received, state.received = state.received, []
-        if state.aborted:
-            # No backward: each server gets the step's push without rows, as a plain message
-            # (the step counts as done and changes nothing; a zero gradient would move rows
-            # under Adam or weight decay).
-            parts: dict[int, dict[int, Part]] = {}
-            for r in received:
-                parts.setdefault(r.server, {}).setdefault(
-                    id(r.collection), Part(collection=r.collection.handle,
-                                           pushes=[Push(state.step, NO_ROWS, r.remote.new_empty(0))]))
-            for server, mine in parts.items():
-                msg = StepMessage(trainer=pipeline.trainer, parts=list(mine.values()))
-                self.empty.append((pipeline.server_names[server], pipeline.transports[server].send(msg)))
+        if state.aborted:  # no backward: each server gets the step's pushes without rows, as a plain message
+            self.owe(state)
+            self.send_owed(pipeline)
             state.context.release()
             return
+        received, state.received = state.received, []
 
         def backward(ctx_id: int) -> None:
             if received:
@@ -341,12 +335,7 @@ class DistAutogradPush(GradientPush):
         if self.last is not None:
             last, self.last = self.last, None
             last.result(timeout=self.timeout_s)
-        empty, self.empty = self.empty, []
-        for name, fut in empty:
-            try:
-                fut.wait()
-            except Exception as e:  # noqa: BLE001
-                raise _server_error("gradient push", name, e) from e
+        self.reap(wait=True)
 
     def before_step(self, pipeline: StepPipeline) -> None:
         self.wait(pipeline)
