@@ -50,8 +50,6 @@ def _rows(num_embeddings: int | Sequence[int], features: Sequence[str]) -> list[
         rows = [_count("num_embeddings", num_embeddings)] * len(features)
     if len(rows) != len(features):
         raise ValueError(f"model.num_embeddings: {len(rows)} sizes for {len(features)} features {list(features)}")
-    if min(rows, default=1) < 1:
-        raise ValueError(f"model.num_embeddings: every table needs at least 1 row; got {rows}")
     return rows
 
 
@@ -113,7 +111,8 @@ def build_dcn(
         torch.manual_seed(seed)
     _count("embedding_dim", embedding_dim)
     bottom_mlp, top_mlp = _widths("bottom_mlp", bottom_mlp), _widths("top_mlp", top_mlp, last=1)
-    _count("dcn_num_layers", dcn_num_layers), _count("dcn_low_rank_dim", dcn_low_rank_dim)
+    _count("dcn_num_layers", dcn_num_layers)
+    _count("dcn_low_rank_dim", dcn_low_rank_dim)
     device = torch.device(device) if device is not None else None
     ebc = EmbeddingBagCollection(tables=embedding_tables(features, num_embeddings, embedding_dim, pooling), device=device)
     return DLRM_DCN(embedding_bag_collection=ebc, dense_in_features=num_dense, dense_arch_layer_sizes=list(bottom_mlp),

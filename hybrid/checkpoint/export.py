@@ -174,14 +174,14 @@ def export(ckpt: str | Path, out: str | Path, *, key: bytes | None = None,
     path = F.resolve(ckpt)
     out = Path(out)
     if out.resolve().is_relative_to(path.resolve()):
-        raise F.CheckpointError(f"export: the output {out} is inside the checkpoint {path}; write it elsewhere "
+        raise CheckpointError(f"export: the output {out} is inside the checkpoint {path}; write it elsewhere "
                                 f"(an export there could replace the checkpoint's own files)")
     if out.is_dir():
-        raise F.CheckpointError(f"export: the output {out} is a directory; name a file")
+        raise CheckpointError(f"export: the output {out} is a directory; name a file")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise F.CheckpointError(f"export: cannot create the output's directory {out.parent} ({e.strerror or e})") from None
+        raise CheckpointError(f"export: cannot create the output's directory {out.parent} ({e.strerror or e})") from None
     manifest = F.read_manifest(path, key=key)
     dense = dense_state_dict(path, manifest)
     _dynamic(path, manifest, dense)
@@ -217,7 +217,7 @@ def _save_atomic(state: dict[str, torch.Tensor], out: Path) -> None:
         os.replace(tmp, out)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise F.CheckpointError(f"export: cannot write {out} ({e.strerror or e})") from None
+        raise CheckpointError(f"export: cannot write {out} ({e.strerror or e})") from None
 
 
 def load_export(out: str | Path) -> dict[str, torch.Tensor]:

@@ -362,8 +362,8 @@ def scan(root: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
             continue
         try:
             # listing only: the one picked is verified (signature included) when it is opened
-            step = _read_unverified(d).get("step")
-            if type(step) is not int or step != int(m.group(1)):
+            step = _read_unverified(d)["step"]  # an int >= 0 (_check_sections)
+            if step != int(m.group(1)):
                 raise CheckpointError(f"{d / MANIFEST}: its step is {step!r}, not the directory's {int(m.group(1))}")
         except CheckpointError as e:
             unreadable.append((d, str(e)))

@@ -86,6 +86,33 @@ def full(v):
     return v.full_tensor() if isinstance(v, DTensor) else v
 
 
+class _Reference:
+    """One process training the plain DLRM (tables filled as the servers fill them) on each
+    step's global batch: its dense part with ``make_dense_opt(params)``, each table with the
+    servers' own update for ``opt`` (:class:`ReferenceSparseOptimizer`)."""
+
+    def __init__(self, opt: str, make_dense_opt) -> None:
+        self.model = build_dlrm(plain=True)
+        self.tables = {t.name: self.model.sparse_arch.embedding_bag_collection.embedding_bags[t.name].weight
+                       for t in TABLES}
+        self.dense_opt = make_dense_opt([p for n, p in self.model.named_parameters() if "embedding_bags" not in n])
+        self.sparse = {n: ReferenceSparseOptimizer(SPARSE_OPT[opt], w.data, lr=LR[opt][1]) for n, w in self.tables.items()}
+
+    def step(self, s: int, n: int) -> float:
+        """Step ``s`` on its global batch of ``n`` samples; the loss."""
+        dense_x, labels, data = global_data(s, n)
+        self.dense_opt.zero_grad()
+        for w in self.tables.values():
+            w.grad = None
+        loss = F.binary_cross_entropy_with_logits(self.model(dense_x, kjt_slice(data, 0, n)).squeeze(1), labels)
+        loss.backward()
+        self.dense_opt.step()
+        touched = touched_rows(data, TABLES)
+        for name, w in self.tables.items():
+            self.sparse[name].step(w.grad, touched[name])
+        return loss.item()
+
+
 def _equivalence(rank, world_size, *, num_servers, configs):
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
@@ -93,15 +120,11 @@ def _equivalence(rank, world_size, *, num_servers, configs):
     t_n, me = role.num_trainers, role.index
     report = {}
     for ci, (dense, sharding, opt) in enumerate(configs):
-        model, ref = build_dlrm(), build_dlrm(plain=True)
-        plain_keys = list(ref.state_dict())
+        model, ref = build_dlrm(), _Reference(opt, lambda params, opt=opt: dense_opt(opt, params))
+        plain_keys = list(ref.model.state_dict())
         hybrid.compose(model, make_plan(dense, sharding, opt, num_servers, world_size), role=role, name=f"c{ci}")
         assert list(model.state_dict()) == plain_keys
         optimizer = dense_opt(opt, model.parameters())
-        ref_tables = {t.name: ref.sparse_arch.embedding_bag_collection.embedding_bags[t.name].weight for t in TABLES}
-        ref_dense = [p for n, p in ref.named_parameters() if "embedding_bags" not in n]
-        ref_opt = dense_opt(opt, ref_dense)
-        ref_sparse = {n: ReferenceSparseOptimizer(SPARSE_OPT[opt], w.data, lr=LR[opt][1]) for n, w in ref_tables.items()}
         losses, ref_losses = [], []
         for s in range(STEPS):
             dense_x, labels, data = global_data(s, t_n * B)
@@ -113,18 +136,9 @@ def _equivalence(rank, world_size, *, num_servers, configs):
             mean_loss = loss.detach().clone()
             dist.all_reduce(mean_loss)
             losses.append(mean_loss.item() / t_n)
-            ref_opt.zero_grad()
-            for w in ref_tables.values():
-                w.grad = None
-            ref_loss = F.binary_cross_entropy_with_logits(ref(dense_x, kjt_slice(data, 0, t_n * B)).squeeze(1), labels)
-            ref_loss.backward()
-            ref_opt.step()
-            touched = touched_rows(data, TABLES)
-            for n, w in ref_tables.items():
-                ref_sparse[n].step(w.grad, touched[n])
-            ref_losses.append(ref_loss.item())
+            ref_losses.append(ref.step(s, t_n * B))
         got = {k: full(v).detach() for k, v in model.state_dict().items()}
-        want = ref.state_dict()
+        want = ref.model.state_dict()
         assert list(got) == list(want)
         worst = 0.0
         for k in want:
@@ -250,11 +264,10 @@ def test_a_model_built_on_meta_is_sharded_then_materialized():
     assert out[0] is not None and out[1] is not None
 
 
-
 def _prefetch_then_other_batch(rank, world_size, *, num_servers):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from hybrid.ps.client import BadIdError
+    from hybrid.ps.client import BadIdError, pipeline_of
 
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
@@ -281,7 +294,7 @@ def _prefetch_then_other_batch(rank, world_size, *, num_servers):
             return loss.item()
 
         losses, kjt = [], batch(0)
-        model._hybrid_pipeline.prefetch(kjt)  # before the first step: for the first step
+        pipeline_of(model).prefetch(kjt)  # before the first step: for the first step
         for s in range(STEPS):
             nxt = batch(s + 1)
             losses.append(run_step(s, kjt, nxt))
@@ -300,7 +313,7 @@ def _prefetch_then_other_batch(rank, world_size, *, num_servers):
         except BadIdError as e:
             report["error"] = str(e)
         report["after"] = run_step(STEPS + 1, good, batch(STEPS + 2))
-        model._hybrid_pipeline.flush()
+        pipeline_of(model).flush()
         report["lookups"] = model.sparse_arch.embedding_bag_collection.stats()["ps0"]["lookups"]
         out[(dense, staleness)] = report
     return out
@@ -335,13 +348,10 @@ def _aborted(rank, world_size, *, num_servers, configs, abort, push):
     steps = 8
     report = {}
     for ci, (dense, sharding, opt) in enumerate(configs):
-        model, ref = build_dlrm(), build_dlrm(plain=True)
+        model, ref = build_dlrm(), _Reference(opt, lambda params, opt=opt: torch.optim.SGD(params, lr=LR[opt][0]))
         hybrid.compose(model, make_plan(dense, sharding, opt, num_servers, world_size), role=role, name=f"a{ci}",
                        runtime_options=RuntimeOptions(gradient_push=push))
         optimizer = torch.optim.SGD(model.parameters(), lr=LR[opt][0])
-        ref_tables = {t.name: ref.sparse_arch.embedding_bag_collection.embedding_bags[t.name].weight for t in TABLES}
-        ref_opt = torch.optim.SGD([p for n, p in ref.named_parameters() if "embedding_bags" not in n], lr=LR[opt][0])
-        ref_sparse = {n: ReferenceSparseOptimizer(SPARSE_OPT[opt], w.data, lr=LR[opt][1]) for n, w in ref_tables.items()}
         kjt = kjt_slice(global_data(0, t_n * B)[2], lo, hi)
         errors = []
         for s in range(steps):
@@ -360,18 +370,10 @@ def _aborted(rank, world_size, *, num_servers, configs, abort, push):
             except ValueError as e:
                 errors.append(str(e))
             kjt = nxt
-            if s == abort:
-                continue
-            ref_opt.zero_grad()
-            for w in ref_tables.values():
-                w.grad = None
-            F.binary_cross_entropy_with_logits(ref(dense_x, kjt_slice(data, 0, t_n * B)).squeeze(1), labels).backward()
-            ref_opt.step()
-            touched = touched_rows(data, TABLES)
-            for n, w in ref_tables.items():
-                ref_sparse[n].step(w.grad, touched[n])
+            if s != abort:
+                ref.step(s, t_n * B)
         got = {k: full(v).detach() for k, v in model.state_dict().items()}
-        want = ref.state_dict()
+        want = ref.model.state_dict()
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=lambda m: f"{dense}/{sharding}/{opt} {k}: {m}")
         report[(dense, sharding, opt)] = errors
