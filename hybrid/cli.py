@@ -112,16 +112,17 @@ def _plan_main(args: argparse.Namespace) -> int:
         if args.config:  # the model as a run finds it: --model, else the config's model.name, else the plan's
             from hybrid.train.config import load_config
 
-            cfg = load_config(args.config, model=plan.model, model_flag=args.model, plan_source=plan.source)
+            cfg = load_config(args.config, model=plan.model, model_flag=args.model, plan_source=plan.where("model"))
             name = cfg.model_name
-            model = meta_model(cfg.spec, cfg.model_kwargs, name=name, where=cfg.source)
+            model = meta_model(cfg.spec, cfg.model_kwargs, name=name, locate=cfg.where)
             dense_optimizer = cfg.train.optimizer
         else:
             if not name:
                 raise PlanError(f"no model: set `model:` in the plan, pass --model (package.module:attr or a "
                                 f"registered name: {', '.join(known_models()) or 'none'}) or a --config that names "
                                 f"one", category="unknown_model", key="model")
-            model = meta_model(resolve_model(name, key=key), name=name, key=key)
+            where = plan.where("model") if key == "model" else ""
+            model = meta_model(resolve_model(name, key=key, where=where), name=name, key=key, where=where)
         world_size, note = _world_size(args.world_size, plan)
         resolved = resolve(plan, model, world_size=world_size)
         if args.action == "show":

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from hybrid.plan.errors import PlanError, did_you_mean, join_key, one_of
-from hybrid.plan.overrides import apply_overrides, override_key
+from hybrid.plan.overrides import apply_overrides, override_key, override_where
 from hybrid.plan.schema import STRATEGY_OPTIONS, Plan, Rule, SparseOptimizer, SyncOptions, Topology
 
 _SECTIONS = ("model", "world_size", "topology", "modules", "sync")
@@ -39,15 +39,17 @@ class _PlanHeader:
     sync: SyncOptions = dataclasses.field(default_factory=SyncOptions)
 
 
-def load_plan(path: str | Path, overrides: Sequence[str] = ()) -> Plan:
+def load_plan(path: str | Path, overrides: Sequence[str] = (), *, prefix: str = "") -> Plan:
     """Read the plan YAML at ``path``, apply ``key=value`` ``overrides``, and type-check it.
 
-    Raises :class:`PlanError` naming the file and line for every mistake the plan alone can
-    show; mistakes that need the model and world size are found by :func:`hybrid.plan.resolve`.
+    Raises :class:`PlanError` naming the file and line (or the override) for every mistake the
+    plan alone can show; mistakes that need the model and world size are found by
+    :func:`hybrid.plan.resolve`, located the same way (:meth:`Plan.where`). ``prefix``: what the
+    command line wrote before each override (``plan.`` for ``hybrid train``), for messages.
     """
     path = Path(path)
     raw, text = _read_yaml(path)
-    locate = _Locator(str(path), _key_lines(text), overrides)
+    locate = _Locator(str(path), _key_lines(text), overrides, prefix)
     return _build(raw, overrides, locate, source=str(path))
 
 
@@ -60,7 +62,7 @@ def plan_from_dict(d: Mapping[str, Any], overrides: Sequence[str] = ()) -> Plan:
 
 def _build(raw: Any, overrides: Sequence[str], locate: _Locator, source: str) -> Plan:
     try:
-        raw = _check_top(apply_overrides(_check_top(raw), overrides))
+        raw = _check_top(apply_overrides(_check_top(raw), overrides, locate.prefix))
         header = _load_section(_PlanHeader, {k: v for k, v in raw.items() if k != "modules"}, "")
         return Plan(
             model=header.model,
@@ -69,6 +71,7 @@ def _build(raw: Any, overrides: Sequence[str], locate: _Locator, source: str) ->
             sync=header.sync,
             modules=_load_rules(raw.get("modules"), locate),
             source=source,
+            locate=locate,
         )
     except PlanError as e:
         raise e.at(locate(e.key)) from None
@@ -195,7 +198,7 @@ def _load_rules(raw: Any, locate: _Locator) -> dict[str, Rule]:
     rules = {}
     for key, body in raw.items():
         rule = _build_rule(str(key), body)
-        rules[rule.key] = dataclasses.replace(rule, where=locate(f"modules.{rule.key}"))
+        rules[rule.key] = dataclasses.replace(rule, where=locate(f"modules.{rule.key}", whole=True))
     return rules
 
 
@@ -312,26 +315,33 @@ def _field_names(cls: Any) -> list[str]:
 
 
 class _Locator:
-    """Plan key -> where it was written: ``file:line``, or the override that set it."""
+    """Plan key -> where its value was written: ``file:line``, or the override that set it.
 
-    def __init__(self, source: str, lines: dict[str, int], overrides: Sequence[str]) -> None:
-        self.source, self.lines = source, lines
+    ``prefix`` is what the command line wrote before each override (``plan.`` for ``hybrid
+    train``), so that an override is quoted as it was typed.
+    """
+
+    def __init__(self, source: str, lines: dict[str, int], overrides: Sequence[str], prefix: str = "") -> None:
+        self.source, self.lines, self.prefix = source, lines, prefix
         self.overrides = []
         for text in overrides:
             try:
-                self.overrides.append((override_key(text), text))
+                self.overrides.append((override_key(text), override_where(prefix + text)))
             except PlanError:
                 pass  # a malformed override is reported by apply_overrides itself
 
-    def __call__(self, key: str) -> str:
+    def __call__(self, key: str, *, whole: bool = False) -> str:
+        """Where ``key`` was set. ``whole``: the error concerns everything under ``key`` (a rule,
+        the model's options), so overrides of keys below it are named next to its line."""
         at_or_above = [o for k, o in self.overrides if key == k or key.startswith(k + ".")]
         below = [o for k, o in self.overrides if key and k.startswith(key + ".")]
         if at_or_above:
-            return f"override {at_or_above[-1]!r}"
+            return at_or_above[-1]
         if key in self.lines:
-            return f"{self.source}:{self.lines[key]}"
+            line = f"{self.source}:{self.lines[key]}"
+            return " and ".join([line, *below]) if whole else line
         if below:  # e.g. a rule that only overrides created
-            return f"override {below[-1]!r}"
+            return " and ".join(below) if whole else below[-1]
         probe = key.rpartition(".")[0]
         while probe and probe not in self.lines:
             probe = probe.rpartition(".")[0]

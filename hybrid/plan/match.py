@@ -97,8 +97,18 @@ def resolve(plan: Plan, model: nn.Module, *, world_size: int) -> ResolvedPlan:
 
     Raises :class:`PlanError` for a key that matches no module, conflicting or illegally
     nested rules, ``parameter_server`` on a non-embedding module, rules on modules without
-    parameters, parameters no rule covers, and topologies that leave no trainer.
+    parameters, parameters no rule covers, and topologies that leave no trainer. Each error
+    names where its key was written (:meth:`Plan.where`): the plan's line, or the override.
     """
+    try:
+        return _resolve(plan, model, world_size)
+    except PlanError as e:
+        if e.key == "world_size":  # the launch's process count, not a plan key
+            raise
+        raise e.at(plan.where(e.key)) from None
+
+
+def _resolve(plan: Plan, model: nn.Module, world_size: int) -> ResolvedPlan:
     modules = dict(model.named_modules())
     # One process (``hybrid launch -n 1``, ``hybrid train`` without torchrun): no server process;
     # the trainer holds every parameter_server table itself (ResolvedPlan.in_process).
@@ -299,7 +309,6 @@ def _check_servers(e: ResolvedModule, rule: Rule, num_servers: int, world_size: 
             f"ps0..ps{num_servers - 1}; use indices in 0..{num_servers - 1} or 'all'",
             category="topology",
             key=f"modules.{rule.key}.servers",
-            where=rule.where,
         )
 
 
@@ -310,7 +319,7 @@ def _check_wrap(e: ResolvedModule, module: nn.Module, rule: Rule) -> None:
             there = ", ".join(sorted(classes)) or "none"
             detail = f"no module of class {cls!r} under {e.fqn!r}; classes there: {there}"
             key = f"modules.{rule.key}.wrap.{i}"
-            raise PlanError(detail, category="bad_value", key=key, where=rule.where)
+            raise PlanError(detail, category="bad_value", key=key)
 
 
 def _rule_error(rule: Rule, detail: str, category: Category) -> PlanError:

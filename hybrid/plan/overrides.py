@@ -26,17 +26,25 @@ from hybrid.plan.schema import OPTION_NAMES
 _EXAMPLES = "e.g. topology.parameter_servers=2 or modules.over_arch.strategy=ddp"
 
 
-def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """A copy of the plan mapping ``raw`` with every ``key=value`` of ``overrides`` set."""
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], prefix: str = "") -> dict[str, Any]:
+    """A copy of the plan mapping ``raw`` with every ``key=value`` of ``overrides`` set.
+
+    ``prefix`` is what the command line wrote before each override (``plan.`` for ``hybrid
+    train``); messages quote the override as it was typed."""
     raw = copy.deepcopy(raw)
-    parsed = [_parse(text, raw) for text in overrides]
+    parsed = [_parse(text, raw, prefix + text) for text in overrides]
     parsed.sort(key=lambda p: p[0][-1:] != ["strategy"])  # stable: strategy resets go first
-    for parts, value, text in parsed:
+    for parts, value, shown in parsed:
         try:
             _set(raw, parts, value)
         except PlanError as e:
-            raise e.at(f"override {text!r}") from None
+            raise e.at(override_where(shown)) from None
     return raw
+
+
+def override_where(shown: str) -> str:
+    """The ``where`` of an error whose value came from the override ``shown`` (as typed)."""
+    return f"override {shown!r}"
 
 
 def override_key(text: str) -> str:
@@ -44,15 +52,16 @@ def override_key(text: str) -> str:
     return ".".join(_split_key(text.partition("=")[0].strip(), text))
 
 
-def _parse(text: str, raw: Mapping[str, Any]) -> tuple[list[str], Any, str]:
+def _parse(text: str, raw: Mapping[str, Any], shown: str) -> tuple[list[str], Any, str]:
+    """``text`` -> (key parts, value, ``shown``); ``shown`` is ``text`` as typed, for messages."""
     key, sep, value_text = text.partition("=")
     if not sep or not key.strip():
-        raise _error(f"override {text!r} is not key=value; {_EXAMPLES}")
-    parts = _split_key(key.strip(), text)
+        raise _error(f"override {shown!r} is not key=value; {_EXAMPLES}")
+    parts = _split_key(key.strip(), shown)
     if parts[0] == "modules" and len(parts) > 1:
         rules = raw.get("modules") if isinstance(raw.get("modules"), dict) else {}
         parts = ["modules", *_split_rule_path(parts[1:], rules)]
-    return parts, _parse_value(value_text, text), text
+    return parts, _parse_value(value_text, shown), shown
 
 
 def _parse_value(value_text: str, text: str) -> Any:

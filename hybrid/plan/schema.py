@@ -11,6 +11,7 @@ dataclass plus one registry line.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
@@ -241,7 +242,8 @@ class Rule:
     options: Any
     """An instance of ``STRATEGY_OPTIONS[strategy]``."""
     where: str = ""
-    """``file:line`` or the override that wrote the rule, for error messages."""
+    """``file:line`` of the rule, with the overrides that changed it, or the overrides that
+    wrote it: where an error about the whole rule points."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGY_OPTIONS:
@@ -273,6 +275,13 @@ class Plan:
     """Sync or async embedding updates."""
     source: str = ""
     """The file it was loaded from (set by ``load_plan``; not a YAML key)."""
+    locate: Callable[[str], str] | None = field(default=None, compare=False, repr=False)
+    """Plan key -> where its value was written (set by the loader; see :meth:`where`)."""
+
+    def where(self, key: str) -> str:
+        """Where the value of plan key ``key`` came from: ``file:line``, the command-line override
+        that set it, or the file alone; for errors found after loading (``resolve``)."""
+        return self.locate(key) if self.locate is not None else self.source
 
     def __post_init__(self) -> None:
         if self.world_size is not None and self.world_size < 1:
@@ -283,7 +292,7 @@ class Plan:
                 raise PlanError(f"got {rule.options.hot_rows}; a trainer's cached rows are never fresh enough for "
                                 f"a synchronous lookup: set sync.staleness >= 2 (k = 1 reads rows one step older "
                                 f"than a prefetch brings) or hot_rows: 0", category="bad_value",
-                                key=f"modules.{key}.hot_rows", where=rule.where)
+                                key=f"modules.{key}.hot_rows")
             if rule.strategy == "parameter_server" and rule.options.pool_on == "server":
                 self._check_pool_on(key, rule)
 
@@ -297,8 +306,7 @@ class Plan:
             why = ("needs every table whole on one server; row_wise spreads each table over the servers: set "
                    "sharding: table_wise (or keep pool_on: trainer)")
         if why is not None:
-            raise PlanError(f"server {why}", category="bad_value", key=f"modules.{key}.pool_on",
-                            where=rule.where)
+            raise PlanError(f"server {why}", category="bad_value", key=f"modules.{key}.pool_on")
 
     @property
     def default_rule(self) -> Rule | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,6 +125,14 @@ class RunConfig:
     runtime: RuntimeOptions
     checkpoint: CheckpointOptions
     source: str = ""
+    locate: Callable[..., str] | None = field(default=None, compare=False, repr=False)
+    """Config key -> where its value was written (set by :func:`load_config`; see :meth:`where`)."""
+
+    def where(self, key: str, *, whole: bool = False) -> str:
+        """Where the value of config key ``key`` came from: ``file:line``, the command-line override
+        that set it, or the file alone. ``whole``: the error concerns everything under ``key`` (the
+        model's options), so overrides below it are named too."""
+        return self.locate(key, whole=whole) if self.locate is not None else self.source
 
     @property
     def out_dir(self) -> Path:
@@ -145,8 +153,9 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, model
     """Read the training config at ``path`` (``None``: all defaults), apply ``key=value`` overrides.
 
     The model trained is ``model_flag`` (``hybrid train --model``) if given, else the config's
-    ``model.name``, else ``model`` (the plan's ``model:``, from ``plan_source``). A config or a
-    plan naming another model than the one chosen is refused, since each was written for one.
+    ``model.name``, else ``model`` (the plan's ``model:``, written at ``plan_source``: the plan's
+    ``file:line`` or override). A config or a plan naming another model than the one chosen is
+    refused, since each was written for one.
     """
     if path is None:
         raw, locate, source = {}, _Locator("", {}, overrides), ""
@@ -154,9 +163,10 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (), *, model
         raw, text = _read_yaml(Path(path), "training config")
         locate, source = _Locator(str(path), _key_lines(text), overrides), str(path)
     try:
-        return _build(raw or {}, overrides, source, flag=model_flag, plan_model=model, plan_source=plan_source)
+        cfg = _build(raw or {}, overrides, source, flag=model_flag, plan_model=model, plan_source=plan_source)
     except PlanError as e:
         raise (e if e.key == FLAG else e.at(locate(e.key))) from None
+    return dataclasses.replace(cfg, locate=locate)
 
 
 FLAG = "--model"

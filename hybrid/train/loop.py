@@ -68,9 +68,9 @@ def load_run(plan_path: str, config_path: str | None, overrides: Sequence[str], 
     only, when its builder takes ``device``), for the check; raises PlanError.
     """
     plan_over, config_over = split_overrides(overrides)
-    plan = load_plan(plan_path, plan_over)
-    cfg = load_config(config_path, config_over, model=plan.model, model_flag=model, plan_source=plan.source)
-    meta = meta_model(cfg.spec, cfg.model_kwargs, name=cfg.model_name, where=cfg.source)
+    plan = load_plan(plan_path, plan_over, prefix=PLAN_PREFIX)
+    cfg = load_config(config_path, config_over, model=plan.model, model_flag=model, plan_source=plan.where("model"))
+    meta = meta_model(cfg.spec, cfg.model_kwargs, name=cfg.model_name, locate=cfg.where)
     resolved = resolve(plan, meta, world_size=world_size)
     _check_data_files(cfg, meta)
     return plan, cfg, meta, resolved

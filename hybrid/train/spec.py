@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +46,10 @@ class ModelSpec:
     training config's ``model:`` section (all but ``name``), plus ``device`` when it takes one
     (``torch.device("meta")`` for plan checks: shapes without storage) and ``seed`` (the
     config's ``train.seed``) when it takes one; a builder without ``seed`` is called right after
-    ``torch.manual_seed(seed)``, so every trainer starts from the same weights either way."""
+    ``torch.manual_seed(seed)``, so every trainer starts from the same weights either way. A
+    builder refuses a bad option with ``ValueError`` (or ``TypeError``): one ``error:`` line, exit
+    2; a message that starts with ``model.<option>:`` is located at that option's line in the
+    config, or at the command-line override that set it."""
     task: str | Task = "ctr"
     """What a step computes: a built-in task's name (``ctr``, ``retrieval``:
     :mod:`hybrid.train.tasks`) or any object with the :class:`~hybrid.train.tasks.Task` members."""
@@ -98,13 +102,22 @@ class ModelSpec:
 
 
 def meta_model(spec: ModelSpec, options: Mapping[str, Any] | None = None, *, name: str, key: str = "model",
-               where: str = "") -> nn.Module:
+               where: str = "", locate: Callable[..., str] | None = None) -> nn.Module:
     """``spec``'s model on the meta device (shapes, no storage: instant even with huge tables), for
     checking a plan against it. A builder that refuses ``options`` (``TypeError``/``ValueError``)
-    is a :class:`~hybrid.plan.PlanError` at ``key`` naming the model ``name``."""
+    is a :class:`~hybrid.plan.PlanError` at ``key`` naming the model ``name``, at ``where``; or,
+    given ``locate`` (:meth:`hybrid.train.config.RunConfig.where`), where the option the builder's
+    message starts with (``model.embedding_dim: ...``) was written, else where the ``model``
+    section and its overrides were."""
     try:
         return spec.make_model(options, device=torch.device("meta"))
     except (TypeError, ValueError) as e:
+        if locate is not None:
+            named = re.match(r"model\.(\w+)\b", str(e))
+            if named and named.group(1) in (options or {}):
+                where = locate(f"model.{named.group(1)}")
+            else:
+                where = locate("model", whole=True)
         raise PlanError(" ".join(f"building {name!r} failed: {e}".split()), category="bad_value", key=key,
                         where=where) from None
 

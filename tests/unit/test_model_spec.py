@@ -51,6 +51,14 @@ def build(*, rows=50, device=None):
 
 spec = ModelSpec(build=build, task="ctr")
 NOT_A_MODEL = 3
+
+
+def picky(*, rows=50, width=4, device=None):
+    if rows < 1:
+        raise ValueError(f"model.rows: got {rows}; expected an integer >= 1")
+    if width % 2:
+        raise ValueError(f"width {width} is odd")
+    return Tiny(rows, device)
 """
 
 
@@ -190,6 +198,35 @@ def test_config_options_are_the_builder_s_keywords(user_module):
     with pytest.raises(PlanError, match=r"override 'model.rowz=9': model.rowz: .*:build takes no option 'rowz' "
                                         r"\(did you mean 'rows'\?\); it takes rows"):
         load_config(None, ["model.rowz=9"], model_flag=ref)
+
+
+def test_a_bad_model_option_is_named_where_it_was_written(tmp_path, user_module, capsys):
+    """A value the builder refuses points at the override that gave it, not at the config file;
+    a value of the file at its line; the plan's overrides under ``hybrid train`` as typed (``plan.``)."""
+    from hybrid.train.loop import load_run
+
+    ref = f"{user_module}:picky"
+    plan = str(write(tmp_path, 'modules: {"*": {strategy: ddp}}\ntopology: {parameter_servers: 0}\n'))
+    config = write(tmp_path, f"model:\n  name: {ref}\n  rows: 5\n  width: 4\ntrain: {{steps: 3}}\n", "c.yaml")
+    load_run(plan, str(config), [], 1)  # the files alone are good
+    for overrides, message in [
+        (["model.rows=0"], rf"^override 'model.rows=0': model: building '{ref}' failed: model.rows: got 0"),
+        # The builder names no option: the model section's line and the overrides that changed it.
+        (["train.steps=4", "model.width=3"], rf"^{config}:1 and override 'model.width=3': model: building '{ref}' "
+                                             r"failed: width 3 is odd"),
+        (["plan.sync.staleness=-1"], r"^override 'plan.sync.staleness=-1': sync.staleness: got -1"),
+        (["plan.topology.parameter_servers=2"], r"^override 'plan.topology.parameter_servers=2': "
+                                                r"topology.parameter_servers: 2 parameter server\(s\) leave no trainer"),
+    ]:
+        with pytest.raises(PlanError, match=message):
+            load_run(plan, str(config), overrides, 2 if "servers" in message else 1)
+    config.write_text(config.read_text().replace("rows: 5", "rows: 0"))
+    with pytest.raises(PlanError, match=rf"^{config}:3: model: building '{ref}' failed: model.rows: got 0"):
+        load_run(plan, str(config), [], 1)
+    config.write_text(config.read_text().replace("rows: 0", "rows: 5"))
+    assert cli.main(["train", "--plan", plan, "--config", str(config), "model.rows=0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: override 'model.rows=0': model: building") and err.count("\n") == 1, err
 
 
 # -- the spec -----------------------------------------------------------------------------------

@@ -127,7 +127,7 @@ def test_a_plan_naming_a_module_that_is_not_there(tmp_path, capsys):
     path = str(write(tmp_path, PLAN.replace(TINY, "no_such_package.models:build")))
     assert cli.main(["plan", "show", path]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: model: cannot import module 'no_such_package.models' for "
+    assert err.startswith(f"error: {path}:1: model: cannot import module 'no_such_package.models' for "
                           "'no_such_package.models:build' (ModuleNotFoundError: No module named 'no_such_package')"), err
 
 

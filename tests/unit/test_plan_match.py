@@ -195,6 +195,68 @@ def test_resolve_errors_name_the_file_line(tmp_path):
         resolve(plan, dlrm(), world_size=2)
 
 
+LOCATED_PLAN = f"""
+    world_size: 3
+    topology:
+      parameter_servers: 1
+    modules:
+      {EBC}:
+        strategy: parameter_server
+        servers: all
+        optimizer: {{name: sgd, lr: 0.1}}
+      dense_arch: {{strategy: ddp}}
+      "*": {{strategy: fsdp}}
+"""
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # A value from the command line is named as the override, never as the file's line.
+    ([f"modules.{EBC}.servers=[1]"], rf"^override 'modules\.{EBC}\.servers=\[1\]': modules\.{EBC}\.servers: "
+                                     r"server indices \[1\] do not exist"),
+    (["topology.parameter_servers=3"], r"^override 'topology\.parameter_servers=3': topology\.parameter_servers: "
+                                       r"3 parameter server\(s\) leave no trainer in world_size=3"),
+    ([f"modules.{EBC}.hot_rows=8"], rf"^override 'modules\.{EBC}\.hot_rows=8': modules\.{EBC}\.hot_rows: got 8"),
+    (["modules.dense_arch.wrap=[Nope]", "modules.dense_arch.strategy=fsdp"],
+     r"^override 'modules\.dense_arch\.wrap=\[Nope\]': modules\.dense_arch\.wrap\.0: no module of class 'Nope'"),
+    # An error about a whole rule names its line and the overrides that changed it.
+    (["modules.dense_arch.strategy=parameter_server", "modules.dense_arch.optimizer={name: sgd, lr: 0.1}"],
+     r"plan\.yaml:9 and override 'modules\.dense_arch\.strategy=parameter_server' and override "
+     r"'modules\.dense_arch\.optimizer=\{name: sgd, lr: 0\.1\}': modules\.dense_arch: parameter_server needs an "
+     r"embedding module"),
+])
+def test_plan_errors_name_the_override_that_set_the_value(tmp_path, overrides, message):
+    from hybrid.plan import load_plan
+    from tests.unit.test_plan_models import write
+
+    path = write(tmp_path, LOCATED_PLAN)
+    resolve(load_plan(path), dlrm(), world_size=3)  # the file alone is a good plan
+    with pytest.raises(PlanError, match=message):
+        resolve(load_plan(path, overrides), dlrm(), world_size=3)
+
+
+def test_topology_and_module_errors_name_the_plan_file_and_line(tmp_path):
+    """Process counts that do not fit the plan's topology, and a plan whose modules section is
+    empty, point at the plan line of the key concerned."""
+    from hybrid.plan import load_plan
+    from tests.unit.test_plan_models import write
+
+    path = write(tmp_path, LOCATED_PLAN.replace("servers: all", "servers: [1]"))
+    with pytest.raises(PlanError, match=rf"^{path}:7: modules\.{EBC}\.servers: server indices \[1\] do not exist"):
+        resolve(load_plan(path), dlrm(), world_size=3)
+    path = write(tmp_path, LOCATED_PLAN.replace("parameter_servers: 1", "parameter_servers: 3"))
+    with pytest.raises(PlanError, match=rf"^{path}:3: topology\.parameter_servers: 3 parameter server\(s\) leave no "
+                                        r"trainer in world_size=3") as e:
+        resolve(load_plan(path), dlrm(), world_size=3)
+    assert e.value.category == "topology"
+    path = write(tmp_path, LOCATED_PLAN.replace("parameter_servers: 1", "parameter_servers: 0"))
+    with pytest.raises(PlanError, match=rf"^{path}:3: topology\.parameter_servers: 0 with 3 trainers, but "):
+        resolve(load_plan(path), dlrm(), world_size=3)
+    path = write(tmp_path, "world_size: 3\nmodules:   # no rule yet\nsync: {staleness: 0}\n")
+    with pytest.raises(PlanError, match=rf"^{path}:2: modules: module '<root>' \(DLRM, .*\) matches no rule") as e:
+        resolve(load_plan(path), dlrm(), world_size=3)
+    assert e.value.category == "no_rule"
+
+
 def test_every_error_category_is_tested():
     tested = {c for _, c, _ in LOAD_ERRORS} | {c for _, c, _ in OVERRIDE_ERRORS} | {c for *_, c, _ in RESOLVE_ERRORS}
     # Tested by name elsewhere: YAML files in test_plan_load, models in test_plan_cli, tables that
