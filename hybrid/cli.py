@@ -13,7 +13,9 @@ registered in the ``hybrid.models`` entry-point group (:mod:`hybrid.train.spec`)
 A new verb (``train``, ``launch``, ``export``) is one ``_add_<verb>_parser(commands)`` function
 that sets ``handler`` to its ``_<verb>_main(args) -> int``, plus one line in
 :func:`build_parser`. Exit codes: 0 success, 2 a user mistake, printed as ``error: ...`` on
-stderr without a traceback (``hybrid --debug COMMAND`` shows it, in every process the command starts).
+stderr without a traceback (``hybrid --debug COMMAND`` shows it, in every process the command
+starts); 1 a failure, such as the model's builder raising (its traceback, then ``error: building
+the model ... failed: ...``).
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from hybrid.errors import DEBUG_ENV, print_error
+from hybrid.errors import DEBUG_ENV, UserCodeError, print_error
 from hybrid.plan import Plan, PlanError, format_plan, load_plan, resolve, summarize
 from hybrid.plan.report import DENSE_OPTIMIZER_STATE
 
-EXIT_USAGE = 2
+EXIT_FAILED, EXIT_USAGE = 1, 2
 MODEL_HELP = "the model: package.module:attr (a ModelSpec or a builder) or a name registered in hybrid.models"
 
 
@@ -132,6 +134,9 @@ def _plan_main(args: argparse.Namespace) -> int:
     except PlanError as e:
         print_error(e)
         return EXIT_USAGE
+    except UserCodeError as e:  # the model's builder failed: its traceback, exit 1
+        print_error(e)
+        return EXIT_FAILED
     return 0
 
 
@@ -184,6 +189,9 @@ def _check_train(argv: Sequence[str], world_size: int):
     except (PlanError, CheckpointError) as e:
         print_error(e)
         return EXIT_USAGE, RuntimeOptions(), []
+    except UserCodeError as e:  # the model's builder failed: its traceback, exit 1
+        print_error(e)
+        return EXIT_FAILED, RuntimeOptions(), []
     names = [role_of(r, world_size, resolved.num_servers).name for r in range(world_size)]
     return 0, cfg.runtime, names
 

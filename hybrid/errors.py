@@ -8,6 +8,7 @@ line (``conf/plans/dlrm.yaml:14``) or which command-line override set the value.
 from __future__ import annotations
 
 import difflib
+import types
 from collections.abc import Iterable
 from typing import Literal, get_args
 
@@ -90,16 +91,34 @@ class InputError(ValueError):
     with one ``error:`` line and exit code 2, as for a plan mistake."""
 
 
+class UserCodeError(Exception):
+    """Code of the user's that hybrid called (a model builder named by ``--model`` or
+    ``model.name``) raised. That is not bad input but a failure of the user's code, which needs its
+    traceback: :func:`print_error` prints the traceback of the user's frames (hybrid's own under
+    ``hybrid --debug``), then one ``error:`` line naming what failed; the command exits with 1, as
+    a failing process does. ``error`` is the user's exception, ``user_tb`` its traceback from the
+    first frame of the user's code."""
+
+    def __init__(self, what: str, error: BaseException, user_tb: types.TracebackType | None) -> None:
+        text = str(error).strip()
+        first = f": {text.splitlines()[0]}" if text else ""
+        super().__init__(f"{what} failed: {type(error).__name__}{first}")
+        self.error, self.user_tb = error, user_tb
+
+
 DEBUG_ENV = "HYBRID_DEBUG"
 """Set (to 1) by ``hybrid --debug`` for every process of the command: user errors show their traceback."""
 
 
 def print_error(e: BaseException) -> None:
-    """``error: <e>`` on stderr in one line, the traceback before it only under ``hybrid --debug``."""
+    """``error: <e>`` on stderr in one line, the traceback before it only under ``hybrid --debug``;
+    for a :class:`UserCodeError`, the traceback of the user's code always."""
     import os
     import sys
     import traceback
 
     if os.environ.get(DEBUG_ENV) == "1":
         traceback.print_exception(e, file=sys.stderr)
+    elif isinstance(e, UserCodeError):
+        traceback.print_exception(type(e.error), e.error, e.user_tb, file=sys.stderr)
     print(f"error: {e}", file=sys.stderr, flush=True)

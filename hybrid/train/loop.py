@@ -30,7 +30,7 @@ from torch import nn
 
 import hybrid
 from hybrid.data import Batch, check_files, make_dataset
-from hybrid.errors import InputError, print_error
+from hybrid.errors import InputError, UserCodeError, print_error
 from hybrid.launch.init import init_hybrid, shutdown, trainer_device
 from hybrid.launch.roles import Role, role_of
 from hybrid.launch.failure import fail
@@ -65,7 +65,8 @@ def load_run(plan_path: str, config_path: str | None, overrides: Sequence[str], 
 
     ``model`` (``--model``) names the model over the config's and the plan's (see
     :func:`~hybrid.train.config.load_config`). The model is built on the meta device here (shapes
-    only, when its builder takes ``device``), for the check; raises PlanError.
+    only, when its builder takes ``device``), for the check; raises PlanError, or UserCodeError
+    when the builder itself fails.
     """
     plan_over, config_over = split_overrides(overrides)
     plan = load_plan(plan_path, plan_over, prefix=PLAN_PREFIX)
@@ -129,10 +130,10 @@ def main(plan_path: str, config_path: str | None, overrides: Sequence[str], *, m
     _quiet_known_warnings()
     try:
         plan, cfg, _, resolved = load_run(plan_path, config_path, overrides, world_size, model=model)
-    except PlanError as e:
+    except (PlanError, UserCodeError) as e:
         if rank == 0:
             print_error(e)
-        return EXIT_USAGE
+        return EXIT_FAILED if isinstance(e, UserCodeError) else EXIT_USAGE
     role = role_of(rank, world_size, resolved.num_servers)
     init_logging(role.name)
     _name_process(role.name)
@@ -150,9 +151,9 @@ def _main_one_process(plan_path: str, config_path: str | None, overrides: Sequen
     _quiet_known_warnings()
     try:
         plan, cfg, _, resolved = load_run(plan_path, config_path, overrides, 1, model=model)
-    except PlanError as e:
+    except (PlanError, UserCodeError) as e:
         print_error(e)
-        return EXIT_USAGE
+        return EXIT_FAILED if isinstance(e, UserCodeError) else EXIT_USAGE
     if plan.topology.parameter_servers and resolved.in_process:
         logger.info("one process: the %d parameter server(s) of the plan are held in this trainer",
                     plan.topology.parameter_servers)
@@ -259,7 +260,7 @@ def build_trainer(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan
     # On meta when the builder takes ``device``: no table is ever allocated on a trainer (the
     # servers fill theirs from the seed; a checkpoint replaces them on resume) and compose
     # materializes the dense part from the same seed on every trainer.
-    model = spec.make_model(cfg.model_kwargs, seed=model_seed(cfg), device=torch.device("meta"))
+    model = spec.make_model(cfg.model_kwargs, seed=model_seed(cfg), device=torch.device("meta"), name=cfg.model_name)
     schema = spec.data_schema(model)
     n, me = role.num_trainers, role.index
     return Trainer(role, plan, cfg, resolved, model=model, task=spec.make_task(temperature=cfg.train.temperature),

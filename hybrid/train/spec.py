@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from hybrid.data.config import Schema
-from hybrid.errors import PlanError, did_you_mean
+from hybrid.errors import PlanError, UserCodeError, did_you_mean
 from hybrid.train.tasks import TASKS, Task, make_task
 
 ENTRY_POINT_GROUP = "hybrid.models"
@@ -76,8 +76,13 @@ class ModelSpec:
         return None if names is None else [n for n in names if n != "device"]
 
     def make_model(self, options: Mapping[str, Any] | None = None, *, device: torch.device | str | None = None,
-                   seed: int | None = None) -> nn.Module:
-        """``build(**options)``, with ``device`` and ``seed`` passed as the field's docstring says."""
+                   seed: int | None = None, name: str | None = None) -> nn.Module:
+        """``build(**options)``, with ``device`` and ``seed`` passed as the field's docstring says.
+
+        ``TypeError`` and ``ValueError`` of the builder pass through (it refuses its options: bad
+        input); any other exception of the builder becomes a :class:`~hybrid.errors.UserCodeError`
+        naming the model ``name`` (default: the builder's qualified name), with the builder's
+        frames of the traceback."""
         kwargs = dict(options or {})
         names = _keywords(self.build)
         if device is not None and (names is None or "device" in names):
@@ -87,7 +92,15 @@ class ModelSpec:
                 kwargs.setdefault("seed", seed)
             else:
                 torch.manual_seed(seed)
-        model = self.build(**kwargs)
+        try:
+            model = self.build(**kwargs)
+        except (TypeError, ValueError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's code failed: report it as theirs
+            on = f" on device {kwargs['device']}" if "device" in kwargs else ""
+            what = f"building the model {name or _qualname(self.build)!r}{on}"
+            tb = e.__traceback__.tb_next if e.__traceback__ is not None else None  # from the builder's frame on
+            raise UserCodeError(what, e, tb) from e
         if not isinstance(model, nn.Module):
             raise TypeError(f"{_qualname(self.build)} returned {type(model).__name__}; a model builder returns an nn.Module")
         return model
@@ -110,7 +123,7 @@ def meta_model(spec: ModelSpec, options: Mapping[str, Any] | None = None, *, nam
     message starts with (``model.embedding_dim: ...``) was written, else where the ``model``
     section and its overrides were."""
     try:
-        return spec.make_model(options, device=torch.device("meta"))
+        return spec.make_model(options, device=torch.device("meta"), name=name)
     except (TypeError, ValueError) as e:
         if locate is not None:
             named = re.match(r"model\.(\w+)\b", str(e))

@@ -59,6 +59,14 @@ def picky(*, rows=50, width=4, device=None):
     if width % 2:
         raise ValueError(f"width {width} is odd")
     return Tiny(rows, device)
+
+
+def _load_weights(path):
+    raise RuntimeError(f"no weights at {path}")
+
+
+def broken(*, rows=50, device=None):
+    _load_weights("/nowhere/w.pt")
 """
 
 
@@ -227,6 +235,24 @@ def test_a_bad_model_option_is_named_where_it_was_written(tmp_path, user_module,
     assert cli.main(["train", "--plan", plan, "--config", str(config), "model.rows=0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: override 'model.rows=0': model: building") and err.count("\n") == 1, err
+
+
+def test_a_builder_that_raises_is_reported_as_the_user_s_code_failing(tmp_path, user_module, capsys):
+    """A builder raising anything but the ValueError/TypeError that refuse an option is the user's
+    code failing, not bad input: its traceback (the user's frames, not hybrid's), then one last
+    line naming the model, exit code 1 -- from `plan check`, `train` and `launch` alike."""
+    ref = f"{user_module}:broken"
+    plan = str(write(tmp_path, 'modules: {"*": {strategy: ddp}}\ntopology: {parameter_servers: 0}\n'))
+    last = f"error: building the model '{ref}' on device meta failed: RuntimeError: no weights at /nowhere/w.pt"
+    for argv in (["plan", "check", plan, "--model", ref], ["train", "--plan", plan, "--model", ref]):
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err
+        lines = err.splitlines()
+        assert lines[0] == "Traceback (most recent call last):" and lines[-1] == last, err
+        assert f"{user_module}.py\", line" in err and "in _load_weights" in err, err
+        assert "hybrid/" not in err, err  # only the builder's frames
+    assert cli._check_train(["--plan", plan, "--model", ref], 2)[0] == 1  # hybrid launch, before any process
+    assert capsys.readouterr().err.splitlines()[-1] == last
 
 
 # -- the spec -----------------------------------------------------------------------------------
