@@ -204,24 +204,26 @@ class FileReader:
 
     def _csv_rows(self, path: str, reader: Any, header: list[str]) -> Iterator[tuple[list[str], str]]:
         """The rows of a ``csv.reader`` after its header that have one cell per column, each with
-        its ``file:line``; a line that is not CSV or has another number of cells is malformed,
-        an empty line is skipped. Every line read is counted."""
+        where it is (:func:`_record_where`); a line that is not CSV or has another number of cells
+        is malformed, an empty line is skipped. Every line read is counted."""
         while True:
+            start = reader.line_num + 1  # the line the next record starts on
             try:
                 row = next(reader)
             except StopIteration:
                 return
             except csv.Error as e:
                 self.counts["lines"] += 1
-                self._malformed(f"{path}:{reader.line_num}", f"not CSV: {e}")
+                self._malformed(_record_where(path, start, reader.line_num), f"not CSV: {e}")
                 continue
             if not row:
                 continue
             self.counts["lines"] += 1
+            where = _record_where(path, start, reader.line_num)
             if len(row) != len(header):
-                self._malformed(f"{path}:{reader.line_num}", f"{len(row)} cells; the header has {len(header)}")
+                self._malformed(where, f"{len(row)} cells; the header has {len(header)}")
                 continue
-            yield row, f"{path}:{reader.line_num}"
+            yield row, where
 
     def _chunks(self) -> Iterator[list[Any]]:
         """The good records, in order, a list at a time."""
@@ -492,6 +494,17 @@ class _Columns(FileReader):
     def _batch(self, block: _Block) -> Batch:
         return Batch(self._dense(block.dense), kjt_from_ids(self.schema.features, block.values, block.lengths),
                      block.labels)
+
+
+def _record_where(path: str, start: int, end: int) -> str:
+    """Where a CSV record read from line ``start`` to line ``end`` is, for messages: ``file:line``.
+    A record over several lines holds a quoted field with a line break -- in numbers and ids, a
+    closing quote that is missing, and the csv module then reads on to the next quote or the end
+    of the file. Every cell before the first such field lies on ``start``, so that field opens
+    there: the message names that line, not the one where reading stopped."""
+    if end <= start:
+        return f"{path}:{start}"
+    return f"{path}:{start}: a quoted field opens on this line and runs on to line {end} (a closing quote missing?)"
 
 
 class CsvReader(_Columns):

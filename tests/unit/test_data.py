@@ -495,6 +495,27 @@ def test_csv_malformed_skip_and_error(tmp_path):
         assert str(e.value).startswith(f"data.csv: {path}:5: {message}")
 
 
+def test_csv_an_unclosed_quote_is_named_at_the_line_it_opens_on(tmp_path):
+    """The csv module reads a quoted field on to the next quote or the end of the file (or until
+    the field is too long), so the record ends far below; the message names the line the quote
+    opens on, where the record starts."""
+    good = "".join(f"1,{i % 10},0.5,{i % 10},3\n" for i in range(20))
+    path = tmp_path / "a.csv"
+    opened = "data.csv: {}:5: a quoted field opens on this line and runs on to line {} (a closing quote missing?): "
+    for text, end, message in [
+        (CSV + '1,3,0.5,"1|2,1\n' + good, 25, "4 cells; the header has 5"),  # never closed
+        (CSV + '1,3,0.5,"1|2,1\n' + good + '1,3,0.5,1",1\n' + good, 26, "column 'items': '2,1\\n1,0,"),
+        (CSV + '1,3,0.5,"1|2,1\n' + good * 600, 10928, "not CSV: field larger than field limit"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ValueError) as e:
+            list(_csv([path]))
+        assert str(e.value).startswith(opened.format(path, end) + message), str(e.value)
+    path.write_text(CSV + '1,3,0.5,"1|2,1\n' + good)
+    reader = _csv([path], batch_size=3, malformed="skip")  # skipped: the records of lines 2-4 stay
+    assert [len(b) for b in reader] == [3] and reader.counts["malformed"] == 1
+
+
 def test_csv_columns_and_sharding(tmp_path):
     path = tmp_path / "a.csv.gz"
     rows = [f"{i % 2},{i},{i / 2},{i}|{i + 1},{i}" for i in range(9)]
