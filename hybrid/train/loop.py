@@ -103,11 +103,14 @@ def checkpoint_start(cfg: RunConfig, *, key: bytes | None):
 
 
 def _check_data_files(cfg: RunConfig, meta: nn.Module) -> None:
-    """The data files exist, can be read, are not empty and have the named columns (PlanError)."""
+    """The data files exist, can be read, are not empty and have the named columns (PlanError,
+    located at the data.* key its message starts with, if any: its line or its override)."""
     try:
         check_files(cfg.spec.data_schema(meta), cfg.data)
     except ValueError as e:  # InputError (a file) or a data.* key that names no usable file
-        raise PlanError(str(e), category="io") from None
+        key = str(e).partition(":")[0]
+        named = key.startswith("data.") and key[len("data."):] in {f.name for f in dataclasses.fields(cfg.data)}
+        raise PlanError(str(e), category="io", where=cfg.where(key) if named else "") from None
 
 
 def main(plan_path: str, config_path: str | None, overrides: Sequence[str], *, model: str | None = None) -> int:

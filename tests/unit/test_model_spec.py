@@ -223,6 +223,8 @@ def test_a_bad_model_option_is_named_where_it_was_written(tmp_path, user_module,
         (["train.steps=4", "model.width=3"], rf"^{config}:1 and override 'model.width=3': model: building '{ref}' "
                                              r"failed: width 3 is odd"),
         (["plan.sync.staleness=-1"], r"^override 'plan.sync.staleness=-1': sync.staleness: got -1"),
+        (["data.source=csv", "data.train_paths=[/no/t.csv]"],
+         r"^override 'data.train_paths=\[/no/t.csv\]': data.train_paths: '/no/t.csv' is not a file"),
         (["plan.topology.parameter_servers=2"], r"^override 'plan.topology.parameter_servers=2': "
                                                 r"topology.parameter_servers: 2 parameter server\(s\) leave no trainer"),
     ]:
