@@ -273,11 +273,15 @@ def _wait_servers(futures, remotes) -> list[dict[str, Any]]:
         tables = []
         for t, lay in zip(coll.tables, coll.layouts, strict=True):
             files = sorted(written.get((coll.cid, t.name), []), key=lambda f: (f["shard"], f["rows"][0]))
+            by_shard: dict[int, list[dict]] = {}
+            for f in files:
+                by_shard.setdefault(f["shard"], []).append(f)
             for k in range(lay.num_shards):
-                ranges = [f["rows"] for f in files if f["shard"] == k]
-                want, end = lay.rows_on(lay.servers[k]), 0
+                shard_files = by_shard.get(k, [])
+                ranges = [f["rows"] for f in shard_files]
+                want, end = lay.shard_rows(k), 0
                 if coll.config.dynamic is not None:  # a dynamic shard saves the rows it holds
-                    want = max((f.get("dynamic_rows", -1) for f in files if f["shard"] == k), default=-1)
+                    want = max((f.get("dynamic_rows", -1) for f in shard_files), default=-1)
                 for a, b in ranges:
                     end = b if a == end else -1
                 if not ranges or end != want:

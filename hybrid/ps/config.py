@@ -324,7 +324,7 @@ def held_rows(layouts, dynamic: DynamicIds | None) -> list[tuple[int, dict[int, 
     out = []
     for lay in layouts:
         if dynamic is None:
-            rows = {s: lay.rows_on(s) for s in lay.servers}
+            rows = {s: lay.shard_rows(k) for k, s in enumerate(lay.servers)}
         else:
             rows = {s: sum(dynamic.part_capacity(p) for p in range(k, dynamic.partitions, lay.num_shards))
                     for k, s in enumerate(lay.servers)}

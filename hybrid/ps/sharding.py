@@ -10,6 +10,7 @@ to the least-loaded server), ties broken by server order, so the layout is deter
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +35,12 @@ class TableLayout:
         """Rows of this table held by ``server`` (0 if it holds none)."""
         if server not in self.servers:
             return 0
+        return self.shard_rows(self.servers.index(server))
+
+    def shard_rows(self, k: int) -> int:
+        """Rows of shard ``k`` (the one on ``servers[k]``): global rows ``k, k + S, ...``."""
         if self.sharding == "table_wise":
             return self.table.num_embeddings
-        k = self.servers.index(server)
         s = self.num_shards
         return (self.table.num_embeddings - k + s - 1) // s
 
@@ -71,15 +75,19 @@ def shard_tables(
     servers = list(range(num_servers)) if servers is None else list(servers)
     if not servers:
         raise ValueError("no parameter server to place the tables on")
+    if len(set(servers)) != len(servers):
+        raise ValueError(f"servers {servers} name a server more than once")
     bad = [s for s in servers if not 0 <= s < num_servers]
     if bad:
         raise ValueError(f"servers {bad} do not exist: there are {num_servers} (ps0..ps{num_servers - 1})")
     if sharding == "row_wise":
         return [TableLayout(t, "row_wise", tuple(servers)) for t in tables]
-    load = {s: 0 for s in servers}
+    # A heap of (bytes placed, position in ``servers``): the least-loaded server, first listed
+    # on a tie, in O(log S) a table.
+    heap = [(0, k) for k in range(len(servers))]
     placed: dict[str, int] = {}
     for t in sorted(tables, key=lambda t: (-t.nbytes, t.name)):
-        target = min(servers, key=lambda s: (load[s], servers.index(s)))
-        placed[t.name] = target
-        load[target] += t.nbytes
+        load, k = heapq.heappop(heap)
+        placed[t.name] = servers[k]
+        heapq.heappush(heap, (load + t.nbytes, k))
     return [TableLayout(t, "table_wise", (placed[t.name],)) for t in tables]
