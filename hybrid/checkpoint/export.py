@@ -60,14 +60,14 @@ def load_tables(ckpt: str | Path, manifest: dict[str, Any] | None = None
             state: dict[str, torch.Tensor] = {}
             for k, f in enumerate(t["files"]):
                 data = F.load_tensors(ckpt, FileEntry(f["path"], int(f["size"]), f["sha256"]))
-                rows = F.saved_rows(t, k, data["weight"].shape[0])
+                rows = F.saved_rows(ckpt, t, k, data["weight"].shape[0])
                 weight[rows] = data["weight"]
                 filled[rows] = True
                 for name, v in data["state"].items():
                     if name not in state:
                         state[name] = torch.empty((t["num_embeddings"], *v.shape[1:]), dtype=v.dtype)
                     state[name][rows] = v
-            F.uncovered(t, filled)
+            F.uncovered(ckpt, t, filled)
             out[t["key"]] = (weight, state)
     return out
 
@@ -135,15 +135,15 @@ def table_rows(ckpt: Path, table: dict[str, Any], start: int, stop: int) -> torc
     out = torch.empty(stop - start, table["embedding_dim"])
     filled = torch.zeros(stop - start, dtype=torch.bool)
     for index, f in enumerate(table["files"]):
-        rows = F.saved_rows(table, index)
+        rows = F.saved_rows(ckpt, table, index)
         if rows is not None and not bool(((rows >= start) & (rows < stop)).any()):
             continue
         weight = F.load_tensors(ckpt, FileEntry(f["path"], int(f["size"]), f["sha256"]))["weight"]
-        rows = F.saved_rows(table, index, weight.shape[0])
+        rows = F.saved_rows(ckpt, table, index, weight.shape[0])
         keep = ((rows >= start) & (rows < stop)).nonzero().flatten()
         out[rows.index_select(0, keep) - start] = weight.index_select(0, keep).float()
         filled[rows.index_select(0, keep) - start] = True
-    F.uncovered(table, filled, start)
+    F.uncovered(ckpt, table, filled, start)
     return out
 
 

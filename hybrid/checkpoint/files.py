@@ -448,8 +448,9 @@ def dumps_plain(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def saved_rows(table: dict[str, Any], index: int, count: int | None = None) -> torch.Tensor | None:
-    """Global row ids held by file ``index`` of saved table ``table`` (its manifest entry): the
+def saved_rows(ckpt: Path, table: dict[str, Any], index: int, count: int | None = None) -> torch.Tensor | None:
+    """Global row ids held by file ``index`` of saved table ``table`` (its entry in checkpoint
+    ``ckpt``'s manifest): the
     rows ``[a, b)`` of shard ``k`` it names. A file of a manifest without parts holds all of shard
     ``index``: its ``count`` rows (``None`` while the count is unknown)."""
     f = table["files"][index]
@@ -458,20 +459,21 @@ def saved_rows(table: dict[str, Any], index: int, count: int | None = None) -> t
     if b is None:
         return None
     if count is not None and int(b) - int(a) != count:
-        raise CheckpointError(f"{f['path']}: holds {count} rows; the manifest says rows [{a}, {b}) of shard {shard} "
+        raise CheckpointError(f"{Path(ckpt) / f['path']}: holds {count} rows; the manifest says rows [{a}, {b}) of shard {shard} "
                               f"(the manifest was edited)")
     local = torch.arange(int(a), int(b), dtype=torch.int64)
     rows = local if table["sharding"] == "table_wise" else local * int(table["num_shards"]) + shard
     if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= int(table["num_embeddings"])):
-        raise CheckpointError(f"{f['path']}: rows [{a}, {b}) of shard {shard} fall outside table {table['key']}'s "
+        raise CheckpointError(f"{Path(ckpt) / f['path']}: rows [{a}, {b}) of shard {shard} fall outside table {table['key']}'s "
                               f"{table['num_embeddings']} rows (the manifest was edited)")
     return rows
 
 
-def uncovered(table: dict[str, Any], filled: torch.Tensor, start: int = 0) -> None:
-    """Raise unless every row of ``filled`` (rows ``start`` on of ``table``, set where a saved file
-    held them) is set: a row no file holds would be left as uninitialized memory."""
+def uncovered(ckpt: Path, table: dict[str, Any], filled: torch.Tensor, start: int = 0) -> None:
+    """Raise unless every row of ``filled`` (rows ``start`` on of ``table``, an entry of checkpoint
+    ``ckpt``'s manifest, set where a saved file held them) is set: a row no file holds would be
+    left as uninitialized memory."""
     if not bool(filled.all()):
         first = int((~filled).nonzero()[0]) + start
-        raise CheckpointError(f"table {table['key']}: row {first} (and {int((~filled).sum()) - 1} more) is in no "
+        raise CheckpointError(f"{Path(ckpt) / MANIFEST}: table {table['key']}: row {first} (and {int((~filled).sum()) - 1} more) is in no "
                               f"saved file (the manifest was edited)")

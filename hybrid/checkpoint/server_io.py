@@ -124,7 +124,7 @@ def _fill_dynamic(t: TableShard, ckpt: Path, src: dict[str, Any]) -> int:
     for f in src["files"]:
         data = load_tensors(ckpt, FileEntry(f["path"], int(f["size"]), f["sha256"]))
         if set(k[6:] for k in data if k.startswith("state.")) != set(t.optim.state):
-            raise ValueError(f"{f['path']}: optimizer state {sorted(k for k in data if k.startswith('state.'))}; "
+            raise ValueError(f"{ckpt / f['path']}: optimizer state {sorted(k for k in data if k.startswith('state.'))}; "
                              f"the table's optimizer keeps {sorted(t.optim.state)}")
         mine = held[data["part"]]
         slots = dyn.part_base[data["part"][mine]] + data["index"][mine]
@@ -227,16 +227,16 @@ def _fill(t: TableShard, ckpt: Path, src: dict[str, Any]) -> int:
     one part file at a time: of each part, the rows whose global ids this server holds now.
     Rows not made yet are not made first: once loaded, their blocks count as made."""
     for index, f in enumerate(src["files"]):
-        glob = saved_rows(src, index)
+        glob = saved_rows(ckpt, src, index)
         if glob is not None and _rows_held(t, glob)[1].numel() == 0:
             continue  # nothing of it is this server's: not even read
         data = load_tensors(ckpt, FileEntry(f["path"], int(f["size"]), f["sha256"]))
         weight, state = data["weight"], data["state"]
-        glob = saved_rows(src, index, weight.shape[0])
+        glob = saved_rows(ckpt, src, index, weight.shape[0])
         if weight.shape[0] != glob.numel():
-            raise ValueError(f"{f['path']}: holds {weight.shape[0]} rows; the manifest says {glob.numel()}")
+            raise ValueError(f"{ckpt / f['path']}: holds {weight.shape[0]} rows; the manifest says {glob.numel()}")
         if set(state) != set(t.optim.state):
-            raise ValueError(f"{f['path']}: optimizer state {sorted(state)}; the table's optimizer keeps "
+            raise ValueError(f"{ckpt / f['path']}: optimizer state {sorted(state)}; the table's optimizer keeps "
                              f"{sorted(t.optim.state)}")
         held, to = _rows_held(t, glob)
         t.weight.index_copy_(0, to, weight.index_select(0, held).to(t.weight.dtype))
