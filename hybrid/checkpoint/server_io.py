@@ -207,6 +207,7 @@ def _load_collection(cid: str, ckpt: str, step: int, saved: list[dict[str, Any]]
         shard.complete_through = step - 1
         shard.arrived.clear()
         shard.pending.clear()
+        shard.recorded.clear()
     return loaded
 
 

@@ -43,13 +43,23 @@ LR = {"sgd": (0.1, 0.5), "adagrad": (0.05, 0.1), "adam": (0.1, 0.05)}  # (dense,
 SPARSE_OPT = {"sgd": "sgd", "adagrad": "rowwise_adagrad", "adam": "adam"}
 
 
-def build_dlrm(seed: int = 0, *, plain: bool = False) -> DLRM:
-    """The DLRM with its tables on meta (for compose), or, ``plain``, filled as the servers fill
-    them (``hybrid.init_tables``); the dense part is the same either way."""
+class TwiceDLRM(DLRM):
+    """A DLRM whose step looks its tables up twice: its sparse input is the sum of two batches'
+    pooled rows (``sparse_b`` may be ``sparse_a`` itself)."""
+
+    def forward(self, dense_features, sparse_a, sparse_b):
+        embedded_sparse = self.sparse_arch(sparse_a) + self.sparse_arch(sparse_b)
+        return self.over_arch(self.inter_arch(dense_features=self.dense_arch(dense_features),
+                                              sparse_features=embedded_sparse))
+
+
+def build_dlrm(seed: int = 0, *, plain: bool = False, cls: type[DLRM] = DLRM) -> DLRM:
+    """The DLRM (of class ``cls``) with its tables on meta (for compose), or, ``plain``, filled as
+    the servers fill them (``hybrid.init_tables``); the dense part is the same either way."""
     torch.manual_seed(seed)
     ebc = EmbeddingBagCollection(tables=copy.deepcopy(TABLES), device=torch.device("meta"))
-    model = DLRM(embedding_bag_collection=ebc, dense_in_features=13,
-                 dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1])
+    model = cls(embedding_bag_collection=ebc, dense_in_features=13,
+                dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1])
     if plain:
         hybrid.init_tables(ebc, seed=seed)
     return model
@@ -89,10 +99,13 @@ def full(v):
 class _Reference:
     """One process training the plain DLRM (tables filled as the servers fill them) on each
     step's global batch: its dense part with ``make_dense_opt(params)``, each table with the
-    servers' own update for ``opt`` (:class:`ReferenceSparseOptimizer`)."""
+    servers' own update for ``opt`` (:class:`ReferenceSparseOptimizer`). ``sparse(s, n)``: the
+    step's global sparse batches, one per argument of the model's forward after the dense
+    features (default: the one of :func:`global_data`)."""
 
-    def __init__(self, opt: str, make_dense_opt) -> None:
-        self.model = build_dlrm(plain=True)
+    def __init__(self, opt: str, make_dense_opt, *, cls: type[DLRM] = DLRM, sparse=None) -> None:
+        self.model = build_dlrm(plain=True, cls=cls)
+        self.sparse_batches = sparse or (lambda s, n: [global_data(s, n)[2]])
         self.tables = {t.name: self.model.sparse_arch.embedding_bag_collection.embedding_bags[t.name].weight
                        for t in TABLES}
         self.dense_opt = make_dense_opt([p for n, p in self.model.named_parameters() if "embedding_bags" not in n])
@@ -100,16 +113,18 @@ class _Reference:
 
     def step(self, s: int, n: int) -> float:
         """Step ``s`` on its global batch of ``n`` samples; the loss."""
-        dense_x, labels, data = global_data(s, n)
+        dense_x, labels, _ = global_data(s, n)
+        batches = self.sparse_batches(s, n)
         self.dense_opt.zero_grad()
         for w in self.tables.values():
             w.grad = None
-        loss = F.binary_cross_entropy_with_logits(self.model(dense_x, kjt_slice(data, 0, n)).squeeze(1), labels)
+        logits = self.model(dense_x, *(kjt_slice(data, 0, n) for data in batches)).squeeze(1)
+        loss = F.binary_cross_entropy_with_logits(logits, labels)
         loss.backward()
         self.dense_opt.step()
-        touched = touched_rows(data, TABLES)
+        touched = [touched_rows(data, TABLES) for data in batches]
         for name, w in self.tables.items():
-            self.sparse[name].step(w.grad, touched[name])
+            self.sparse[name].step(w.grad, torch.stack([t[name] for t in touched]).any(0))
         return loss.item()
 
 
@@ -394,3 +409,70 @@ def test_a_step_that_raises_before_its_backward_changes_nothing(push):
                           push=push)
     for r in out[:2]:
         assert r == {c: ["user error in step 3"] for c in configs}
+
+
+def _second_batch(s: int, n: int) -> dict:
+    """Step ``s``'s other global sparse batch for :class:`TwiceDLRM`: on odd steps the step's own
+    batch again (the trainers pass the same object twice), on even ones another."""
+    return global_data(s, n)[2] if s % 2 else global_batch(s, TABLES, n, seed=3000)
+
+
+def _twice(rank, world_size, *, num_servers, configs, push):
+    """Sync training of :class:`TwiceDLRM` -- two lookups of the remote collection in each step,
+    the first one prefetched -- against one process doing the same on the global batches."""
+    role = role_of(rank, world_size, num_servers)
+    if not role.is_trainer:
+        return None
+    t_n, me = role.num_trainers, role.index
+    lo, hi = me * B, (me + 1) * B
+    steps = 8
+    report = {}
+    for ci, (dense, sharding, opt) in enumerate(configs):
+        model = build_dlrm(cls=TwiceDLRM)
+        ref = _Reference(opt, lambda params, opt=opt: dense_opt(opt, params), cls=TwiceDLRM,
+                         sparse=lambda s, n: [global_data(s, n)[2], _second_batch(s, n)])
+        hybrid.compose(model, make_plan(dense, sharding, opt, num_servers, world_size), role=role, name=f"w{ci}",
+                       runtime_options=RuntimeOptions(gradient_push=push))
+        optimizer = dense_opt(opt, model.parameters())
+        kjt = kjt_slice(global_data(0, t_n * B)[2], lo, hi)
+        losses, ref_losses = [], []
+        for s in range(steps):
+            dense_x, labels, _ = global_data(s, t_n * B)
+            nxt = kjt_slice(global_data(s + 1, t_n * B)[2], lo, hi)
+            other = kjt if s % 2 else kjt_slice(_second_batch(s, t_n * B), lo, hi)
+            with hybrid.step(model, optimizer) as st:
+                logits = model(dense_x[lo:hi], kjt, other).squeeze(1)
+                st.prefetch(nxt)
+                loss = F.binary_cross_entropy_with_logits(logits, labels[lo:hi])
+                st.backward(loss)
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)
+            losses.append(mean_loss.item() / t_n)
+            ref_losses.append(ref.step(s, t_n * B))
+            kjt = nxt
+        got = {k: full(v).detach() for k, v in model.state_dict().items()}
+        want = ref.model.state_dict()
+        assert list(got) == list(want)
+        init = build_dlrm(plain=True).state_dict()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{push} {dense}/{sharding}/{opt} {k}: {m}")
+            assert not torch.equal(got[k], init[k]), f"{k} did not change in {dense}/{sharding}/{opt}"
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+        report[(dense, sharding, opt)] = model.sparse_arch.embedding_bag_collection.stats()["ps0"]["updates_applied"]
+    return report
+
+
+@pytest.mark.parametrize("push", ["rpc", "dist_autograd"])
+def test_a_step_that_looks_a_collection_up_twice_equals_single_process_training(push):
+    """A model whose step runs the remote collection's forward twice -- on two batches, or twice
+    on the same one -- trains as one process does on the global batches, for both gradient
+    pushes: each server applies a step once, with both trainers' gradients of both lookups (a
+    server that counted each lookup's push as a trainer's would apply a step before the other
+    trainer's gradient is in, and apply it twice)."""
+    configs = [("ddp", "row_wise", "adagrad"), ("fsdp", "table_wise", "sgd")]
+    if push == "rpc":
+        configs.append(("ddp", "table_wise+pool_on_server", "adagrad"))
+    out = run_distributed(_twice, 3, setup="hybrid", num_servers=1, timeout=180, configs=configs, push=push)
+    for r in out[:2]:
+        assert r == {c: 8 for c in configs}, r

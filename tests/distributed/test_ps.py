@@ -143,6 +143,72 @@ def test_sync_training_equals_single_process_for_every_optimizer(num_servers, sh
             assert sum(st["bytes_out"] for st in per_server.values()) == STEPS * 2 * bag_bytes, per_server
 
 
+def _train_twice(rank, world_size, *, num_servers, push):
+    """Two collections on both servers; each step looks one up on two batches and the other once."""
+    role = role_of(rank, world_size, num_servers)
+    if not role.is_trainer:
+        return None
+    t_n, me = role.num_trainers, role.index
+    pipeline = make_pipeline(trainer=me, num_servers=num_servers, staleness=0, gradient_push=push)
+    tables = sample_tables()
+    c = torch.linspace(-1, 1, sum(t.embedding_dim * len(t.feature_names) for t in tables))
+    uses = {"adagrad": 2, "rowwise_adagrad": 1}  # collection -> its lookups a step
+    remotes, refs = {}, {}
+    for name, n in uses.items():
+        remotes[name] = remote_of(make_ebc(seed=0), pipeline, cid=name, num_servers=num_servers, sharding="row_wise",
+                                  optimizer={"name": name, "lr": OPTIMIZERS[name]}, trainer=me, num_trainers=t_n)
+        ref = make_ebc(seed=0)
+        refs[name] = (ref, {t.name: ReferenceSparseOptimizer(name, ref.embedding_bags[t.name].weight.data,
+                                                             lr=OPTIMIZERS[name]) for t in tables})
+    dist.barrier()
+    for s in range(STEPS):
+        batches = [global_batch(s, tables, t_n * BATCH), global_batch(s, tables, t_n * BATCH, seed=3000)]
+        kjts = [kjt_slice(d, me * BATCH, (me + 1) * BATCH) for d in batches]
+        with step(pipeline) as st:
+            st.backward(sum(_loss(remotes[name](kjts[k]).values(), c) for name, n in uses.items() for k in range(n)))
+        for name, n in uses.items():
+            ref, opts = refs[name]
+            ref.zero_grad()
+            sum(_loss(ref(kjt_slice(d, 0, t_n * BATCH)).values(), c) for d in batches[:n]).backward()
+            touched = [touched_rows(d, tables) for d in batches[:n]]
+            for t in tables:
+                opts[t.name].step(ref.embedding_bags[t.name].weight.grad,
+                                  torch.stack([m[t.name] for m in touched]).any(0))
+    pipeline.flush()
+    dist.barrier()
+    result = None
+    if me == 0:
+        for name, remote in remotes.items():
+            weights, states = remote.read_tables(with_state=True)
+            ref, opts = refs[name]
+            for t in tables:
+                torch.testing.assert_close(weights[t.name], ref.embedding_bags[t.name].weight.data,
+                                           rtol=1e-6, atol=1e-6, msg=lambda m: f"{push} {name} {t.name}: {m}")
+                for k, v in opts[t.name].state.items():
+                    torch.testing.assert_close(states[t.name][k], v, rtol=1e-6, atol=1e-6,
+                                               msg=lambda m: f"{push} {name} {t.name} state {k}: {m}")
+            assert not torch.equal(weights["t0"], make_ebc(seed=0).embedding_bags["t0"].weight.data)
+        result = {name: remote.stats() for name, remote in remotes.items()}
+    pipeline.close()
+    return result
+
+
+@pytest.mark.parametrize("push", ["rpc", "dist_autograd"])
+def test_a_collection_looked_up_twice_in_a_step_pushes_once_a_step(push):
+    """One collection looked up on two batches in each step, another once, both row-wise on two
+    servers: the tables and optimizer states equal one process training on the global batches,
+    and each server counts one push per trainer and step of each collection and applies each step
+    once (under dist_autograd the backward delivers the once-looked-up collection's gradients and
+    a step message the other's)."""
+    out = run_distributed(_train_twice, 4, setup="hybrid", num_servers=2, timeout=180, push=push)
+    for name, n in {"adagrad": 2, "rowwise_adagrad": 1}.items():
+        for server, st in out[0][name].items():
+            assert st["lookups"] == STEPS * 2 * n, (name, server, st)
+            assert st["gradients"] == STEPS * 2, (name, server, st)
+            assert st["updates_applied"] == STEPS, (name, server, st)
+            assert st["complete_through"] == STEPS - 1, (name, server, st)
+
+
 def _bad_ids(rank, world_size, *, policy):
     role = role_of(rank, world_size, 1)
     if not role.is_trainer:

@@ -114,18 +114,24 @@ class _Inbox:
 
 class _Lookup(torch.autograd.Function):
     """Rows out in forward; their gradient goes to the shard's step bookkeeping in backward
-    (``gradient_push: dist_autograd``). Its input is a per-shard anchor leaf, so distributed
-    autograd records the exchange without the table being a graph leaf."""
+    (``gradient_push: dist_autograd``): the backward of a trainer's last recorded lookup of a
+    step pushes every one's gradient, as the trainer's one push of the step
+    (:meth:`CollectionShard.recorded_part`). Its input is a per-shard anchor leaf, so
+    distributed autograd records the exchange without the table being a graph leaf."""
 
     @staticmethod
     def forward(ctx, anchor, server, shard, trainer, step, rows):  # noqa: D401
         ctx.server, ctx.shard, ctx.trainer, ctx.step, ctx.rows = server, shard, trainer, step, rows
-        return shard.gather(rows)
+        out = shard.gather(rows)
+        ctx.index = shard.record(trainer, step)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.shard.counters.push_messages += 1
-        ctx.server.push(ctx.shard, ctx.trainer, ctx.step, [(ctx.rows, grad.contiguous())], inline=False)
+        parts = ctx.shard.recorded_part(ctx.trainer, ctx.step, ctx.index, (ctx.rows, grad.contiguous()))
+        if parts is not None:
+            ctx.shard.counters.push_messages += 1
+            ctx.server.push(ctx.shard, ctx.trainer, ctx.step, parts, inline=False)
         return None, None, None, None, None, None
 
 

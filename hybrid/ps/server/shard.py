@@ -234,6 +234,9 @@ class CollectionShard:
         so a step's result never depends on the order its pushes arrived in."""
         self.pooled: dict[int, dict[int, PooledLookup]] = defaultdict(dict)
         """Trainer -> tag -> its pooled lookups not yet pushed for (:meth:`gather_pooled`)."""
+        self.recorded: dict[tuple[int, int], list[Contribution | None]] = {}
+        """(trainer, step) -> one slot per lookup of that step distributed autograd recorded here
+        (:meth:`record`), filled by its backward (:meth:`recorded_part`)."""
         self.waiters: list[tuple[int, float, Callable[[BaseException | None], None]]] = []
         self.failed: BaseException | None = None
         self.lock = threading.RLock()
@@ -401,6 +404,30 @@ class CollectionShard:
             self.counters.wait_s += now - since
         return [(fn, err) for _, _, fn in ready]
 
+    def record(self, trainer: int, step: int) -> int:
+        """``gradient_push: dist_autograd``: distributed autograd recorded a lookup of
+        ``trainer``'s ``step`` here; its index among that step's recorded lookups. A step may
+        look a collection up more than once, and each recorded lookup's backward brings its own
+        gradient: :meth:`recorded_part` gathers them into the trainer's one push of the step."""
+        with self.lock:
+            slots = self.recorded.setdefault((trainer, step), [])
+            slots.append(None)
+            return len(slots) - 1
+
+    def recorded_part(self, trainer: int, step: int, index: int, part: Contribution) -> list[Contribution] | None:
+        """The gradient of recorded lookup ``index`` of ``trainer``'s ``step`` (:meth:`record`):
+        once every recorded lookup of the step has its gradient, all of them, in the order they
+        were recorded -- the trainer's push of the step -- else ``None``. A trainer's lookups of a step are all
+        recorded before its backward starts (it waited for their rows), and a backward runs
+        every lookup its context recorded."""
+        with self.lock:
+            slots = self.recorded[(trainer, step)]
+            slots[index] = part
+            if any(p is None for p in slots):
+                return None
+            del self.recorded[(trainer, step)]
+            return slots
+
     def push(self, trainer: int, step: int, parts: list[Contribution], *, keeps_copy: bool = True,
              unpooled: bool = False) -> None:
         """One trainer's gradients for ``step``, one contribution per lookup it made of this
@@ -434,6 +461,9 @@ class CollectionShard:
                     self.arrived.pop(self.complete_through + 1)
                     self.complete_through += 1
                     self._end_of_step(self.complete_through)
+                    # A step that ended without its backward pushed by a message: its recorded lookups go.
+                    for key in [key for key in self.recorded if key[1] <= self.complete_through]:
+                        del self.recorded[key]
         except BaseException as e:
             with self.lock:
                 self.failed = e
