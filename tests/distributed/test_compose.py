@@ -279,7 +279,7 @@ def test_a_model_built_on_meta_is_sharded_then_materialized():
     assert out[0] is not None and out[1] is not None
 
 
-def _prefetch_then_other_batch(rank, world_size, *, num_servers):
+def _prefetch_then_other_batch(rank, world_size, *, num_servers, push):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from hybrid.ps.client import BadIdError, pipeline_of
@@ -293,7 +293,7 @@ def _prefetch_then_other_batch(rank, world_size, *, num_servers):
     for ci, (dense, staleness) in enumerate((("ddp", 0), ("ddp", 1), ("fsdp", 1))):
         model = build_dlrm()
         hybrid.compose(model, make_plan(dense, "row_wise", "sgd", num_servers, world_size, staleness), role=role,
-                       name=f"p{ci}")
+                       name=f"p{ci}", runtime_options=RuntimeOptions(gradient_push=push))
         optimizer = dense_opt("sgd", model.parameters())
 
         def batch(s):
@@ -308,15 +308,20 @@ def _prefetch_then_other_batch(rank, world_size, *, num_servers):
                 st.backward(loss)
             return loss.item()
 
-        losses, kjt = [], batch(0)
+        losses, kjt, dropped = [], batch(0), []
         pipeline_of(model).prefetch(kjt)  # before the first step: for the first step
         for s in range(STEPS):
             nxt = batch(s + 1)
-            losses.append(run_step(s, kjt, nxt))
-            # Steps 5 and 6 run on copies of the batches prefetched for them: the prefetched
-            # rows are discarded and each step looks its own up.
-            kjt = batch(s + 1) if s in (4, 5) else nxt
-        report = {"losses": losses}
+            try:
+                losses.append(run_step(s, kjt, nxt))
+            except RuntimeError as e:
+                dropped.append((s, str(e)))
+            # Step 5 runs on an equal copy of the batch prefetched for it: the prefetched rows
+            # serve it. Step 6 runs on another batch: the prefetched rows are discarded and it
+            # looks its own up (rpc), or it fails naming the reason (dist_autograd).
+            kjt = batch(s + 1) if s == 4 else kjt_slice(global_batch(s + 1, TABLES, t_n * B, seed=3000), lo, hi) \
+                if s == 5 else nxt
+        report = {"losses": losses, "dropped": dropped}
         # A bad id in the batch to prefetch: the step fails with the routing's own error, and
         # the next step runs (its rows not prefetched).
         good = batch(STEPS + 1)
@@ -334,27 +339,40 @@ def _prefetch_then_other_batch(rank, world_size, *, num_servers):
     return out
 
 
-def test_a_step_on_another_batch_than_the_one_prefetched_looks_its_rows_up():
-    """A step run on another batch object than the one prefetched for it (here an equal copy)
-    discards the prefetched rows and looks its own up, in sync and async mode; a bad id in a
-    batch to prefetch fails that step with the routing's own error, and the next step runs. A
-    prefetch before the first step is the first step's: per trainer, one lookup for it and one
-    per prefetch, plus one for each of the two discarding steps and the step after the bad id."""
-    for out in run_distributed(_prefetch_then_other_batch, 3, setup="hybrid", num_servers=1, timeout=150):
+@pytest.mark.parametrize("push", ["rpc", "dist_autograd"])
+def test_a_step_on_another_batch_than_the_one_prefetched_looks_its_rows_up(push):
+    """A step run on an equal copy of the batch prefetched for it uses the prefetched rows; one
+    run on another batch discards them and looks its own up (rpc) or fails at once, naming why
+    (dist_autograd: every recorded lookup must take part in the backward; without this check
+    the backward waited out the RPC timeout), and the next step runs; in sync and async mode. A
+    bad id in a batch to prefetch fails that step with the routing's own error, and the next
+    step runs. A prefetch before the first step is the first step's: per trainer, one lookup for
+    it and one per prefetch, plus one for the discarding step (rpc) or one less prefetch and one
+    lookup for the step after the failed one (dist_autograd), and one for the step after the bad
+    id."""
+    for out in run_distributed(_prefetch_then_other_batch, 3, setup="hybrid", num_servers=1, timeout=150,
+                               push=push):
         if out is None:
             continue
         assert set(out) == {("ddp", 0), ("ddp", 1), ("fsdp", 1)}
         for cfg, r in out.items():
-            assert len(r["losses"]) == STEPS and all(0.0 < x < 2.0 for x in r["losses"]), (cfg, r["losses"])
+            failed = 1 if push == "dist_autograd" else 0
+            assert len(r["losses"]) == STEPS - failed and all(0.0 < x < 2.0 for x in r["losses"]), (cfg, r["losses"])
+            if failed:
+                ((s, message),) = r["dropped"]
+                assert s == 6 and "step 6 runs on another batch than the one prefetched" in message, (cfg, message)
+            else:
+                assert r["dropped"] == [], cfg
             assert "f3" in r["error"] and "1000000" in r["error"], (cfg, r["error"])
             assert 0.0 < r["after"] < 2.0, cfg
-            assert r["lookups"] == 2 * (1 + STEPS + 2 + 1 + 1), (cfg, r["lookups"])
+            assert r["lookups"] == 2 * (1 + STEPS + 1 + 1 + 1 - failed), (cfg, r["lookups"])
 
 
 def _aborted(rank, world_size, *, num_servers, configs, abort, push):
     """Sync training with a prefetch every step, where every trainer raises inside step
-    ``abort`` after its forward -- a forward on a copy of the batch prefetched for it, so that
-    prefetched lookup is discarded -- and goes on; the reference skips that step."""
+    ``abort`` after its forward -- under ``rpc`` a forward on another batch than the one
+    prefetched for it, so that prefetched lookup is discarded; under ``dist_autograd`` (which
+    refuses that) on an equal copy of it -- and goes on; the reference skips that step."""
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
         return None
@@ -372,8 +390,9 @@ def _aborted(rank, world_size, *, num_servers, configs, abort, push):
         for s in range(steps):
             dense_x, labels, data = global_data(s, t_n * B)
             nxt = kjt_slice(global_data(s + 1, t_n * B)[2], lo, hi)
-            if s == abort:
-                kjt = kjt_slice(data, lo, hi)  # an equal batch, not the object prefetched
+            if s == abort:  # rpc: another batch, its prefetched lookup discarded; dist_autograd: an equal copy
+                kjt = kjt_slice(data if push == "dist_autograd" else global_batch(s, TABLES, t_n * B, seed=3000),
+                                lo, hi)
             try:
                 with hybrid.step(model, optimizer) as st:
                     logits = model(dense_x[lo:hi], kjt).squeeze(1)
@@ -399,8 +418,8 @@ def _aborted(rank, world_size, *, num_servers, configs, abort, push):
 def test_a_step_that_raises_before_its_backward_changes_nothing(push):
     """Every trainer raises inside one step, after its forward, and trains on: the tables and the
     dense part end as one process training on every other step -- with Adam, where a zero
-    gradient would still move rows, and with the step's prefetched lookup discarded (its forward
-    ran on another batch object), pooling on the trainers and on the servers; for both gradient
+    gradient would still move rows, and (rpc) with the step's prefetched lookup discarded (its
+    forward ran on another batch), pooling on the trainers and on the servers; for both gradient
     pushes (distributed autograd cannot pool on the servers)."""
     configs = [("ddp", "row_wise", "adam")]
     if push == "rpc":

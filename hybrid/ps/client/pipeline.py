@@ -341,6 +341,22 @@ class DistAutogradPush(GradientPush):
         self.wait(pipeline)
 
 
+def same_batch(a, b) -> bool:
+    """Whether sparse batches ``a`` and ``b`` (KeyedJaggedTensors) are the same object or hold
+    the same keys, batch size, lengths, ids and weights, so that one's routing and rows serve the
+    other (a step may run on an equal copy of the batch prefetched for it)."""
+    if a is b:
+        return True
+    if list(a.keys()) != list(b.keys()) or a.stride() != b.stride():
+        return False
+    wa, wb = a.weights_or_none(), b.weights_or_none()
+    if (wa is None) != (wb is None):
+        return False
+    pairs = [(a.lengths(), b.lengths()), (a.values(), b.values())] + ([(wa, wb)] if wa is not None else [])
+    return all(x.device == y.device and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+               for x, y in pairs)
+
+
 class StepPipeline:
     """One composed model's steps on one trainer (see the module docstring)."""
 
@@ -459,11 +475,19 @@ class StepPipeline:
 
     def lookup(self, collection: RemoteCollection, kjt) -> tuple[RoutedBatch, dict[int, torch.Tensor]]:
         """The current step's rows of ``collection`` for ``kjt`` (prefetched ones if it is the
-        batch that was prefetched), as leaves of the dense graph."""
+        batch that was prefetched, or an equal copy: :func:`same_batch`), as leaves of the dense
+        graph."""
         state = self.current
         t0 = time.perf_counter()
         lk = state.prefetched.pop(id(collection), None)
-        if lk is not None and lk.kjt is not kjt:
+        if lk is not None and not same_batch(lk.kjt, kjt):
+            if self.push_strategy.autograd:
+                # The prefetched lookup stays in flight: the step ends as one that raised.
+                raise RuntimeError(
+                    f"{collection.cid}: step {state.step} runs on another batch than the one prefetched for it; "
+                    f"under runtime.gradient_push: dist_autograd every lookup a step made takes part in its "
+                    f"backward, so prefetched rows cannot be dropped: prefetch the batch the step runs (an equal "
+                    f"copy will do), or use gradient_push: rpc")
             # Another batch than the one prefetched: its rows are discarded, and nothing is ever
             # pushed for them (a server drops a lookup kept without a push).
             for kept in (state.inflight, state.deferred):
