@@ -256,7 +256,7 @@ def _check_entry(e: ResolvedModule, module: nn.Module, plan: Plan, num_servers: 
     rule = plan.modules[e.rule_key]
     if e.strategy == "parameter_server":
         _check_embedding(e, module, rule)
-        _check_servers(e, rule, num_servers, world_size)
+        _check_servers(e, rule, num_servers, world_size, plan.topology.parameter_servers)
     if isinstance(e.options, FSDPOptions):
         _check_wrap(e, module, rule)
 
@@ -291,10 +291,14 @@ def _check_embedding(e: ResolvedModule, module: nn.Module, rule: Rule) -> None:
             raise _rule_error(rule, detail, "unsupported_table")
 
 
-def _check_servers(e: ResolvedModule, rule: Rule, num_servers: int, world_size: int) -> None:
+def _check_servers(e: ResolvedModule, rule: Rule, num_servers: int, world_size: int, declared: int) -> None:
     if num_servers == 0:
         if world_size == 1:
-            return  # one-process mode: the trainer holds the tables
+            # One-process mode: the trainer holds the tables; the server indices must still fit
+            # the plan's own topology, which a launch on more processes would use.
+            if declared:
+                _check_servers(e, rule, declared, declared + 1, declared)
+            return
         detail = (
             f"0 with {world_size} trainers, but {e.fqn!r} (rule {rule.key!r}) uses parameter_server; "
             f"set parameter_servers >= 1, run one process (one-process mode holds the tables in "

@@ -243,6 +243,11 @@ def test_topology_and_module_errors_name_the_plan_file_and_line(tmp_path):
     path = write(tmp_path, LOCATED_PLAN.replace("servers: all", "servers: [1]"))
     with pytest.raises(PlanError, match=rf"^{path}:7: modules\.{EBC}\.servers: server indices \[1\] do not exist"):
         resolve(load_plan(path), dlrm(), world_size=3)
+    # one process holds the tables itself, but the indices must still fit the plan's topology
+    with pytest.raises(PlanError, match=rf"^{path}:7: modules\.{EBC}\.servers: server indices \[1\] do not exist: "
+                                        r"topology\.parameter_servers=1"):
+        resolve(load_plan(path), dlrm(), world_size=1)
+    resolve(load_plan(path, ["topology.parameter_servers=0"]), dlrm(), world_size=1)  # no servers: nothing to fit
     path = write(tmp_path, LOCATED_PLAN.replace("parameter_servers: 1", "parameter_servers: 3"))
     with pytest.raises(PlanError, match=rf"^{path}:3: topology\.parameter_servers: 3 parameter server\(s\) leave no "
                                         r"trainer in world_size=3") as e:
