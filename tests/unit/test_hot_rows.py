@@ -141,3 +141,59 @@ def test_pools_hold_at_most_the_rows_their_server_has_and_their_bytes_are_counte
     per_slot = {4: 4 * 4 + 4 * 8 + 32, 8: 8 * 4 + 4 * 8 + 32}
     sketch = 2 * (1 << 16) * 4
     assert cache_bytes(50, tables, 4) == 60 * per_slot[4] + 9 * per_slot[4] + 3 * per_slot[8] + 3 * sketch
+
+
+def test_a_split_keeps_its_rows_while_other_lookups_join_before_it():
+    """A prefetch sent before the current step's rows are in (``s.prefetch`` called first in a
+    step, or lookups several steps ahead) is split before another lookup's join: that join may
+    let rows in and drop the ones the split counted as hits, and the split's rows must still be
+    its own ids', at the versions it found them."""
+    cache = HotRows(4, staleness=3, tables=TABLES, dtype=torch.float32)
+    held = {0: [1, 2, 3, 4], 1: [1, 2]}
+    for s in range(1, 4):
+        _lookup(cache, held, step=s, version=s - 1)  # held from their second request
+    early = _rows(held)
+    sent, split = cache.split(0, early, step=5)  # every row fresh enough: nothing asked for
+    assert sent.ids.numel() == 0
+    for _ in range(2):  # other ids, asked for twice, come in and take the held rows' slots
+        _lookup(cache, {0: [10, 11, 12, 13], 1: [10, 11, 12, 13]}, step=4, version=3)
+    assert cache.counters.evicted > 0
+    got = _tables(cache.join(split, _serve(sent, 4), 4), held)
+    for t, ids in held.items():  # kept from their second request, at step 2
+        assert torch.equal(got[t], _value(t, torch.tensor(ids), 1)), (t, got[t])
+
+
+@pytest.mark.parametrize("ahead", [1, 2, 3])
+def test_lookups_split_ahead_of_their_joins_get_their_own_rows(ahead):
+    """Random requests whose splits run ``ahead`` lookups before their joins, against a server
+    whose rows carry their version: every row put back is its own id's and table's, within the
+    staleness bound, and the pools' slots stay consistent with their maps."""
+    g = torch.Generator().manual_seed(ahead)
+    cache = HotRows(6, staleness=4, tables=TABLES, dtype=torch.float32)
+    waiting = []
+    for step in range(1, 120):
+        request = {t: torch.unique(torch.randint(0, 16, (int(torch.randint(1, 9, (1,), generator=g)),),
+                                                 generator=g)).tolist() for t in (0, 1)}
+        full = _rows(request)
+        waiting.append((request, step, *cache.split(0, full, step)))
+        if len(waiting) > ahead:
+            request, s, sent, split = waiting.pop(0)
+            version = s - 1
+            got = _tables(cache.join(split, _serve(sent, version), version), request)
+            for t, ids in request.items():
+                assert got[t][:, 0].tolist() == [float(i) for i in ids], (step, t, got[t])
+                if DIMS[t] > 1:
+                    assert got[t][:, 1].tolist() == [float(t)] * len(ids)
+                if DIMS[t] > 2:
+                    assert bool((got[t][:, 2] >= s - 1 - 4).all()), (step, got[t])
+    for pool in cache.pools.values():
+        held = torch.nonzero(pool.tables >= 0).squeeze(1)
+        assert len(pool.map) == held.numel()
+        assert torch.equal(pool.find(_keys_of(pool, held), pool.ids[held], pool.tables[held]), held)
+    assert cache.counters.hits > 0 and cache.counters.evicted > 0
+
+
+def _keys_of(pool, slots: torch.Tensor) -> torch.Tensor:
+    from hybrid.ps.client.cache import _keys
+
+    return _keys(pool.ids.index_select(0, slots), pool.tables.index_select(0, slots))

@@ -198,6 +198,12 @@ class CacheSplit:
     """Each requested id's hash with its table."""
     admit: torch.Tensor
     """Asked for often enough to be kept."""
+    kept: dict[int, torch.Tensor]
+    """Width -> the hits' rows of that width, in request order, copied out when the split was
+    made: another lookup's reply, put in before this one's, may drop their slots for other rows."""
+    generation: int
+    """:attr:`HotRows.generation` when the split was made: where it has moved on, the slots of
+    the ids not served are looked up again before the reply's rows go in."""
 
 
 class HotRows:
@@ -218,10 +224,16 @@ class HotRows:
         self.pools: dict[tuple[int, int], _Pool] = {}
         self.counters = CacheCounters()
         self.decayed_at = 0
+        self.generation = 0
+        """Counts the changes of which row a slot holds (rows let in, others dropped, pools
+        cleared). A lookup's split and its join may have other lookups' joins between them (a
+        prefetch sent before the current step's rows are in, lookups several steps ahead), which
+        is how a join knows its split's slots may be out of date."""
 
     def clear(self) -> None:
         """Forget every row (the servers' rows were replaced: a checkpoint loaded, tables written)."""
         self.pools.clear()
+        self.generation += 1
 
     def _pool(self, server: int, dim: int) -> _Pool:
         pool = self.pools.get((server, dim))
@@ -257,9 +269,11 @@ class HotRows:
         hit = torch.zeros(n, dtype=torch.bool)
         admit = torch.zeros(n, dtype=torch.bool)
         keys = _keys(request.ids, tables)
+        kept = {}
         for pool, sel in self._groups(server, tables) if n else []:
             ids, tab, k = (request.ids, tables, keys) if sel is None else (request.ids[sel], tables[sel], keys[sel])
             s, h, a = pool.find_and_count(k, ids, tab, need)
+            kept[pool.rows.shape[1]] = pool.rows.index_select(0, s[h])
             if sel is None:
                 slots, hit, admit = s, h, a
             else:
@@ -268,7 +282,7 @@ class HotRows:
         per_table = torch.bincount(position[miss], minlength=len(request.tables))
         sent = Rows(list(request.tables), per_table.tolist(), request.ids[miss])
         self.counters.sent += sent.ids.numel()
-        return sent, CacheSplit(server, request, sent, tables, slots, hit, keys, admit)
+        return sent, CacheSplit(server, request, sent, tables, slots, hit, keys, admit, kept, self.generation)
 
     def join(self, split: CacheSplit, reply: torch.Tensor, version: int) -> torch.Tensor:
         """The rows of the whole request (flat, table by table, as a server would send them):
@@ -281,6 +295,8 @@ class HotRows:
         self.counters.hits += int(hit.sum())
         widths = self.dims[list(request.tables)]
         miss = torch.nonzero(~hit).squeeze(1)
+        if split.generation != self.generation:
+            self._find_again(split, miss)
         if self.one_width or bool((widths == widths[0]).all()):  # one width: whole-tensor moves
             dim = int(widths[0])
             pool = self._pool(split.server, dim)
@@ -289,20 +305,21 @@ class HotRows:
             if miss.numel() < request.ids.numel():
                 full = torch.empty(request.ids.numel(), dim, dtype=reply.dtype)
                 scatter_rows_(full, miss, got)
-                at = torch.nonzero(hit).squeeze(1)
-                scatter_rows_(full, at, pool.rows.index_select(0, slots.index_select(0, at)))
+                scatter_rows_(full, torch.nonzero(hit).squeeze(1), split.kept[dim])
             self._keep(split, pool, miss, got, version)
             return full.reshape(-1)
         out, sent, start = [], 0, 0  # several widths: table by table
         got_rows = []
+        served = dict.fromkeys(split.kept, 0)  # width -> its kept rows put back so far
         for index, n, m in zip(request.tables, request.counts, split.sent.counts):
             dim = int(self.dims[index])
             got = reply[sent : sent + m * dim].view(m, dim)
             sent += m * dim
-            h, s = hit[start : start + n], slots[start : start + n]
+            h = hit[start : start + n]
             rows = torch.empty(n, dim, dtype=reply.dtype)
-            if bool(h.any()):
-                rows[h] = self._pool(split.server, dim).rows.index_select(0, s[h])
+            if n - m:
+                rows[h] = split.kept[dim][served[dim] : served[dim] + n - m]
+                served[dim] += n - m
             rows[~h] = got
             out.append(rows.reshape(-1))
             got_rows.append(got)
@@ -311,6 +328,18 @@ class HotRows:
             rows = torch.cat([g for g, i in zip(got_rows, request.tables) if int(self.dims[i]) == pool.rows.shape[1]])
             self._keep(split, pool, miss if sel is None else miss.index_select(0, sel), rows, version)
         return torch.cat(out)
+
+    def _find_again(self, split: CacheSplit, miss: torch.Tensor) -> None:
+        """The slots of the ids at positions ``miss`` as the pools hold them now (rows let in or
+        dropped since ``split`` was made), so that the reply refreshes only rows still held
+        and lets in only rows not held."""
+        split.slots.index_fill_(0, miss, -1)
+        if miss.numel() == 0:
+            return
+        for pool, sel in self._groups(split.server, split.tables.index_select(0, miss)):
+            at = miss if sel is None else miss.index_select(0, sel)
+            split.slots[at] = pool.find(split.keys.index_select(0, at), split.request.ids.index_select(0, at),
+                                        split.tables.index_select(0, at))
 
     def _keep(self, split: CacheSplit, pool: _Pool, pick: torch.Tensor, rows: torch.Tensor, version: int) -> None:
         """Put the server's ``rows`` of the requested ids at positions ``pick`` (ascending, all of
@@ -329,6 +358,7 @@ class HotRows:
             return
         take, dropped = pool.take(new.numel())
         self.counters.evicted += dropped
+        self.generation += 1
         new = new[: take.numel()]
         at = pick.index_select(0, new)
         keys = split.keys.index_select(0, at)
