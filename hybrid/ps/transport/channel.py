@@ -132,8 +132,10 @@ class TrainerEnd(Transport, ABC):
     (RPC), numbered in this channel's stream: the server handles it after the message still on
     the channel. A push-only reply is collected first. So with one message outstanding, the reply of
     message ``n`` is overwritten by that of ``n + 2`` at the earliest, sent once ``n + 1``'s reply
-    was collected: a reply's rows are consumed (pooled, copied to a device) as they are received,
-    long before. Subclasses move the bytes (:meth:`_post`, :meth:`_receive`) and say what they
+    was collected: a reply's rows are consumed (pooled, copied to a device) as they are received
+    (waited for), long before. A reply collected by a later send before anyone waited for it (a
+    prefetch sent before the current step's rows are read: both replies are then collected
+    unread) is copied out of the region when message ``n + 2`` is sent. Subclasses move the bytes (:meth:`_post`, :meth:`_receive`) and say what they
     are (:attr:`Transport.what`: ``shared-memory channel``, ``TCP step connection``)."""
 
     def __init__(self, server: str, req: torch.Tensor, rep: torch.Tensor, *, fallback: Transport,
@@ -145,6 +147,8 @@ class TrainerEnd(Transport, ABC):
         self.req, self.rep = req, rep
         self.seq = 0
         self.outstanding: _Reply | None = None
+        self.in_region: list[_Reply | None] = [None, None]
+        """Per half of ``rep``, the collected reply whose tensors are views into it."""
         self.closed = False
 
     @abstractmethod
@@ -169,6 +173,7 @@ class TrainerEnd(Transport, ABC):
                 self.outstanding is not None and not self._collect(block=not self.outstanding.answers_rows)):
             return self.fallback.deliver(msg)
         seq = self.seq + 1
+        self._keep_unread(seq % 2)
         end = self._write(seq, protocol.encode(msg))
         if not end:
             return self.fallback.deliver(msg)
@@ -178,6 +183,13 @@ class TrainerEnd(Transport, ABC):
         self.seq = seq
         self.outstanding = _Reply(self, answers_rows=any(p.lookup is not None for p in msg.parts))
         return self.outstanding
+
+    def _keep_unread(self, half: int) -> None:
+        """Before a message whose reply goes to ``half`` of ``rep`` is sent: the reply lying there,
+        if nobody has waited for it yet, gets its own copy of its tensors."""
+        fut, self.in_region[half] = self.in_region[half], None
+        if fut is not None and not fut.read and fut.result is not None:
+            fut.result = [t.clone() for t in fut.result]
 
     def _collect(self, block: bool) -> bool:
         """Complete the outstanding message's future from its reply (rows or error); without
@@ -198,6 +210,7 @@ class TrainerEnd(Transport, ABC):
                 fut.error = RuntimeError(bytes(frame.tensors[0].numpy()).decode("utf-8", "replace"))
             else:
                 fut.result = frame.tensors  # views: valid until the reply two messages on
+                self.in_region[self.seq % 2] = fut
         except ChannelError as e:
             fut.error, self.closed = e, True
         fut.done = True
@@ -212,12 +225,15 @@ class _Reply:
         self.end = end
         self.answers_rows = answers_rows
         self.done = False
+        self.read = False
+        """Whether it was waited for: its rows are then consumed (see :class:`TrainerEnd`)."""
         self.result: list[torch.Tensor] | None = None
         self.error: BaseException | None = None
 
     def wait(self) -> list[torch.Tensor]:
         if not self.done:
             self.end._collect(block=True)
+        self.read = True
         if self.error is not None:
             raise self.error
         return self.result
