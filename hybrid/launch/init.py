@@ -7,6 +7,7 @@ leaves RPC, so nobody tears down a transport a peer still uses.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -145,11 +146,48 @@ def _startup_store(init_method: str, world_size: int, timeout_s: float) -> dist.
     return None
 
 
-def wait_for_everyone(role: Role, init_method: str, timeout_s: float) -> None:
+JOINING = ("checked in", "in the trainers' process group", "in RPC's start-up", "joined")
+"""The stages of joining a job, in order; each process records the one it is in (:class:`Checkin`)."""
+
+
+class Checkin:
+    """This process's record in the job's start-up store: which stage of :data:`JOINING` it has
+    reached. When a stage times out, the peers furthest behind are the ones it waited for: a
+    process that dies or hangs while the processes connect stays at its stage, while those
+    waiting for it have gone one further (or as far)."""
+
+    def __init__(self, role: Role, store: dist.Store) -> None:
+        self.role, self.store = role, store
+
+    def reached(self, stage: str) -> None:
+        self.store.set(f"stage/{self.role.rank}", str(JOINING.index(stage)))
+
+    def behind(self) -> list[str]:
+        """The peers not yet joined that are furthest behind, as ``name (rank R, STAGE)``."""
+        from hybrid.launch.roles import role_of
+
+        stages = {}
+        for r in range(self.role.world_size):
+            if r == self.role.rank:
+                continue
+            try:
+                stages[r] = int(self.store.get(f"stage/{r}"))
+            except Exception:  # noqa: BLE001 - the store's host is gone: nothing to say
+                return []
+        waiting = {r: s for r, s in stages.items() if s < len(JOINING) - 1}
+        if not waiting:
+            return []
+        last = min(waiting.values())
+        return [f"{role_of(r, self.role.world_size, self.role.num_servers).name} (rank {r}, {JOINING[last]})"
+                for r, s in sorted(waiting.items()) if s == last]
+
+
+def wait_for_everyone(role: Role, init_method: str, timeout_s: float) -> Checkin | None:
     """Check in on the job's store and wait until every process has; name the missing ones.
 
     Without it, a process that never starts leaves the others inside torch's own rendezvous
-    (RPC's waits for 30 minutes) with no word of who is missing.
+    (RPC's waits for 30 minutes) with no word of who is missing. Returns this process's record
+    in that store, or None where the job has none.
     """
     import time
 
@@ -157,21 +195,47 @@ def wait_for_everyone(role: Role, init_method: str, timeout_s: float) -> None:
 
     store = _startup_store(init_method, role.world_size, timeout_s)
     if store is None:
-        return
+        return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"hybrid/startup/{attempt}", store)
+    checkin = Checkin(role, store)
+    checkin.reached("checked in")
     store.set(str(role.rank), role.name)
     deadline = time.monotonic() + timeout_s
     missing = list(range(role.world_size))
     while True:
         missing = [r for r in missing if not store.check([str(r)])]
         if not missing:
-            return
+            return checkin
         if time.monotonic() > deadline:
             names = ", ".join(f"{role_of(r, role.world_size, role.num_servers).name} (rank {r})" for r in missing)
             raise StartupError(f"{role.name}: {names} did not start within {timeout_s:g}s "
                                f"(runtime.startup_timeout_s); check their logs, or raise the timeout")
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def _joining(checkin: Checkin | None, stage: str, timeout_s: float, key: str, *, first_timeout_s: float | None = None):
+    """Run one stage of joining; when it fails after waiting out a timeout (``first_timeout_s``,
+    the shortest of those that apply, else ``timeout_s``), name the peers that held it up
+    (:meth:`Checkin.behind`)."""
+    import time
+
+    if checkin is None:
+        yield
+        return
+    checkin.reached(stage)
+    t0 = time.monotonic()
+    try:
+        yield
+    except Exception as e:
+        waited = time.monotonic() - t0
+        behind = checkin.behind() if waited >= 0.9 * (first_timeout_s or timeout_s) else []
+        if not behind:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise StartupError(f"{checkin.role.name}: {', '.join(behind)} did not join within {timeout_s:g}s "
+                           f"(runtime.{key}): died or hung? This process stopped {stage} on: {first}") from e
 
 
 def init_hybrid(
@@ -193,7 +257,7 @@ def init_hybrid(
         service.start(role.index, service.ServerOptions(huge_pages=options.huge_pages,
                                                         memory_fraction=options.server_memory_fraction,
                                                         address=options.address))
-    wait_for_everyone(role, init_method, options.startup_timeout_s)
+    checkin = wait_for_everyone(role, init_method, options.startup_timeout_s)
     transports = rpc_transports(options.address, options.transports)  # RPC listens on runtime.address
     pg_store, rpc_init = None, init_method
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
@@ -209,7 +273,7 @@ def init_hybrid(
         backend = resolve_backend(backend)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", role.index)) % torch.cuda.device_count())
-        with gloo_on(options.address):
+        with gloo_on(options.address), _joining(checkin, JOINING[1], options.pg_timeout_s, "pg_timeout_s"):
             dist.init_process_group(
                 backend,
                 init_method=None if pg_store is not None else _pg_init_method(init_method),
@@ -218,18 +282,34 @@ def init_hybrid(
                 world_size=role.num_trainers,
                 timeout=datetime.timedelta(seconds=options.pg_timeout_s),
             )
-    rpc.init_rpc(
-        role.name,
-        rank=role.rank,
-        world_size=role.world_size,
-        rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
-            init_method=rpc_init,
-            rpc_timeout=options.rpc_timeout_s,
-            num_worker_threads=options.num_worker_threads,
-            _transports=transports,
-            _channels=list(options.channels),
-        ),
-    )
+    from torch.distributed.rpc import constants as rpc_constants
+
+    # init_rpc connects the processes through a gloo group of its own (device maps, a last
+    # barrier) whose timeout torch fixes at 2**31 ms: a peer that dies while they connect would
+    # hold the others there for 24 days. That group lives only inside init_rpc; it gets
+    # runtime.startup_timeout_s, the bound on waiting for the job's other processes.
+    fixed = rpc_constants.DEFAULT_PROCESS_GROUP_TIMEOUT
+    rpc_constants.DEFAULT_PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=options.startup_timeout_s)
+    try:
+        # (its store and its first round of calls wait runtime.rpc_timeout_s)
+        with _joining(checkin, JOINING[2], options.startup_timeout_s, "startup_timeout_s",
+                      first_timeout_s=min(options.startup_timeout_s, options.rpc_timeout_s)):
+            rpc.init_rpc(
+                role.name,
+                rank=role.rank,
+                world_size=role.world_size,
+                rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+                    init_method=rpc_init,
+                    rpc_timeout=options.rpc_timeout_s,
+                    num_worker_threads=options.num_worker_threads,
+                    _transports=transports,
+                    _channels=list(options.channels),
+                ),
+            )
+    finally:
+        rpc_constants.DEFAULT_PROCESS_GROUP_TIMEOUT = fixed
+    if checkin is not None:
+        checkin.reached(JOINING[3])
     logger.debug("joined as %s (rank %d of %d)", role.name, role.rank, role.world_size)
 
 

@@ -1,0 +1,119 @@
+"""A peer killed or stopped at other points of a job than mid-step: while the processes connect,
+during an evaluation, a checkpoint save, after the last step while the others finalize, during the
+shutdown. Every other process ends non-zero within the configured timeouts plus a margin, naming
+the peer -- never a hang.
+
+The job is the real one (``hybrid.train.loop.run_process``) on processes of the test harness with a
+file-store rendezvous (no torchrun: nothing stops the survivors for them, as on other hosts of a
+multi-node job); the fault is a function of hybrid's, wrapped inside the chosen process only, that
+signals the process itself on its ``after``-th call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.test_faults import TINY, _time_to_end
+from tests.harness import DistributedTestError, run_distributed
+from tests.support.cli import REPO
+
+TIMEOUT = 6.0  # runtime.rpc_timeout_s, and the others below it
+MARGIN = 25.0  # start-up on 2 busy cores and the loop's own teardown
+FAST = [o for o in TINY if not o.startswith(("runtime.", "train.steps"))] + [
+    f"runtime.rpc_timeout_s={TIMEOUT}", "runtime.heartbeat_s=1", f"runtime.pg_timeout_s={TIMEOUT}",
+    f"runtime.shutdown_timeout_s={TIMEOUT}", f"runtime.startup_timeout_s={TIMEOUT}"]
+
+
+def _signal_at(target: str, after: int, how: str, when: str) -> None:
+    """Send this process ``how`` (SIGKILL or SIGSTOP) on the ``after``-th call of ``target``
+    (``module:attr`` or ``module:Class.attr``), ``before`` or ``after`` the call itself."""
+    module, _, path = target.partition(":")
+    owner = importlib.import_module(module)
+    *outer, name = path.split(".")
+    for part in outer:
+        owner = getattr(owner, part)
+    original = getattr(owner, name)
+    calls = [0]
+    sig = getattr(signal, how)
+
+    def fire():
+        logging.getLogger("hybrid").error("fault: %s to myself in %s", how, target)
+        os.kill(os.getpid(), sig)
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == after and when == "before":
+            fire()
+        out = original(*args, **kwargs)
+        if calls[0] == after and when == "after":
+            fire()
+        return out
+
+    setattr(owner, name, wrapped)
+
+
+def _job(rank: int, world_size: int, *, tmp: str, num_servers: int, fault: dict, overrides: list[str]):
+    from hybrid.launch.roles import role_of
+    from hybrid.log import init_logging, logger
+    from hybrid.train.loop import load_run, run_process
+
+    plan, cfg, _, resolved = load_run(str(REPO / "conf/plans/dlrm.yaml"), str(REPO / "conf/train/dlrm.yaml"),
+                                      [*FAST, f"train.out_dir={tmp}/out", f"plan.topology.parameter_servers={num_servers}",
+                                       *overrides], world_size)
+    role = role_of(rank, world_size, num_servers)
+    init_logging(role.name)
+    log = logging.FileHandler(Path(tmp) / f"{role.name}.log")
+    log.setFormatter(logging.Formatter("%(created).3f %(message)s"))
+    logger.addHandler(log)
+    if fault["who"] == role.name:
+        _signal_at(fault["target"], fault.get("after", 1), fault.get("signal", "SIGKILL"), fault.get("when", "before"))
+    code = run_process(role, plan, cfg, resolved, init_method=f"file://{tmp}/rdzv")
+    if code:  # a failure that returns rather than exits (one that could not join): the same end line
+        logger.error("%s exits with code %d", role.name, code)
+        raise SystemExit(code)
+    return code
+
+
+def _run(tmp_path: Path, fault: dict, overrides: list[str] = (), world_size: int = 3, num_servers: int = 1):
+    t0 = time.time()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_job, world_size, setup="none", timeout=TIMEOUT + 150, failure_grace=TIMEOUT + MARGIN,
+                        tmp=str(tmp_path), num_servers=num_servers, fault=fault, overrides=list(overrides))
+    logs = {p.stem: p.read_text() for p in tmp_path.glob("*.log")}
+    elapsed = _time_to_end(logs, t0)
+    print(f"{fault}: {elapsed:.1f}s from the fault to the last process's exit\n{info.value}")
+    for name, text in sorted(logs.items()):
+        print(f"=== {name}\n{text[-3000:]}")
+    return str(info.value), logs, elapsed
+
+
+def _assert_survivors_named(report: str, logs: dict[str, str], survivors: list[str], peer: str, elapsed: float,
+                            bound: float) -> None:
+    """Each survivor ended by itself with exit code 1 (not killed by the harness), its log names
+    ``peer``, and the last one ended within ``bound`` seconds of the fault."""
+    for name in survivors:
+        assert f"({name}) raised (exit code 1)" in report or f"({name}) was killed or exited with code 1 " in report, report
+        assert peer in logs.get(name, ""), f"{name} does not name {peer}:\n{logs.get(name)}"
+    assert elapsed < bound, f"{elapsed:.1f}s from the fault to the last exit (bound {bound:.0f}s)"
+
+
+@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.parametrize("who", ["trainer1", "ps0"])
+def test_a_process_killed_while_the_processes_connect_is_named_within_the_startup_timeout(tmp_path, who):
+    """The process dies after every process checked in, before RPC is up: the others are inside
+    the trainers' group or RPC's start-up (whose own gloo group torch gives a timeout of 24 days).
+    Each ends within ``runtime.startup_timeout_s`` (or ``pg_timeout_s`` in the trainers' group),
+    naming it and the stage it stopped at."""
+    fault = {"who": who, "target": "hybrid.launch.init:wait_for_everyone", "when": "after"}
+    report, logs, elapsed = _run(tmp_path, fault)
+    survivors = [n for n in ("trainer0", "trainer1", "ps0") if n != who]
+    _assert_survivors_named(report, logs, survivors, f"{who} (rank ", elapsed, TIMEOUT + 10)
+    for name in survivors:
+        assert f"{who} (rank {1 if who == 'trainer1' else 2}, checked in) did not join within 6s" in logs[name], logs[name]
