@@ -35,6 +35,7 @@ from torch import nn
 from hybrid.checkpoint import files as F
 from hybrid.checkpoint import server_io
 from hybrid.checkpoint.files import CheckpointError, FileEntry
+from hybrid.launch.serve import PeerFailure, answers
 from hybrid.log import logger
 from hybrid.ps.client import RemoteCollection, RemoteTable, pipeline_of
 from hybrid.ps.transport import call
@@ -48,17 +49,32 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _agree(err: str | None, what: str) -> None:
-    """Every trainer learns whether any failed (a barrier too); all raise the first failure."""
+def _agree(err: str | PeerFailure | None, what: str) -> None:
+    """Every trainer learns whether any failed (a barrier too); all raise the first failure: a
+    :class:`CheckpointError` (a mistake the user can fix: a path, a file), or a
+    :class:`PeerFailure` where a server died or hung meanwhile (a failed process, not bad input)."""
     rank, world = _rank_world()
-    errs: list[str | None] = [err]
+    errs: list[str | PeerFailure | None] = [err]
     if world > 1:
         errs = [None] * world
         dist.all_gather_object(errs, err)
     bad = [(r, e) for r, e in enumerate(errs) if e]
     if bad:
         r, e = bad[0]
-        raise CheckpointError(f"{what} failed on trainer{r}: {e}")
+        raise (PeerFailure if isinstance(e, PeerFailure) else CheckpointError)(f"{what} failed on trainer{r}: {e}")
+
+
+def _lost(server: str, doing: str, e: BaseException) -> PeerFailure | None:
+    """When a call to ``server`` failed and the server no longer answers (it died or hangs: the
+    call's error is then only the connection's ``EOF`` or a timeout), the :class:`PeerFailure`
+    that says so; None when it answers (its error is its own: a path, a file), and for a server
+    this process holds itself (one-process mode: nothing in between to lose)."""
+    from hybrid.ps import transport
+
+    if server in transport._HERE or answers(server):
+        return None
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return PeerFailure(f"parameter server {server} stopped answering while {doing} (died or hung): {first}")
 
 
 def _remote_message(e: BaseException) -> str:
@@ -248,7 +264,7 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
                 logger.warning("%s also holds newer checkpoints from an earlier run (%s); resume=latest picks "
                                "the newest", ckpt.parent, ", ".join(newer))
         except Exception as e:  # noqa: BLE001
-            err = _describe(e)
+            err = e if isinstance(e, PeerFailure) else _describe(e)
     _agree(err, f"saving step {step}")
     return ckpt
 
@@ -262,6 +278,9 @@ def _wait_servers(futures, remotes) -> list[dict[str, Any]]:
         try:
             answer = fut.wait()
         except Exception as e:  # noqa: BLE001
+            lost = _lost(coll.server_names[s], f"writing its shards of {coll.cid}", e)
+            if lost is not None:
+                raise lost from None
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"parameter server {coll.server_names[s]} did not write its shards of "
                                   f"{coll.cid}: {first}") from None
@@ -351,7 +370,7 @@ class Checkpoint:
             try:
                 self._load_tables(model, timeout_s)
             except Exception as e:  # noqa: BLE001
-                err = _describe(e)
+                err = e if isinstance(e, PeerFailure) else _describe(e)
         _agree(err, what)  # no trainer looks up before every table is loaded
         pipeline = pipeline_of(model)
         if pipeline is not None:
@@ -412,6 +431,9 @@ class Checkpoint:
             try:
                 answer = fut.wait()
             except Exception as e:  # noqa: BLE001
+                lost = _lost(coll.server_names[s], f"loading {coll.cid}", e)
+                if lost is not None:
+                    raise lost from None
                 answer = _remote_message(e)
             if isinstance(answer, str):
                 raise CheckpointError(f"parameter server {coll.server_names[s]} could not load {coll.cid}: {answer}")

@@ -59,6 +59,15 @@ def release_servers(role: Role, timeout_s: float) -> None:
         f.wait()
 
 
+def answers(name: str, timeout_s: float = 1.0) -> bool:
+    """Whether process ``name`` answers a ping within ``timeout_s``."""
+    try:
+        rpc.rpc_sync(name, _ping, timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - any failure to reach it is the same news
+        return False
+    return True
+
+
 def unreachable_peers(role: Role, timeout_s: float = 1.0) -> list[str]:
     """The other processes of the job that do not answer a ping within ``timeout_s`` (for the
     message of a failing process: which peer is gone, whatever error this process saw first)."""

@@ -117,3 +117,16 @@ def test_a_process_killed_while_the_processes_connect_is_named_within_the_startu
     _assert_survivors_named(report, logs, survivors, f"{who} (rank ", elapsed, TIMEOUT + 10)
     for name in survivors:
         assert f"{who} (rank {1 if who == 'trainer1' else 2}, checked in) did not join within 6s" in logs[name], logs[name]
+
+
+@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+def test_a_server_killed_during_a_checkpoint_save_is_a_failed_process_not_bad_input(tmp_path):
+    """The server dies while it writes its shards of a checkpoint: the trainers exit 1 naming it
+    (a failed process), not 2 with a checkpoint ``error:`` line (a mistake the user could fix)."""
+    fault = {"who": "ps0", "target": "hybrid.checkpoint.server_io:save_tensors"}
+    report, logs, elapsed = _run(tmp_path, fault, ["train.steps=40", "checkpoint.every=10",
+                                                   f"checkpoint.dir={tmp_path}/ckpt"])
+    _assert_survivors_named(report, logs, ["trainer0", "trainer1"], "ps0", elapsed, TIMEOUT + 10)
+    for name in ("trainer0", "trainer1"):
+        assert "peers not answering: ps0" in logs[name], logs[name]
+        assert "ps0 stopped answering while writing its shards" in logs[name], logs[name]
