@@ -1,7 +1,7 @@
 """The trainers' hot-row cache in async mode, with real processes: rows put back from the cache
 equal the servers' rows exactly, the cache serves rows, and training with it converges; and
-so they do, with and without the cache, over each step channel, when a step prefetches the next
-batch before it reads its own rows."""
+so they do, with and without the cache, over each step channel and pooled on the servers, when
+a step prefetches the next batch before it reads its own rows."""
 
 import pytest
 
@@ -81,7 +81,7 @@ def test_hot_rows_put_back_the_servers_rows_and_train_within_the_bound():
     assert stats["rows_served"] == sum(cs["trained"]["sent"] for _, _, cs, _ in out[:2]), stats
 
 
-def _prefetch_first(rank, world_size, *, num_servers, transport, hot_rows):
+def _prefetch_first(rank, world_size, *, num_servers, transport, hot_rows, pool_on):
     """Each async step sends the next batch's lookup before it reads its own rows (two replies
     of a trainer's channel then arrive before the first is read); returns the steps whose rows
     of the never-updated collection differ from its initial rows."""
@@ -92,7 +92,7 @@ def _prefetch_first(rank, world_size, *, num_servers, transport, hot_rows):
     local = make_ebc(seed=0)
     pipeline = make_pipeline(trainer=role.index, num_servers=num_servers, staleness=K, transport=transport)
     opts = dict(num_servers=num_servers, optimizer={"name": "sgd", "lr": 0.3}, trainer=role.index,
-                num_trainers=role.num_trainers, staleness=K, hot_rows=hot_rows, pool_on="trainer")
+                num_trainers=role.num_trainers, staleness=K, hot_rows=hot_rows, pool_on=pool_on)
     still, trained = remote_of(local, pipeline, cid="still", **opts), remote_of(local, pipeline, cid="trained", **opts)
     dist.barrier()
     batch, head, opt = teacher_task(tables, trainer=role.index, num_trainers=role.num_trainers, batch=B)
@@ -115,9 +115,10 @@ def _prefetch_first(rank, world_size, *, num_servers, transport, hot_rows):
     return mismatched
 
 
-@pytest.mark.parametrize("transport,hot_rows", [("auto", 0), ("socket", 0), ("auto", 4)],
-                         ids=["shared-memory", "tcp", "shared-memory-cached"])
-def test_a_step_that_prefetches_before_it_reads_gets_its_own_rows(transport, hot_rows):
+@pytest.mark.parametrize("transport,hot_rows,pool_on", [("auto", 0, "trainer"), ("socket", 0, "trainer"),
+                                                         ("auto", 4, "trainer"), ("socket", 0, "server")],
+                         ids=["shared-memory", "tcp", "shared-memory-cached", "tcp-pooled-on-server"])
+def test_a_step_that_prefetches_before_it_reads_gets_its_own_rows(transport, hot_rows, pool_on):
     out = run_distributed(_prefetch_first, 3, setup="hybrid", num_servers=1, timeout=150, transport=transport,
-                          hot_rows=hot_rows)
+                          hot_rows=hot_rows, pool_on=pool_on)
     assert out[:2] == [[], []], out[:2]

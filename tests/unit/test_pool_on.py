@@ -204,7 +204,7 @@ def test_servers_pool_and_unpool_as_the_trainer_does_bit_for_bit(servers, weight
     ((expected @ c) ** 2).sum().backward()
     ((got @ c) ** 2).sum().backward()
     for s in config.servers:
-        rows_back, grad = shards[s].unpool(0, 7, replies[s].grad.reshape(-1))
+        rows_back, grad = shards[s].unpool(0, 7, replies[s].grad.reshape(-1), step=0)
         assert rows_back.tables == routed.requests[s].tables and torch.equal(rows_back.ids, routed.requests[s].ids)
         assert grad.dtype == torch.float32 and torch.equal(grad, rows[s].grad.reshape(-1)), s
         assert shards[s].pooled[0] == {}  # the lookup's bags were used once, then dropped
@@ -218,12 +218,29 @@ def test_a_push_drops_older_unused_lookups_and_an_unknown_tag_fails_the_collecti
         routed = router.route(_batch(False, seed=tag), where="test", tag=tag)
         shard.gather_pooled(1, routed.requests[0], routed.bags[0], torch.empty(routed.bags[0].numel()), step=0)
     assert sorted(shard.pooled[1]) == [3, 4, 5]
-    shard.unpool(1, 5, torch.zeros(routed.bags[0].numel()))
+    shard.unpool(1, 5, torch.zeros(routed.bags[0].numel()), step=0)
     assert shard.pooled[1] == {}
     with pytest.raises(RuntimeError, match="trainer 1 pushed the gradient of pooled lookup 4, which this server "
                                            "does not hold"):
-        shard.unpool(1, 4, torch.zeros(routed.bags[0].numel()))
+        shard.unpool(1, 4, torch.zeros(routed.bags[0].numel()), step=0)
     assert shard.failed is not None  # the step can never complete: waiting lookups get the error
+
+
+def test_a_push_keeps_the_lookups_of_later_steps_whatever_their_tags():
+    """An async step that prefetches the next batch before its own lookup (not prefetched: the
+    first step) gives the later step's lookup the smaller tag: the push of the earlier step
+    keeps it, and drops only lookups of earlier steps."""
+    config = _config(servers=1)
+    router, shard = Router(config), _shards(config)[0]
+    for tag, step in ((0, 1), (1, 0), (2, 0)):  # 1: discarded for another batch of step 0
+        routed = router.route(_batch(False, seed=tag), where="test", tag=tag)
+        shard.gather_pooled(1, routed.requests[0], routed.bags[0], torch.empty(routed.bags[0].numel()), step=step)
+    shard.unpool(1, 2, torch.zeros(routed.bags[0].numel()), step=0)
+    assert sorted(shard.pooled[1]) == [0]
+    routed = router.route(_batch(False, seed=3), where="test", tag=3)
+    shard.gather_pooled(1, routed.requests[0], routed.bags[0], torch.empty(routed.bags[0].numel()), step=1)
+    shard.unpool(1, 0, torch.zeros(routed.bags[0].numel()), step=1)  # tag 3: another lookup of step 1
+    assert sorted(shard.pooled[1]) == [3] and shard.failed is None
 
 
 def test_bfloat16_on_the_wire_rounds_the_pooled_bags_once():

@@ -234,7 +234,7 @@ class ParameterServer:
                         raise ValueError(f"{shard.cid}: pooled and row gradients in one message")
                     # A pooled lookup's gradient comes back as row gradients of its own memory.
                     by_step.setdefault(push.step, []).append(
-                        shard.unpool(msg.trainer, push.tag, push.grad) if unpooled else (push.rows, push.grad))
+                        shard.unpool(msg.trainer, push.tag, push.grad, step=push.step) if unpooled else (push.rows, push.grad))
                 for step, parts in by_step.items():
                     if unpooled:
                         self.push(shard, msg.trainer, step, parts, keeps_copy=False, unpooled=True)

@@ -197,6 +197,8 @@ class PooledLookup:
     rows: Rows
     groups: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]]
     """Per group: bags, dim, grad_bags, grad_offsets, grad_scale (:func:`hybrid.ops.bag_rows`)."""
+    step: int
+    """The training step of the lookup."""
 
 
 class CollectionShard:
@@ -298,29 +300,32 @@ class CollectionShard:
             raise ValueError(f"{self.cid} on ps{self.server}: the lookup's bag groups cover {pos} of its "
                              f"{flat.numel()} row elements and {o} of {out.numel()} pooled ones")
         with self.lock:
-            self.pooled[trainer][bags.tag] = PooledLookup(rows.owned(), kept)
+            self.pooled[trainer][bags.tag] = PooledLookup(rows.owned(), kept, step)
         self.counters.rows_served += int(rows.ids.numel())
         self.counters.bytes_out += out.numel() * out.element_size()
 
-    def unpool(self, trainer: int, tag: int, grad: torch.Tensor) -> Contribution:
+    def unpool(self, trainer: int, tag: int, grad: torch.Tensor, *, step: int) -> Contribution:
         """The row gradients of ``trainer``'s pooled lookup ``tag`` from its bags' gradients
         (``grad``, flat, in :attr:`wire_dtype`): float32, computed as the trainer's pooling
-        backward would. Lookups of the trainer with a smaller tag were never used (their rows
-        were discarded) and are dropped. A failure fails the collection, as a failed push does
-        (the step it belongs to can never complete)."""
+        backward would; ``step``: the push's step. The trainer's lookups of an earlier step, or
+        of this step with a smaller tag, were never used (their rows were discarded: a trainer
+        pushes its steps in order, and a step's lookups in the order it made them) and are
+        dropped; those of later steps stay (a prefetch may be made before the current step's
+        own lookup, so tags do not follow steps). A failure fails the collection, as a failed
+        push does (the step it belongs to can never complete)."""
         try:
-            return self._unpool(trainer, tag, grad)
+            return self._unpool(trainer, tag, grad, step)
         except BaseException as e:
             with self.lock:
                 self.failed = e
             raise
 
-    def _unpool(self, trainer: int, tag: int, grad: torch.Tensor) -> Contribution:
+    def _unpool(self, trainer: int, tag: int, grad: torch.Tensor, step: int) -> Contribution:
         grad = self._widened(grad)
         with self.lock:
             mine = self.pooled[trainer]
             kept = mine.pop(tag, None)
-            for old in [t for t in mine if t < tag]:
+            for old in [t for t, k in mine.items() if k.step < step or (k.step == step and t < tag)]:
                 del mine[old]
         if kept is None:
             raise RuntimeError(f"{self.cid} on ps{self.server}: trainer {trainer} pushed the gradient of pooled "
