@@ -106,7 +106,9 @@ def _write_dynamic(shard, t: TableShard, ckpt: Path, step: int) -> list[dict[str
 
 def _fill_dynamic(t: TableShard, ckpt: Path, src: dict[str, Any]) -> int:
     """Load a dynamic table shard: of every saved row, those whose part this server holds now
-    (any server count: parts move whole), at the same place in their part."""
+    (any server count: parts move whole), at the same place in their part, and nothing else (a
+    table that trained before the load, as when one run evaluates several checkpoints, keeps
+    none of its rows or sightings)."""
     dyn = t.dynamic
     saved = src.get("dynamic")
     if saved is None:
@@ -119,6 +121,7 @@ def _fill_dynamic(t: TableShard, ckpt: Path, src: dict[str, Any]) -> int:
     held[dyn.parts] = True
     from hybrid.ps.config import part_of
 
+    dyn.empty()
     counters = torch.zeros(4, dtype=torch.int64)
     n_shards_now = t.layout.num_shards
     for f in src["files"]:

@@ -448,3 +448,52 @@ def test_the_key_comes_from_the_key_file_or_the_environment(tmp_path, monkeypatc
         F.checkpoint_key(tmp_path / "empty")
     monkeypatch.delenv(F.KEY_ENV)
     assert F.checkpoint_key() is None
+
+
+def test_a_dynamic_table_that_trained_on_loads_the_checkpoint_and_nothing_else(tmp_path):
+    """A checkpoint loaded into a dynamic table that has trained since (one run evaluating or
+    rolling back to several checkpoints) holds the saved rows, map and sightings only, and
+    trains on exactly as a fresh table loaded from it."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from hybrid.checkpoint.server_io import _fill_dynamic, _write_dynamic
+    from hybrid.ps.client.routing import Router
+    from hybrid.ps.config import DynamicIds
+
+    dynamic = DynamicIds(capacity=8, evict="lru", partitions=2, admit_after=2)
+    config = CollectionConfig(cid=CID, tables=(TableSpec("a", 100, 4, ("fa",)),),
+                              layouts=tuple(shard_tables([TableSpec("a", 100, 4, ("fa",))], 1, "row_wise")),
+                              optimizer=SparseOptimSpec(name="adam", lr=0.1), num_trainers=1, dynamic=dynamic)
+    router = Router(config)
+
+    def train(shard: CollectionShard, step: int, ids: list[int]) -> None:
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["fa"], values=torch.tensor(ids), lengths=torch.tensor([len(ids)]))
+        routed = router.route(kjt, where="test")
+        rows = shard.gather(routed.requests[0], step=step).clone().requires_grad_(True)
+        router.pool(routed, {0: rows}).sum().backward()
+        shard.push(0, step, [(routed.requests[0], rows.grad)])
+
+    def state(shard: CollectionShard) -> dict[str, torch.Tensor]:
+        d = shard.tables[0].dynamic_rows()
+        del d["slots"]
+        return d
+
+    live = CollectionShard(config, 0, start_step=0, huge_pages=False)
+    for s in range(4):
+        train(live, s, [1, 2, 3, 4, 5, 6, 100 + s])  # 100..103: seen once, without a row
+    saved = state(live)
+    src = {"dynamic": {"capacity": 8, "partitions": 2}, "files": _write_dynamic(live, live.tables[0], tmp_path, 4)}
+    for s in range(4, 8):
+        train(live, s, [10, 11, 12, 13, 14, 15, 16, 17, 100 + s])  # every row evicted, other sightings
+    fresh = CollectionShard(config, 0, start_step=4, huge_pages=False)
+    for shard in (live, fresh):
+        _fill_dynamic(shard.tables[0], tmp_path, src)
+        shard.complete_through = 3
+        got = state(shard)
+        assert got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved), shard
+        assert shard.tables[0].dynamic.count.tolist() == torch.bincount(saved["part"], minlength=2).tolist()
+    for s in range(4, 8):
+        for shard in (live, fresh):
+            train(shard, s, [1, 2, 7, 100, 101, 200 + s])
+    a, b = state(live), state(fresh)
+    assert all(torch.equal(a[k], b[k]) for k in a)

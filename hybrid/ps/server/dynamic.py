@@ -161,6 +161,21 @@ class DynamicSlots:
             ("" if self.spec.evict == "lru" else " or set evict: lru"))
 
     # -- state (checkpoints, exports, tests) ----------------------------------------------------
+    def empty(self) -> None:
+        """Forget every row and sighting (before a checkpoint's rows are put back: a table that
+        has trained keeps none of its own). The counters are the caller's."""
+        if len(self.map):
+            self.map.clear()
+        if len(self.seen):
+            self.seen.clear()
+        self.slot_id.zero_()
+        self.occupied.zero_()
+        self.last.fill_(-1)
+        self.count.zero_()
+        self.fill.zero_()
+        self.lru_pos.fill_(-1)
+        self.drop_queues()
+
     def restore(self, ids: torch.Tensor, slots: torch.Tensor, last: torch.Tensor) -> None:
         """Put saved rows' ids back at their slots (loading a checkpoint)."""
         self.map.insert(ids, slots)
