@@ -23,6 +23,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from hybrid.errors import print_error
+from hybrid.launch.init import record_failure
 from hybrid.launch.roles import Role
 from hybrid.launch.serve import PeerFailure, unreachable_peers
 from hybrid.log import logger
@@ -43,6 +44,7 @@ def fail(role: Role, e: BaseException, *, user_error: bool) -> NoReturn:
         _exit(EXIT_USAGE)
     if _reported():  # a peer stopped for a user's mistake and said so; this failure follows from it
         _exit(EXIT_USAGE)
+    record_failure()  # peers that time out leaving RPC name the one that left without failing first
     try:
         gone = unreachable_peers(role)
     except Exception:  # noqa: BLE001 - the RPC agent itself may be down

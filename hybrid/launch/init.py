@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -146,40 +147,50 @@ def _startup_store(init_method: str, world_size: int, timeout_s: float) -> dist.
     return None
 
 
-JOINING = ("checked in", "in the trainers' process group", "in RPC's start-up", "joined")
-"""The stages of joining a job, in order; each process records the one it is in (:class:`Checkin`)."""
+STAGES = ("checked in", "in the trainers' process group", "in RPC's start-up", "joined", "leaving RPC", "left")
+"""The stages of a process's part in a job, joining it and leaving it, in order; each process
+records the one it is in (:class:`Checkin`)."""
 
 
 class Checkin:
-    """This process's record in the job's start-up store: which stage of :data:`JOINING` it has
+    """This process's record in the job's start-up store: which stage of :data:`STAGES` it has
     reached. When a stage times out, the peers furthest behind are the ones it waited for: a
-    process that dies or hangs while the processes connect stays at its stage, while those
-    waiting for it have gone one further (or as far)."""
+    process that dies or hangs while the processes connect (or leave) stays at its stage, while
+    those waiting for it have gone one further (or as far). A process that failed and said so
+    (:func:`hybrid.launch.failure.fail`) is marked as such: it is named only where no other
+    peer is behind (the others then failed because it left, and it has told its story)."""
 
     def __init__(self, role: Role, store: dist.Store) -> None:
         self.role, self.store = role, store
 
     def reached(self, stage: str) -> None:
-        self.store.set(f"stage/{self.role.rank}", str(JOINING.index(stage)))
+        self.store.set(f"stage/{self.role.rank}", str(STAGES.index(stage)))
 
-    def behind(self) -> list[str]:
-        """The peers not yet joined that are furthest behind, as ``name (rank R, STAGE)``."""
+    def failed(self) -> None:
+        self.store.set(f"failed/{self.role.rank}", "1")
+
+    def behind(self, goal: str) -> list[str]:
+        """The peers that have not reached ``goal`` and are furthest behind, as ``name (rank R,
+        STAGE)``."""
         from hybrid.launch.roles import role_of
 
-        stages = {}
+        stages, failed = {}, set()
         for r in range(self.role.world_size):
             if r == self.role.rank:
                 continue
             try:
                 stages[r] = int(self.store.get(f"stage/{r}"))
+                if self.store.check([f"failed/{r}"]):
+                    failed.add(r)
             except Exception:  # noqa: BLE001 - the store's host is gone: nothing to say
                 return []
-        waiting = {r: s for r, s in stages.items() if s < len(JOINING) - 1}
+        waiting = {r: s for r, s in stages.items() if s < STAGES.index(goal)}
+        waiting = {r: s for r, s in waiting.items() if r not in failed} or waiting
         if not waiting:
             return []
         last = min(waiting.values())
-        return [f"{role_of(r, self.role.world_size, self.role.num_servers).name} (rank {r}, {JOINING[last]})"
-                for r, s in sorted(waiting.items()) if s == last]
+        return [f"{role_of(r, self.role.world_size, self.role.num_servers).name} (rank {r}, "
+                f"{'failed' if r in failed else STAGES[last]})" for r, s in sorted(waiting.items()) if s == last]
 
 
 def wait_for_everyone(role: Role, init_method: str, timeout_s: float) -> Checkin | None:
@@ -230,7 +241,7 @@ def _joining(checkin: Checkin | None, stage: str, timeout_s: float, key: str, *,
         yield
     except Exception as e:
         waited = time.monotonic() - t0
-        behind = checkin.behind() if waited >= 0.9 * (first_timeout_s or timeout_s) else []
+        behind = checkin.behind("joined") if waited >= 0.9 * (first_timeout_s or timeout_s) else []
         if not behind:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -258,6 +269,7 @@ def init_hybrid(
                                                         memory_fraction=options.server_memory_fraction,
                                                         address=options.address))
     checkin = wait_for_everyone(role, init_method, options.startup_timeout_s)
+    _CHECKIN[:] = [checkin] if checkin is not None else []
     transports = rpc_transports(options.address, options.transports)  # RPC listens on runtime.address
     pg_store, rpc_init = None, init_method
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
@@ -273,7 +285,7 @@ def init_hybrid(
         backend = resolve_backend(backend)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", role.index)) % torch.cuda.device_count())
-        with gloo_on(options.address), _joining(checkin, JOINING[1], options.pg_timeout_s, "pg_timeout_s"):
+        with gloo_on(options.address), _joining(checkin, STAGES[1], options.pg_timeout_s, "pg_timeout_s"):
             dist.init_process_group(
                 backend,
                 init_method=None if pg_store is not None else _pg_init_method(init_method),
@@ -292,7 +304,7 @@ def init_hybrid(
     rpc_constants.DEFAULT_PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=options.startup_timeout_s)
     try:
         # (its store and its first round of calls wait runtime.rpc_timeout_s)
-        with _joining(checkin, JOINING[2], options.startup_timeout_s, "startup_timeout_s",
+        with _joining(checkin, STAGES[2], options.startup_timeout_s, "startup_timeout_s",
                       first_timeout_s=min(options.startup_timeout_s, options.rpc_timeout_s)):
             rpc.init_rpc(
                 role.name,
@@ -309,9 +321,21 @@ def init_hybrid(
     finally:
         rpc_constants.DEFAULT_PROCESS_GROUP_TIMEOUT = fixed
     if checkin is not None:
-        checkin.reached(JOINING[3])
+        checkin.reached(STAGES[3])
     logger.debug("joined as %s (rank %d of %d)", role.name, role.rank, role.world_size)
 
+
+_CHECKIN: list[Checkin] = []
+"""This process's :class:`Checkin`, for :func:`shutdown` (none where the job has no start-up store)."""
+
+
+def record_failure() -> None:
+    """Mark this process as failed in the job's start-up store (:meth:`Checkin.failed`)."""
+    if _CHECKIN:
+        try:
+            _CHECKIN[0].failed()
+        except Exception:  # noqa: BLE001 - the store's host is gone: nobody will ask
+            pass
 
 _ATTEMPT_STORE: list[dist.Store] = []
 
@@ -338,7 +362,11 @@ def _attempt_rendezvous(store: dist.Store) -> str:
 
 
 def shutdown(role: Role, *, graceful: bool = True, timeout_s: float = 60.0) -> None:
-    """Leave the trainers' group, then RPC. Safe to call after a failed init or twice."""
+    """Leave the trainers' group, then RPC. Safe to call after a failed init or twice.
+
+    A graceful shutdown waits for every process of the job to leave RPC too; when one died or
+    hangs meanwhile, it fails after ``timeout_s`` with a :class:`~hybrid.launch.serve.PeerFailure`
+    that names the peers furthest behind in leaving (:class:`Checkin`)."""
     try:
         if role.is_trainer and dist.is_initialized():
             dist.destroy_process_group()
@@ -346,7 +374,7 @@ def shutdown(role: Role, *, graceful: bool = True, timeout_s: float = 60.0) -> N
         try:
             if rpc.api._is_current_rpc_agent_set():
                 if graceful:
-                    rpc.shutdown(graceful=True, timeout=timeout_s)
+                    _leave_rpc(role, timeout_s)
                 else:
                     rpc.shutdown(graceful=False)
         finally:
@@ -358,3 +386,28 @@ def shutdown(role: Role, *, graceful: bool = True, timeout_s: float = 60.0) -> N
             # when the interpreter exits aborts the process ("terminate called without an
             # active exception"). A process without a server has nothing to stop.
             service.close()
+
+
+def _leave_rpc(role: Role, timeout_s: float) -> None:
+    from hybrid.launch.serve import PeerFailure
+
+    checkin = _CHECKIN[0] if _CHECKIN else None
+    if checkin is not None:
+        checkin.reached("leaving RPC")
+    # torch logs its own traceback of a peer that did not leave ("Failed to respond to 'Shutdown
+    # Proceed' in time") before it raises; the PeerFailure below says it in one line
+    quiet = logging.getLogger("torch.distributed.rpc.api")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        rpc.shutdown(graceful=True, timeout=timeout_s)
+    except Exception as e:
+        behind = checkin.behind("left") if checkin is not None else []
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        who = f"{', '.join(behind)} did not leave RPC" if behind else "the job's processes did not all leave RPC"
+        raise PeerFailure(f"{role.name}: {who} (this process waits {timeout_s:g}s at most: "
+                          f"runtime.shutdown_timeout_s): died or hung? This process stopped leaving on: {first}") from e
+    finally:
+        quiet.setLevel(level)
+    if checkin is not None:
+        checkin.reached("left")

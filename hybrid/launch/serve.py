@@ -70,7 +70,10 @@ def answers(name: str, timeout_s: float = 1.0) -> bool:
 
 def unreachable_peers(role: Role, timeout_s: float = 1.0) -> list[str]:
     """The other processes of the job that do not answer a ping within ``timeout_s`` (for the
-    message of a failing process: which peer is gone, whatever error this process saw first)."""
+    message of a failing process: which peer is gone, whatever error this process saw first).
+    None of them once this process has left RPC: it cannot tell."""
+    if not rpc.api._is_current_rpc_agent_set():
+        return []
     names = [n for n in [*role.trainer_names, *role.server_names] if n != role.name]
     futs = {}
     for n in names:

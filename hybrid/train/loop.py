@@ -208,7 +208,10 @@ def run_process(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, 
         fail(role, e, user_error=True)
     except Exception as e:  # noqa: BLE001
         fail(role, e, user_error=False)
-    shutdown(role, graceful=True, timeout_s=options.shutdown_timeout_s)
+    try:
+        shutdown(role, graceful=True, timeout_s=options.shutdown_timeout_s)
+    except Exception as e:  # noqa: BLE001 - a peer that died or hangs while the processes leave
+        fail(role, e, user_error=False)
     return EXIT_OK
 
 

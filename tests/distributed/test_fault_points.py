@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -128,5 +129,26 @@ def test_a_server_killed_during_a_checkpoint_save_is_a_failed_process_not_bad_in
                                                    f"checkpoint.dir={tmp_path}/ckpt"])
     _assert_survivors_named(report, logs, ["trainer0", "trainer1"], "ps0", elapsed, TIMEOUT + 10)
     for name in ("trainer0", "trainer1"):
-        assert "peers not answering: ps0" in logs[name], logs[name]
+        assert re.search(r"peers not answering: [^(]*\bps0\b", logs[name]), logs[name]
         assert "ps0 stopped answering while writing its shards" in logs[name], logs[name]
+
+
+@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.parametrize("who", ["trainer1", "ps0"])
+def test_a_process_killed_after_the_last_step_is_named_by_the_others_leaving(tmp_path, who):
+    """Training is over and the servers are released; the process dies as it starts to leave RPC.
+    The others, whose graceful shutdown waits for every process, end within twice
+    ``runtime.shutdown_timeout_s`` (torch's shutdown waits for the peers' notes, then for their
+    calls to end, each as long) with one line naming it (not a traceback of RPC's ``Wait
+    timeout``)."""
+    fault = {"who": who, "target": "hybrid.train.loop:shutdown"}
+    report, logs, elapsed = _run(tmp_path, fault, ["train.steps=10"])
+    survivors = [n for n in ("trainer0", "trainer1", "ps0") if n != who]
+    _assert_survivors_named(report, logs, survivors, who, elapsed, 2 * TIMEOUT + 10)
+    assert "Traceback" not in report, report
+    for name in survivors:
+        text = logs[name]
+        # a survivor that tried to reach it first names it as not answering; the others, leaving
+        # RPC, name it as the one that did not leave
+        assert (f"{who} (rank {1 if who == 'trainer1' else 2}, joined) did not leave RPC (this process waits 6s at most" in text
+                or re.search(rf"peers not answering: [^(]*\b{who}\b", text)), text
