@@ -654,10 +654,10 @@ def dynamic_rows(weights, ids, slots, seen, counts, *, admit_after, keys, bounds
         fresh = ~hit if admit_after <= 1 else ~hit & (seen[p : p + n].clamp(min=0) + 1 >= admit_after)
         o.zero_()
         o[hit] = w.index_select(0, s[hit]).float()
-        if bool(fresh.any()):
-            init = torch.empty(int(fresh.sum()), dim)
+        if bool(fresh.any()):  # in the table's dtype: the value the admitted row will hold
+            init = torch.empty(int(fresh.sum()), dim, dtype=w.dtype)
             initial_rows_(init, ids[p : p + n][fresh], key=keys[t], bound=bounds[t])
-            o[fresh] = init
+            o[fresh] = init.float()
         hits.append(int(hit.sum()))
         p, q = p + n, q + n * dim
     return torch.tensor(hits, dtype=torch.int64)

@@ -384,3 +384,40 @@ def test_eviction_lists_choose_as_the_reference_sorts_through_churn_and_a_restor
         assert int(plain.count.sum()) == plain.capacity  # every part full: each new id evicts a row
     else:
         assert holes  # expired rows leave free places below fill, taken lowest first
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("kind", ["native", "reference"])
+def test_the_lookup_that_admits_an_id_reads_the_row_its_update_creates(storage, kind, monkeypatch):
+    """With ``storage_dtype`` 16-bit, a new row holds its initial value rounded into the table's
+    dtype; the lookup of the step that admits the id reads that value, not the float32 one, and
+    so does every later lookup (a zero gradient leaves the row as it is)."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from hybrid.ops import reference
+    from hybrid.ps.client.collection import RemoteEmbeddingBagCollection
+    from hybrid.ps.client.routing import Router
+    from hybrid.ps.server.shard import CollectionShard
+
+    if kind == "native" and not ops.AVAILABLE:
+        pytest.skip("hybrid._C not built")
+    if kind == "reference":
+        monkeypatch.setattr(dynamic.ops, "dynamic_rows", reference.dynamic_rows)
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=5, num_embeddings=100,
+                                                            feature_names=["f"])], device=torch.device("meta"))
+    config = RemoteEmbeddingBagCollection.config_from(ebc, cid="c", num_servers=1, optimizer={"name": "adam", "lr": 0.1},
+                                                      num_trainers=1, dynamic=DynamicIds(capacity=16, partitions=2),
+                                                      storage_dtype=storage)
+    routed = Router(config).route(KeyedJaggedTensor.from_lengths_sync(
+        keys=["f"], values=torch.tensor([5, -7, 1 << 62]), lengths=torch.tensor([3])), where="test")
+    shard = CollectionShard(config, 0, start_step=0, huge_pages=False)
+    request = routed.requests[0]
+    first = shard.gather(request, step=0).clone()
+    shard.push(0, 0, [(request, torch.zeros_like(first))])
+    assert torch.equal(first, shard.gather(request, step=1))
+    table = shard.tables[0]
+    slots, _ = table.dynamic.find(request.ids)
+    assert table.weight.dtype == getattr(torch, storage)
+    assert torch.equal(first.view(3, 5), table.weight.index_select(0, slots).float())

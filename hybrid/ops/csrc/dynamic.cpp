@@ -557,6 +557,9 @@ int64_t lookup_rows(const void* table, int64_t dim, const int64_t* ip, const int
   const int64_t bytes = dim * static_cast<int64_t>(sizeof(typename S::T));
   int64_t hits = 0;
   const auto init = k::dispatch().initial_rows;
+  // A 16-bit table's new row holds its initial value rounded into the table's dtype
+  // (dynamic_commit_), so the lookup that admits it reads that rounded value too.
+  std::vector<typename S::T> rounded(std::is_same_v<S, k::F32> ? 0 : static_cast<size_t>(dim));
   for (int64_t i = lo; i < hi; i++, o += dim) {
     if (i + kAhead < hi && sp[i + kAhead] >= 0) prefetch_lines(w + sp[i + kAhead] * dim, bytes);
     if (sp[i] >= 0) {
@@ -568,7 +571,12 @@ int64_t lookup_rows(const void* table, int64_t dim, const int64_t* ip, const int
         for (int64_t c = 0; c < dim; c++) o[c] = S::load(row[c]);
       }
     } else if (!seen_p || std::max<int64_t>(seen_p[i], 0) + 1 >= admit_after) {
-      init(o, k::DType::f32, dim, ip + i, nullptr, 1, key, bound);
+      if constexpr (std::is_same_v<S, k::F32>) {
+        init(o, k::DType::f32, dim, ip + i, nullptr, 1, key, bound);
+      } else {
+        init(rounded.data(), S::dtype, dim, ip + i, nullptr, 1, key, bound);
+        for (int64_t c = 0; c < dim; c++) o[c] = S::load(rounded[c]);
+      }
     } else {
       std::fill(o, o + dim, 0.0f);
     }
