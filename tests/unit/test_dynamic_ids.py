@@ -421,3 +421,21 @@ def test_the_lookup_that_admits_an_id_reads_the_row_its_update_creates(storage, 
     slots, _ = table.dynamic.find(request.ids)
     assert table.weight.dtype == getattr(torch, storage)
     assert torch.equal(first.view(3, 5), table.weight.index_select(0, slots).float())
+
+
+@pytest.mark.parametrize("evict", ["lru", "none", "ttl:3"])
+def test_a_full_table_names_the_fix_for_its_evict_policy(evict):
+    """A full part's error, as a trainer reports it, advises ``evict: lru`` only to a table
+    that does not evict by it already (under lru a part is full when every row of it was
+    touched in the step)."""
+    from hybrid.ps.client.pipeline import TableFullError, _server_error
+
+    dyn = DynamicSlots(DynamicIds(capacity=2, evict=evict, partitions=1), [0], table="t", where="ebc on ps0")
+    dyn.commit(dyn.plan(torch.tensor([1, 2]), 0))
+    with pytest.raises(CapacityError) as raised:
+        dyn.plan(torch.tensor([1, 2, 3]), 0 if evict == "lru" else 1)
+    err = _server_error("gradient push", "ps0", RuntimeError(f"ps0: {raised.value}\nTraceback ..."))
+    assert isinstance(err, TableFullError)
+    assert str(err).startswith("gradient push on parameter server ps0: ebc on ps0: dynamic table 't' is full")
+    assert str(err).endswith("nothing was changed. Raise the plan's capacity" +
+                             ("" if evict == "lru" else " or set evict: lru")), str(err)

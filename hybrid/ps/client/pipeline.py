@@ -99,10 +99,11 @@ class TableFullError(InputError):
 
 
 def _server_error(what: str, name: str, e: BaseException) -> ServerError | TableFullError:
-    full = re.search(r"([\w./-]+ on ps\d+: dynamic table .*?nothing was changed\.)", str(e))
+    # The server's message (CapacityError) ends with the fix for its table's evict policy.
+    full = re.search(r"([\w./-]+ on ps\d+: dynamic table .*?nothing was changed\. Raise the plan's capacity"
+                     r"(?: or set evict: lru)?)", str(e))
     if full:
-        return TableFullError(f"{what} on parameter server {name}: {full.group(1)} Raise the plan's capacity, "
-                              f"or set evict: lru")
+        return TableFullError(f"{what} on parameter server {name}: {full.group(1)}")
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     hint = " (it died or closed the connection)" if any(w in first for w in ("EOF", "pipe", "ECONNRE")) else ""
     return ServerError(f"{what} on parameter server {name} failed{hint}: {first}")
