@@ -439,3 +439,56 @@ def test_a_full_table_names_the_fix_for_its_evict_policy(evict):
     assert str(err).startswith("gradient push on parameter server ps0: ebc on ps0: dynamic table 't' is full")
     assert str(err).endswith("nothing was changed. Raise the plan's capacity" +
                              ("" if evict == "lru" else " or set evict: lru")), str(err)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("admit_after", [1, 2])
+def test_a_trainer_with_no_ids_for_a_server_takes_part_in_the_step(optimizer, admit_after):
+    """Sync, two trainers: in some steps one trainer's batch (or both) has no id on the server's
+    tables, and its lookup and push hold none. The step applies, and the tables equal one
+    trainer's given both batches together (gradients summed, so the sums are exact)."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from hybrid.ps.client.collection import RemoteEmbeddingBagCollection
+    from hybrid.ps.client.routing import Router
+    from hybrid.ps.server.shard import CollectionShard
+
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=f"t{k}", embedding_dim=4, num_embeddings=100,
+                                                            feature_names=[f"f{k}"]) for k in range(2)],
+                                 device=torch.device("meta"))
+    spec = DynamicIds(capacity=32, partitions=2, admit_after=admit_after, evict="lru")
+
+    def shard_of(trainers):
+        config = RemoteEmbeddingBagCollection.config_from(
+            ebc, cid="c", num_servers=1, optimizer={"name": optimizer, "lr": 0.5}, num_trainers=trainers,
+            dynamic=spec, gradient_scaling="sum")
+        return Router(config), CollectionShard(config, 0, start_step=0, huge_pages=False)
+
+    def kjt(f0, f1):
+        return KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1"], values=torch.tensor(f0 + f1, dtype=torch.long),
+                                                   lengths=torch.tensor([len(f0), len(f1)]))
+
+    steps = [(([1, 2], [3]), ([], [])), (([], []), ([], [])), (([1], []), ([], [5, 1])), (([], []), ([9, 2], [3])),
+             (([4, 5, 6], [7]), ([8, 10], [11, 12, 13]))]
+    router, two = shard_of(2)
+    ref_router, one = shard_of(1)
+    for s, batches in enumerate(steps):
+        looked = []
+        for trainer, (f0, f1) in enumerate(batches):
+            request = router.route(kjt(f0, f1), where="test").requests[0]
+            looked.append((request, two.gather(request, step=s)))
+        two.plan_ahead(s)
+        for trainer, (request, rows) in enumerate(looked):
+            two.push(trainer, s, [(request, torch.ones_like(rows))])
+        routed = ref_router.route(kjt(*(a + b for a, b in zip(*batches))), where="test")
+        rows = one.gather(routed.requests[0], step=s).clone().requires_grad_(True)
+        ref_router.pool(routed, {0: rows}).sum().backward()
+        one.push(0, s, [(routed.requests[0], rows.grad)])
+    assert two.complete_through == len(steps) - 1
+    for a, b in zip(two.tables, one.tables):
+        got, want = a.dynamic_rows(), b.dynamic_rows()
+        assert got["ids"].numel() > 0
+        for k in ("ids", "part", "index", "last", "seen_ids", "seen_counts", "rows"):
+            assert torch.equal(got[k], want[k]), (a.name, k, got[k], want[k])

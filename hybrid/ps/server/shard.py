@@ -825,5 +825,8 @@ def _copied(part: Contribution) -> Contribution:
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat`` without the copy of a single tensor."""
+    """``torch.cat`` without the copy of a single tensor; no tensors are no ids (int64): the
+    lookup or push of a trainer whose batch has no id on this server's tables."""
+    if not tensors:
+        return torch.empty(0, dtype=torch.int64)
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
