@@ -133,6 +133,30 @@ def _pg_init_method(init_method: str) -> str:
     return init_method
 
 
+def end_with_the_agent() -> None:
+    """Under torchrun, have the kernel SIGKILL this worker when its agent dies.
+
+    torchrun starts the workers in sessions of their own and stops them itself; an agent that is
+    killed outright (``kill -9`` of ``hybrid launch``, which runs torchrun in its own process, or
+    the OOM killer) could not, and its workers would train on, orphaned, with nobody to report
+    to. The kernel's parent-death signal (Linux) ends them with it. torchrun starts its workers
+    from its main thread, whose end is the one that counts."""
+    import signal
+    import sys
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl: the agent's own stop is all there is
+        return
+    if os.getppid() == 1:  # the agent died before the call: nobody would send the signal
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class StartupError(RuntimeError):
     """Some processes of the job did not start within ``runtime.startup_timeout_s``."""
 
@@ -262,6 +286,7 @@ def init_hybrid(
     ``file:///path`` for a file store (tests). Servers are not members of the trainers' group.
     """
     options = options or RuntimeOptions()
+    end_with_the_agent()
     if not role.is_trainer:
         from hybrid.ps.server import service
 

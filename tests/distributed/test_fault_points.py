@@ -152,3 +152,33 @@ def test_a_process_killed_after_the_last_step_is_named_by_the_others_leaving(tmp
         # RPC, name it as the one that did not leave
         assert (f"{who} (rank {1 if who == 'trainer1' else 2}, joined) did not leave RPC (this process waits 6s at most" in text
                 or re.search(rf"peers not answering: [^(]*\b{who}\b", text)), text
+
+
+@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+def test_the_workers_end_with_a_launcher_killed_outright(tmp_path):
+    """``kill -9`` of ``hybrid launch`` (torchrun's agent runs in its process, so it cannot stop
+    the workers): the workers end with it, rather than train on orphaned."""
+    from tests.distributed.test_stops import DLRM
+    from tests.distributed.test_stops import TINY as LAUNCH_TINY
+    from tests.support.job import Job
+
+    out = tmp_path / "out"
+    with Job(["launch", "-n", "3", *DLRM, *LAUNCH_TINY, "train.steps=100000", f"train.out_dir={out}"]) as job:
+        job.wait_training(out)
+        workers = [job.pid_of_role(name) for name in ("trainer0", "trainer1", "ps0")]
+        os.kill(job.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        alive = workers
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [p for p in workers if _running(p)]
+        for pid in alive:  # orphans are no longer below the job: the Job cannot end them
+            os.kill(pid, signal.SIGKILL)
+    assert not alive, f"workers still running 10s after the launcher was killed: {alive}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
