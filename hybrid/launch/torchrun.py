@@ -185,20 +185,20 @@ class _QuietAboutStops(logging.Filter):
 
 
 def _quiet_stops() -> None:
-    """Torchrun's lines about stopping workers go (:class:`_QuietAboutStops`). On SIGINT (Ctrl-C)
-    it logs each step of stopping them and raises with a traceback; the user asked for the stop,
-    so it is said in one line (:func:`main`) and torch logs only errors from then on."""
+    """Torchrun's lines about stopping workers go (:class:`_QuietAboutStops`). On a signal to stop
+    (SIGINT: Ctrl-C; SIGTERM, SIGHUP, SIGQUIT: a scheduler, a closed terminal) it logs each step
+    of stopping them and raises with a traceback; the user asked for the stop, so it is said in
+    one line (:func:`main`) and torch logs only errors from then on."""
     from torch.distributed.elastic.multiprocessing import api as mp_api
 
     mp_api.logger.addFilter(_QuietAboutStops())
     handler = mp_api._terminate_process_handler
 
-    def quiet_on_sigint(signum: int, frame) -> None:  # noqa: ANN001 - a signal handler's signature
-        if signum == signal.SIGINT:
-            logging.disable(logging.WARNING)
+    def quiet_on_stop(signum: int, frame) -> None:  # noqa: ANN001 - a signal handler's signature
+        logging.disable(logging.WARNING)
         handler(signum, frame)
 
-    mp_api._terminate_process_handler = quiet_on_sigint
+    mp_api._terminate_process_handler = quiet_on_stop
 
 
 def _honour_shutdown_timeout(argv: list[str]) -> None:

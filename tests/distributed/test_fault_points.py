@@ -182,3 +182,30 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_a_launcher_stopped_by_a_scheduler_or_a_closed_terminal_says_so_in_one_line(tmp_path, sig):
+    """SIGTERM (a scheduler stopping the job) or SIGHUP (the terminal closed) to ``hybrid launch``
+    alone, mid-training: as on Ctrl-C, every process ends within 3 s and the one line after the
+    signal is the launcher's (not torchrun's ``Received 15 death signal`` warning besides)."""
+    from tests.distributed.test_stops import DLRM
+    from tests.distributed.test_stops import TINY as LAUNCH_TINY
+    from tests.support.job import Job
+
+    out = tmp_path / "out"
+    with Job(["launch", "-n", "3", *DLRM, *LAUNCH_TINY, "train.steps=100000", f"train.out_dir={out}"]) as job:
+        job.wait_training(out)
+        workers = [job.pid_of_role(name) for name in ("trainer0", "trainer1", "ps0")]
+        t0 = time.monotonic()
+        os.kill(job.proc.pid, getattr(signal, sig))
+        code = job.wait(timeout=60)
+        took = time.monotonic() - t0
+        after = [line for _, line in job.lines_after(t0)]
+    print(f"{sig}: exit {code} after {took:.2f}s: {after}")
+    assert code == 128 + getattr(signal, sig), job.output[-4000:]
+    assert after == [f"hybrid: stopped by {sig}; every process of the job has ended"], after
+    assert took <= 3.0, f"{took:.2f}s"
+    time.sleep(0.2)
+    assert not [p for p in workers if _running(p)]
