@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 from urllib.parse import quote
 
 import torch
@@ -94,15 +94,55 @@ def _ordered(manifest: dict[str, Any], keys) -> list[str]:
 def dynamic_table(ckpt: Path, table: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """A saved ``ids: dynamic`` table (its manifest entry): (ids ascending, their rows float32),
     every server's rows together (at most the table's capacity)."""
-    ids, rows = [], []
+    return next(dynamic_chunks(ckpt, table, max(1, _dynamic_rows(table))))
+
+
+def dynamic_chunks(ckpt: Path, table: dict[str, Any], chunk: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A saved ``ids: dynamic`` table (its manifest entry) as :func:`dynamic_table` gives it,
+    ``chunk`` ids and rows at a time (the last chunk fewer; one empty chunk for a table with no
+    rows), holding one saved file per server at most: each server's files are ascending by id,
+    so the ids up to the smallest last id among the files held can all go out."""
+    streams: dict[int, list[dict[str, Any]]] = {}
     for f in table["files"]:
-        data = F.load_tensors(ckpt, FileEntry(f["path"], int(f["size"]), f["sha256"]))
-        ids.append(data["ids"])
-        rows.append(data["rows"].float())
-    ids_t = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)
-    rows_t = torch.cat(rows) if rows else torch.empty(0, table["embedding_dim"])
-    order = torch.argsort(ids_t)
-    return ids_t[order], rows_t[order]
+        streams.setdefault(int(f["shard"]), []).append(f)
+    queues = [sorted(fs, key=lambda f: f["rows"][0]) for fs in streams.values()]
+    empty = (torch.empty(0, dtype=torch.int64), torch.empty(0, table["embedding_dim"]))
+    held = [empty] * len(queues)
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pending = 0
+    given = False
+    while True:
+        for k, queue in enumerate(queues):
+            while held[k][0].numel() == 0 and queue:
+                f = queue.pop(0)
+                data = F.load_tensors(ckpt, FileEntry(f["path"], int(f["size"]), f["sha256"]))
+                held[k] = (data["ids"], data["rows"].float())
+        live = [k for k in range(len(queues)) if held[k][0].numel()]
+        if not live:
+            break
+        bound = min(int(held[k][0][-1]) for k in live)
+        ids, rows = [], []
+        for k in live:
+            n = int(torch.searchsorted(held[k][0], bound, right=True))
+            ids.append(held[k][0][:n])
+            rows.append(held[k][1][:n])
+            held[k] = (held[k][0][n:], held[k][1][n:])
+        ids_t, rows_t = torch.cat(ids), torch.cat(rows)
+        order = torch.argsort(ids_t)
+        out.append((ids_t[order], rows_t[order]))
+        pending += ids_t.numel()
+        while pending >= chunk:  # copies: torch.save of a view would write the whole tensor
+            ids_t, rows_t = torch.cat([i for i, _ in out]), torch.cat([r for _, r in out])
+            yield ids_t[:chunk].clone(), rows_t[:chunk].clone()
+            given = True
+            out, pending = [(ids_t[chunk:], rows_t[chunk:])], ids_t.numel() - chunk
+    if pending or not given:
+        yield (torch.cat([i for i, _ in out]), torch.cat([r for _, r in out])) if out else empty
+
+
+def _dynamic_rows(table: dict[str, Any]) -> int:
+    """Rows of a saved dynamic table (its manifest entry), from its files' entries."""
+    return sum(f["rows"][1] - f["rows"][0] for f in table["files"])
 
 
 def ids_key(key: str) -> str:
@@ -168,7 +208,8 @@ def export(ckpt: str | Path, out: str | Path, *, key: bytes | None = None,
     When everything fits in ``part_bytes``, ``out`` is one file holding the whole state dict
     (``model.load_state_dict(torch.load(out, weights_only=True))``). Otherwise ``out`` holds the
     dense part, each table goes into files of at most ``part_bytes`` (``<out>.<key>.part<i>.pt``,
-    rows ``[a, b)`` each), and ``<out>.index.json`` names them all: :func:`load_export` reads it
+    rows ``[a, b)`` each; a dynamic table's ids under its ids key in the same files, ``[a, b)``
+    its places in ascending id order), and ``<out>.index.json`` names them all: :func:`load_export` reads it
     back, and no table is ever whole in this process while writing. Every file is written
     atomically; the index last."""
     path = F.resolve(ckpt)
@@ -184,20 +225,37 @@ def export(ckpt: str | Path, out: str | Path, *, key: bytes | None = None,
         raise CheckpointError(f"export: cannot create the output's directory {out.parent} ({e.strerror or e})") from None
     manifest = F.read_manifest(path, key=key)
     dense = dense_state_dict(path, manifest)
-    _dynamic(path, manifest, dense)
+    dynamic = {t["key"]: t for coll in manifest.get("collections") or [] for t in coll["tables"]
+               if t.get("dynamic") is not None}
     tables = _tables(path, manifest, dense)
+    clash = sorted(set(dense) & ({*dynamic} | {ids_key(k) for k in dynamic}))
+    if clash:
+        raise CheckpointError(f"{path}: key {clash[0]!r} is both a dense and a table key")
     index_path = out.with_name(f"{out.name}.index.json")
     index_path.unlink(missing_ok=True)  # an earlier export's, now stale
-    table_bytes = sum(t["num_embeddings"] * t["embedding_dim"] * 4 for t in tables.values())
-    values = sum(v.numel() for v in dense.values()) + sum(t["num_embeddings"] * t["embedding_dim"]
-                                                           for t in tables.values())
-    keys = _ordered(manifest, [*dense, *tables])
+    # A dynamic table's bytes: its rows (float32) and their ids (int64).
+    table_bytes = (sum(t["num_embeddings"] * t["embedding_dim"] * 4 for t in tables.values())
+                   + sum(_dynamic_rows(t) * (4 * t["embedding_dim"] + 8) for t in dynamic.values()))
+    values = (sum(v.numel() for v in dense.values()) + sum(t["num_embeddings"] * t["embedding_dim"]
+                                                            for t in tables.values())
+              + sum(_dynamic_rows(t) * (t["embedding_dim"] + 1) for t in dynamic.values()))
+    keys = _ordered(manifest, [*dense, *tables, *(k for key in dynamic for k in (ids_key(key), key))])
     if sum(v.numel() * v.element_size() for v in dense.values()) + table_bytes <= part_bytes:
+        _dynamic(path, manifest, dense)
         state = {**dense, **{k: table_rows(path, t, 0, t["num_embeddings"]) for k, t in tables.items()}}
         _save_atomic({k: state[k] for k in keys}, out)
         return {"files": [out.name], "keys": keys, "values": values}
     _save_atomic({k: dense[k] for k in keys if k in dense}, out)
     parts: dict[str, list[dict[str, Any]]] = {}
+    for name, t in dynamic.items():  # ids and rows together, ascending by id, merged from the servers' files
+        step = max(1, part_bytes // (4 * t["embedding_dim"] + 8))
+        start = 0
+        for i, (ids, rows) in enumerate(dynamic_chunks(path, t, step)):
+            file = f"{out.name}.{quote(name, safe='.-_')}.part{i}.pt"
+            _save_atomic({ids_key(name): ids, name: rows}, out.with_name(file))
+            for key in (ids_key(name), name):
+                parts.setdefault(key, []).append({"file": file, "rows": [start, start + ids.numel()]})
+            start += ids.numel()
     for name, t in tables.items():
         step = max(1, part_bytes // (4 * t["embedding_dim"]))
         for i, start in enumerate(range(0, t["num_embeddings"], step)):

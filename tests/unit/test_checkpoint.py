@@ -497,3 +497,73 @@ def test_a_dynamic_table_that_trained_on_loads_the_checkpoint_and_nothing_else(t
             train(shard, s, [1, 2, 7, 100, 101, 200 + s])
     a, b = state(live), state(fresh)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("part_bytes", [None, 200], ids=["one file", "parts"])
+def test_dynamic_tables_export_ascending_by_id_whole_or_in_parts(tmp_path, monkeypatch, part_bytes):
+    """Two servers' dynamic shards, each saved in files of a few rows: the export holds every
+    id and row once, ascending by id, in one file or -- over ``part_bytes`` -- in parts of at
+    most that many bytes each, merged from the servers' files without reading a table whole."""
+    import dataclasses
+    import json as _json
+
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    import importlib
+
+    from hybrid.checkpoint import server_io
+    from hybrid.checkpoint.export import export, export_state_dict, load_export
+    from hybrid.ps.client.routing import Router
+    from hybrid.ps.config import DynamicIds
+
+    monkeypatch.setattr(server_io, "PART_BYTES", 64)  # a few rows a saved file
+    monkeypatch.setattr(importlib.import_module("hybrid.checkpoint.export"), "dense_state_dict", lambda *a, **k: {})
+    spec = DynamicIds(capacity=64, evict="lru", partitions=8)
+    table = TableSpec("a", 100, 3, ("fa",))
+    config = CollectionConfig(cid=CID, tables=(table,), layouts=tuple(shard_tables([table], 2, "row_wise")),
+                              optimizer=SparseOptimSpec(name="sgd", lr=0.5), num_trainers=1, dynamic=spec)
+    router = Router(config)
+    shards = [CollectionShard(config, s, start_step=0, huge_pages=False) for s in range(2)]
+    g = torch.Generator().manual_seed(3)
+    for step in range(3):
+        ids = torch.randint(-(1 << 62), 1 << 62, (20,), generator=g)
+        routed = router.route(KeyedJaggedTensor.from_lengths_sync(keys=["fa"], values=ids, lengths=torch.tensor([20])),
+                              where="test")
+        for s, request in routed.requests.items():
+            rows = shards[s].gather(request, step=step)
+            shards[s].push(0, step, [(request, torch.ones_like(rows))])
+    parts = [t.dynamic_rows() for shard in shards for t in shard.tables]
+    ids = torch.cat([p["ids"] for p in parts])
+    order = torch.argsort(ids)
+    want_ids, want_rows = ids[order], torch.cat([p["rows"] for p in parts])[order]
+    n = want_ids.numel()
+    assert n > 40 and all(p["ids"].numel() for p in parts)
+    ckpt = F.step_dir(tmp_path / "ck", 5)
+    F.prepare(ckpt)
+    written = [f for shard in shards for f in server_io._write_shards(shard, ckpt, 5)]
+    assert len(written) > 4
+    for f in written:
+        f.pop("table")
+    key = "ebc.embedding_bags.a.weight"
+    F.write_manifest(ckpt, step=5, files=[F.FileEntry(f["path"], f["size"], f["sha256"]) for f in written],
+                     collections=[{"cid": CID, "fqn": "ebc", "tables": [
+                         {"name": "a", "key": key, "num_embeddings": 100, "embedding_dim": 3, "sharding": "row_wise",
+                          "num_shards": 2, "servers": [0, 1], "optimizer": "sgd", "dynamic": dataclasses.asdict(spec),
+                          "files": sorted(written, key=lambda f: (f["shard"], f["rows"][0]))}]}])
+    state = export_state_dict(ckpt)
+    assert torch.equal(state["ebc.embedding_bags.a.ids"], want_ids) and torch.equal(state[key], want_rows)
+    out = tmp_path / "export" / "model.pt"
+    done = export(ckpt, out, **({} if part_bytes is None else {"part_bytes": part_bytes}))
+    assert done["values"] == n * 4
+    got = load_export(out)
+    assert list(got) == ["ebc.embedding_bags.a.ids", key]
+    assert torch.equal(got["ebc.embedding_bags.a.ids"], want_ids) and torch.equal(got[key], want_rows)
+    if part_bytes is None:
+        assert done["files"] == ["model.pt"]
+        return
+    index = _json.loads((tmp_path / "export" / "model.pt.index.json").read_text())
+    files = index["tables"][key]
+    assert len(files) == -(-n // (200 // (4 * 3 + 8))) and index["tables"]["ebc.embedding_bags.a.ids"] == files
+    for p in files:
+        part = torch.load(tmp_path / "export" / p["file"], weights_only=True)
+        assert part[key].shape[0] == p["rows"][1] - p["rows"][0] <= 200 // (4 * 3 + 8)
