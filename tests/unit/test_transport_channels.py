@@ -155,6 +155,30 @@ def test_a_reply_nobody_waited_for_is_collected_by_the_next_send(server, kind):
     trainer.close()
 
 
+def test_a_reply_collected_before_its_lookups_read_it_keeps_its_rows(server, kind):
+    """An async step that prefetches the next batch before it reads its own rows: the next
+    send collects the reply before its lookups have read it (here one of its two has), so
+    when the message two on takes its half of the region, the reply keeps a copy; a reply every
+    lookup has read stays a view (the test above)."""
+    trainer, _, fallback = _pair(kind)
+    second_part = Part(collection_handle("c"), step=0, lookup=Rows([0], [2], torch.tensor([0, 5])), num_raw=2)
+    first = trainer.send(StepMessage(trainer=0, parts=[_lookup(0).parts[0], second_part]))  # two collections' lookups
+    deadline = time.monotonic() + 5
+    while True:  # until the first reply is in: the next send collects it, unread
+        fut = trainer.send(_lookup(0, ids=(0, 1, 2)))
+        if not fallback.sent or time.monotonic() > deadline:
+            break
+        fut.wait()
+        fallback.sent.clear()
+    assert not fallback.sent
+    assert first.wait()[0].tolist() == [2.0, 3.0, 6.0, 7.0, 8.0, 9.0]  # the first lookup reads its rows
+    fut.wait()
+    for ids in ((5, 6, 7), (8, 9, 2)):  # the second of these answers into the first reply's half
+        trainer.send(_lookup(0, ids=ids)).wait()
+    assert first.wait()[1].tolist() == [0.0, 1.0, 10.0, 11.0]  # the second lookup reads its rows only now
+    trainer.close()
+
+
 def test_a_server_error_comes_back_as_the_message_s_error(server, kind):
     trainer, _, _ = _pair(kind)
     bad = StepMessage(trainer=0, parts=[Part(collection_handle("nope"), step=0,

@@ -133,9 +133,10 @@ class TrainerEnd(Transport, ABC):
     the channel. A push-only reply is collected first. So with one message outstanding, the reply of
     message ``n`` is overwritten by that of ``n + 2`` at the earliest, sent once ``n + 1``'s reply
     was collected: a reply's rows are consumed (pooled, copied to a device) as they are received
-    (waited for), long before. A reply collected by a later send before anyone waited for it (a
-    prefetch sent before the current step's rows are read: both replies are then collected
-    unread) is copied out of the region when message ``n + 2`` is sent. Subclasses move the bytes (:meth:`_post`, :meth:`_receive`) and say what they
+    (waited for by each lookup of the message), long before. A reply collected by a later send
+    before every lookup of it waited (a prefetch sent before the current step's rows are read:
+    both replies are then collected unread) is copied out of the region when message ``n + 2``
+    is sent. Subclasses move the bytes (:meth:`_post`, :meth:`_receive`) and say what they
     are (:attr:`Transport.what`: ``shared-memory channel``, ``TCP step connection``)."""
 
     def __init__(self, server: str, req: torch.Tensor, rep: torch.Tensor, *, fallback: Transport,
@@ -181,7 +182,7 @@ class TrainerEnd(Transport, ABC):
             self.closed = True  # the server is gone: RPC says so, naming it
             return self.fallback.deliver(msg)
         self.seq = seq
-        self.outstanding = _Reply(self, answers_rows=any(p.lookup is not None for p in msg.parts))
+        self.outstanding = _Reply(self, lookups=sum(p.lookup is not None for p in msg.parts))
         return self.outstanding
 
     def _keep_unread(self, half: int) -> None:
@@ -221,19 +222,26 @@ class TrainerEnd(Transport, ABC):
 class _Reply:
     """The future of a message sent through a channel."""
 
-    def __init__(self, end: TrainerEnd, *, answers_rows: bool) -> None:
+    def __init__(self, end: TrainerEnd, *, lookups: int) -> None:
         self.end = end
-        self.answers_rows = answers_rows
+        self.answers_rows = lookups > 0
+        self.lookups = lookups
+        """Parts of the message that ask for rows: each one's lookup waits for the reply once."""
+        self.waits = 0
         self.done = False
-        self.read = False
-        """Whether it was waited for: its rows are then consumed (see :class:`TrainerEnd`)."""
         self.result: list[torch.Tensor] | None = None
         self.error: BaseException | None = None
+
+    @property
+    def read(self) -> bool:
+        """Whether every lookup of the message waited for it: their rows are then consumed (see
+        :class:`TrainerEnd`)."""
+        return self.waits >= self.lookups
 
     def wait(self) -> list[torch.Tensor]:
         if not self.done:
             self.end._collect(block=True)
-        self.read = True
+        self.waits += 1
         if self.error is not None:
             raise self.error
         return self.result
