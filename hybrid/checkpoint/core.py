@@ -64,6 +64,31 @@ def _agree(err: str | PeerFailure | None, what: str) -> None:
         raise (PeerFailure if isinstance(e, PeerFailure) else CheckpointError)(f"{what} failed on trainer{r}: {e}")
 
 
+def _wait_answering(fut, server: str, doing: str):  # noqa: ANN001, ANN202 - a torch future and its value
+    """The answer of ``fut``, a call to ``server`` that may run long (writing or loading large
+    tables: its own timeout is :data:`DEFAULT_TIMEOUT_S`). Meanwhile the server must answer a
+    ping within the RPC timeout (``runtime.rpc_timeout_s``) every second: one that hangs (stopped,
+    or a host gone without closing its connections) fails the wait after that long rather than
+    after the call's 30 minutes."""
+    import time
+
+    from hybrid.ps import transport
+
+    if server not in transport._HERE:
+        import torch.distributed.rpc as rpc
+
+        timeout_s = rpc.get_rpc_timeout()
+        next_ping = time.monotonic() + 1.0
+        while not fut.done():
+            time.sleep(0.05)
+            if time.monotonic() >= next_ping and not fut.done():
+                if not answers(server, timeout_s):
+                    raise PeerFailure(f"parameter server {server} stopped answering while {doing} (died or hung): "
+                                      f"no answer to a ping within {timeout_s:g}s (runtime.rpc_timeout_s)")
+                next_ping = time.monotonic() + 1.0
+    return fut.wait()
+
+
 def _lost(server: str, doing: str, e: BaseException) -> PeerFailure | None:
     """When a call to ``server`` failed and the server no longer answers (it died or hangs: the
     call's error is then only the connection's ``EOF`` or a timeout), the :class:`PeerFailure`
@@ -276,7 +301,9 @@ def _wait_servers(futures, remotes) -> list[dict[str, Any]]:
     written: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for coll, s, fut in futures:
         try:
-            answer = fut.wait()
+            answer = _wait_answering(fut, coll.server_names[s], f"writing its shards of {coll.cid}")
+        except PeerFailure:
+            raise
         except Exception as e:  # noqa: BLE001
             lost = _lost(coll.server_names[s], f"writing its shards of {coll.cid}", e)
             if lost is not None:
@@ -429,7 +456,9 @@ class Checkpoint:
                     (coll.cid, str(self.path), self.step, match[0]["tables"]), timeout_s=timeout_s)))
         for coll, s, fut in futures:
             try:
-                answer = fut.wait()
+                answer = _wait_answering(fut, coll.server_names[s], f"loading {coll.cid}")
+            except PeerFailure:
+                raise
             except Exception as e:  # noqa: BLE001
                 lost = _lost(coll.server_names[s], f"loading {coll.cid}", e)
                 if lost is not None:

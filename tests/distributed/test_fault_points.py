@@ -209,3 +209,18 @@ def test_a_launcher_stopped_by_a_scheduler_or_a_closed_terminal_says_so_in_one_l
     assert took <= 3.0, f"{took:.2f}s"
     time.sleep(0.2)
     assert not [p for p in workers if _running(p)]
+
+
+@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+def test_a_server_hung_during_a_checkpoint_save_is_named_within_the_rpc_timeout(tmp_path):
+    """The server stops (SIGSTOP) while it writes its shards: trainer 0, waiting for its answer
+    (a call that may take up to 30 minutes for large tables), names it within
+    ``runtime.rpc_timeout_s`` (it pings the server meanwhile), not after the call's timeout; the
+    other trainer, waiting for trainer 0 in a collective (``pg_timeout_s`` 30 here), names it too."""
+    fault = {"who": "ps0", "target": "hybrid.checkpoint.server_io:save_tensors", "signal": "SIGSTOP"}
+    report, logs, elapsed = _run(tmp_path, fault, ["train.steps=40", "checkpoint.every=10",
+                                                   f"checkpoint.dir={tmp_path}/ckpt", "runtime.pg_timeout_s=30"])
+    _assert_survivors_named(report, logs, ["trainer0", "trainer1"], "ps0", elapsed, TIMEOUT + 10)
+    for name in ("trainer0", "trainer1"):
+        assert "ps0 stopped answering while writing its shards" in logs[name], logs[name]
+        assert "no answer to a ping within 6s (runtime.rpc_timeout_s)" in logs[name], logs[name]
