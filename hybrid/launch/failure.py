@@ -23,7 +23,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from hybrid.errors import print_error
-from hybrid.launch.init import record_failure
+from hybrid.launch.init import failed_peers, record_failure
 from hybrid.launch.roles import Role
 from hybrid.launch.serve import PeerFailure, unreachable_peers
 from hybrid.log import logger
@@ -50,9 +50,13 @@ def fail(role: Role, e: BaseException, *, user_error: bool) -> NoReturn:
     except Exception:  # noqa: BLE001 - the RPC agent itself may be down
         gone = []
     if gone:
+        # The silent ones first: a peer that failed and said so is gone too, often because of them
+        said = failed_peers(role)
+        silent = [n for n in gone if n not in said] or gone
+        also = [n for n in gone if n not in silent]
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        logger.error("%s: peers not answering: %s (died or hung); this process stopped on: %s",
-                     role.name, ", ".join(gone), first)
+        logger.error("%s: peers not answering: %s (died or hung)%s; this process stopped on: %s",
+                     role.name, ", ".join(silent), f"; {', '.join(also)} failed too, saying why" if also else "", first)
     elif isinstance(e, PeerFailure):  # it names the peer; the peer answers again by now
         logger.error("%s", e)
     else:

@@ -362,6 +362,18 @@ def record_failure() -> None:
         except Exception:  # noqa: BLE001 - the store's host is gone: nobody will ask
             pass
 
+
+def failed_peers(role: Role) -> set[str]:
+    """The names of the job's processes that marked themselves failed (:func:`record_failure`):
+    gone, but not silently -- each said what happened to it."""
+    if not _CHECKIN:
+        return set()
+    names = [*role.trainer_names, *role.server_names]  # index = global rank
+    try:
+        return {names[r] for r in range(role.world_size) if _CHECKIN[0].store.check([f"failed/{r}"])}
+    except Exception:  # noqa: BLE001 - the store's host is gone: nothing to say
+        return set()
+
 _ATTEMPT_STORE: list[dist.Store] = []
 
 

@@ -44,10 +44,13 @@ def serve(role: Role, *, heartbeat_s: float, timeout_s: float) -> None:
             except Exception as e:  # noqa: BLE001 - any failure to reach a peer is the same news
                 if _DONE.is_set():
                     return
+                from hybrid.launch.init import failed_peers
+
                 waited = time.monotonic() - t0
+                why = "it failed, saying why" if name in failed_peers(role) else "it probably died"
                 raise PeerFailure(
                     f"{role.name}: trainer {name} is unreachable (no answer after {waited:.1f}s: "
-                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); it probably died"
+                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); {why}"
                 ) from None
     logger.info("released by the trainers")
 

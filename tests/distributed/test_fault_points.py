@@ -224,3 +224,16 @@ def test_a_server_hung_during_a_checkpoint_save_is_named_within_the_rpc_timeout(
     for name in ("trainer0", "trainer1"):
         assert "ps0 stopped answering while writing its shards" in logs[name], logs[name]
         assert "no answer to a ping within 6s (runtime.rpc_timeout_s)" in logs[name], logs[name]
+
+
+@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+def test_a_server_names_the_trainer_that_died_not_the_one_that_failed_on_it(tmp_path):
+    """trainer1 is killed mid-run; trainer0 fails on it and exits, saying so, before the server's
+    heartbeat notices either. The server's line names trainer1 as the peer that died and trainer0
+    as one that failed too (not both as died or hung, trainer0 first)."""
+    fault = {"who": "trainer1", "target": "hybrid.train.loop:Trainer._log_train", "after": 5}
+    report, logs, elapsed = _run(tmp_path, fault, ["train.steps=100000", "train.log_every=1"])
+    _assert_survivors_named(report, logs, ["trainer0", "ps0"], "trainer1", elapsed, TIMEOUT + 10)
+    line = next(x for x in logs["ps0"].splitlines() if "peers not answering" in x)
+    assert "peers not answering: trainer1 (died or hung);" in line, line
+    assert "trainer0 failed too, saying why" in line or "trainer0" not in line.split("stopped on:")[0], line
