@@ -72,7 +72,7 @@ def _apply_parameter_server(
     coll = make_remote(config, pipeline=pipeline, server_names=pipeline.server_names, timeout_s=timeout_s,
                        hot_rows=opts.hot_rows)
     remote: nn.Module = coll if wrap is None else wrap(coll)
-    source = _table_source(module, entry.fqn, init_tables)
+    source = _table_source(module, entry.fqn, init_tables, dynamic=config.dynamic is not None)
     if role.index == 0:
         # The servers' step bookkeeping starts where the trainers' numbering does (a resumed run).
         coll.create_on_servers(init="zeros" if source == "module" else "seed", start_step=start_step)
@@ -114,13 +114,23 @@ def _stand_in(module: nn.Module, cid: str, entry: ResolvedModule):
                      f"expected an EmbeddingBagCollection, EmbeddingCollection, nn.EmbeddingBag or nn.Embedding")
 
 
-def _table_source(module: nn.Module, fqn: str, init_tables: str) -> str:
+def _table_source(module: nn.Module, fqn: str, init_tables: str, *, dynamic: bool = False) -> str:
     """Where a collection's initial rows come from: ``module`` (its weights, copied to the
     servers) or ``server`` (each server fills its rows). ``auto``: ``server`` for tables on the
-    meta device, ``module`` for real ones."""
+    meta device, ``module`` for real ones. ``dynamic`` (``ids: dynamic``): always ``server`` --
+    a row is made when its raw id is admitted, from (seed, table, id), so numbered rows have no
+    place to go; ``auto`` leaves real weights unused (and says so), ``module`` is refused."""
     if init_tables not in ("auto", "module", "server"):
         raise ValueError(f"init_tables: got {init_tables!r}; expected one of 'auto', 'module', 'server'")
     meta = {p.is_meta for p in module.parameters()}
+    if dynamic:
+        if init_tables == "module":
+            raise ValueError(f"{fqn}: ids: dynamic tables have no numbered rows to copy (a row is made when its id is "
+                             f"admitted, from seed, table and id); compose with init_tables='server' or 'auto'")
+        if False in meta:
+            logger.info("%s: ids: dynamic, so its weights are not copied to the servers (each row is made when its "
+                        "id is admitted); build it on the meta device to skip allocating them", fqn)
+        return "server"
     if init_tables == "module" and True in meta:
         raise ValueError(f"{fqn}: its tables are on the meta device, so there is nothing to copy to the servers; "
                          f"compose with init_tables='server' or 'auto' (each server initializes its rows)")

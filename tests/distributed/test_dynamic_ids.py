@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.launch.roles import role_of
-from hybrid.ps.client import make_pipeline, step
+from hybrid.ps.client import make_pipeline, pipeline_of, step
 from hybrid.ps.client.collection import RemoteEmbeddingBagCollection
 from hybrid.ps.client.routing import PooledRows, Router
 from hybrid.ps.config import DynamicIds
@@ -159,3 +159,47 @@ def test_sync_dynamic_embedding_collection_equals_one_process():
     res = run_distributed(_train, 4, setup="hybrid", num_servers=2, timeout=240, dynamic=dynamic, kind="sequence")[0]
     for n in OPTIMIZERS:
         assert res[n]["t0"][0] > 0 and res[n]["t0"][1] > 0, res[n]  # admitted and evicted
+
+
+class _CpuNet(torch.nn.Module):
+    """A model built as TorchRec builds by default: its tables real, on the CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(tables=sparse.sample_tables()[:1], device=torch.device("cpu"))
+
+    def forward(self, kjt):
+        return self.ebc(kjt).values()
+
+
+def _compose_real_tables(rank, world_size, *, num_servers):
+    import hybrid
+    from hybrid.plan import plan_from_dict
+    from hybrid.ps.init import init_tables
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    role = role_of(rank, world_size, num_servers)
+    if not role.is_trainer:
+        return None
+    plan = plan_from_dict({"world_size": world_size, "topology": {"parameter_servers": num_servers}, "modules": {
+        "ebc": {"strategy": "parameter_server", "optimizer": {"name": "sgd", "lr": 0.5}, "ids": "dynamic",
+                "capacity": 16, "evict": "lru"}}})
+    model = _CpuNet()  # 50 real rows: more than the 16 the dynamic table holds
+    hybrid.compose(model, plan, role=role)
+    ids = torch.tensor([3, 7, -5])
+    with torch.no_grad():
+        got = model(KeyedJaggedTensor.from_lengths_sync(keys=["f0"], values=ids, lengths=torch.tensor([1, 1, 1])))
+    local = init_tables(EmbeddingBagCollection(tables=sparse.sample_tables()[:1], device=torch.device("meta")))
+    assert torch.equal(got[:2], local.embedding_bags["t0"].weight[ids[:2]])  # the servers' rows, keyed by id
+    with pytest.raises(ValueError, match="has ids: dynamic: its rows are named by ids"):
+        model.load_state_dict({"ebc.embedding_bags.t0.weight": torch.zeros(50, 4)})
+    pipeline_of(model).close()
+    return True
+
+
+def test_a_model_with_real_tables_composes_onto_dynamic_tables_from_the_servers():
+    """TorchRec builds tables on the CPU by default: with ids: dynamic, compose's init_tables
+    'auto' takes the rows from the servers (numbered weights have no place among raw ids; a copy
+    crashed on the server, or wrote rows into slots no id named), and load_state_dict is refused
+    by name."""
+    assert run_distributed(_compose_real_tables, 2, setup="hybrid", num_servers=1, timeout=120)[0]

@@ -492,3 +492,22 @@ def test_a_trainer_with_no_ids_for_a_server_takes_part_in_the_step(optimizer, ad
         assert got["ids"].numel() > 0
         for k in ("ids", "part", "index", "last", "seen_ids", "seen_counts", "rows"):
             assert torch.equal(got[k], want[k]), (a.name, k, got[k], want[k])
+
+
+def test_compose_takes_a_dynamic_table_s_rows_from_the_servers_whatever_the_module_holds():
+    """``init_tables``: a dynamic table's rows are made when ids are admitted, from (seed,
+    table, id), so a module's numbered rows are never copied: ``auto`` gives ``server`` even for
+    real weights, ``module`` is refused naming the fix; range tables keep ``auto``'s choice."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from hybrid.compose import _table_source
+
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=50, feature_names=["f"])]
+    real, meta = (EmbeddingBagCollection(tables=tables, device=torch.device(d)) for d in ("cpu", "meta"))
+    assert _table_source(real, "ebc", "auto", dynamic=True) == "server"
+    assert _table_source(meta, "ebc", "auto", dynamic=True) == "server"
+    assert _table_source(real, "ebc", "server", dynamic=True) == "server"
+    with pytest.raises(ValueError, match="ebc: ids: dynamic tables have no numbered rows to copy.*init_tables='server'"):
+        _table_source(real, "ebc", "module", dynamic=True)
+    assert _table_source(real, "ebc", "auto") == "module" and _table_source(meta, "ebc", "auto") == "server"

@@ -182,6 +182,9 @@ class RemoteCollection(nn.Module):
     def write_tables(self, weights: dict[str, torch.Tensor]) -> None:
         """Overwrite whole tables on the servers, streamed in chunks of at most
         :data:`WRITE_CHUNK_BYTES`, at most :data:`WRITE_WINDOW_BYTES` in flight per server."""
+        if self.config.dynamic is not None:
+            raise ValueError(f"{self.cid} has ids: dynamic: its rows are named by ids, not numbered, so numbered "
+                             f"weights cannot be written into it; restore a checkpoint to set its rows")
         if self.hot_rows is not None:
             self.hot_rows.clear()
         inflight: dict[int, list[tuple[int, torch.futures.Future]]] = {s: [] for s in self.servers}
