@@ -23,7 +23,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from hybrid.errors import print_error
-from hybrid.launch.init import failed_peers, record_failure
+from hybrid.launch.init import failed_peers, record_failure, within
 from hybrid.launch.roles import Role
 from hybrid.launch.serve import PeerFailure, unreachable_peers
 from hybrid.log import logger
@@ -79,20 +79,15 @@ def _first_to_report() -> bool:
     store = _store()
     if store is None:
         return True
-    try:
-        return store.add(_REPORTED, 1) == 1
-    except Exception:  # noqa: BLE001 - the store's host is gone: say it rather than nothing
-        return True
+    # the store's host gone or hung: say it rather than nothing
+    return within(lambda: store.add(_REPORTED, 1) == 1, True)
 
 
 def _reported() -> bool:
     store = _store()
     if store is None:
         return False
-    try:
-        return store.check([_REPORTED])
-    except Exception:  # noqa: BLE001
-        return False
+    return within(lambda: store.check([_REPORTED]), False)
 
 
 def _exit(code: int) -> NoReturn:

@@ -171,6 +171,32 @@ def _startup_store(init_method: str, world_size: int, timeout_s: float) -> dist.
     return None
 
 
+STORE_STEP_TIMEOUT_S = 2.0
+"""How long one read or write of the job's store may take on the way to a failure's message."""
+
+
+def within(fn, default, timeout_s: float = STORE_STEP_TIMEOUT_S):  # noqa: ANN001, ANN201 - any call, its value
+    """``fn()``, or ``default`` when it raises or takes over ``timeout_s``: for the job's store on
+    the way to a failure's message. A store whose host hangs or whose machine is gone holds a
+    read for the store's own timeout (minutes: ``set_timeout`` does not shorten a read already
+    connected), so the call runs on a thread of its own, left behind if it does not return; the
+    process is ending."""
+    import threading
+
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except Exception:  # noqa: BLE001 - the store's host is gone: the default stands
+            pass
+
+    thread = threading.Thread(target=run, name="hybrid-store-step", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return out[0] if out else default
+
+
 STAGES = ("checked in", "in the trainers' process group", "in RPC's start-up", "joined", "leaving RPC", "left")
 """The stages of a process's part in a job, joining it and leaving it, in order; each process
 records the one it is in (:class:`Checkin`)."""
@@ -198,16 +224,12 @@ class Checkin:
         STAGE)``."""
         from hybrid.launch.roles import role_of
 
-        stages, failed = {}, set()
-        for r in range(self.role.world_size):
-            if r == self.role.rank:
-                continue
-            try:
-                stages[r] = int(self.store.get(f"stage/{r}"))
-                if self.store.check([f"failed/{r}"]):
-                    failed.add(r)
-            except Exception:  # noqa: BLE001 - the store's host is gone: nothing to say
-                return []
+        def read() -> tuple[dict[int, int], set[int]]:
+            peers = [r for r in range(self.role.world_size) if r != self.role.rank]
+            return ({r: int(self.store.get(f"stage/{r}")) for r in peers},
+                    {r for r in peers if self.store.check([f"failed/{r}"])})
+
+        stages, failed = within(read, ({}, set()))
         waiting = {r: s for r, s in stages.items() if s < STAGES.index(goal)}
         waiting = {r: s for r, s in waiting.items() if r not in failed} or waiting
         if not waiting:
@@ -357,10 +379,7 @@ _CHECKIN: list[Checkin] = []
 def record_failure() -> None:
     """Mark this process as failed in the job's start-up store (:meth:`Checkin.failed`)."""
     if _CHECKIN:
-        try:
-            _CHECKIN[0].failed()
-        except Exception:  # noqa: BLE001 - the store's host is gone: nobody will ask
-            pass
+        within(_CHECKIN[0].failed, None)
 
 
 def failed_peers(role: Role) -> set[str]:
@@ -369,10 +388,8 @@ def failed_peers(role: Role) -> set[str]:
     if not _CHECKIN:
         return set()
     names = [*role.trainer_names, *role.server_names]  # index = global rank
-    try:
-        return {names[r] for r in range(role.world_size) if _CHECKIN[0].store.check([f"failed/{r}"])}
-    except Exception:  # noqa: BLE001 - the store's host is gone: nothing to say
-        return set()
+    store = _CHECKIN[0].store
+    return within(lambda: {names[r] for r in range(role.world_size) if store.check([f"failed/{r}"])}, set())
 
 _ATTEMPT_STORE: list[dist.Store] = []
 

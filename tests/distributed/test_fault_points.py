@@ -237,3 +237,40 @@ def test_a_server_names_the_trainer_that_died_not_the_one_that_failed_on_it(tmp_
     line = next(x for x in logs["ps0"].splitlines() if "peers not answering" in x)
     assert "peers not answering: trainer1 (died or hung);" in line, line
     assert "trainer0 failed too, saying why" in line or "trainer0" not in line.split("stopped on:")[0], line
+
+
+@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+def test_a_trainer_killed_while_the_store_host_hangs_ends_the_others_within_seconds(tmp_path):
+    """The job's store lives in torchrun's agent (on another machine: node 0's). With the agent
+    stopped (SIGSTOP: as a lost machine, it neither answers nor closes its connections), trainer1
+    is killed: trainer0 and the server end by themselves within the timeouts plus a few seconds,
+    rather than wait in a read of the store (whose own timeout is minutes)."""
+    from tests.distributed.test_stops import DLRM
+    from tests.distributed.test_stops import TINY as LAUNCH_TINY
+    from tests.support.job import Job
+
+    out = tmp_path / "out"
+    args = ["launch", "-n", "3", *DLRM, *LAUNCH_TINY, "train.steps=100000", f"train.out_dir={out}",
+            "runtime.heartbeat_s=1", f"runtime.rpc_timeout_s={TIMEOUT}", f"runtime.pg_timeout_s={TIMEOUT}"]
+    with Job(args) as job:
+        job.wait_training(out)
+        workers = {name: job.pid_of_role(name) for name in ("trainer0", "trainer1", "ps0")}
+        os.kill(job.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            os.kill(workers["trainer1"], signal.SIGKILL)
+            ended: dict[str, float] = {}
+            while time.monotonic() - t0 < TIMEOUT + 30 and len(ended) < 2:
+                for name in ("trainer0", "ps0"):
+                    if name not in ended and not _running(workers[name]):
+                        ended[name] = time.monotonic() - t0
+                time.sleep(0.1)
+        finally:
+            for pid in workers.values():
+                if _running(pid):
+                    os.kill(pid, signal.SIGKILL)
+            os.kill(job.proc.pid, signal.SIGCONT)
+    print(f"with the store host stopped, after trainer1's death: {ended}")
+    assert set(ended) == {"trainer0", "ps0"}, f"still running {TIMEOUT + 30:.0f}s after: {set(workers) - set(ended)}"
+    assert max(ended.values()) < TIMEOUT + 10, ended
+    assert "trainer0: peers not answering: trainer1" in job.output, job.output[-4000:]
