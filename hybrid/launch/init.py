@@ -446,8 +446,8 @@ def _leave_rpc(role: Role, timeout_s: float) -> None:
     from hybrid.launch.serve import PeerFailure
 
     checkin = _CHECKIN[0] if _CHECKIN else None
-    if checkin is not None:
-        checkin.reached("leaving RPC")
+    if checkin is not None:  # (a store whose host is gone must not hold the shutdown)
+        within(lambda: checkin.reached("leaving RPC"), None)
     # torch logs its own traceback of a peer that did not leave ("Failed to respond to 'Shutdown
     # Proceed' in time") before it raises; the PeerFailure below says it in one line
     quiet = logging.getLogger("torch.distributed.rpc.api")
@@ -464,4 +464,4 @@ def _leave_rpc(role: Role, timeout_s: float) -> None:
     finally:
         quiet.setLevel(level)
     if checkin is not None:
-        checkin.reached("left")
+        within(lambda: checkin.reached("left"), None)
