@@ -40,12 +40,14 @@ class RuntimeOptions:
     pg_timeout_s: float = 300.0
     """Deadline of one collective in the trainers' process group."""
     shutdown_timeout_s: float = 60.0
-    """How long a graceful RPC shutdown waits for the peers before it gives up."""
+    """How long a graceful RPC shutdown waits for the peers before it gives up (torch waits it
+    twice over when a peer does not leave: for the peers' notes, then for their calls)."""
     heartbeat_s: float = 5.0
     """A waiting parameter server checks that every trainer still answers this often."""
     startup_timeout_s: float = 120.0
-    """How long a process waits for every other process of the job to start; after it, the
-    error names the ones that never came."""
+    """How long a process waits for every other process of the job to start, and then to connect
+    in RPC's start-up; after it, the error names the ones that never came (or that stopped
+    while the processes connected)."""
     transports: list[str] = field(default_factory=lambda: ["uv"])
     """TensorPipe transports. ``uv`` (TCP) is the measured best on small machines: the default
     shared-memory transport busy-spins and starves the trainers of CPU."""
