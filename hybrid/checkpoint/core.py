@@ -290,8 +290,45 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
                                "the newest", ckpt.parent, ", ".join(newer))
         except Exception as e:  # noqa: BLE001
             err = e if isinstance(e, PeerFailure) else _describe(e)
+    _trainer0_has_the_server_files(rank, world)
     _agree(err, f"saving step {step}")
     return ckpt
+
+
+_SAVES = [0]
+"""Saves this process has taken part in: every trainer counts the same, so the count names one
+save in the trainers' store."""
+
+
+def _trainer0_has_the_server_files(rank: int, world: int) -> None:
+    """Trainer 0 says it has the servers' answers (and wrote the manifest); the others wait for it.
+
+    The servers may write their tables for longer than a collective of the trainers may wait
+    (``runtime.pg_timeout_s``: 5 minutes by default): the others must not wait in the agreement
+    that follows. They poll the trainers' store instead, pinging trainer 0 every second
+    meanwhile: one that does not answer within the RPC timeout (dead or hung) is named."""
+    import time
+
+    _SAVES[0] += 1
+    if world == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    key = f"hybrid/checkpoint/save{_SAVES[0]}/servers_written"
+    if rank == 0:
+        store.set(key, "1")
+        return
+    import torch.distributed.rpc as rpc
+
+    pinged = rpc.api._is_current_rpc_agent_set()  # a job without RPC has no servers to wait for
+    next_ping = time.monotonic() + 1.0
+    while not store.check([key]):
+        time.sleep(0.05)
+        if pinged and time.monotonic() >= next_ping:
+            if not answers("trainer0", rpc.get_rpc_timeout()):
+                raise PeerFailure(f"trainer0 stopped answering while it waited for the servers' checkpoint files "
+                                  f"(died or hung): no answer to a ping within {rpc.get_rpc_timeout():g}s "
+                                  f"(runtime.rpc_timeout_s)")
+            next_ping = time.monotonic() + 1.0
 
 
 def _wait_servers(futures, remotes) -> list[dict[str, Any]]:

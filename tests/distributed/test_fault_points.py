@@ -33,8 +33,9 @@ FAST = [o for o in TINY if not o.startswith(("runtime.", "train.steps"))] + [
 
 
 def _signal_at(target: str, after: int, how: str, when: str) -> None:
-    """Send this process ``how`` (SIGKILL or SIGSTOP) on the ``after``-th call of ``target``
-    (``module:attr`` or ``module:Class.attr``), ``before`` or ``after`` the call itself."""
+    """Send this process ``how`` (SIGKILL or SIGSTOP; ``sleep:SECONDS`` sleeps instead) on the
+    ``after``-th call of ``target`` (``module:attr`` or ``module:Class.attr``), ``before`` or
+    ``after`` the call itself."""
     module, _, path = target.partition(":")
     owner = importlib.import_module(module)
     *outer, name = path.split(".")
@@ -42,9 +43,13 @@ def _signal_at(target: str, after: int, how: str, when: str) -> None:
         owner = getattr(owner, part)
     original = getattr(owner, name)
     calls = [0]
-    sig = getattr(signal, how)
+    sig = getattr(signal, how, None)
 
     def fire():
+        if how.startswith("sleep"):  # "sleep:SECONDS": slow, not dead
+            logging.getLogger("hybrid").error("fault: %s in %s", how, target)
+            time.sleep(float(how.split(":")[1]))
+            return
         logging.getLogger("hybrid").error("fault: %s to myself in %s", how, target)
         os.kill(os.getpid(), sig)
 
@@ -275,3 +280,20 @@ def test_a_trainer_killed_while_the_store_host_hangs_ends_the_others_within_seco
     assert set(ended) == {"trainer0", "ps0"}, f"still running {TIMEOUT + 30:.0f}s after: {set(workers) - set(ended)}"
     assert max(ended.values()) < TIMEOUT + 10, ended
     assert "trainer0: peers not answering: trainer1" in job.output, job.output[-4000:]
+
+
+@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+def test_a_checkpoint_save_longer_than_the_collective_timeout_succeeds(tmp_path):
+    """A healthy server takes 12 s to write its shards (large tables on a slow disk) with
+    ``pg_timeout_s`` 6: the save completes and training goes on. The trainers other than trainer 0
+    (which waits for the servers) wait for it outside any collective, pinging it."""
+    from tests.harness import run_distributed
+
+    fault = {"who": "ps0", "target": "hybrid.checkpoint.server_io:save_tensors", "signal": "sleep:12"}
+    out = run_distributed(_job, 3, setup="none", timeout=150, failure_grace=TIMEOUT + MARGIN, tmp=str(tmp_path),
+                          num_servers=1, fault=fault,
+                          overrides=["train.steps=20", "checkpoint.every=10", f"checkpoint.dir={tmp_path}/ckpt"])
+    assert out == [0, 0, 0], out
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")) == \
+        ["step_00000010", "step_00000020"]
+    assert "fault: sleep:12" in (tmp_path / "ps0.log").read_text()
