@@ -290,30 +290,31 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
                                "the newest", ckpt.parent, ", ".join(newer))
         except Exception as e:  # noqa: BLE001
             err = e if isinstance(e, PeerFailure) else _describe(e)
-    _trainer0_has_the_server_files(rank, world)
+    _after_trainer0(rank, world, "the servers' checkpoint files")
     _agree(err, f"saving step {step}")
     return ckpt
 
 
-_SAVES = [0]
-"""Saves this process has taken part in: every trainer counts the same, so the count names one
-save in the trainers' store."""
+_WAITS = [0]
+"""Waits for trainer 0 this process has taken part in: every trainer counts the same, so the
+count names one wait in the trainers' store."""
 
 
-def _trainer0_has_the_server_files(rank: int, world: int) -> None:
-    """Trainer 0 says it has the servers' answers (and wrote the manifest); the others wait for it.
+def _after_trainer0(rank: int, world: int, waiting_for: str) -> None:
+    """Trainer 0 says it is done waiting for the servers (their files written, or their tables
+    loaded); the others wait for it.
 
-    The servers may write their tables for longer than a collective of the trainers may wait
-    (``runtime.pg_timeout_s``: 5 minutes by default): the others must not wait in the agreement
-    that follows. They poll the trainers' store instead, pinging trainer 0 every second
+    The servers may write or load their tables for longer than a collective of the trainers may
+    wait (``runtime.pg_timeout_s``: 5 minutes by default): the others must not wait in the
+    agreement that follows. They poll the trainers' store instead, pinging trainer 0 every second
     meanwhile: one that does not answer within the RPC timeout (dead or hung) is named."""
     import time
 
-    _SAVES[0] += 1
+    _WAITS[0] += 1
     if world == 1:
         return
     store = dist.distributed_c10d._get_default_store()
-    key = f"hybrid/checkpoint/save{_SAVES[0]}/servers_written"
+    key = f"hybrid/checkpoint/wait{_WAITS[0]}/trainer0_done"
     if rank == 0:
         store.set(key, "1")
         return
@@ -325,7 +326,7 @@ def _trainer0_has_the_server_files(rank: int, world: int) -> None:
         time.sleep(0.05)
         if pinged and time.monotonic() >= next_ping:
             if not answers("trainer0", rpc.get_rpc_timeout()):
-                raise PeerFailure(f"trainer0 stopped answering while it waited for the servers' checkpoint files "
+                raise PeerFailure(f"trainer0 stopped answering while it waited for {waiting_for} "
                                   f"(died or hung): no answer to a ping within {rpc.get_rpc_timeout():g}s "
                                   f"(runtime.rpc_timeout_s)")
             next_ping = time.monotonic() + 1.0
@@ -435,6 +436,7 @@ class Checkpoint:
                 self._load_tables(model, timeout_s)
             except Exception as e:  # noqa: BLE001
                 err = e if isinstance(e, PeerFailure) else _describe(e)
+        _after_trainer0(rank, world, "the servers to load their tables")
         _agree(err, what)  # no trainer looks up before every table is loaded
         pipeline = pipeline_of(model)
         if pipeline is not None:

@@ -297,3 +297,23 @@ def test_a_checkpoint_save_longer_than_the_collective_timeout_succeeds(tmp_path)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")) == \
         ["step_00000010", "step_00000020"]
     assert "fault: sleep:12" in (tmp_path / "ps0.log").read_text()
+
+
+@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+def test_a_checkpoint_restore_longer_than_the_collective_timeout_succeeds(tmp_path):
+    """The same for a resume: the server takes 12 s to load its tables, ``pg_timeout_s`` 6."""
+    from tests.harness import run_distributed
+
+    ckpt = [f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.every=10"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    out = run_distributed(_job, 3, setup="none", timeout=150, failure_grace=TIMEOUT + MARGIN, tmp=str(first),
+                          num_servers=1, fault={"who": "nobody"}, overrides=["train.steps=10", *ckpt])
+    assert out == [0, 0, 0], out
+    fault = {"who": "ps0", "target": "hybrid.checkpoint.server_io:_load_collection", "signal": "sleep:12"}
+    out = run_distributed(_job, 3, setup="none", timeout=150, failure_grace=TIMEOUT + MARGIN, tmp=str(second),
+                          num_servers=1, fault=fault, overrides=["train.steps=20", "checkpoint.resume=latest", *ckpt])
+    assert out == [0, 0, 0], out
+    assert "fault: sleep:12" in (second / "ps0.log").read_text()
+    assert "resuming at step 10" in (second / "trainer0.log").read_text()
