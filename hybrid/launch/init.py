@@ -148,12 +148,9 @@ def end_with_the_agent() -> None:
 
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
-    import ctypes
+    from hybrid import ops
 
-    pr_set_pdeathsig = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):  # no prctl: the agent's own stop is all there is
+    if not ops.die_with_parent(int(signal.SIGKILL)):  # not granted: the agent's own stop is all there is
         return
     if os.getppid() == 1:  # the agent died before the call: nobody would send the signal
         os.kill(os.getpid(), signal.SIGKILL)

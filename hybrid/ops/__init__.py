@@ -21,12 +21,12 @@ import torch
 from hybrid.ops.reference import DynamicPlan, ForeignPart, NonFinite, PartFull, Route, RowOutOfRange, _table_views
 
 __all__ = ["AVAILABLE", "DynamicPlan", "ForeignPart", "NonFinite", "PartFull", "Route", "RowOutOfRange",
-           "bag_rows", "dynamic_commit_", "dynamic_plan", "dynamic_rows", "gather_rows", "merge_ids", "initial_rows_", "optimizer_rows",
+           "bag_rows", "die_with_parent", "dynamic_commit_", "dynamic_plan", "dynamic_rows", "gather_rows", "merge_ids", "initial_rows_", "optimizer_rows",
            "optimizer_step_", "populate_", "route", "route_hashed", "scatter_rows_", "sgd_rows_", "sum_rows", "sum_runs"]
 
 OPS = ("route", "route_hashed", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows", "optimizer_step_",
        "scatter_rows_", "initial_rows_", "merge_ids", "sum_runs", "dynamic_plan", "dynamic_commit_",
-       "dynamic_rows", "populate_", "bag_rows")
+       "dynamic_rows", "populate_", "bag_rows", "die_with_parent")
 """The operators ``hybrid._C`` registers under ``torch.ops.hybrid``."""
 
 STATE_KEYS = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",),
@@ -313,10 +313,17 @@ def bag_rows(idx, offsets, *, rows, features, weights=None, mean=False):
     return grad_bags, grad_offsets, grad_scale if weights is not None or mean else None
 
 
+def die_with_parent(signal: int) -> bool:
+    """Have the kernel send ``signal`` to this process when the thread that started it ends
+    (Linux's parent-death signal). Returns whether the kernel took the request."""
+    return bool(torch.ops.hybrid.die_with_parent(int(signal)))
+
+
 # Without the extension every public name is the reference's own function.
 if not AVAILABLE:
     from hybrid.ops.reference import (  # noqa: F811
         bag_rows,
+        die_with_parent,
         dynamic_commit_,
         dynamic_plan,
         dynamic_rows,

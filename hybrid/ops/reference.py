@@ -285,6 +285,13 @@ def populate_(memory: torch.Tensor, *, huge_pages: bool = False, collapse: bool 
     return False
 
 
+def die_with_parent(signal: int) -> bool:
+    """Plain torch cannot ask the kernel for a parent-death signal: nothing is done."""
+    if not 1 <= int(signal) <= 64:
+        raise ValueError(f"signal must be a signal number in 1..64, got {signal}")
+    return False
+
+
 _U64 = (1 << 64) - 1
 
 

@@ -61,3 +61,11 @@ def test_the_library_imports_nothing_of_its_examples():
     named = [f"{p.relative_to(ROOT.parent)}:{n}" for p in sorted(ROOT.rglob("*")) if p.suffix in (".py", ".cpp", ".h")
              for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if "recsys_examples" in line]
     assert named == [], named
+
+
+def test_the_library_calls_no_c_function_through_ctypes():
+    """Native code is the extension's typed operators (hybrid/ops/csrc): no module of the library
+    loads C functions by name with untyped arguments."""
+    named = [f"{p.relative_to(ROOT.parent)}:{n}" for p in sorted(ROOT.rglob("*.py"))
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if "ctypes" in line]
+    assert named == [], named

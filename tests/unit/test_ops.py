@@ -8,6 +8,7 @@ reference when the extension does not load."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -799,3 +800,24 @@ def test_without_the_extension_the_reference_runs_after_one_warning():
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_die_with_parent_sets_the_kernel_s_parent_death_signal():
+    """The operator asks the kernel for the signal (read back with prctl(PR_GET_PDEATHSIG) in a
+    child process); a number that is no signal is refused; the plain-torch twin does nothing."""
+    from hybrid.ops import reference
+
+    code = ("import ctypes, signal\n"
+            "from hybrid import ops\n"
+            "assert ops.die_with_parent(int(signal.SIGTERM)) is ops.AVAILABLE\n"
+            "got = ctypes.c_int(0)\n"
+            "assert ctypes.CDLL(None).prctl(2, ctypes.byref(got), 0, 0, 0) == 0\n"  # PR_GET_PDEATHSIG
+            "print(got.value)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert int(res.stdout) == (int(signal.SIGTERM) if ops.AVAILABLE else 0)
+    for impl in (ops, reference):
+        with pytest.raises(ValueError, match="signal must be a signal number in 1..64, got 0"):
+            impl.die_with_parent(0)
+    assert reference.die_with_parent(int(signal.SIGTERM)) is False
