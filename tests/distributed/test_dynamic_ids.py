@@ -187,10 +187,14 @@ def _compose_real_tables(rank, world_size, *, num_servers):
     model = _CpuNet()  # 50 real rows: more than the 16 the dynamic table holds
     hybrid.compose(model, plan, role=role)
     ids = torch.tensor([3, 7, -5])
-    with torch.no_grad():
-        got = model(KeyedJaggedTensor.from_lengths_sync(keys=["f0"], values=ids, lengths=torch.tensor([1, 1, 1])))
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0"], values=ids, lengths=torch.tensor([1, 1, 1]))
+    with torch.no_grad():  # a read outside training: no id has a row yet, and none is admitted
+        assert not model(kjt).any()
+    with hybrid.step(model) as s:  # a training lookup reads the row its update admits
+        got = model(kjt)
+        s.backward(got.sum() * 0.0)
     local = init_tables(EmbeddingBagCollection(tables=sparse.sample_tables()[:1], device=torch.device("meta")))
-    assert torch.equal(got[:2], local.embedding_bags["t0"].weight[ids[:2]])  # the servers' rows, keyed by id
+    assert torch.equal(got[:2].detach(), local.embedding_bags["t0"].weight[ids[:2]])  # the servers' rows, keyed by id
     with pytest.raises(ValueError, match="has ids: dynamic: its rows are named by ids"):
         model.load_state_dict({"ebc.embedding_bags.t0.weight": torch.zeros(50, 4)})
     pipeline_of(model).close()

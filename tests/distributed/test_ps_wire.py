@@ -82,13 +82,14 @@ class Rounded:
     def _round(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(torch.bfloat16).float() if self.rounds else x
 
-    def rows(self, rows: Rows) -> torch.Tensor:
-        """The rows of ``rows`` (ids as one server holding everything numbers them) as sent."""
-        return self._round(self.shard.gather(rows))
+    def rows(self, rows: Rows, *, update: bool = True) -> torch.Tensor:
+        """The rows of ``rows`` (ids as one server holding everything numbers them) as sent
+        (``update`` false: as an evaluation reads them)."""
+        return self._round(self.shard.gather(rows, update=update))
 
-    def forward(self, kjt):
+    def forward(self, kjt, *, update: bool = True):
         routed = self.router.route(kjt, where="reference")
-        rows = self.rows(routed.requests[0]).requires_grad_(True)
+        rows = self.rows(routed.requests[0], update=update).requires_grad_(True)
         out = self.router.pool if self.pooled else self.router.embed
         return routed, rows, out(routed, {0: rows})
 
@@ -162,7 +163,7 @@ def _train(rank, world_size, *, num_servers, push, prefetch, lookups):
             result[name] = {"stats": remote.stats()}  # the training steps' bytes alone
             with torch.no_grad():  # outside a step: rows read as evaluation reads them
                 got = _values(ref.pooled, remote(kjt))
-                expect = ref.forward(kjt)[2]
+                expect = ref.forward(kjt, update=False)[2]
             torch.testing.assert_close(got, expect, rtol=0, atol=0, msg=lambda m: f"{name} read: {m}")
             _compare(name, remote, ref)
         result["twins"] = [remotes[n].read_tables() for n in ("bag", "bag32")]

@@ -511,3 +511,46 @@ def test_compose_takes_a_dynamic_table_s_rows_from_the_servers_whatever_the_modu
     with pytest.raises(ValueError, match="ebc: ids: dynamic tables have no numbered rows to copy.*init_tables='server'"):
         _table_source(real, "ebc", "module", dynamic=True)
     assert _table_source(real, "ebc", "auto") == "module" and _table_source(meta, "ebc", "auto") == "server"
+
+
+@pytest.mark.parametrize("kind", ["native", "reference"])
+def test_a_lookup_outside_training_reads_zeros_for_ids_without_a_row(kind, monkeypatch):
+    """Evaluation reads (``update=False``: no update follows them) give an id without a row
+    zeros -- what a model exported from the table holds for it -- even where a training lookup
+    would read the initial value its update is about to write (admit_after 1), and they leave
+    the hit counters alone; ids with a row read it either way."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from hybrid.ops import reference
+    from hybrid.ps.client.collection import RemoteEmbeddingBagCollection
+    from hybrid.ps.client.routing import Router
+    from hybrid.ps.server.shard import CollectionShard
+
+    if kind == "native" and not ops.AVAILABLE:
+        pytest.skip("hybrid._C not built")
+    if kind == "reference":
+        monkeypatch.setattr(dynamic.ops, "dynamic_rows", reference.dynamic_rows)
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=100,
+                                                            feature_names=["f"])], device=torch.device("meta"))
+    config = RemoteEmbeddingBagCollection.config_from(ebc, cid="c", num_servers=1, optimizer={"name": "sgd", "lr": 0.1},
+                                                      num_trainers=1, dynamic=DynamicIds(capacity=16, partitions=2))
+    router = Router(config)
+
+    def request(ids):
+        return router.route(KeyedJaggedTensor.from_lengths_sync(
+            keys=["f"], values=torch.tensor(ids), lengths=torch.tensor([len(ids)])), where="test").requests[0]
+
+    shard = CollectionShard(config, 0, start_step=0, huge_pages=False)
+    table = shard.tables[0].dynamic
+    old, new = request([3, 9]), request([3, 9, 11])  # 11 never seen
+    assert shard.gather(new, update=False).abs().sum() == 0 and table.counters.looked_up == 0  # nothing has a row yet
+    rows = shard.gather(old, step=0)
+    assert rows.abs().sum() > 0 and table.counters.looked_up == 2  # the step admits 3 and 9: initial values
+    shard.push(0, 0, [(old, torch.ones_like(rows))])
+    trained = shard.gather(old, update=False).view(2, 4)
+    got = shard.gather(new, update=False).view(3, 4)
+    assert torch.equal(got[:2], trained) and torch.equal(got[2], torch.zeros(4))
+    assert table.counters.looked_up == 2 and table.counters.hits == 0
+    assert shard.gather(new, step=1).view(3, 4)[2].abs().sum() > 0  # a training lookup: 11's initial value

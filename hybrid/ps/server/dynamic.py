@@ -265,16 +265,27 @@ def commit_updates(tables: list[DynamicSlots], admissions: list[Admission], *, w
         t.counters.admitted += a.new_ids.numel()
 
 
+NEVER = 1 << 62
+"""An ``admit_after`` no sighting count reaches: a lookup that no update follows admits nothing."""
+
+
 def read_rows(tables: list[DynamicSlots], weights: list[torch.Tensor], ids: torch.Tensor, counts: list[int], *,
-              keys: list[int], bounds: list[float], out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              keys: list[int], bounds: list[float], out: torch.Tensor,
+              update: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of raw ``ids`` (table ``k``'s the ``counts[k]``-long run after the earlier ones') into
     the flat float32 ``out``: the row where the id has one, its initial value (``keys[k]``,
     ``bounds[k]``) where this step's update admits it, zeros otherwise. Counts the hits.
-    Returns the ids' slots and sightings (:func:`_found`), valid while the tables' ``version``
-    stays."""
+    ``update`` false: a lookup outside training (evaluation, inference), which no update
+    follows, so an id without a row reads zeros -- what a model exported from the table, which
+    has no row for it, holds -- and the hit counters stay as they are. Returns the ids' slots and
+    sightings (:func:`_found`), valid while the tables' ``version`` stays."""
     if not tables:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
     found, seen = _found(tables, ids, counts)
+    if not update:
+        ops.dynamic_rows(weights, ids, found, torch.full_like(found, -1), counts, admit_after=NEVER, keys=keys,
+                         bounds=bounds, out=out)
+        return found, seen
     hits = ops.dynamic_rows(weights, ids, found, seen, counts, admit_after=tables[0].spec.admit_after, keys=keys,
                             bounds=bounds, out=out).tolist()
     for t, n, h in zip(tables, counts, hits):

@@ -270,7 +270,7 @@ class ParameterServer:
                 done(None, RuntimeError(f"ps{self.index}: collection {shard.cid} failed: {err!r}"))
                 return
             try:
-                done([shard.gather(rows)], None)
+                done([shard.gather(rows, update=False)], None)
             except BaseException as e:  # noqa: BLE001
                 done(None, e)
 

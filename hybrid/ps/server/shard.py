@@ -256,22 +256,26 @@ class CollectionShard:
         """Elements of the rows ``rows`` asks for."""
         return sum(n * t.dim for n, t in zip(rows.counts, self.shards_of(rows)))
 
-    def gather(self, rows: Rows, out: torch.Tensor | None = None, *, step: int | None = None) -> torch.Tensor:
+    def gather(self, rows: Rows, out: torch.Tensor | None = None, *, step: int | None = None,
+               update: bool = True) -> torch.Tensor:
         """The rows asked for, flat, in :attr:`wire_dtype` (into ``out``, of that dtype, where
         given): each value is rounded to nearest, ties to even, as it is copied out of its table.
         ``step``: the training step of the lookup, whose update pushes gradients for these rows
-        (dynamic tables keep what the maps said of them for it, :class:`LookedUp`)."""
+        (dynamic tables keep what the maps said of them for it, :class:`LookedUp`). ``update``
+        false: a read no update follows (evaluation), where a dynamic table's ids without a row
+        read zeros (:func:`~hybrid.ps.server.dynamic.read_rows`)."""
         assert out is None or out.dtype == self.wire_dtype, (out.dtype, self.wire_dtype)
-        got = self._read(rows, out, step, self.wire_dtype)
+        got = self._read(rows, out, step, self.wire_dtype, update)
         self.counters.rows_served += int(rows.ids.numel())
         self.counters.bytes_out += got.numel() * got.element_size()
         return got
 
-    def _read(self, rows: Rows, out: torch.Tensor | None, step: int | None, dtype: torch.dtype) -> torch.Tensor:
+    def _read(self, rows: Rows, out: torch.Tensor | None, step: int | None, dtype: torch.dtype,
+              update: bool = True) -> torch.Tensor:
         """:meth:`gather` without the counters, in ``dtype``."""
         shards = self.shards_of(rows)
         if self.config.dynamic is not None:
-            return self._gather_dynamic(rows, shards, out, step, dtype)
+            return self._gather_dynamic(rows, shards, out, step, dtype, update)
         with self.lock:
             self._ensure(shards, rows)
             try:
@@ -352,7 +356,7 @@ class CollectionShard:
         return grad.float()
 
     def _gather_dynamic(self, rows: Rows, shards: list[TableShard], out: torch.Tensor | None,
-                        step: int | None, dtype: torch.dtype) -> torch.Tensor:
+                        step: int | None, dtype: torch.dtype, update: bool) -> torch.Tensor:
         numel = sum(n * t.dim for n, t in zip(rows.counts, shards))
         out = torch.empty(numel, dtype=dtype) if out is None else out[:numel]
         # Rows are read as float32 (initial values are computed so), then narrowed in one copy.
@@ -360,7 +364,7 @@ class CollectionShard:
         with self.lock:
             found, seen = read_rows([t.dynamic for t in shards], [t.weight for t in shards], rows.ids,
                                     list(rows.counts), keys=[t.init_key[0] for t in shards],
-                                    bounds=[t.init_key[1] for t in shards], out=full)
+                                    bounds=[t.init_key[1] for t in shards], out=full, update=update)
             if step is not None and step > self.complete_through:
                 # The ids are copied: a transport may reuse the lookup's memory once answered.
                 self.looked_up[step].append(LookedUp(rows.owned(),
