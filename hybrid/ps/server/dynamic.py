@@ -276,8 +276,8 @@ def read_rows(tables: list[DynamicSlots], weights: list[torch.Tensor], ids: torc
     the flat float32 ``out``: the row where the id has one, its initial value (``keys[k]``,
     ``bounds[k]``) where this step's update admits it, zeros otherwise. Counts the hits.
     ``update`` false: a lookup outside training (evaluation, inference), which no update
-    follows, so an id without a row reads zeros -- what a model exported from the table, which
-    has no row for it, holds -- and the hit counters stay as they are. Returns the ids' slots and
+    follows, so an id without a row reads zeros (an export has no row for it either) and the
+    hit counters stay as they are. Returns the ids' slots and
     sightings (:func:`_found`), valid while the tables' ``version`` stays."""
     if not tables:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
