@@ -386,12 +386,10 @@ def test_eviction_lists_choose_as_the_reference_sorts_through_churn_and_a_restor
         assert holes  # expired rows leave free places below fill, taken lowest first
 
 
-@pytest.mark.parametrize("storage", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("kind", ["native", "reference"])
-def test_the_lookup_that_admits_an_id_reads_the_row_its_update_creates(storage, kind, monkeypatch):
-    """With ``storage_dtype`` 16-bit, a new row holds its initial value rounded into the table's
-    dtype; the lookup of the step that admits the id reads that value, not the float32 one, and
-    so does every later lookup (a zero gradient leaves the row as it is)."""
+def _one_dynamic_table(kind, monkeypatch, *, dim, optimizer, **options):
+    """A one-table collection of dynamic ids on one shard in this process, reading rows with the
+    native ``dynamic_rows`` or its twin (``kind``); returns the shard and a function that routes
+    a list of ids of feature ``f`` into the shard's request."""
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -405,15 +403,28 @@ def test_the_lookup_that_admits_an_id_reads_the_row_its_update_creates(storage, 
         pytest.skip("hybrid._C not built")
     if kind == "reference":
         monkeypatch.setattr(dynamic.ops, "dynamic_rows", reference.dynamic_rows)
-    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=5, num_embeddings=100,
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=100,
                                                             feature_names=["f"])], device=torch.device("meta"))
-    config = RemoteEmbeddingBagCollection.config_from(ebc, cid="c", num_servers=1, optimizer={"name": "adam", "lr": 0.1},
+    config = RemoteEmbeddingBagCollection.config_from(ebc, cid="c", num_servers=1, optimizer={"name": optimizer, "lr": 0.1},
                                                       num_trainers=1, dynamic=DynamicIds(capacity=16, partitions=2),
-                                                      storage_dtype=storage)
-    routed = Router(config).route(KeyedJaggedTensor.from_lengths_sync(
-        keys=["f"], values=torch.tensor([5, -7, 1 << 62]), lengths=torch.tensor([3])), where="test")
-    shard = CollectionShard(config, 0, start_step=0, huge_pages=False)
-    request = routed.requests[0]
+                                                      **options)
+    router = Router(config)
+
+    def request(ids):
+        return router.route(KeyedJaggedTensor.from_lengths_sync(
+            keys=["f"], values=torch.tensor(ids), lengths=torch.tensor([len(ids)])), where="test").requests[0]
+
+    return CollectionShard(config, 0, start_step=0, huge_pages=False), request
+
+
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("kind", ["native", "reference"])
+def test_the_lookup_that_admits_an_id_reads_the_row_its_update_creates(storage, kind, monkeypatch):
+    """With ``storage_dtype`` 16-bit, a new row holds its initial value rounded into the table's
+    dtype; the lookup of the step that admits the id reads that value, not the float32 one, and
+    so does every later lookup (a zero gradient leaves the row as it is)."""
+    shard, route = _one_dynamic_table(kind, monkeypatch, dim=5, optimizer="adam", storage_dtype=storage)
+    request = route([5, -7, 1 << 62])
     first = shard.gather(request, step=0).clone()
     shard.push(0, 0, [(request, torch.zeros_like(first))])
     assert torch.equal(first, shard.gather(request, step=1))
@@ -519,30 +530,7 @@ def test_a_lookup_outside_training_reads_zeros_for_ids_without_a_row(kind, monke
     zeros -- what a model exported from the table holds for it -- even where a training lookup
     would read the initial value its update is about to write (admit_after 1), and they leave
     the hit counters alone; ids with a row read it either way."""
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    from hybrid.ops import reference
-    from hybrid.ps.client.collection import RemoteEmbeddingBagCollection
-    from hybrid.ps.client.routing import Router
-    from hybrid.ps.server.shard import CollectionShard
-
-    if kind == "native" and not ops.AVAILABLE:
-        pytest.skip("hybrid._C not built")
-    if kind == "reference":
-        monkeypatch.setattr(dynamic.ops, "dynamic_rows", reference.dynamic_rows)
-    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=100,
-                                                            feature_names=["f"])], device=torch.device("meta"))
-    config = RemoteEmbeddingBagCollection.config_from(ebc, cid="c", num_servers=1, optimizer={"name": "sgd", "lr": 0.1},
-                                                      num_trainers=1, dynamic=DynamicIds(capacity=16, partitions=2))
-    router = Router(config)
-
-    def request(ids):
-        return router.route(KeyedJaggedTensor.from_lengths_sync(
-            keys=["f"], values=torch.tensor(ids), lengths=torch.tensor([len(ids)])), where="test").requests[0]
-
-    shard = CollectionShard(config, 0, start_step=0, huge_pages=False)
+    shard, request = _one_dynamic_table(kind, monkeypatch, dim=4, optimizer="sgd")
     table = shard.tables[0].dynamic
     old, new = request([3, 9]), request([3, 9, 11])  # 11 never seen
     assert shard.gather(new, update=False).abs().sum() == 0 and table.counters.looked_up == 0  # nothing has a row yet
