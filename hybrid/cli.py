@@ -27,11 +27,10 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from hybrid.errors import DEBUG_ENV, UserCodeError, print_error
+from hybrid.errors import DEBUG_ENV, EXIT_USAGE, UserCodeError, exit_status, print_error
 from hybrid.plan import Plan, PlanError, format_plan, load_plan, resolve, summarize
 from hybrid.plan.report import DENSE_OPTIMIZER_STATE
 
-EXIT_FAILED, EXIT_USAGE = 1, 2
 MODEL_HELP = "the model: package.module:attr (a ModelSpec or a builder) or a name registered in hybrid.models"
 
 
@@ -131,12 +130,9 @@ def _plan_main(args: argparse.Namespace) -> int:
             print(format_plan(resolved, model, dense_optimizer=args.dense_optimizer or dense_optimizer) + note)
         else:
             print(f"plan OK: {args.plan} on {name}: {summarize(resolved)}{note}")
-    except PlanError as e:
+    except (PlanError, UserCodeError) as e:  # a builder that raises: its traceback, exit 1
         print_error(e)
-        return EXIT_USAGE
-    except UserCodeError as e:  # the model's builder failed: its traceback, exit 1
-        print_error(e)
-        return EXIT_FAILED
+        return exit_status(e)
     return 0
 
 
@@ -186,12 +182,9 @@ def _check_train(argv: Sequence[str], world_size: int):
         # Every process runs here: tables that do not fit are refused before any starts.
         check_server_memory(resolved, model, fraction=cfg.runtime.server_memory_fraction)
         checkpoint_start(cfg, key=checkpoint_key(cfg.checkpoint.key_file))
-    except (PlanError, CheckpointError) as e:
+    except (PlanError, CheckpointError, UserCodeError) as e:  # a builder that raises: its traceback, exit 1
         print_error(e)
-        return EXIT_USAGE, RuntimeOptions(), []
-    except UserCodeError as e:  # the model's builder failed: its traceback, exit 1
-        print_error(e)
-        return EXIT_FAILED, RuntimeOptions(), []
+        return exit_status(e), RuntimeOptions(), []
     names = [role_of(r, world_size, resolved.num_servers).name for r in range(world_size)]
     return 0, cfg.runtime, names
 

@@ -106,6 +106,23 @@ class UserCodeError(Exception):
         self.error, self.user_tb = error, user_tb
 
 
+EXIT_FAILED, EXIT_USAGE = 1, 2
+"""Exit codes: a failure (a process, the user's code), and a mistake the user can fix (one line)."""
+
+
+def exit_status(e: BaseException) -> int:
+    """The exit code of a command that stops on ``e``: the user's code failing
+    (:class:`UserCodeError`) is a failure; anything else reported this way is a mistake to fix."""
+    return EXIT_FAILED if isinstance(e, UserCodeError) else EXIT_USAGE
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (its class name when it has none): what a one-line
+    report of a failure quotes."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 DEBUG_ENV = "HYBRID_DEBUG"
 """Set (to 1) by ``hybrid --debug`` for every process of the command: user errors show their traceback."""
 

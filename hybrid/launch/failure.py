@@ -22,13 +22,12 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from hybrid.errors import print_error
+from hybrid.errors import EXIT_FAILED, EXIT_USAGE, first_line, print_error
 from hybrid.launch.init import failed_peers, record_failure, within
 from hybrid.launch.roles import Role
 from hybrid.launch.serve import PeerFailure, unreachable_peers
 from hybrid.log import logger
 
-EXIT_FAILED, EXIT_USAGE = 1, 2
 _REPORTED = "hybrid/user_error_reported"
 
 
@@ -54,7 +53,7 @@ def fail(role: Role, e: BaseException, *, user_error: bool) -> NoReturn:
         said = failed_peers(role)
         silent = [n for n in gone if n not in said] or gone
         also = [n for n in gone if n not in silent]
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         logger.error("%s: peers not answering: %s (died or hung)%s; this process stopped on: %s",
                      role.name, ", ".join(silent), f"; {', '.join(also)} failed too, saying why" if also else "", first)
     elif isinstance(e, PeerFailure):  # it names the peer; the peer answers again by now

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from hybrid.errors import first_line
 from hybrid.launch.address import gloo_on, rpc_transports
 from hybrid.launch.roles import Role
 from hybrid.log import logger
@@ -289,7 +290,7 @@ def _joining(checkin: Checkin | None, stage: str, timeout_s: float, key: str, *,
         behind = checkin.behind("joined") if waited >= 0.9 * (first_timeout_s or timeout_s) else []
         if not behind:
             raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise StartupError(f"{checkin.role.name}: {', '.join(behind)} did not join within {timeout_s:g}s "
                            f"(runtime.{key}): died or hung? This process stopped {stage} on: {first}") from e
 
@@ -456,7 +457,7 @@ def _leave_rpc(role: Role, timeout_s: float) -> None:
         rpc.shutdown(graceful=True, timeout=timeout_s)
     except Exception as e:
         behind = checkin.behind("left") if checkin is not None else []
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         who = f"{', '.join(behind)} did not leave RPC" if behind else "the job's processes did not all leave RPC"
         raise PeerFailure(f"{role.name}: {who} (this process waits {timeout_s:g}s at most: "
                           f"runtime.shutdown_timeout_s): died or hung? This process stopped leaving on: {first}") from e

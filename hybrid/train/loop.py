@@ -30,7 +30,7 @@ from torch import nn
 
 import hybrid
 from hybrid.data import Batch, check_files, make_dataset
-from hybrid.errors import InputError, UserCodeError, print_error
+from hybrid.errors import EXIT_FAILED, EXIT_USAGE, InputError, UserCodeError, exit_status, print_error
 from hybrid.launch.init import init_hybrid, shutdown, trainer_device
 from hybrid.launch.roles import Role, role_of
 from hybrid.launch.failure import fail
@@ -44,7 +44,7 @@ from hybrid.train.report import MetricsWriter, fmt, plot_curves, table
 from hybrid.train.spec import meta_model
 from hybrid.train.tasks import Task
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK = 0
 PLAN_PREFIX = "plan."
 
 
@@ -136,7 +136,7 @@ def main(plan_path: str, config_path: str | None, overrides: Sequence[str], *, m
     except (PlanError, UserCodeError) as e:
         if rank == 0:
             print_error(e)
-        return EXIT_FAILED if isinstance(e, UserCodeError) else EXIT_USAGE
+        return exit_status(e)
     role = role_of(rank, world_size, resolved.num_servers)
     init_logging(role.name)
     _name_process(role.name)
@@ -156,7 +156,7 @@ def _main_one_process(plan_path: str, config_path: str | None, overrides: Sequen
         plan, cfg, _, resolved = load_run(plan_path, config_path, overrides, 1, model=model)
     except (PlanError, UserCodeError) as e:
         print_error(e)
-        return EXIT_FAILED if isinstance(e, UserCodeError) else EXIT_USAGE
+        return exit_status(e)
     if plan.topology.parameter_servers and resolved.in_process:
         logger.info("one process: the %d parameter server(s) of the plan are held in this trainer",
                     plan.topology.parameter_servers)

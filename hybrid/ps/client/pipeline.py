@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybrid.errors import InputError
+from hybrid.errors import InputError, first_line
 from hybrid.ps.protocol import Part, Push, Rows, StepMessage
 from hybrid.ps.transport import ReplyFuture, Transport
 
@@ -104,7 +104,7 @@ def _server_error(what: str, name: str, e: BaseException) -> ServerError | Table
                      r"(?: or set evict: lru)?)", str(e))
     if full:
         return TableFullError(f"{what} on parameter server {name}: {full.group(1)}")
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    first = first_line(e)
     hint = " (it died or closed the connection)" if any(w in first for w in ("EOF", "pipe", "ECONNRE")) else ""
     return ServerError(f"{what} on parameter server {name} failed{hint}: {first}")
 
