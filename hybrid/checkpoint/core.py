@@ -35,6 +35,7 @@ from torch import nn
 from hybrid.checkpoint import files as F
 from hybrid.checkpoint import server_io
 from hybrid.checkpoint.files import CheckpointError, FileEntry
+from hybrid.errors import first_line
 from hybrid.launch.serve import PeerFailure, answers
 from hybrid.log import logger
 from hybrid.ps.client import RemoteCollection, RemoteTable, pipeline_of
@@ -64,42 +65,46 @@ def _agree(err: str | PeerFailure | None, what: str) -> None:
         raise (PeerFailure if isinstance(e, PeerFailure) else CheckpointError)(f"{what} failed on trainer{r}: {e}")
 
 
-def _wait_answering(fut, server: str, doing: str):  # noqa: ANN001, ANN202 - a torch future and its value
-    """The answer of ``fut``, a call to ``server`` that may run long (writing or loading large
-    tables: its own timeout is :data:`DEFAULT_TIMEOUT_S`). Meanwhile the server must answer a
-    ping within the RPC timeout (``runtime.rpc_timeout_s``) every second: one that hangs (stopped,
-    or a host gone without closing its connections) fails the wait after that long rather than
-    after the call's 30 minutes."""
+def _wait_pinging(done, peer: str | None, stopped: str) -> None:  # noqa: ANN001 - a predicate
+    """Wait until ``done()`` holds, pinging ``peer`` every second meanwhile (``None``: nobody to
+    ping): one that does not answer within the RPC timeout (``runtime.rpc_timeout_s``) -- dead, or
+    hung: stopped, or a host gone without closing its connections -- raises
+    :class:`PeerFailure` (``stopped``: who stopped answering while doing what)."""
     import time
 
+    import torch.distributed.rpc as rpc
+
+    next_ping = time.monotonic() + 1.0
+    while not done():
+        time.sleep(0.05)
+        if peer is not None and time.monotonic() >= next_ping and not done():
+            timeout_s = rpc.get_rpc_timeout()
+            if not answers(peer, timeout_s):
+                raise PeerFailure(f"{stopped} (died or hung): no answer to a ping within {timeout_s:g}s "
+                                  f"(runtime.rpc_timeout_s)")
+            next_ping = time.monotonic() + 1.0
+
+
+def _wait_answering(fut, server: str, doing: str):  # noqa: ANN001, ANN202 - a torch future and its value
+    """The answer of ``fut``, a call to ``server`` that may run long (writing or loading large
+    tables: its own timeout is :data:`DEFAULT_TIMEOUT_S`), the server pinged meanwhile
+    (:func:`_wait_pinging`): one that hangs fails the wait after the RPC timeout rather than after
+    the call's 30 minutes. A call that fails while the server no longer answers (its error is then
+    only the connection's ``EOF`` or a timeout) raises :class:`PeerFailure` saying so; one the
+    server answered raises its own error (a path, a file). A server this process holds itself
+    (one-process mode) has nothing in between to lose."""
     from hybrid.ps import transport
 
-    if server not in transport._HERE:
-        import torch.distributed.rpc as rpc
-
-        timeout_s = rpc.get_rpc_timeout()
-        next_ping = time.monotonic() + 1.0
-        while not fut.done():
-            time.sleep(0.05)
-            if time.monotonic() >= next_ping and not fut.done():
-                if not answers(server, timeout_s):
-                    raise PeerFailure(f"parameter server {server} stopped answering while {doing} (died or hung): "
-                                      f"no answer to a ping within {timeout_s:g}s (runtime.rpc_timeout_s)")
-                next_ping = time.monotonic() + 1.0
-    return fut.wait()
-
-
-def _lost(server: str, doing: str, e: BaseException) -> PeerFailure | None:
-    """When a call to ``server`` failed and the server no longer answers (it died or hangs: the
-    call's error is then only the connection's ``EOF`` or a timeout), the :class:`PeerFailure`
-    that says so; None when it answers (its error is its own: a path, a file), and for a server
-    this process holds itself (one-process mode: nothing in between to lose)."""
-    from hybrid.ps import transport
-
-    if server in transport._HERE or answers(server):
-        return None
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return PeerFailure(f"parameter server {server} stopped answering while {doing} (died or hung): {first}")
+    here = server in transport._HERE
+    stopped = f"parameter server {server} stopped answering while {doing}"
+    if not here:
+        _wait_pinging(fut.done, server, stopped)
+    try:
+        return fut.wait()
+    except Exception as e:
+        if here or answers(server):
+            raise
+        raise PeerFailure(f"{stopped} (died or hung): {first_line(e)}") from None
 
 
 def _remote_message(e: BaseException) -> str:
@@ -308,8 +313,6 @@ def _after_trainer0(rank: int, world: int, waiting_for: str) -> None:
     wait (``runtime.pg_timeout_s``: 5 minutes by default): the others must not wait in the
     agreement that follows. They poll the trainers' store instead, pinging trainer 0 every second
     meanwhile: one that does not answer within the RPC timeout (dead or hung) is named."""
-    import time
-
     _WAITS[0] += 1
     if world == 1:
         return
@@ -321,15 +324,8 @@ def _after_trainer0(rank: int, world: int, waiting_for: str) -> None:
     import torch.distributed.rpc as rpc
 
     pinged = rpc.api._is_current_rpc_agent_set()  # a job without RPC has no servers to wait for
-    next_ping = time.monotonic() + 1.0
-    while not store.check([key]):
-        time.sleep(0.05)
-        if pinged and time.monotonic() >= next_ping:
-            if not answers("trainer0", rpc.get_rpc_timeout()):
-                raise PeerFailure(f"trainer0 stopped answering while it waited for {waiting_for} "
-                                  f"(died or hung): no answer to a ping within {rpc.get_rpc_timeout():g}s "
-                                  f"(runtime.rpc_timeout_s)")
-            next_ping = time.monotonic() + 1.0
+    _wait_pinging(lambda: store.check([key]), "trainer0" if pinged else None,
+                  f"trainer0 stopped answering while it waited for {waiting_for}")
 
 
 def _wait_servers(futures, remotes) -> list[dict[str, Any]]:
@@ -343,10 +339,7 @@ def _wait_servers(futures, remotes) -> list[dict[str, Any]]:
         except PeerFailure:
             raise
         except Exception as e:  # noqa: BLE001
-            lost = _lost(coll.server_names[s], f"writing its shards of {coll.cid}", e)
-            if lost is not None:
-                raise lost from None
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = first_line(e)
             raise CheckpointError(f"parameter server {coll.server_names[s]} did not write its shards of "
                                   f"{coll.cid}: {first}") from None
         for f in answer:
@@ -499,9 +492,6 @@ class Checkpoint:
             except PeerFailure:
                 raise
             except Exception as e:  # noqa: BLE001
-                lost = _lost(coll.server_names[s], f"loading {coll.cid}", e)
-                if lost is not None:
-                    raise lost from None
                 answer = _remote_message(e)
             if isinstance(answer, str):
                 raise CheckpointError(f"parameter server {coll.server_names[s]} could not load {coll.cid}: {answer}")
