@@ -277,15 +277,16 @@ def read_rows(tables: list[DynamicSlots], weights: list[torch.Tensor], ids: torc
     ``bounds[k]``) where this step's update admits it, zeros otherwise. Counts the hits.
     ``update`` false: a lookup outside training (evaluation, inference), which no update
     follows, so an id without a row reads zeros (an export has no row for it either) and the
-    hit counters stay as they are. Returns the ids' slots and
-    sightings (:func:`_found`), valid while the tables' ``version`` stays."""
+    hit counters stay as they are. Returns the ids' slots and sightings (:func:`_found`; no
+    sightings for ``update`` false), valid while the tables' ``version`` stays."""
     if not tables:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
-    found, seen = _found(tables, ids, counts)
-    if not update:
+    if not update:  # the sightings do not matter: nothing is admitted
+        found = find_many([t.map for t in tables], ids, counts)
         ops.dynamic_rows(weights, ids, found, torch.full_like(found, -1), counts, admit_after=NEVER, keys=keys,
                          bounds=bounds, out=out)
-        return found, seen
+        return found, torch.empty(0, dtype=torch.int64)
+    found, seen = _found(tables, ids, counts)
     hits = ops.dynamic_rows(weights, ids, found, seen, counts, admit_after=tables[0].spec.admit_after, keys=keys,
                             bounds=bounds, out=out).tolist()
     for t, n, h in zip(tables, counts, hits):
