@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hybrid.launch.roles import role_of
-from hybrid.ps.client import make_pipeline, step
+from hybrid.ps.client import BadBatchError, make_pipeline, step
 from tests.harness import run_distributed
 from tests.support.remote import remote_bag, remote_of
 from tests.support.sparse import global_batch, kjt_slice, make_ebc, teacher_task, sample_tables
@@ -114,6 +115,18 @@ def _weighted_and_bag(rank, world_size):
         torch.testing.assert_close(rbag(x, per_sample_weights=psw), bag(x, per_sample_weights=psw))
         flat, offs = torch.tensor([1, 5, 5, 7]), torch.tensor([0, 1, 1])
         torch.testing.assert_close(rbag(flat, offs), bag(flat, offs))
+    # Weights that ask for a gradient would get none from the servers (whatever computed them
+    # would silently not learn): refused before anything is sent, in a collection and a bag alike.
+    kjt_w = kjt_slice(global_batch(1, sample_tables(), 8, weighted=True), 0, 8)
+    kjt_w = KeyedJaggedTensor.from_lengths_sync(keys=kjt_w.keys(), values=kjt_w.values(), lengths=kjt_w.lengths(),
+                                                weights=kjt_w.weights().requires_grad_())
+    for call in (lambda: remote(kjt_w), lambda: rbag(x, per_sample_weights=psw.requires_grad_())):
+        with pytest.raises(BadBatchError, match="per-sample weights require grad"):
+            call()
+    with torch.no_grad():  # an evaluation takes them
+        plain = KeyedJaggedTensor.from_lengths_sync(keys=kjt_w.keys(), values=kjt_w.values(), lengths=kjt_w.lengths(),
+                                                    weights=kjt_w.weights().detach())
+        torch.testing.assert_close(remote(kjt_w).values(), remote(plain).values())
     assert list(rbag.state_dict()) == list(bag.state_dict()) == ["weight"]
     assert torch.equal(rbag.state_dict()["weight"], bag.weight.detach())
     pipeline.close()

@@ -50,7 +50,8 @@ class BadIdError(InputError):
 
 
 class BadBatchError(InputError):
-    """A ``KeyedJaggedTensor`` whose lengths, values and weights disagree; nothing was sent."""
+    """A ``KeyedJaggedTensor`` whose lengths, values and weights disagree, or whose per-sample
+    weights ask for a gradient the servers' tables do not give; nothing was sent."""
 
 
 def check_kjt(kjt: KeyedJaggedTensor, where: str = "") -> None:
@@ -205,6 +206,15 @@ class Router:
 
     def _route(self, kjt: KeyedJaggedTensor, *, where: str) -> RoutedBatch:
         check_kjt(kjt, where=where)
+        weights = kjt.weights_or_none() if self.config.weighted else None
+        if weights is not None and weights.requires_grad and torch.is_grad_enabled():
+            # The pooled rows are differentiable in the rows only: a weight's gradient (its bag's
+            # gradient dotted with its row) is never formed, here or on a server. Training on
+            # would leave whatever computed the weights without its gradient.
+            raise BadBatchError(f"{where}: the per-sample weights require grad, but a collection on the parameter "
+                                f"servers gives no gradient to its weights (only to its rows); detach them "
+                                f"(weights.detach()) if they are not to be learned, or keep this module off the "
+                                f"servers (strategy: ddp)")
         missing = [f for f in self.feature_order if f not in kjt.keys()]
         if missing:
             raise ValueError(f"{where}: the input KeyedJaggedTensor lacks features {missing}; it has {kjt.keys()}")
