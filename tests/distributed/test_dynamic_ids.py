@@ -38,7 +38,7 @@ def _loss(values: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 def _seq_loss(values: dict[str, torch.Tensor], batch: int) -> torch.Tensor:
     """An unpooled collection's loss over ``batch`` samples: every id's row of every feature
     (empty features add 0), per sample, so trainers' mean gradients make the global batch's."""
-    return sum(((v @ torch.linspace(-1, 1, v.shape[1])) ** 2).sum() + v.sum() for v in values.values()) / batch
+    return sum(((v @ torch.linspace(-1, 1, v.shape[1], device=v.device)) ** 2).sum() + v.sum() for v in values.values()) / batch
 
 
 def _collection(kind: str, tables):
