@@ -131,7 +131,8 @@ class DataConfig:
     drop_last: bool = True
     """File sources, training files: drop an incomplete last global batch. Otherwise it is split
     as evenly as possible over the trainers (dropped only when it has fewer samples than
-    trainers). Evaluation always reads every held-out row (a trainer may get a short or empty
+    trainers), and the training loop weighs each trainer's loss by its share of that batch, so
+    the step equals one process's mean over it. Evaluation always reads every held-out row (a trainer may get a short or empty
     last batch)."""
     categorical: str = "id"
     """CSV/Parquet sparse cells: ``id`` (each token is an id, a non-negative integer below

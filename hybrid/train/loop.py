@@ -336,11 +336,17 @@ class Trainer:
             self._restore(self.resume)
 
     # -- data ------------------------------------------------------------------------------------
-    def _batches(self) -> Iterator[Any]:
-        """Training batches: ``train.steps`` of them, or fewer when ``epochs`` passes end first.
+    def _batches(self) -> Iterator[tuple[Any, float]]:
+        """Training batches, each with this trainer's share of the step's loss: ``train.steps``
+        of them, or fewer when ``epochs`` passes end first.
 
         A batch with NaN/inf is refused or skipped by every trainer together (one small
-        all-reduce per batch), so the trainers never disagree on which step a batch is.
+        all-reduce per batch, which also adds up the step's samples), so the trainers never
+        disagree on which step a batch is. The share is ``trainers x samples here / samples of
+        the step``: 1 when every trainer has a full batch; an unevenly split last batch
+        (``data.drop_last: false``) weighs each trainer's mean loss by its samples, so that the
+        trainers' averaged gradients are those of the mean over the whole step, as one process
+        computes it.
         """
         epoch, first = self._data_start
         while True:
@@ -353,9 +359,11 @@ class Trainer:
                 if index < first:
                     continue  # file readers: batches a resumed checkpoint already trained on
                 # On the trainer's device: the trainers' group may be NCCL, which has no CPU tensors.
-                bad = torch.tensor([0.0 if self._finite(batch) else 1.0], device=self.device)
-                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-                if bad.item():
+                counts = torch.tensor([0.0 if self._finite(batch) else 1.0, float(len(batch))],
+                                      dtype=torch.float64, device=self.device)
+                dist.all_reduce(counts)
+                bad, samples = counts.tolist()
+                if bad:
                     if self.t.nonfinite == "error":
                         raise NonFiniteBatch(
                             f"{self.role.name}: a training batch holds NaN or inf in its dense features or "
@@ -363,7 +371,7 @@ class Trainer:
                     self.skipped += 1
                     continue
                 self._data_pos = (epoch, index)
-                yield self._on_device(batch)
+                yield self._on_device(batch), self.role.num_trainers * len(batch) / samples
             epoch, first = epoch + 1, 0
             if not produced:
                 raise InputError(f"{self.role.name}: the training data yielded no batch of data.batch_size="
@@ -400,7 +408,7 @@ class Trainer:
         last_loss = float("nan")
         prev_times = None
         while nxt is not None and self.step < t.steps:
-            batch = nxt
+            batch, share = nxt
             t0 = time.perf_counter()
             with hybrid.step(self.model, self.optimizer) as s:
                 outputs = self.task.forward(self.model, batch)
@@ -410,8 +418,10 @@ class Trainer:
                 if nxt is not None:
                     # The next step's rows travel while this one computes (sync: they are read
                     # once this step is applied, and asked for with this step's gradient push).
-                    s.prefetch(nxt.sparse)
+                    s.prefetch(nxt[0].sparse)
                 loss = self.task.loss(outputs, batch)
+                if share != 1.0:
+                    loss = loss * share
                 s.backward(loss)
             wall = time.perf_counter() - t0
             train_time += wall
