@@ -69,7 +69,7 @@ class TrainOptions:
     def __post_init__(self) -> None:
         _check("steps", self.steps, self.steps >= 1, "an integer >= 1")
         _check("epochs", self.epochs, self.epochs >= 0, "an integer >= 0")
-        _check("optimizer", self.optimizer, self.optimizer in DENSE_OPTIMIZERS, f"one of {one_of(DENSE_OPTIMIZERS)}")
+        _check("optimizer", self.optimizer, self.optimizer in DENSE_OPTIMIZERS, one_of(DENSE_OPTIMIZERS))
         _check("lr", self.lr, self.lr > 0, "a number > 0")
         _check("eval_every", self.eval_every, self.eval_every >= 0, "an integer >= 0")
         _check("log_every", self.log_every, self.log_every >= 1, "an integer >= 1")
@@ -182,6 +182,11 @@ def _build(raw: Any, overrides: Sequence[str], source: str, *, flag: str | None,
         if key not in SECTIONS:
             raise PlanError(f"unknown section {key!r}{did_you_mean(str(key), SECTIONS)}; a training config has "
                             f"{', '.join(SECTIONS)}", category="unknown_key", key=str(key))
+    for section in ("model", "data"):  # train, runtime and checkpoint are checked as dataclass fields
+        value = raw.get(section)
+        if value is not None and not isinstance(value, dict):
+            raise PlanError(f"got {value!r}; expected a mapping (the {section} section's keys)",
+                            category="bad_value", key=section)
     model_raw = dict(raw.get("model") or {})
     name, spec = _model(model_raw.pop("name", None), flag, plan_model, plan_source)
     params = spec.options()
