@@ -23,11 +23,12 @@ from hybrid.checkpoint.files import CheckpointError, FileEntry
 
 
 def dense_state_dict(ckpt: str | Path, manifest: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """The dense model's full state dict (no optimizer), read in this process."""
+    """The dense model's full state dict (no optimizer), read in this process. ``ckpt`` is a
+    ``step_N`` directory or a root (its newest), as for :func:`export`."""
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    ckpt = Path(ckpt)
+    ckpt = Path(ckpt) if manifest is not None else F.resolve(ckpt)
     manifest = manifest or F.read_manifest(ckpt)
     for rel in sorted(manifest["files"]):
         if rel.startswith("dense/"):
@@ -47,14 +48,16 @@ def dense_state_dict(ckpt: str | Path, manifest: dict[str, Any] | None = None) -
 
 def load_tables(ckpt: str | Path, manifest: dict[str, Any] | None = None
                 ) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    """Every saved table, whole: ``{state-dict key: (weight, optimizer state by name)}``."""
-    ckpt = Path(ckpt)
+    """Every saved table, whole: ``{state-dict key: (weight, optimizer state by name)}``. ``ckpt``
+    is a ``step_N`` directory or a root (its newest), as for :func:`export`."""
+    ckpt = Path(ckpt) if manifest is not None else F.resolve(ckpt)
     manifest = manifest or F.read_manifest(ckpt)
     out = {}
     for coll in manifest.get("collections") or []:
         for t in coll["tables"]:
             if t.get("dynamic") is not None:
-                raise CheckpointError(f"{ckpt}: table {t['key']} has ids: dynamic; read it with dynamic_table()")
+                raise CheckpointError(f"{ckpt}: table {t['key']} has ids: dynamic; "
+                                      f"export_state_dict() gives its rows and their ids")
             weight = torch.empty(t["num_embeddings"], t["embedding_dim"])
             filled = torch.zeros(t["num_embeddings"], dtype=torch.bool)
             state: dict[str, torch.Tensor] = {}
