@@ -281,13 +281,20 @@ def _check_embedding(e: ResolvedModule, module: nn.Module, rule: Rule) -> None:
         raise _rule_error(rule, detail, "unsupported_table")
     # The servers apply their own sparse optimizer to plain rows: nothing renormalizes rows, scales
     # gradients by frequency or hands torch a sparse gradient.
-    if isinstance(module, nn.Embedding):
+    # An nn.EmbeddingBag's padding_idx drops that id from its bags, which the servers' pooling
+    # does not do (an nn.Embedding's padding row is kept at zero and never sent); its sparse
+    # gradients change no number (the servers never hand torch a gradient).
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        bag = isinstance(module, nn.EmbeddingBag)
         refused = [f"{k}={v!r}" for k, v in (("max_norm", module.max_norm),
                                              ("scale_grad_by_freq", module.scale_grad_by_freq),
-                                             ("sparse", module.sparse)) if v not in (None, False)]
+                                             ("sparse", None if bag else module.sparse),
+                                             ("padding_idx", module.padding_idx if bag else None))
+                   if v is not None and v is not False]  # padding_idx 0 counts
         if refused:
-            detail = (f"nn.Embedding {e.fqn!r} has {', '.join(refused)}, which the parameter servers do not "
-                      "support; build it without (padding_idx is supported)")
+            detail = (f"{'nn.EmbeddingBag' if bag else 'nn.Embedding'} {e.fqn!r} has {', '.join(refused)}, which "
+                      f"the parameter servers do not support; build it without"
+                      f"{'' if bag else ' (padding_idx is supported)'}")
             raise _rule_error(rule, detail, "unsupported_table")
 
 

@@ -128,6 +128,10 @@ def _weighted_and_bag(rank, world_size):
                                                     weights=kjt_w.weights().detach())
         torch.testing.assert_close(remote(kjt_w).values(), remote(plain).values())
     assert list(rbag.state_dict()) == list(bag.state_dict()) == ["weight"]
+    # Gradients scaled by each id's frequency in the batch: not what the servers apply, so refused.
+    with pytest.raises(ValueError, match=r"nn\.EmbeddingBag with scale_grad_by_freq=True is not supported"):
+        remote_bag(nn.EmbeddingBag(20, 3, mode="mean", scale_grad_by_freq=True), pipeline, cid="freq", num_servers=1,
+                   optimizer={"name": "sgd", "lr": 0.1})
     assert torch.equal(rbag.state_dict()["weight"], bag.weight.detach())
     pipeline.close()
     return True

@@ -182,6 +182,20 @@ def test_embedding_options_the_servers_lack_are_refused(option, shown):
     assert e.value.category == "unsupported_table"
 
 
+@pytest.mark.parametrize("option,shown", [({"scale_grad_by_freq": True}, "scale_grad_by_freq=True"),
+                                          ({"max_norm": 1.0}, "max_norm=1.0"),
+                                          ({"padding_idx": 0}, "padding_idx=0")])
+def test_embedding_bag_options_the_servers_lack_are_refused(option, shown):
+    """The servers would pool and update plain rows, training on other numbers than torch's
+    (frequency-scaled gradients, renormalized rows, a padding id left out of its bag)."""
+    model = PlainEmbeddings()
+    model.bag = nn.EmbeddingBag(1000, 16, mode="sum", **option)
+    with pytest.raises(PlanError, match=rf"modules\.bag: nn\.EmbeddingBag 'bag' has {shown}, which the parameter "
+                                        rf"servers do not support; build it without$") as e:
+        resolved({"bag": PS_RULE, "*": DDP}, model=model)
+    assert e.value.category == "unsupported_table"
+
+
 def test_resolve_errors_name_the_file_line(tmp_path):
     from hybrid.plan import load_plan
     from tests.unit.test_plan_models import write

@@ -424,8 +424,13 @@ class RemoteEmbeddingBag(RemoteTable):
         if bag.mode not in ("sum", "mean"):
             raise ValueError(f"{cid}: nn.EmbeddingBag mode {bag.mode!r} is not supported on a parameter server "
                              f"(sum, mean)")
-        if bag.padding_idx is not None or bag.max_norm is not None:
-            raise ValueError(f"{cid}: padding_idx and max_norm are not supported on a parameter server")
+        refused = [f"{k}={v!r}" for k, v in (("padding_idx", bag.padding_idx), ("max_norm", bag.max_norm),
+                                             ("scale_grad_by_freq", bag.scale_grad_by_freq))
+                   if v is not None and v is not False]  # padding_idx 0 counts
+        if refused:
+            # The servers' pooling and optimizer take plain rows: nothing drops a padding id from
+            # its bag, renormalizes rows or scales a gradient by its id's frequency.
+            raise ValueError(f"{cid}: nn.EmbeddingBag with {', '.join(refused)} is not supported on a parameter server")
         name = single_table_name(cid if path is None else path)
         config = EmbeddingBagConfig(
             name=name, embedding_dim=bag.embedding_dim, num_embeddings=bag.num_embeddings, feature_names=[name],
