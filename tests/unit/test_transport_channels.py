@@ -1,19 +1,16 @@
-"""The frame channels' two ends in one process -- shared memory (real files in /dev/shm, real
-FIFOs) and a TCP step connection (a real connected socket) -- with the server's real thread and a
-real :class:`ParameterServer` holding a collection; no RPC: step messages cross intact and are
-answered with the rows, errors and silence come back as errors naming the server, a dead end is
+"""The frame channels' two ends in one process -- shared memory (real memfd files and pipes, the
+server's end opening them through /proc) and a TCP step connection (a real connected socket) --
+with the server's real thread and a real :class:`ParameterServer` holding a collection; no RPC:
+step messages cross intact and are answered with the rows, errors and silence come back as errors naming the server, a dead end is
 noticed at once, and what cannot go through the channel goes to the fallback transport (RPC in a
 job). The TCP listener takes only a connection that brings its token."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,11 +20,11 @@ from hybrid.ps.protocol import Part, Push, Rows, StepMessage, encode
 from hybrid.ps.server import service
 from hybrid.ps.sharding import TableSpec, shard_tables
 from hybrid.ps.transport import LocalTransport
-from hybrid.ps.transport import channel, tcp
+from hybrid.ps.transport import channel, shm, tcp
 from hybrid.ps.transport.shm import ChannelError, ShmTransport, _ServerEnd
 from hybrid.ps.transport.tcp import SocketTransport, _SocketServerEnd
 
-KINDS = ["shm", "socket"] if os.path.isdir("/dev/shm") else ["socket"]
+KINDS = ["shm", "socket"]
 
 TABLES = (TableSpec("a", 20, 2, ("fa",)), TableSpec("b", 10, 2, ("fb",)))
 
@@ -74,16 +71,12 @@ def _pair(kind: str, capacity=1 << 16, timeout_s=5.0):
         listener.close()
         return (SocketTransport("ps0", client, capacity, fallback=fallback, timeout_s=timeout_s),
                 _SocketServerEnd(conn, capacity, "test-socket"), fallback)
-    directory = Path(tempfile.mkdtemp(prefix="hybrid-ps-test-", dir="/dev/shm"))
-    for name, size in (("req", capacity), ("rep", 2 * capacity)):  # as ShmTransport.open
-        with open(directory / name, "wb") as f:
-            f.truncate(size)
-    for name in ("to_server", "to_trainer"):
-        os.mkfifo(directory / name, 0o600)
-    trainer = ShmTransport("ps0", directory, capacity, fallback=fallback, timeout_s=timeout_s)  # reads first
-    end = _ServerEnd(_ServerEnd.check_directory(str(directory)), capacity, "test-channel")
-    trainer.bell_out = os.open(directory / "to_server", os.O_WRONLY | os.O_NONBLOCK)
-    shutil.rmtree(directory)  # both ends hold everything open
+    made = shm._Made(capacity)  # as ShmTransport.open, the server's end opening the files as rpc_open_channel
+    try:
+        trainer = ShmTransport("ps0", made, capacity, fallback=fallback, timeout_s=timeout_s)
+        end = _ServerEnd(shm.open_files(made.files()), capacity, "test-channel")
+    finally:
+        made.close()  # each end holds its own descriptors
     return trainer, end, fallback
 
 
@@ -400,3 +393,23 @@ def test_a_frame_sent_from_its_tensors_is_the_frame_a_region_holds():
     a.close(), b.close()
     assert tcp._LENGTH.unpack(bytes(got[:8]))[0] == n
     assert bytes(got[8:]) == bytes(region[:end].numpy())
+
+
+def test_the_server_refuses_channel_files_that_are_not_the_trainer_s():
+    """A descriptor number that names another file in the trainer (another process in its place,
+    another pid namespace) is refused, and nothing the server opened stays open: the trainer's
+    messages then take another way."""
+    made = shm._Made(1 << 12)
+    try:
+        files = made.files()
+        before = sorted(os.listdir("/proc/self/fd"))
+        wrong = shm.ChannelFiles(files.pid, files.fds, {**files.ids, "rep": files.ids["req"]})
+        assert shm.open_files(wrong) is None
+        assert shm.open_files(shm.ChannelFiles(files.pid, {**files.fds, "req": 10**6}, files.ids)) is None
+        assert sorted(os.listdir("/proc/self/fd")) == before
+        fds = shm.open_files(files)
+        assert fds is not None and sorted(fds) == ["rep", "req", "to_server", "to_trainer"]
+        for fd in fds.values():
+            os.close(fd)
+    finally:
+        made.close()

@@ -11,10 +11,13 @@ from the shared pages, rows gathered straight into the reply's) and rings back. 
 A :class:`ShmTransport` carries one message at a time; a message sent while the previous one is
 unanswered, or too big for the mapping, goes over its RPC fallback (the server applies what
 arrives by either way the same: pushes are counted per trainer and step, lookups wait for their
-step). Set-up is one RPC: the trainer makes a fresh ``0700`` directory in ``/dev/shm`` with the
-two files and two FIFOs, the server opens them (refusing a directory it does not own or that
-others may enter) if it is on the same host, and the trainer removes the directory once both
-ends are open.
+step). Set-up is one RPC: the trainer makes two anonymous shared-memory files (``memfd_create``)
+and two pipes, and the server, if it is on the same host, opens them through
+``/proc/<trainer pid>/fd/`` (which the kernel allows to a process of the same user only), checks
+that each is the file the trainer made (device and inode), and keeps its ends; the trainer then
+closes the server's ends. Nothing has a name in any file system, so whatever way the processes
+end -- SIGKILL included, at any point of the set-up -- the kernel frees the memory with the last
+descriptor and mapping: nothing is left in ``/dev/shm``.
 
 Failures: a server that dies closes its FIFO, and the trainer's wait ends at once with the
 server's name; one that does not answer within ``runtime.rpc_timeout_s`` is named after it; an
@@ -27,12 +30,9 @@ from __future__ import annotations
 
 import os
 import select
-import shutil
 import socket
-import stat
-import tempfile
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.distributed.rpc as rpc
@@ -43,14 +43,14 @@ from hybrid.ps.transport.channel import ChannelError, ServerEnd, TrainerEnd
 __all__ = ["ChannelError", "DEFAULT_CAPACITY", "ShmTransport", "host_id", "rpc_open_channel"]
 
 DEFAULT_CAPACITY = 16 << 20
-"""Bytes of each direction's mapping, reserved up front (``posix_fallocate``): a tmpfs file
-written past the space ``/dev/shm`` has left would kill the process with SIGBUS, a failed
+"""Bytes of each direction's mapping, reserved up front (``posix_fallocate``): a shared-memory
+page first touched when memory has run out would kill the process with SIGBUS, a failed
 reservation only sends the messages over RPC. The benchmark's step message is about 1.1 MB
 (8,000 rows of 32 floats, their ids and gradients); a bigger one goes over RPC."""
 
 
 def host_id() -> str:
-    """Processes with equal host ids share ``/dev/shm``."""
+    """Processes with equal host ids share a kernel (and so can open each other's files)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -59,49 +59,87 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+@dataclass(frozen=True)
+class ChannelFiles:
+    """What the trainer made for one channel, as the server finds it: the trainer's pid, then
+    for each of ``req``, ``rep`` (the two mappings), ``to_server`` (the read end of the
+    server's doorbell) and ``to_trainer`` (the write end of the trainer's) the descriptor number
+    in the trainer and the file's ``(st_dev, st_ino)``."""
+
+    pid: int
+    fds: dict[str, int]
+    ids: dict[str, tuple[int, int]]
+
+
+class _Made:
+    """The trainer's descriptors of a channel being set up (every one close-on-exec)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.fds: dict[str, int] = {}
+        try:
+            for name, size in (("req", capacity), ("rep", 2 * capacity)):  # replies alternate halves
+                self.fds[name] = os.memfd_create(f"hybrid-ps-{name}", os.MFD_CLOEXEC)
+                os.posix_fallocate(self.fds[name], 0, size)  # ENOSPC/ENOMEM now, not SIGBUS later
+            self.fds["to_server"], self.fds["bell_out"] = os.pipe()
+            self.fds["bell_in"], self.fds["to_trainer"] = os.pipe()
+            for name in ("bell_out", "bell_in"):
+                os.set_blocking(self.fds[name], False)
+        except BaseException:
+            self.close()
+            raise
+
+    def path(self, name: str) -> str:
+        return f"/proc/self/fd/{self.fds[name]}"
+
+    def files(self) -> ChannelFiles:
+        names = ("req", "rep", "to_server", "to_trainer")
+        ids = {n: (st.st_dev, st.st_ino) for n in names for st in (os.fstat(self.fds[n]),)}
+        return ChannelFiles(os.getpid(), {n: self.fds[n] for n in names}, ids)
+
+    def take(self, name: str) -> int:
+        return self.fds.pop(name)
+
+    def close(self) -> None:
+        _close_fds(self.fds.values())
+        self.fds.clear()
+
+
 class ShmTransport(TrainerEnd):
     """One trainer's shared-memory channel to one server on its host: one message at a time."""
 
     what = "shared-memory channel"
     shares_memory = True
 
-    def __init__(self, server: str, directory: Path, capacity: int, *, fallback: Transport, timeout_s: float) -> None:
-        super().__init__(server, torch.from_file(str(directory / "req"), shared=True, size=capacity, dtype=torch.uint8),
-                         torch.from_file(str(directory / "rep"), shared=True, size=2 * capacity, dtype=torch.uint8),
+    def __init__(self, server: str, made: _Made, capacity: int, *, fallback: Transport, timeout_s: float) -> None:
+        super().__init__(server, torch.from_file(made.path("req"), shared=True, size=capacity, dtype=torch.uint8),
+                         torch.from_file(made.path("rep"), shared=True, size=2 * capacity, dtype=torch.uint8),
                          fallback=fallback, timeout_s=timeout_s)
-        self.bell_in: int | None = os.open(directory / "to_trainer", os.O_RDONLY | os.O_NONBLOCK)
-        self.bell_out: int | None = None
+        self.bell_in: int | None = made.take("bell_in")
+        self.bell_out: int | None = made.take("bell_out")
 
     @classmethod
     def open(cls, server: str, trainer: int, *, fallback: Transport, timeout_s: float,
              capacity: int = DEFAULT_CAPACITY) -> ShmTransport | None:
-        """A channel to ``server``, or ``None`` where the server is on another host (or shared
-        memory is unusable here)."""
-        if not os.path.isdir("/dev/shm"):
-            return None
-        directory = Path(tempfile.mkdtemp(prefix="hybrid-ps-", dir="/dev/shm"))
+        """A channel to ``server``, or ``None`` where the server is on another host (or cannot
+        open this process's files, or shared memory is unusable here)."""
         try:
-            for name, size in (("req", capacity), ("rep", 2 * capacity)):  # replies alternate halves
-                with open(directory / name, "wb") as f:
-                    os.posix_fallocate(f.fileno(), 0, size)  # ENOSPC now, not SIGBUS later
-            for name in ("to_server", "to_trainer"):
-                os.mkfifo(directory / name, 0o600)
-            end = cls(server, directory, capacity, fallback=fallback, timeout_s=timeout_s)
+            made = _Made(capacity)
+        except OSError:
+            return None  # no memory to reserve: RPC serves
+        try:
+            end = cls(server, made, capacity, fallback=fallback, timeout_s=timeout_s)
             try:
-                ok = rpc.rpc_sync(server, rpc_open_channel, args=(trainer, host_id(), str(directory), capacity),
+                ok = rpc.rpc_sync(server, rpc_open_channel, args=(trainer, host_id(), made.files(), capacity),
                                   timeout=timeout_s)
-                if not ok:
-                    end.close()
-                    return None
-                end.bell_out = os.open(directory / "to_server", os.O_WRONLY | os.O_NONBLOCK)
             except BaseException:
                 end.close()
                 raise
+            if not ok:
+                end.close()
+                return None
             return end
-        except OSError:
-            return None  # no room in /dev/shm, no FIFOs: RPC serves
         finally:
-            shutil.rmtree(directory, ignore_errors=True)
+            made.close()  # the server's ends: it holds its own now (or none)
 
     def _post(self, end: int) -> bool:
         try:
@@ -141,24 +179,18 @@ class _ServerEnd(ServerEnd):
 
     what = "shared-memory channel"
 
-    def __init__(self, directory: Path, capacity: int, name: str) -> None:
-        super().__init__(torch.from_file(str(directory / "req"), shared=True, size=capacity, dtype=torch.uint8),
-                         torch.from_file(str(directory / "rep"), shared=True, size=2 * capacity, dtype=torch.uint8),
-                         name, halves=True)
-        self.bell_in: int | None = os.open(directory / "to_server", os.O_RDONLY | os.O_NONBLOCK)
-        self.bell_out: int | None = os.open(directory / "to_trainer", os.O_WRONLY | os.O_NONBLOCK)
+    def __init__(self, fds: dict[str, int], capacity: int, name: str) -> None:
+        """``fds``: this process's own descriptors of the channel's files (:func:`open_files`),
+        which it takes over."""
+        try:
+            req, rep = (torch.from_file(f"/proc/self/fd/{fds[n]}", shared=True, size=size, dtype=torch.uint8)
+                        for n, size in (("req", capacity), ("rep", 2 * capacity)))
+        finally:
+            _close_fds((fds.pop("req"), fds.pop("rep")))  # the mappings hold the memory
+        super().__init__(req, rep, name, halves=True)
+        self.bell_in: int | None = fds["to_server"]
+        self.bell_out: int | None = fds["to_trainer"]
         self.thread.start()
-
-    @staticmethod
-    def check_directory(path: str) -> Path:
-        """The set-up directory, if it is a private one of this user's under /dev/shm."""
-        directory = Path(path)
-        st = os.lstat(directory)
-        if (directory.parent != Path("/dev/shm") or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid()
-                or st.st_mode & 0o077):
-            raise PermissionError(f"refusing channel directory {path}: not a private directory of this user "
-                                  f"under /dev/shm")
-        return directory
 
     def _next(self) -> bool:
         while True:
@@ -189,18 +221,47 @@ class _ServerEnd(ServerEnd):
         _close_fds(fds)
 
 
-def rpc_open_channel(trainer: int, host: str, path: str, capacity: int) -> bool:
-    """On a server: serve ``trainer``'s step messages through the channel it set up in ``path``
-    (its thread ends when the trainer closes its end); ``False`` when the trainer is on another
-    host."""
+_MODES = {"req": os.O_RDWR, "rep": os.O_RDWR, "to_server": os.O_RDONLY, "to_trainer": os.O_WRONLY}
+
+
+def open_files(files: ChannelFiles) -> dict[str, int] | None:
+    """This process's descriptors of the files a trainer made (through ``/proc/<pid>/fd/``,
+    close-on-exec, doorbells non-blocking), or ``None`` where one cannot be opened or is not the
+    file the trainer named (another pid namespace, another user, a trainer gone)."""
+    fds: dict[str, int] = {}
+    try:
+        for name, mode in _MODES.items():
+            fds[name] = fd = os.open(f"/proc/{files.pid}/fd/{files.fds[name]}", mode | os.O_CLOEXEC | os.O_NONBLOCK)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != tuple(files.ids[name]):
+                raise PermissionError(f"/proc/{files.pid}/fd/{files.fds[name]} is not the trainer's {name}")
+    except OSError:
+        _close_fds(fds.values())
+        return None
+    for name in ("req", "rep"):
+        os.set_blocking(fds[name], True)
+    return fds
+
+
+def rpc_open_channel(trainer: int, host: str, files: ChannelFiles, capacity: int) -> bool:
+    """On a server: serve ``trainer``'s step messages through the channel it set up (its thread
+    ends when the trainer closes its end); ``False`` when the trainer is on another host or its
+    files cannot be opened from here."""
     if host != host_id():
         return False
-    _ServerEnd(_ServerEnd.check_directory(path), capacity, f"hybrid-ps-channel-t{trainer}")
+    fds = open_files(files)
+    if fds is None:
+        return False
+    try:
+        _ServerEnd(fds, capacity, f"hybrid-ps-channel-t{trainer}")
+    except BaseException:
+        _close_fds(fds.values())
+        raise
     return True
 
 
 def _close_fds(fds) -> None:
-    for fd in fds:
+    for fd in list(fds):
         if fd is not None:
             try:
                 os.close(fd)
