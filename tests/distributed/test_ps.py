@@ -240,6 +240,88 @@ def _bad_ids(rank, world_size, *, policy):
     return err, None, None, before, after
 
 
+SKIPS = {2, 3}  # steps whose forward leaves collection "b" out
+
+
+def _skipping(rank, world_size, *, push, prefetch):
+    role = role_of(rank, world_size, 1)
+    if not role.is_trainer:
+        return None
+    t_n, me = role.num_trainers, role.index
+    pipeline = make_pipeline(trainer=me, num_servers=1, staleness=0, gradient_push=push, timeout_s=60)
+    tables = sample_tables()
+    c = torch.linspace(-1, 1, sum(t.embedding_dim * len(t.feature_names) for t in tables))
+    remotes, refs = {}, {}
+    for name in ("a", "b"):
+        remotes[name] = remote_of(make_ebc(seed=0), pipeline, cid=name, num_servers=1,
+                                  optimizer={"name": "adam", "lr": 0.05}, trainer=me, num_trainers=t_n)
+        ref = make_ebc(seed=0)
+        refs[name] = (ref, {t.name: ReferenceSparseOptimizer("adam", ref.embedding_bags[t.name].weight.data, lr=0.05)
+                            for t in tables})
+    dist.barrier()
+
+    def batch(s):
+        return kjt_slice(global_batch(s, tables, t_n * BATCH), me * BATCH, (me + 1) * BATCH)
+
+    errors = []
+    for s in range(STEPS):
+        used = ["a"] if s in SKIPS else ["a", "b"]
+        try:
+            with step(pipeline) as st:
+                outs = [remotes[n](batch(s)).values() for n in used]
+                if prefetch:
+                    st.prefetch(batch(s + 1))  # for both collections, whether the next step uses both or not
+                st.backward(sum(_loss(o, c) for o in outs))
+        except RuntimeError as e:
+            errors.append((s, str(e)))
+            continue
+        # The reference: one process, the global batch; a step that leaves "b" out leaves its rows
+        # and optimizer state alone.
+        data = global_batch(s, tables, t_n * BATCH)
+        gkjt, touched = kjt_slice(data, 0, t_n * BATCH), touched_rows(data, tables)
+        for n in used:
+            ref, opts = refs[n]
+            ref.zero_grad()
+            _loss(ref(gkjt).values(), c).backward()
+            for t in tables:
+                opts[t.name].step(ref.embedding_bags[t.name].weight.grad, touched[t.name])
+    pipeline.flush()
+    dist.barrier()
+    if me == 0:
+        for n, remote in remotes.items():
+            weights, states = remote.read_tables(with_state=True)
+            ref, opts = refs[n]
+            for t in tables:
+                torch.testing.assert_close(weights[t.name], ref.embedding_bags[t.name].weight.data,
+                                           rtol=1e-6, atol=1e-6, msg=lambda m: f"{n} {t.name}: {m}")
+                for k, v in opts[t.name].state.items():
+                    torch.testing.assert_close(states[t.name][k], v, rtol=1e-6, atol=1e-6,
+                                               msg=lambda m: f"{n} {t.name} state {k}: {m}")
+    pipeline.close()
+    return errors
+
+
+@pytest.mark.parametrize("push,prefetch", [("rpc", False), ("rpc", True), ("dist_autograd", False),
+                                           ("dist_autograd", True)])
+def test_a_step_that_leaves_a_collection_out_changes_none_of_its_rows(push, prefetch):
+    """A model whose forward leaves one of its remote collections out of some steps trains as
+    one process does, under Adam (a zero gradient would move rows): each server of the
+    collection gets the trainer's push of the step without rows. Without it the next step's
+    lookup waited for that push until the RPC timeout; a prefetched lookup the step did not use
+    changed rows under dist_autograd, whose backward gives it a zero gradient -- there the step
+    is refused before its backward, naming the collection, and changes nothing."""
+    for errors in run_distributed(_skipping, 3, setup="hybrid", num_servers=1, timeout=120, push=push,
+                                  prefetch=prefetch):
+        if errors is None:
+            continue
+        if push == "dist_autograd" and prefetch:
+            # Step 1 prefetched "b" for step 2, which left it out; step 2 did so for step 3.
+            assert [s for s, _ in errors] == sorted(SKIPS), errors
+            assert all(f"step {s} did not look up b, whose rows were prefetched" in m for s, m in errors), errors
+        else:
+            assert errors == [], errors
+
+
 def test_bad_ids_error_policy_names_feature_id_and_size_and_changes_nothing():
     out = run_distributed(_bad_ids, 2, setup="hybrid", num_servers=1, timeout=90, policy="error")
     err, _, _, before, after = out[0]

@@ -184,6 +184,20 @@ class GradientPush:
             self.owed.setdefault(r.server, []).append((r.collection, push))
         state.received = []
 
+    def owe_skipped(self, pipeline: StepPipeline, state: StepState) -> None:
+        """Owe each server of every collection the step did not look up the trainer's push of the
+        step, without rows. A server answers a later step's lookups only once every trainer has
+        pushed every step before it (sync, and within the staleness bound), so a model that
+        leaves a collection out of a step must still say so; the step changes none of its rows,
+        as one process's step that does not use a table. Call before the step's received rows
+        are owed (a looked-up collection reaches every one of its servers)."""
+        used = {id(r.collection) for r in state.received}
+        for c in pipeline.collections:
+            if id(c) not in used:
+                empty = torch.empty(0, dtype=getattr(torch, c.config.wire_dtype))
+                for s in c.servers:
+                    self.owed.setdefault(s, []).append((c, Push(state.step, NO_ROWS, empty)))
+
     def send_owed(self, pipeline: StepPipeline) -> None:
         """Send what is owed on messages of its own (what no lookup is about to carry)."""
         for server in list(self.owed):
@@ -322,6 +336,8 @@ class DistAutogradPush(GradientPush):
             state.context.release()
             return
         received, state.received = state.received, []
+        if self.owed:  # collections the step left out: plain messages, as no backward reaches them
+            self.send_owed(pipeline)
 
         def backward(ctx_id: int) -> None:
             if received:
@@ -423,7 +439,24 @@ class StepPipeline:
         if state.pushed:
             return
         state.pushed = True
+        self.push_strategy.owe_skipped(self, state)
         self.push_strategy.push(self, state)
+
+    def check_prefetched_used(self, state: StepState) -> None:
+        """Before the step's backward under ``gradient_push: dist_autograd``: refuse a step that
+        left out a collection whose rows were prefetched for it. Distributed autograd's backward
+        reaches every lookup its context recorded, so those rows would be trained on a zero
+        gradient (a change under Adam or weight decay) instead of left alone. The step then
+        ends as one that raised: it changes nothing."""
+        if not self.push_strategy.autograd:
+            return
+        left = [lk.collection.cid for lk in state.prefetched.values() if lk.futures is not None]
+        if left:
+            raise RuntimeError(
+                f"step {state.step} did not look up {', '.join(left)}, whose rows were prefetched for it; under "
+                f"runtime.gradient_push: dist_autograd the backward reaches every lookup a step made and would "
+                f"train those rows on a zero gradient: prefetch only the steps that use a collection, or use "
+                f"gradient_push: rpc (this step changes nothing)")
 
     def _grad_hook(self, state: StepState) -> Callable[[torch.Tensor], None]:
         def hook(_leaf: torch.Tensor) -> None:
@@ -600,6 +633,7 @@ class StepHandle:
             raise RuntimeError("s.backward(loss) was already called in this step")
         state = self._state
         if state is not None:
+            self._pipeline.check_prefetched_used(state)
             state.in_backward, state.ready = True, 0
         try:
             loss.backward()
