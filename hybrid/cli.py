@@ -301,6 +301,8 @@ def _export_main(args: argparse.Namespace) -> int:
 def _world_size(flag: int | None, plan: Plan) -> tuple[int, str]:
     """The world size to check against, and a note when it was guessed."""
     if flag is not None:
+        if flag < 1:  # named as the flag: the plan's world_size is not the value refused
+            raise PlanError(f"got {flag}; expected a number of processes >= 1", category="topology", key="--world-size")
         return flag, ""
     if plan.world_size is not None:
         return plan.world_size, ""
