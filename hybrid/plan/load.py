@@ -92,21 +92,21 @@ def _read_yaml(path: Path, what: str = "plan") -> tuple[Any, str]:
     try:
         return _to_plain(OmegaConf.load(path)), text
     except yaml.MarkedYAMLError as e:
-        raise _yaml_error(e, where, text) from None
+        raise _yaml_error(e, where, text, what) from None
     except (yaml.YAMLError, OmegaConfBaseException) as e:
         raise PlanError(f"invalid YAML: {e}", category="yaml_syntax", where=where) from None
     except PlanError as e:
         raise e.at(where) from None
 
 
-def _yaml_error(e: yaml.MarkedYAMLError, path: str, text: str) -> PlanError:
+def _yaml_error(e: yaml.MarkedYAMLError, path: str, text: str, what: str = "plan") -> PlanError:
     mark = e.problem_mark or e.context_mark
     where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
     problem = e.problem or str(e)
     if problem.startswith("could not determine a constructor for the tag"):
         tag = problem.split("tag", 1)[1].strip(" '").replace(_YAML_TAG_PREFIX, "!!")
         detail = (
-            f"refusing YAML tag {tag!r}: a plan is plain data (mappings, lists, strings, "
+            f"refusing YAML tag {tag!r}: a {what} is plain data (mappings, lists, strings, "
             "numbers, booleans) and may not construct Python objects; remove the tag"
         )
         return PlanError(detail, category="unsafe_yaml", where=where)

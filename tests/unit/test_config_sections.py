@@ -37,3 +37,12 @@ def test_an_unknown_dense_optimizer_lists_the_choices_once():
         load_config(None, ["train.optimizer=lion"], model="dlrm")
     assert str(e.value) == ("override 'train.optimizer=lion': train.optimizer: got 'lion'; "
                             "expected one of 'sgd', 'adagrad', 'adam'")
+
+
+def test_a_python_tag_in_a_training_config_is_refused_as_the_config_s(tmp_path, capsys):
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("train:\n  steps: !!python/name:os.system\n")
+    assert cli.main(["plan", "check", PLAN, "--config", str(cfg)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {cfg}:2:10: refusing YAML tag '!!python/name:os.system': a training config is plain data "
+        "(mappings, lists, strings, numbers, booleans) and may not construct Python objects; remove the tag\n")
