@@ -587,7 +587,8 @@ class Trainer:
 
     def _summary(self, rows, train_time, total, last_loss, stats, png) -> str:
         train_rows = [r for r in rows if r["kind"] == "train"]
-        samples = self.step * self.cfg.data.batch_size * self.role.num_trainers
+        run = self.step - self.start_step  # the steps this run trained: a resumed run starts at its checkpoint's
+        samples = run * self.cfg.data.batch_size * self.role.num_trainers
         mean = lambda k: sum(r[k] for r in train_rows) / len(train_rows) if train_rows else float("nan")  # noqa: E731
         first_eval = self.evals[0] if self.evals else {}
         last_eval = self.evals[-1] if self.evals else {}
@@ -597,9 +598,10 @@ class Trainer:
                            f"{_plural(self.role.num_servers, 'parameter server')}" if self.role.num_servers or
                            not self.remotes else "1 trainer holding the tables (one process)")
                           + f", staleness {self.staleness}"),
-            ("steps", f"{self.step} ({samples:,} samples, {self.skipped} batches skipped)"),
+            ("steps", f"{self.step} ({samples:,} samples{f' from step {self.start_step}' if self.start_step else ''}, "
+                      f"{self.skipped} batches skipped)"),
             ("time", f"{train_time:.1f}s training, {total:.1f}s with evaluation"),
-            ("throughput", f"{samples / train_time:,.0f} samples/s" if train_time > 0 else "n/a"),
+            ("throughput", f"{samples / train_time:,.0f} samples/s" if train_time > 0 and samples else "n/a"),
             ("step time", f"{mean('step_ms'):.1f} ms = data {mean('data_ms'):.1f} + lookup {mean('lookup_ms'):.1f} "
                           f"+ dense fwd/bwd {mean('dense_ms'):.1f} + push {mean('push_ms'):.1f} "
                           f"+ optimizer {mean('optimizer_ms'):.1f} (+ rest)"),
@@ -612,7 +614,7 @@ class Trainer:
             shown = f"{fmt(before)} (step {first_eval['step']}) -> {fmt(v)}" if len(self.evals) > 1 else fmt(v)
             lines.append((f"eval {k}", shown))
         for server, d in sorted(stats.items()):
-            steps = max(self.step, 1)
+            steps = max(run, 1)  # the servers' counters cover this run's steps
             uniq = d.get("rows_served", 0) / d["ids_requested"] if d.get("ids_requested") else float("nan")
             lines.append((server, f"{d.get('lookups', 0) / steps / self.role.num_trainers:.1f} lookups/step/trainer, "
                                   f"{d.get('bytes_in', 0) / steps / 1024:.1f} KiB in + {d.get('bytes_out', 0) / steps / 1024:.1f} "
