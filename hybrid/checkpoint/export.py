@@ -276,9 +276,11 @@ def _save_atomic(state: dict[str, torch.Tensor], out: Path) -> None:
     try:
         F.save_tensors(state, tmp)
         os.replace(tmp, out)
-    except OSError as e:
+    except BaseException as e:  # Ctrl-C included: a partial temp file may be as big as the model
         tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"export: cannot write {out} ({e.strerror or e})") from None
+        if isinstance(e, OSError):
+            raise CheckpointError(f"export: cannot write {out} ({e.strerror or e})") from None
+        raise
 
 
 def load_export(out: str | Path) -> dict[str, torch.Tensor]:

@@ -567,3 +567,22 @@ def test_dynamic_tables_export_ascending_by_id_whole_or_in_parts(tmp_path, monke
     for p in files:
         part = torch.load(tmp_path / "export" / p["file"], weights_only=True)
         assert part[key].shape[0] == p["rows"][1] - p["rows"][0] <= 200 // (4 * 3 + 8)
+
+
+class _Interrupting:
+    """Pickling it is interrupted as Ctrl-C interrupts a long write."""
+
+    def __reduce__(self):
+        raise KeyboardInterrupt
+
+
+def test_an_interrupted_export_write_leaves_no_partial_file(tmp_path):
+    """Ctrl-C while an export file is written (here: while it is pickled, part of it already in
+    the file) removes the temp file: a partial one may be as big as the model."""
+    from hybrid.checkpoint.export import _save_atomic
+
+    out = tmp_path / "model.pt"
+    with pytest.raises(BaseException) as got:  # noqa: PT011 - torch may raise its own error on the way out
+        _save_atomic({"w": torch.zeros(1 << 16), "x": _Interrupting()}, out)
+    assert isinstance(got.value, KeyboardInterrupt) or isinstance(got.value.__context__, KeyboardInterrupt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
