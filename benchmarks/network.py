@@ -2,7 +2,7 @@
 
 On one machine every system's processes talk over loopback, where a byte costs next to nothing
 and same-host shortcuts (TensorPipe's shared-memory transport and cross-memory-attach channel,
-hybrid's ``/dev/shm`` channel) carry what crosses a network between real hosts. Under
+hybrid's shared-memory channel) carry what crosses a network between real hosts. Under
 :class:`EmulatedNetwork` each process runs as a host of its own:
 
 - its own network namespace, with one interface ``eth0`` at ``192.0.2.<host + 1>/24`` (TEST-NET-1,

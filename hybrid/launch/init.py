@@ -68,7 +68,7 @@ class RuntimeOptions:
     as in PyTorch's RPC tutorials. Both train the same numbers."""
     ps_transport: PsTransport = "auto"
     """How step messages reach a parameter server (:mod:`hybrid.ps.transport`): ``auto`` through
-    shared memory to a server on the trainer's own host (files in ``/dev/shm`` and a FIFO
+    shared memory to a server on the trainer's own host (anonymous memfd files and a pipe
     doorbell: no TensorPipe threads, no pickling) and through a TCP connection of their own to
     the others (frames as in shared memory, on the server's ``address``); ``socket``: that
     connection to every server, its own host's too; ``rpc``: always RPC. ``dist_autograd``
