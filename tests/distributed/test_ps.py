@@ -79,20 +79,29 @@ def _train(rank, world_size, *, num_servers, sharding, push="rpc", prefetch=Fals
     dist.barrier()  # every trainer's last push is in, so the last step is applied everywhere
     result = {"max_fwd_err": max_fwd_err, "pools_on_server": {n: r.pools_on_server for n, r in remotes.items()}}
     if me == 0:
-        for n, remote in remotes.items():
-            weights, states = remote.read_tables(with_state=True)
-            ref, opts = refs[n]
-            for t in tables:
-                torch.testing.assert_close(weights[t.name], ref.embedding_bags[t.name].weight.data,
-                                           rtol=1e-6, atol=1e-6, msg=lambda m: f"{n} {t.name}: {m}")
-                for k, v in opts[t.name].state.items():
-                    torch.testing.assert_close(states[t.name][k], v, rtol=1e-6, atol=1e-6,
-                                               msg=lambda m: f"{n} {t.name} state {k}: {m}")
-            result[n] = remote.stats()
-            # The tables did move: the comparison above is not trivially true.
+        for n, weights in _equal_to_reference(remotes, refs, tables).items():
+            result[n] = remotes[n].stats()
+            # The tables did move: the comparison is not trivially true.
             assert not torch.equal(weights["t0"], make_ebc(seed=0).embedding_bags["t0"].weight.data)
     pipeline.close()
     return result
+
+
+def _equal_to_reference(remotes, refs, tables, where: str = "") -> dict[str, dict[str, torch.Tensor]]:
+    """Every remote collection's rows and optimizer state equal its one-process reference's
+    (``refs``: collection -> (local collection, per-table reference optimizer)); the rows read."""
+    out = {}
+    for n, remote in remotes.items():
+        weights, states = remote.read_tables(with_state=True)
+        ref, opts = refs[n]
+        for t in tables:
+            torch.testing.assert_close(weights[t.name], ref.embedding_bags[t.name].weight.data,
+                                       rtol=1e-6, atol=1e-6, msg=lambda m: f"{where} {n} {t.name}: {m}")
+            for k, v in opts[t.name].state.items():
+                torch.testing.assert_close(states[t.name][k], v, rtol=1e-6, atol=1e-6,
+                                           msg=lambda m: f"{where} {n} {t.name} state {k}: {m}")
+        out[n] = weights
+    return out
 
 
 @pytest.mark.parametrize(
@@ -178,15 +187,7 @@ def _train_twice(rank, world_size, *, num_servers, push):
     dist.barrier()
     result = None
     if me == 0:
-        for name, remote in remotes.items():
-            weights, states = remote.read_tables(with_state=True)
-            ref, opts = refs[name]
-            for t in tables:
-                torch.testing.assert_close(weights[t.name], ref.embedding_bags[t.name].weight.data,
-                                           rtol=1e-6, atol=1e-6, msg=lambda m: f"{push} {name} {t.name}: {m}")
-                for k, v in opts[t.name].state.items():
-                    torch.testing.assert_close(states[t.name][k], v, rtol=1e-6, atol=1e-6,
-                                               msg=lambda m: f"{push} {name} {t.name} state {k}: {m}")
+        for weights in _equal_to_reference(remotes, refs, tables, where=push).values():
             assert not torch.equal(weights["t0"], make_ebc(seed=0).embedding_bags["t0"].weight.data)
         result = {name: remote.stats() for name, remote in remotes.items()}
     pipeline.close()
@@ -288,15 +289,7 @@ def _skipping(rank, world_size, *, push, prefetch):
     pipeline.flush()
     dist.barrier()
     if me == 0:
-        for n, remote in remotes.items():
-            weights, states = remote.read_tables(with_state=True)
-            ref, opts = refs[n]
-            for t in tables:
-                torch.testing.assert_close(weights[t.name], ref.embedding_bags[t.name].weight.data,
-                                           rtol=1e-6, atol=1e-6, msg=lambda m: f"{n} {t.name}: {m}")
-                for k, v in opts[t.name].state.items():
-                    torch.testing.assert_close(states[t.name][k], v, rtol=1e-6, atol=1e-6,
-                                               msg=lambda m: f"{n} {t.name} state {k}: {m}")
+        _equal_to_reference(remotes, refs, tables)
     pipeline.close()
     return errors
 
