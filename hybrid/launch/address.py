@@ -133,3 +133,35 @@ def _interface_of(ip: str) -> str | None:
     except OSError:
         return None
     return None
+
+
+def link_down(address: str | None = None) -> str | None:
+    """A line saying that the network interface holding ``address`` (default: this process's RPC
+    address, ``runtime.address``) is down or has lost its carrier; None while it is up (or the
+    address is not on an interface: IPv6, or RPC not started).
+
+    Without its interface the host has no route to its peers, and a new RPC connection then ends
+    the process: TensorPipe's TCP transport throws from its event loop when ``connect`` fails at
+    once ("network is unreachable"), which aborts (SIGABRT, "terminate called ..."). The pings of
+    a waiting or failing process open such connections, so they ask this first."""
+    try:
+        ip = numeric_address(address) if address else os.environ.get(RPC_ADDRESS_ENV)
+    except PlanError:
+        return None
+    name = _interface_of(ip) if ip else None
+    if name is None:
+        return None
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8913, struct.pack("256s", name[:15].encode()))  # SIOCGIFFLAGS
+    except OSError:
+        return None
+    flags = struct.unpack("H", packed[16:18])[0]
+    if not flags & 0x1:  # IFF_UP
+        return f"this host's network interface {name} (runtime.address {ip}) is down"
+    if not flags & 0x40:  # IFF_RUNNING
+        return f"this host's network interface {name} (runtime.address {ip}) has lost its link (no carrier)"
+    return None

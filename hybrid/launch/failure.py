@@ -23,6 +23,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from hybrid.errors import EXIT_FAILED, EXIT_USAGE, first_line, print_error
+from hybrid.launch.address import link_down
 from hybrid.launch.init import failed_peers, record_failure, within
 from hybrid.launch.roles import Role
 from hybrid.launch.serve import PeerFailure, unreachable_peers
@@ -48,7 +49,12 @@ def fail(role: Role, e: BaseException, *, user_error: bool) -> NoReturn:
         gone = unreachable_peers(role)
     except Exception:  # noqa: BLE001 - the RPC agent itself may be down
         gone = []
-    if gone:
+    down = link_down()
+    if down:
+        # This host is cut off: every peer looks gone, and none is to blame.
+        logger.error("%s: peers not answering: %s (%s); this process stopped on: %s", role.name, ", ".join(gone),
+                     down, first_line(e))
+    elif gone:
         # The silent ones first: a peer that failed and said so is gone too, often because of them
         said = failed_peers(role)
         silent = [n for n in gone if n not in said] or gone

@@ -180,7 +180,7 @@ def within(fn, default, timeout_s: float = STORE_STEP_TIMEOUT_S):  # noqa: ANN00
     the way to a failure's message. A store whose host hangs or whose machine is gone holds a
     read for the store's own timeout (minutes: ``set_timeout`` does not shorten a read already
     connected), so the call runs on a thread of its own, left behind if it does not return; the
-    process is ending."""
+    process is ending. After one step ran out of time, the later ones do not try the store."""
     import threading
 
     out: list = []
@@ -191,10 +191,20 @@ def within(fn, default, timeout_s: float = STORE_STEP_TIMEOUT_S):  # noqa: ANN00
         except Exception:  # noqa: BLE001 - the store's host is gone: the default stands
             pass
 
+    if _STORE_SILENT:
+        return default
     thread = threading.Thread(target=run, name="hybrid-store-step", daemon=True)
     thread.start()
     thread.join(timeout_s)
+    if thread.is_alive():
+        _STORE_SILENT.append(True)
     return out[0] if out else default
+
+
+_STORE_SILENT: list[bool] = []
+"""Non-empty once a store step of :func:`within` ran out of time: the store's host is gone, hung
+or cut off, and each further step would only wait its 2 s too (a failing process takes up to four
+of them before its message), so they return their default at once."""
 
 
 STAGES = ("checked in", "in the trainers' process group", "in RPC's start-up", "joined", "leaving RPC", "left")
@@ -266,8 +276,11 @@ def wait_for_everyone(role: Role, init_method: str, timeout_s: float) -> Checkin
             return checkin
         if time.monotonic() > deadline:
             names = ", ".join(f"{role_of(r, role.world_size, role.num_servers).name} (rank {r})" for r in missing)
+            store_at = (f" at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" if init_method == "env://"
+                        else "")
             raise StartupError(f"{role.name}: {names} did not start within {timeout_s:g}s "
-                               f"(runtime.startup_timeout_s); check their logs, or raise the timeout")
+                               f"(runtime.startup_timeout_s), or cannot reach the job's store{store_at} (its host's "
+                               f"network?); check their logs, or raise the timeout")
         time.sleep(0.1)
 
 
@@ -454,14 +467,45 @@ def _leave_rpc(role: Role, timeout_s: float) -> None:
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
     try:
-        rpc.shutdown(graceful=True, timeout=timeout_s)
+        _leave_within(timeout_s)
     except Exception as e:
         behind = checkin.behind("left") if checkin is not None else []
         first = first_line(e)
         who = f"{', '.join(behind)} did not leave RPC" if behind else "the job's processes did not all leave RPC"
+        from hybrid.launch.address import link_down
+
+        down = link_down()
         raise PeerFailure(f"{role.name}: {who} (this process waits {timeout_s:g}s at most: "
-                          f"runtime.shutdown_timeout_s): died or hung? This process stopped leaving on: {first}") from e
+                          f"runtime.shutdown_timeout_s): {f'{down}.' if down else 'died or hung?'} This process stopped leaving on: "
+                          f"{first}") from e
     finally:
         quiet.setLevel(level)
     if checkin is not None:
         within(lambda: checkin.reached("left"), None)
+
+
+def _leave_within(timeout_s: float) -> None:
+    """``rpc.shutdown(graceful=True, timeout=timeout_s)``, given up after twice ``timeout_s`` plus
+    2 s (torch waits up to twice: for the peers' notes, then for their calls). Its count of the
+    calls in flight goes through the job's store with no timeout of its own: a process cut off from
+    the store's host (node 0's link down) would sit in that read for as long as TCP keeps the
+    connection (minutes). So it runs on a thread of its own, left behind when it does not return;
+    the process is ending."""
+    import threading
+
+    error: list[BaseException] = []
+
+    def leave() -> None:
+        try:
+            rpc.shutdown(graceful=True, timeout=timeout_s)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            error.append(e)
+
+    thread = threading.Thread(target=leave, name="hybrid-leave-rpc", daemon=True)
+    thread.start()
+    thread.join(2 * timeout_s + 2.0)
+    if thread.is_alive():
+        raise TimeoutError(f"RPC's shutdown did not return within {2 * timeout_s + 2.0:g}s (the job's store "
+                           f"unreachable?)")
+    if error:
+        raise error[0]

@@ -15,6 +15,7 @@ import time
 
 import torch.distributed.rpc as rpc
 
+from hybrid.launch.address import link_down
 from hybrid.launch.roles import Role
 from hybrid.log import logger
 
@@ -40,7 +41,12 @@ def serve(role: Role, *, heartbeat_s: float, timeout_s: float) -> None:
         for name in role.trainer_names:
             t0 = time.monotonic()
             try:
-                rpc.rpc_sync(name, _ping, timeout=timeout_s)
+                deadline = time.monotonic() + timeout_s
+                if down := _link_back_by(deadline):
+                    raise PeerFailure(f"{role.name}: cannot reach trainer {name} for {timeout_s:g}s: {down}")
+                rpc.rpc_sync(name, _ping, timeout=max(deadline - time.monotonic(), 0.1))
+            except PeerFailure:
+                raise
             except Exception as e:  # noqa: BLE001 - any failure to reach a peer is the same news
                 if _DONE.is_set():
                     return
@@ -62,10 +68,25 @@ def release_servers(role: Role, timeout_s: float) -> None:
         f.wait()
 
 
+def _link_back_by(deadline: float) -> str | None:
+    """None once this host's link is up (at once, mostly), or what :func:`link_down` says if it is
+    still down at ``deadline`` (``time.monotonic()``): a ping sent meanwhile could abort this
+    process, and a link down for less than the timeout must not end the job."""
+    while down := link_down():
+        if time.monotonic() >= deadline:
+            return down
+        time.sleep(0.1)
+    return None
+
+
 def answers(name: str, timeout_s: float = 1.0) -> bool:
-    """Whether process ``name`` answers a ping within ``timeout_s``."""
+    """Whether process ``name`` answers a ping within ``timeout_s`` (not while this host's link
+    is down: :func:`~hybrid.launch.address.link_down`)."""
+    deadline = time.monotonic() + timeout_s
+    if _link_back_by(deadline):
+        return False
     try:
-        rpc.rpc_sync(name, _ping, timeout=timeout_s)
+        rpc.rpc_sync(name, _ping, timeout=max(deadline - time.monotonic(), 0.1))
     except Exception:  # noqa: BLE001 - any failure to reach it is the same news
         return False
     return True
@@ -78,6 +99,8 @@ def unreachable_peers(role: Role, timeout_s: float = 1.0) -> list[str]:
     if not rpc.api._is_current_rpc_agent_set():
         return []
     names = [n for n in [*role.trainer_names, *role.server_names] if n != role.name]
+    if link_down():  # none can be reached, and trying would abort this process
+        return names
     futs = {}
     for n in names:
         try:

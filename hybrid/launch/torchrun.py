@@ -126,16 +126,19 @@ def standalone_on(argv: list[str], address: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m hybrid.launch.torchrun [--address A] [--names N0,N1,...] TORCHRUN_ARGS...``:
-    torchrun with its stores on ``A``; messages name rank ``i`` as ``Ni`` (its role, e.g.
-    ``trainer1``) when the names are given."""
+    """``python -m hybrid.launch.torchrun [--address A] [--names N0,N1,...] [--exit-barrier-timeout S]
+    TORCHRUN_ARGS...``: torchrun with its stores on ``A``; messages name rank ``i`` as ``Ni`` (its
+    role, e.g. ``trainer1``) when the names are given; an agent whose workers succeeded waits ``S``
+    seconds at most for the other nodes' agents (:func:`_bound_exit_barrier`; default 30)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    address, names = "127.0.0.1", []
-    while argv[:1] in (["--address"], ["--names"]):
+    address, names, exit_barrier_s = "127.0.0.1", [], EXIT_BARRIER_S
+    while argv[:1] in (["--address"], ["--names"], ["--exit-barrier-timeout"]):
         if argv[0] == "--address":
             address = argv[1]
-        else:
+        elif argv[0] == "--names":
             names = argv[1].split(",")
+        else:
+            exit_barrier_s = float(argv[1])
         argv = argv[2:]
     argv = standalone_on(argv, address)
     problem = port_in_use_error(argv, address)
@@ -144,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     install(address)
     _honour_shutdown_timeout(argv)
+    _bound_exit_barrier(exit_barrier_s)
     _quiet_stops()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -151,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         torchrun_main(argv)
+        _exit(0)
     except ChildFailedError as e:
         _exit(_exit_status(e, names))
     except SignalException as e:  # the workers are stopped (torchrun sent them the same signal)
@@ -217,6 +222,48 @@ def _honour_shutdown_timeout(argv: list[str]) -> None:
         close(self, death_sig, min(timeout, int(grace)))
 
     mp_api.PContext.close = close_within_grace
+
+
+EXIT_BARRIER_S = 30.0
+"""How long an agent whose workers succeeded waits for the other agents (``--exit-barrier-timeout``)."""
+
+
+def _bound_exit_barrier(seconds: float) -> None:
+    """An agent whose workers succeeded waits in torch's exit barrier for the other nodes' agents,
+    up to 300 s, in the store on node 0. Once one node's workers succeeded, every process of the
+    job has been through RPC's graceful shutdown together, so the others end within seconds; an
+    agent still missing after ``seconds`` is on a node that failed or was cut off, and waiting on
+    only keeps a finished job's command running for minutes. A node cut off from node 0 would
+    wait longer still: the barrier's store reads do not time out while TCP keeps the connection.
+    So the barrier waits ``seconds`` at most, on a thread of its own, and the agent then goes on
+    (its workers' result stands)."""
+    import threading
+
+    from torch.distributed.elastic.agent.server import api as agent_api
+
+    barrier = agent_api.SimpleElasticAgent._exit_barrier
+    missed: list[bool] = []
+
+    class _Missed(logging.Filter):  # torch logs a barrier that timed out with its traceback
+        def filter(self, record: logging.LogRecord) -> bool:
+            if str(record.msg).startswith("Error waiting on exit barrier"):
+                missed.append(True)
+                return False
+            return True
+
+    agent_api.logger.addFilter(_Missed())
+
+    def bounded(self) -> None:  # noqa: ANN001 - torch's method
+        self._exit_barrier_timeout = min(self._exit_barrier_timeout, seconds)
+        thread = threading.Thread(target=barrier, args=(self,), name="hybrid-exit-barrier", daemon=True)
+        thread.start()
+        thread.join(seconds + 1.0)
+        if thread.is_alive() or missed:
+            print(f"hybrid: this node's workers succeeded; not every other node's agent reached the exit "
+                  f"barrier within {seconds:g}s (--exit-barrier-timeout): a node failed or cannot reach node 0",
+                  file=sys.stderr)
+
+    agent_api.SimpleElasticAgent._exit_barrier = bounded
 
 
 def _exit_status(e, names: list[str]) -> int:

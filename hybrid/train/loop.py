@@ -197,7 +197,10 @@ def run_process(role: Role, plan: Plan, cfg: RunConfig, resolved: ResolvedPlan, 
     except PlanError as e:  # runtime.address on a machine without hybrid._C's transport
         fail(role, e, user_error=True)
     except Exception as e:  # noqa: BLE001
-        logger.error("%s could not join the job: %s", role.name, e)
+        from hybrid.launch.address import link_down
+
+        down = link_down(options.address)  # torch's own message then names an address it could not reach, not why
+        logger.error("%s could not join the job: %s%s", role.name, f"{down}: " if down else "", e)
         return EXIT_FAILED
     try:
         if role.is_trainer:
