@@ -592,7 +592,8 @@ class Trainer:
         train_rows = [r for r in rows if r["kind"] == "train"]
         run = self.step - self.start_step  # the steps this run trained: a resumed run starts at its checkpoint's
         samples = run * self.cfg.data.batch_size * self.role.num_trainers
-        mean = lambda k: sum(r[k] for r in train_rows) / len(train_rows) if train_rows else float("nan")  # noqa: E731
+        own = [r for r in train_rows if r["step"] > self.start_step]  # the rows of this run's steps
+        mean = lambda k: sum(r[k] for r in own) / len(own) if own else float("nan")  # noqa: E731
         first_eval = self.evals[0] if self.evals else {}
         last_eval = self.evals[-1] if self.evals else {}
         lines = [
@@ -607,7 +608,7 @@ class Trainer:
             ("throughput", f"{samples / train_time:,.0f} samples/s" if train_time > 0 and samples else "n/a"),
             ("step time", f"{mean('step_ms'):.1f} ms = data {mean('data_ms'):.1f} + lookup {mean('lookup_ms'):.1f} "
                           f"+ dense fwd/bwd {mean('dense_ms'):.1f} + push {mean('push_ms'):.1f} "
-                          f"+ optimizer {mean('optimizer_ms'):.1f} (+ rest)"),
+                          f"+ optimizer {mean('optimizer_ms'):.1f} (+ rest)" if own else "n/a"),
             ("train loss", f"{fmt(train_rows[0]['loss']) if train_rows else 'n/a'} -> {fmt(last_loss)}"),
         ]
         for k, v in last_eval.items():
@@ -621,7 +622,8 @@ class Trainer:
             uniq = d.get("rows_served", 0) / d["ids_requested"] if d.get("ids_requested") else float("nan")
             lines.append((server, f"{d.get('lookups', 0) / steps / self.role.num_trainers:.1f} lookups/step/trainer, "
                                   f"{d.get('bytes_in', 0) / steps / 1024:.1f} KiB in + {d.get('bytes_out', 0) / steps / 1024:.1f} "
-                                  f"KiB out per step, unique ids {uniq:.2f}" + _dynamic_counters(d)))
+                                  f"KiB out per step, unique ids {fmt(uniq) if math.isnan(uniq) else f'{uniq:.2f}'}"
+                                  + _dynamic_counters(d)))
         for r in self.remotes:
             if r.hot_rows is not None:  # this trainer's cache (trainer 0 writes the summary)
                 c = r.hot_rows.counters

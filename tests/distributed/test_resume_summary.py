@@ -36,3 +36,4 @@ def test_a_resumed_run_reports_the_samples_and_throughput_of_its_own_steps(tmp_p
     assert res.returncode == 0, res.output
     s = _summary(res.stdout)
     assert s["steps"] == "6 (0 samples from step 6, 0 batches skipped)" and s["throughput"] == "n/a", res.stdout
+    assert s["step time"] == "n/a" and "nan" not in s["ps0"], res.stdout
