@@ -133,13 +133,27 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     address, names, exit_barrier_s = "127.0.0.1", [], EXIT_BARRIER_S
     while argv[:1] in (["--address"], ["--names"], ["--exit-barrier-timeout"]):
+        if len(argv) < 2:
+            _refuse(f"{argv[0]} needs a value")
         if argv[0] == "--address":
             address = argv[1]
         elif argv[0] == "--names":
             names = argv[1].split(",")
         else:
-            exit_barrier_s = float(argv[1])
+            try:
+                exit_barrier_s = float(argv[1])
+            except ValueError:
+                exit_barrier_s = float("nan")
+            if not exit_barrier_s > 0:
+                _refuse(f"--exit-barrier-timeout: got {argv[1]!r}; expected a number of seconds above 0")
         argv = argv[2:]
+    from hybrid.launch.address import check_address
+    from hybrid.plan import PlanError
+
+    try:
+        check_address(address)  # torchrun's stores listen there: refused here in one line, not by torch's traceback
+    except PlanError as e:
+        _refuse(f"--address: {e.detail}")
     argv = standalone_on(argv, address)
     problem = port_in_use_error(argv, address)
     if problem:
@@ -264,6 +278,12 @@ def _bound_exit_barrier(seconds: float) -> None:
                   file=sys.stderr)
 
     agent_api.SimpleElasticAgent._exit_barrier = bounded
+
+
+def _refuse(problem: str) -> None:
+    """A mistake in this wrapper's own arguments: one line, exit code 2."""
+    print(f"error: python -m hybrid.launch.torchrun: {problem}", file=sys.stderr)
+    sys.exit(2)
 
 
 def _exit_status(e, names: list[str]) -> int:
