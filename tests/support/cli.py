@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -10,6 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def die_with_test() -> None:
+    """``preexec_fn`` of a job a test starts: the kernel SIGKILLs it when the test's process
+    ends, also when that process is killed outright (a run cut off by an outer timeout), so no
+    job trains on unattended; its workers die with it (``hybrid launch`` asks the same for them).
+    A single system call, safe between fork and exec."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @dataclass
@@ -31,7 +43,8 @@ def run_hybrid(args: list[str], *, timeout: float, cwd: Path | None = None, env:
     """
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd or REPO, env=full_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=die_with_test)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.support.cli import REPO, kill_tree
+from tests.support.cli import REPO, die_with_test, kill_tree
 from tests.support.sockets import descendants
 
 
@@ -23,7 +23,7 @@ class Job:
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "hybrid.cli", *args], cwd=REPO, env=full_env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_test)
         self.lines: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
