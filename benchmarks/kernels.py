@@ -187,13 +187,17 @@ def fbgemm_tbe(s: Setup, data: Data, optimizer: str):
 
     kind = getattr(EmbOptimType, FBGEMM_OPTIMIZERS[optimizer])
     huge = s.memory == "huge_pages"
-    buffers = {"weights": table_tensor(s.rows * s.dim, huge_pages=huge)}
-    if optimizer != "sgd":
-        buffers["momentum1"] = table_tensor(s.rows * (s.dim if optimizer == "adagrad" else 1), huge_pages=huge)
+    given = {}  # plain memory is what FBGEMM allocates itself (and FBGEMM before 1.8 takes no buffers)
+    if huge:
+        buffers = {"weights": table_tensor(s.rows * s.dim, huge_pages=True)}
+        if optimizer != "sgd":
+            buffers["momentum1"] = table_tensor(s.rows * (s.dim if optimizer == "adagrad" else 1), huge_pages=True)
+        given = {"preallocated_host_buffers": buffers}
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(s.rows, s.dim, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=kind, learning_rate=s.lr,
-        eps=1e-8, pooling_mode=PoolingMode.SUM, preallocated_host_buffers=buffers)
-    assert tbe.weights_host.data_ptr() == buffers["weights"].data_ptr(), "FBGEMM did not take the buffer"
+        eps=1e-8, pooling_mode=PoolingMode.SUM, **given)
+    assert not huge or tbe.weights_host.data_ptr() == given["preallocated_host_buffers"]["weights"].data_ptr(), \
+        "FBGEMM did not take the buffer"
     tbe.split_embedding_weights()[0].copy_(data.weight)
     for state in _states(tbe):
         state.zero_()
