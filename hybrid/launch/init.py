@@ -20,6 +20,7 @@ import torch.distributed.rpc as rpc
 
 from hybrid.errors import first_line
 from hybrid.launch.address import gloo_on, rpc_transports
+from hybrid.launch.bounded import run_bounded
 from hybrid.launch.roles import Role
 from hybrid.log import logger
 from hybrid.ps.config import GradientPushWay, PsTransport
@@ -181,24 +182,13 @@ def within(fn, default, timeout_s: float = STORE_STEP_TIMEOUT_S):  # noqa: ANN00
     read for the store's own timeout (minutes: ``set_timeout`` does not shorten a read already
     connected), so the call runs on a thread of its own, left behind if it does not return; the
     process is ending. After one step ran out of time, the later ones do not try the store."""
-    import threading
-
-    out: list = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except Exception:  # noqa: BLE001 - the store's host is gone: the default stands
-            pass
-
     if _STORE_SILENT:
         return default
-    thread = threading.Thread(target=run, name="hybrid-store-step", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
+    step = run_bounded(fn, timeout_s, name="hybrid-store-step")
+    if not step.finished:
         _STORE_SILENT.append(True)
-    return out[0] if out else default
+    # a step that raised: the store's host is gone, and the default stands
+    return step.value if step.finished and step.error is None else default
 
 
 _STORE_SILENT: list[bool] = []
@@ -491,21 +481,9 @@ def _leave_within(timeout_s: float) -> None:
     the store's host (node 0's link down) would sit in that read for as long as TCP keeps the
     connection (minutes). So it runs on a thread of its own, left behind when it does not return;
     the process is ending."""
-    import threading
-
-    error: list[BaseException] = []
-
-    def leave() -> None:
-        try:
-            rpc.shutdown(graceful=True, timeout=timeout_s)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            error.append(e)
-
-    thread = threading.Thread(target=leave, name="hybrid-leave-rpc", daemon=True)
-    thread.start()
-    thread.join(2 * timeout_s + 2.0)
-    if thread.is_alive():
-        raise TimeoutError(f"RPC's shutdown did not return within {2 * timeout_s + 2.0:g}s (the job's store "
-                           f"unreachable?)")
-    if error:
-        raise error[0]
+    bound_s = 2 * timeout_s + 2.0
+    left = run_bounded(lambda: rpc.shutdown(graceful=True, timeout=timeout_s), bound_s, name="hybrid-leave-rpc")
+    if not left.finished:
+        raise TimeoutError(f"RPC's shutdown did not return within {bound_s:g}s (the job's store unreachable?)")
+    if left.error is not None:
+        raise left.error

@@ -41,12 +41,7 @@ def serve(role: Role, *, heartbeat_s: float, timeout_s: float) -> None:
         for name in role.trainer_names:
             t0 = time.monotonic()
             try:
-                deadline = time.monotonic() + timeout_s
-                if down := _link_back_by(deadline):
-                    raise PeerFailure(f"{role.name}: cannot reach trainer {name} for {timeout_s:g}s: {down}")
-                rpc.rpc_sync(name, _ping, timeout=max(deadline - time.monotonic(), 0.1))
-            except PeerFailure:
-                raise
+                down = _ping_within(name, timeout_s)
             except Exception as e:  # noqa: BLE001 - any failure to reach a peer is the same news
                 if _DONE.is_set():
                     return
@@ -58,6 +53,8 @@ def serve(role: Role, *, heartbeat_s: float, timeout_s: float) -> None:
                     f"{role.name}: trainer {name} is unreachable (no answer after {waited:.1f}s: "
                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}); {why}"
                 ) from None
+            if down:
+                raise PeerFailure(f"{role.name}: cannot reach trainer {name} for {timeout_s:g}s: {down}")
     logger.info("released by the trainers")
 
 
@@ -79,17 +76,24 @@ def _link_back_by(deadline: float) -> str | None:
     return None
 
 
+def _ping_within(name: str, timeout_s: float) -> str | None:
+    """Ping process ``name``, all within ``timeout_s``: None once it answered, or what
+    :func:`link_down` says if this host's link stayed down all that time (then no ping is sent:
+    :func:`_link_back_by`). A ping that fails raises its error."""
+    deadline = time.monotonic() + timeout_s
+    if down := _link_back_by(deadline):
+        return down
+    rpc.rpc_sync(name, _ping, timeout=max(deadline - time.monotonic(), 0.1))
+    return None
+
+
 def answers(name: str, timeout_s: float = 1.0) -> bool:
     """Whether process ``name`` answers a ping within ``timeout_s`` (not while this host's link
     is down: :func:`~hybrid.launch.address.link_down`)."""
-    deadline = time.monotonic() + timeout_s
-    if _link_back_by(deadline):
-        return False
     try:
-        rpc.rpc_sync(name, _ping, timeout=max(deadline - time.monotonic(), 0.1))
+        return _ping_within(name, timeout_s) is None
     except Exception:  # noqa: BLE001 - any failure to reach it is the same news
         return False
-    return True
 
 
 def unreachable_peers(role: Role, timeout_s: float = 1.0) -> list[str]:

@@ -251,9 +251,9 @@ def _bound_exit_barrier(seconds: float) -> None:
     wait longer still: the barrier's store reads do not time out while TCP keeps the connection.
     So the barrier waits ``seconds`` at most, on a thread of its own, and the agent then goes on
     (its workers' result stands)."""
-    import threading
-
     from torch.distributed.elastic.agent.server import api as agent_api
+
+    from hybrid.launch.bounded import run_bounded
 
     barrier = agent_api.SimpleElasticAgent._exit_barrier
     missed: list[bool] = []
@@ -269,10 +269,8 @@ def _bound_exit_barrier(seconds: float) -> None:
 
     def bounded(self) -> None:  # noqa: ANN001 - torch's method
         self._exit_barrier_timeout = min(self._exit_barrier_timeout, seconds)
-        thread = threading.Thread(target=barrier, args=(self,), name="hybrid-exit-barrier", daemon=True)
-        thread.start()
-        thread.join(seconds + 1.0)
-        if thread.is_alive() or missed:
+        waited = run_bounded(lambda: barrier(self), seconds + 1.0, name="hybrid-exit-barrier")
+        if not waited.finished or missed:
             print(f"hybrid: this node's workers succeeded; not every other node's agent reached the exit "
                   f"barrier within {seconds:g}s (--exit-barrier-timeout): a node failed or cannot reach node 0",
                   file=sys.stderr)
