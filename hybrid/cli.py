@@ -315,5 +315,15 @@ def _is_override(arg: str) -> bool:
     return "=" in arg and not arg.startswith("-")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _exit_now(code: int) -> NoReturn:
+    """End the process with ``code`` once a command has returned: its files are written and
+    closed, RPC and the process groups are shut down. The interpreter's own teardown of torch,
+    torchrec and their modules would cost another ~2 CPU seconds per process (measured on a job's
+    worker: 7.2 s CPU with it, 5.1 s without), paid by every process of every job."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":  # how torchrun starts each process of a job (`python -m hybrid.cli train ...`)
+    _exit_now(main())
