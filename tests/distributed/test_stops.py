@@ -15,8 +15,6 @@ import pytest
 from tests.support.cli import run_hybrid
 from tests.support.job import Job
 
-pytestmark = pytest.mark.serial  # it bounds how long something takes: not beside other tests
-
 TINY = ["model.num_embeddings=200", "model.bottom_mlp=[8,16]", "model.top_mlp=[8,1]", "train.eval_every=0",
         "data.batch_size=8", "train.progress=false", "train.plot=false", "train.tensorboard=false",
         "train.log_every=1"]
@@ -44,6 +42,7 @@ def _state(pid: int) -> str:
         return "Z"
 
 
+@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
 def test_ctrl_c_ends_the_job_within_3s_with_one_line(tmp_path):
     """SIGINT to the launcher's process group (what a terminal sends on Ctrl-C) mid-training."""
     tmp, out = _fresh_tmp(tmp_path), tmp_path / "out"
@@ -135,6 +134,7 @@ DATA_ERRORS = {
 EXTRA = {"bad line past data.check_lines": lambda d: ["data.check_lines=10", f"data.eval_paths=[{d / 't.csv'}]"]}
 
 
+@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
 @pytest.mark.parametrize("what", list(DATA_ERRORS))
 def test_a_data_error_is_one_line_and_exit_2(tmp_path, what):
     """Errors in the files' make-up and in their first ``data.check_lines`` lines are found by the
