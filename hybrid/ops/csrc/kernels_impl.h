@@ -15,9 +15,6 @@ namespace HY_ISA {
 
 constexpr int64_t kPrefetchAhead = 8;
 constexpr int64_t kLine = 64;
-// How far ahead an optimizer step's first pass requests state and weight rows: its rows cost
-// little compute each, so 8 rows ahead left the loads of the state waiting for memory.
-constexpr int64_t kStateAhead = 32;
 
 // Every cache line of a row into the second-level cache only (for a later pass over the rows).
 inline void prefetch_row_l2(const void* p, int64_t bytes) {
@@ -425,28 +422,51 @@ inline void torch_row_sum_parts(const float* x, int64_t d, float* vacc, float* t
   for (int e = 0; e < L; e++) vacc[e] = acc[0][0][e];
 }
 
-// Prefetches, for writing, the state rows of row r of an in-place step (and its weight row
-// where the new state needs it: weight decay).
+// Prefetches every line row r of an in-place step reads, its weight row and its state rows:
+// into L1 (locality 3) or into L2 only (locality 2).
 template <typename S>
-inline void prefetch_state_w(Optim kind, typename S::T* w, const State& st, int64_t r, int64_t d,
-                             bool weight) {
-  if (weight) prefetch_row_w(w + r * d, d * static_cast<int64_t>(sizeof(typename S::T)));
+inline void prefetch_old_rows(Optim kind, const typename S::T* w, const State& st, int64_t r,
+                              int64_t d, int locality) {
+  const int64_t wbytes = d * static_cast<int64_t>(sizeof(typename S::T));
+  if (locality == 3) {
+    prefetch_row(w + r * d, wbytes);
+    if (kind == Optim::rowwise_adagrad) {
+      __builtin_prefetch(st.s1 + r);
+    } else if (kind != Optim::sgd) {
+      prefetch_row(st.s1 + r * d, d * 4);
+      if (kind == Optim::adam) {
+        prefetch_row(st.s2 + r * d, d * 4);
+        __builtin_prefetch(st.s3 + r);
+      }
+    }
+    return;
+  }
+  prefetch_row_l2(w + r * d, wbytes);
   if (kind == Optim::rowwise_adagrad) {
-    __builtin_prefetch(st.s1 + r, 1);
+    __builtin_prefetch(st.s1 + r, 0, 2);
   } else if (kind != Optim::sgd) {
-    prefetch_row_w(st.s1 + r * d, d * 4);
+    prefetch_row_l2(st.s1 + r * d, d * 4);
     if (kind == Optim::adam) {
-      prefetch_row_w(st.s2 + r * d, d * 4);
-      __builtin_prefetch(st.s3 + r, 1);
+      prefetch_row_l2(st.s2 + r * d, d * 4);
+      __builtin_prefetch(st.s3 + r, 0, 2);
     }
   }
 }
 
 // Rows computed together around one square-root call (MKL's vmsSqrt: about 25 ns a call plus
-// 0.1 ns a value); 512 rows of state and weights (and the chunk's buffers) stay in L2, and
-// shorter chunks measured slower (64 rows: 12%), the weight rows then reaching L1 too late.
+// 0.1 ns a value); a chunk's old rows, new state and weights (512 rows: 64 KB of 32-float
+// weight rows, as much again per state row) stay in L2 from its first pass to its last.
 constexpr int64_t kStepChunk = 512;
+// How far ahead the first pass of a chunk requests a row's lines. The pass does nothing but
+// copy, so many rows' loads overlap: a distance like the gather's keeps enough in flight.
+constexpr int64_t kOldRowsAhead = 16;
 
+// Each chunk of rows in three passes: (1) the rows' weights and state copied from the table
+// into the undo log (a tight loop of copies whose loads the core overlaps, as in the gather:
+// interleaved with the arithmetic, each row's state load waited for memory); (2) the new state
+// computed from the log, then its square roots in one call, while the next chunk's rows are
+// requested into L2; (3) the new weights computed and written with the new state, a row at a
+// time, unless a step failed.
 template <typename S, typename G>
 StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int64_t n,
                           const int64_t* rows, const typename G::T* grads, float gscale,
@@ -456,6 +476,7 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
   T* w = static_cast<T*>(weight.data);
   T* undo_w = static_cast<T*>(undo.w);
   const int64_t wbytes = d * static_cast<int64_t>(sizeof(T));
+  const size_t sbytes = static_cast<size_t>(d) * 4;
   const bool needs_w = h.weight_decay != 0.0f;
   const float neg_lr = -h.lr;
   constexpr int64_t C = kStepChunk;
@@ -470,15 +491,28 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
   float* ow = wbuf + d;
   StepResult res;
   bool writing = __atomic_load_n(stop, __ATOMIC_RELAXED) == 0;
+  for (int64_t i = 0; i < n && i < kOldRowsAhead; i++) prefetch_old_rows<S>(kind, w, st, rows[i], d, 3);
   for (int64_t c0 = 0; c0 < n; c0 += C) {
     const int64_t m = n - c0 < C ? n - c0 : C;
-    for (int64_t i = 0; i < m; i++) {  // new state rows of the chunk
-      const int64_t p = c0 + i, r = rows[p];
-      if (p + kStateAhead < n)
-        prefetch_state_w<S>(kind, w, st, rows[p + kStateAhead], d, needs_w);
-      // The chunk's weight rows, for the second loop (weight decay reads them here already).
-      if (!needs_w && i + kStateAhead < m) prefetch_row_l2(w + rows[p + kStateAhead] * d, wbytes);
-      const float* wr = needs_w ? weight_row<S>(w, r, d, wbuf) : nullptr;
+    for (int64_t p = c0; p < c0 + m; p++) {  // (1) old rows into the undo log
+      const int64_t r = rows[p];
+      if (p + kOldRowsAhead < n) prefetch_old_rows<S>(kind, w, st, rows[p + kOldRowsAhead], d, 3);
+      std::memcpy(undo_w + p * d, w + r * d, static_cast<size_t>(wbytes));
+      if (kind == Optim::rowwise_adagrad) {
+        undo.s1[p] = st.s1[r];
+      } else if (kind == Optim::adagrad) {
+        std::memcpy(undo.s1 + p * d, st.s1 + r * d, sbytes);
+      } else if (kind == Optim::adam) {
+        std::memcpy(undo.s1 + p * d, st.s1 + r * d, sbytes);
+        std::memcpy(undo.s2 + p * d, st.s2 + r * d, sbytes);
+        undo.s3[p] = st.s3[r];
+      }
+    }
+    for (int64_t i = 0; i < m; i++) {  // (2) new state rows of the chunk
+      const int64_t p = c0 + i;
+      // The next chunk's rows on their way into L2 while this one computes.
+      if (p + m < n) prefetch_old_rows<S>(kind, w, st, rows[p + m], d, 2);
+      const float* wr = needs_w ? weight_row<S>(undo_w, p, d, wbuf) : nullptr;
       float* gi = g + i * d;
       grad_row<G>(grads + p * d, wr, d, gscale, h, gi);
       if (kind == Optim::rowwise_adagrad) {  // sum + grad.pow(2).mean(dim=1), in torch's order
@@ -491,14 +525,14 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
           torch_row_sum_parts<8>(sq, d, vacc, total + i);
         float sum = total[i];  // the tail first, then the lanes in order (torch's order)
         for (int e = 0; e < lanes; e++) sum += vacc[e];
-        a[i] = st.s1[r] + sum / static_cast<float>(d);
+        a[i] = undo.s1[p] + sum / static_cast<float>(d);
       } else if (kind == Optim::adagrad) {
-        const float* ar = st.s1 + r * d;
+        const float* ar = undo.s1 + p * d;
         float* oa = a + i * d;
         for (int64_t j = 0; j < d; j++) oa[j] = __builtin_fmaf(gi[j], gi[j], ar[j]);
       } else if (kind == Optim::adam) {
-        const float* mr = st.s1 + r * d;
-        const float* vr = st.s2 + r * d;
+        const float* mr = undo.s1 + p * d;
+        const float* vr = undo.s2 + p * d;
         float* om = a + i * d;
         float* ov = b + i * d;
         for (int64_t j = 0; j < d; j++) {
@@ -514,14 +548,13 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
     } else if (kind == Optim::adam) {
       t.sqrt(m * d, b, root);
     }
-    // New weight rows; written unless a step failed. The first loop brought the chunk's weight
-    // rows into L2 (a chunk's rows fit there; into L1, most would be gone by now); here each is
-    // requested for writing a few rows ahead, from L2.
+    // (3) new weight rows, written with the new state unless a step failed. The first pass
+    // brought the chunk's rows into L2; each is requested for writing a few rows ahead.
     for (int64_t i = 0; i < m && i < kPrefetchAhead; i++) prefetch_row_w(w + rows[c0 + i] * d, wbytes);
     for (int64_t i = 0; i < m; i++) {
       const int64_t p = c0 + i, r = rows[p];
       if (i + kPrefetchAhead < m) prefetch_row_w(w + rows[p + kPrefetchAhead] * d, wbytes);
-      const float* wr = weight_row<S>(w, r, d, wbuf);
+      const float* wr = weight_row<S>(undo_w, p, d, wbuf);
       const float* gi = g + i * d;
       if (kind == Optim::adam) {
         const float* m1 = a + i * d;
@@ -549,21 +582,15 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
         continue;
       }
       T* wd = w + r * d;
-      std::memcpy(undo_w + p * d, wd, static_cast<size_t>(wbytes));
       for (int64_t j = 0; j < d; j++) wd[j] = S::store(ow[j]);
       if (kind == Optim::rowwise_adagrad) {
-        undo.s1[p] = st.s1[r];
         st.s1[r] = a[i];
       } else if (kind == Optim::adagrad) {
-        std::memcpy(undo.s1 + p * d, st.s1 + r * d, static_cast<size_t>(d) * 4);
-        std::memcpy(st.s1 + r * d, a + i * d, static_cast<size_t>(d) * 4);
+        std::memcpy(st.s1 + r * d, a + i * d, sbytes);
       } else if (kind == Optim::adam) {
-        std::memcpy(undo.s1 + p * d, st.s1 + r * d, static_cast<size_t>(d) * 4);
-        std::memcpy(undo.s2 + p * d, st.s2 + r * d, static_cast<size_t>(d) * 4);
-        undo.s3[p] = st.s3[r];
-        std::memcpy(st.s1 + r * d, a + i * d, static_cast<size_t>(d) * 4);
-        std::memcpy(st.s2 + r * d, b + i * d, static_cast<size_t>(d) * 4);
-        st.s3[r] = st.s3[r] + 1.0f;
+        std::memcpy(st.s1 + r * d, a + i * d, sbytes);
+        std::memcpy(st.s2 + r * d, b + i * d, sbytes);
+        st.s3[r] = undo.s3[p] + 1.0f;
       }
       res.committed = p + 1;
     }
