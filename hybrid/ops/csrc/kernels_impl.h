@@ -422,51 +422,40 @@ inline void torch_row_sum_parts(const float* x, int64_t d, float* vacc, float* t
   for (int e = 0; e < L; e++) vacc[e] = acc[0][0][e];
 }
 
-// Prefetches every line row r of an in-place step reads, its weight row and its state rows:
-// into L1 (locality 3) or into L2 only (locality 2).
-template <typename S>
-inline void prefetch_old_rows(Optim kind, const typename S::T* w, const State& st, int64_t r,
-                              int64_t d, int locality) {
-  const int64_t wbytes = d * static_cast<int64_t>(sizeof(typename S::T));
-  if (locality == 3) {
-    prefetch_row(w + r * d, wbytes);
-    if (kind == Optim::rowwise_adagrad) {
-      __builtin_prefetch(st.s1 + r);
-    } else if (kind != Optim::sgd) {
-      prefetch_row(st.s1 + r * d, d * 4);
-      if (kind == Optim::adam) {
-        prefetch_row(st.s2 + r * d, d * 4);
-        __builtin_prefetch(st.s3 + r);
-      }
-    }
-    return;
-  }
-  prefetch_row_l2(w + r * d, wbytes);
+// Prefetches the state rows of row r of an in-place step: into L1 (locality 3) or into L2
+// only (locality 2).
+template <int locality>
+inline void prefetch_state(Optim kind, const State& st, int64_t r, int64_t d) {
   if (kind == Optim::rowwise_adagrad) {
-    __builtin_prefetch(st.s1 + r, 0, 2);
+    __builtin_prefetch(st.s1 + r, 0, locality);
   } else if (kind != Optim::sgd) {
-    prefetch_row_l2(st.s1 + r * d, d * 4);
-    if (kind == Optim::adam) {
-      prefetch_row_l2(st.s2 + r * d, d * 4);
-      __builtin_prefetch(st.s3 + r, 0, 2);
+    for (int64_t off = 0; off < d * 4; off += kLine) {
+      __builtin_prefetch(reinterpret_cast<const char*>(st.s1 + r * d) + off, 0, locality);
+      if (kind == Optim::adam)
+        __builtin_prefetch(reinterpret_cast<const char*>(st.s2 + r * d) + off, 0, locality);
     }
+    if (kind == Optim::adam) __builtin_prefetch(st.s3 + r, 0, locality);
   }
 }
 
 // Rows computed together around one square-root call (MKL's vmsSqrt: about 25 ns a call plus
-// 0.1 ns a value); a chunk's old rows, new state and weights (512 rows: 64 KB of 32-float
-// weight rows, as much again per state row) stay in L2 from its first pass to its last.
+// 0.1 ns a value); 512 rows of state and weights (and the chunk's buffers) stay in L2, and
+// shorter chunks measured slower (64 rows: 12%), the weight rows then reaching L1 too late.
 constexpr int64_t kStepChunk = 512;
-// How far ahead the first pass of a chunk requests a row's lines. The pass does nothing but
-// copy, so many rows' loads overlap: a distance like the gather's keeps enough in flight.
-constexpr int64_t kOldRowsAhead = 16;
+// How far ahead the copy of a chunk's state requests a row's state: the loop only copies, so
+// the loads of many rows overlap (a distance like the gather's keeps enough in flight).
+constexpr int64_t kStateAhead = 16;
+// How far ahead the state pass requests the weight rows the weight pass reads: its rows cost
+// little compute each, so 8 rows ahead left the loads waiting for memory.
+constexpr int64_t kWeightAhead = 32;
 
-// Each chunk of rows in three passes: (1) the rows' weights and state copied from the table
-// into the undo log (a tight loop of copies whose loads the core overlaps, as in the gather:
-// interleaved with the arithmetic, each row's state load waited for memory); (2) the new state
-// computed from the log, then its square roots in one call, while the next chunk's rows are
-// requested into L2; (3) the new weights computed and written with the new state, a row at a
-// time, unless a step failed.
+// Each chunk of rows in three passes: (1) the rows' state copied from the table into the undo
+// log, a tight loop of copies whose loads the core overlaps as in the gather (interleaved with
+// the arithmetic, each row's state load waited for memory on AMD EPYC, whatever the prefetch
+// distance); (2) the new state computed from the log while the chunk's weight rows and the
+// next chunk's state are requested into L2, then its square roots in one call; (3) the new
+// weights computed, and written with the new state a row at a time (old weights into the undo
+// log first), unless a step failed.
 template <typename S, typename G>
 StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int64_t n,
                           const int64_t* rows, const typename G::T* grads, float gscale,
@@ -491,13 +480,12 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
   float* ow = wbuf + d;
   StepResult res;
   bool writing = __atomic_load_n(stop, __ATOMIC_RELAXED) == 0;
-  for (int64_t i = 0; i < n && i < kOldRowsAhead; i++) prefetch_old_rows<S>(kind, w, st, rows[i], d, 3);
+  for (int64_t i = 0; i < n && i < kStateAhead; i++) prefetch_state<3>(kind, st, rows[i], d);
   for (int64_t c0 = 0; c0 < n; c0 += C) {
     const int64_t m = n - c0 < C ? n - c0 : C;
-    for (int64_t p = c0; p < c0 + m; p++) {  // (1) old rows into the undo log
+    for (int64_t p = c0; p < c0 + m; p++) {  // (1) old state into the undo log
       const int64_t r = rows[p];
-      if (p + kOldRowsAhead < n) prefetch_old_rows<S>(kind, w, st, rows[p + kOldRowsAhead], d, 3);
-      std::memcpy(undo_w + p * d, w + r * d, static_cast<size_t>(wbytes));
+      if (p + kStateAhead < n) prefetch_state<3>(kind, st, rows[p + kStateAhead], d);
       if (kind == Optim::rowwise_adagrad) {
         undo.s1[p] = st.s1[r];
       } else if (kind == Optim::adagrad) {
@@ -510,9 +498,9 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
     }
     for (int64_t i = 0; i < m; i++) {  // (2) new state rows of the chunk
       const int64_t p = c0 + i;
-      // The next chunk's rows on their way into L2 while this one computes.
-      if (p + m < n) prefetch_old_rows<S>(kind, w, st, rows[p + m], d, 2);
-      const float* wr = needs_w ? weight_row<S>(undo_w, p, d, wbuf) : nullptr;
+      if (i + kWeightAhead < m) prefetch_row_l2(w + rows[p + kWeightAhead] * d, wbytes);
+      if (p + m < n) prefetch_state<2>(kind, st, rows[p + m], d);
+      const float* wr = needs_w ? weight_row<S>(w, rows[p], d, wbuf) : nullptr;
       float* gi = g + i * d;
       grad_row<G>(grads + p * d, wr, d, gscale, h, gi);
       if (kind == Optim::rowwise_adagrad) {  // sum + grad.pow(2).mean(dim=1), in torch's order
@@ -548,13 +536,14 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
     } else if (kind == Optim::adam) {
       t.sqrt(m * d, b, root);
     }
-    // (3) new weight rows, written with the new state unless a step failed. The first pass
-    // brought the chunk's rows into L2; each is requested for writing a few rows ahead.
+    // (3) new weight rows, written with the new state unless a step failed. The state pass
+    // brought the chunk's weight rows into L2 (most would be gone from L1 by now); each is
+    // requested for writing a few rows ahead.
     for (int64_t i = 0; i < m && i < kPrefetchAhead; i++) prefetch_row_w(w + rows[c0 + i] * d, wbytes);
     for (int64_t i = 0; i < m; i++) {
       const int64_t p = c0 + i, r = rows[p];
       if (i + kPrefetchAhead < m) prefetch_row_w(w + rows[p + kPrefetchAhead] * d, wbytes);
-      const float* wr = weight_row<S>(undo_w, p, d, wbuf);
+      const float* wr = weight_row<S>(w, r, d, wbuf);
       const float* gi = g + i * d;
       if (kind == Optim::adam) {
         const float* m1 = a + i * d;
@@ -582,6 +571,7 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
         continue;
       }
       T* wd = w + r * d;
+      std::memcpy(undo_w + p * d, wd, static_cast<size_t>(wbytes));
       for (int64_t j = 0; j < d; j++) wd[j] = S::store(ow[j]);
       if (kind == Optim::rowwise_adagrad) {
         st.s1[r] = a[i];
