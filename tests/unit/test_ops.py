@@ -462,6 +462,43 @@ def test_optimizer_rows_of_16_bit_rows_and_no_rows_equal_the_reference(kind, wei
 
 
 @native
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dim", [3, 32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_optimizer_step_in_place_equals_the_reference(kind, dim, threads):
+    """Ascending rows (a server's pushes) take the in-place path: chunks of rows, state and
+    weights read ahead, an undo log. Several chunks and tasks, a 16-bit table beside float32
+    ones, weight decay; then a non-finite new weight in the last table restores every table."""
+    g = torch.Generator().manual_seed(31 + dim)
+    sizes, counts = (3000, 700, 50), (1300, 513, 0)
+    weights = [torch.randn(n, dim, generator=g) for n in sizes]
+    weights[1] = weights[1].to(torch.bfloat16)
+    states = [_state(g, kind, n, dim) for n in sizes]
+    rows = [torch.randperm(n, generator=g)[:c].sort().values for n, c in zip(sizes, counts)]
+    grads = [torch.randn(c, dim, generator=g) for c in counts]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for decay in (0.0, 0.01):
+            hyper = dict(lr=0.05, eps=1e-8, weight_decay=decay, beta1=0.9, beta2=0.999)
+            want_w, want_s = [w.clone() for w in weights], [{k: v.clone() for k, v in s.items()} for s in states]
+            ref.optimizer_step_(kind, want_w, want_s, rows, grads, [1.0, 0.5, 1.0], **hyper)
+            ops.optimizer_step_(kind, weights, states, rows, grads, [1.0, 0.5, 1.0], **hyper)
+            assert all(_equal(a, b) for a, b in zip(weights, want_w))
+            assert all(_equal(a[k], b[k]) for a, b in zip(states, want_s) for k in b)
+        before_w, before_s = [w.clone() for w in weights], [{k: v.clone() for k, v in s.items()} for s in states]
+        bad = [gr.clone() for gr in grads]
+        bad[1][400, 0] = float("inf")
+        with pytest.raises(ops.NonFinite, match=f"row {int(rows[1][400])}"):
+            ops.optimizer_step_(kind, weights, states, rows, bad, [1.0, 0.5, 1.0], lr=0.05, eps=1e-8,
+                                weight_decay=0.0, beta1=0.9, beta2=0.999)
+        assert all(_equal(a, b) for a, b in zip(weights, before_w))
+        assert all(_equal(a[k], b[k]) for a, b in zip(states, before_s) for k in b)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@native
 @pytest.mark.parametrize("kind", ["rowwise_adagrad", "adam"])
 def test_rows_split_over_threads_equal_the_reference(kind):
     g = torch.Generator().manual_seed(15)
