@@ -63,6 +63,7 @@ def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, st
           runtime: dict, comm_hook: str | None = None, dynamic: bool = False, wire_dtype: str = "float32") -> dict:
     from hybrid.launch.init import RuntimeOptions, init_hybrid, shutdown
     from hybrid.launch.roles import role_of
+    from hybrid.launch.serve import release_servers, serve
 
     role = role_of(rank, world_size, w.servers)
     if ADDRESS_ENV in os.environ:  # an emulated host: every socket on its own address
@@ -71,9 +72,16 @@ def _rank(rank: int, world_size: int, store: str, *, w: Workload, dense: str, st
     init_hybrid(role, init_method=f"file://{store}/rpc", backend="gloo", options=options)
     report, ok = None, False
     try:
+        # As in `hybrid train`: a server serves until trainer 0 releases it, however long the
+        # training takes (its RPC shutdown alone would wait runtime.shutdown_timeout_s).
         if role.is_trainer:
             report = _trainer(role, w, dense=dense, staleness=staleness, options=options, comm_hook=comm_hook,
                               dynamic=dynamic, wire_dtype=wire_dtype)
+            dist.barrier()  # every trainer done before the servers go
+            if role.index == 0:
+                release_servers(role, options.rpc_timeout_s)
+        else:
+            serve(role, heartbeat_s=options.heartbeat_s, timeout_s=options.rpc_timeout_s)
         ok = True
     finally:
         shutdown(role, graceful=ok, timeout_s=options.shutdown_timeout_s)
