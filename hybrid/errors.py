@@ -138,4 +138,7 @@ def print_error(e: BaseException) -> None:
         traceback.print_exception(e, file=sys.stderr)
     elif isinstance(e, UserCodeError):
         traceback.print_exception(type(e.error), e.error, e.user_tb, file=sys.stderr)
-    print(f"error: {e}", file=sys.stderr, flush=True)
+    # One write: print() writes the text and its newline apart, and a line another thread logs
+    # between the two (a server's background fill) would be glued to this one.
+    sys.stderr.write(f"error: {e}\n")
+    sys.stderr.flush()
