@@ -52,9 +52,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return args.handler(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line (its own print the usage first)."""
+
+    def error(self, message: str):  # noqa: ANN201 - never returns
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (--help for the usage)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``hybrid`` parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(
+    """The ``hybrid`` parser with every subcommand registered (subparsers are of its class)."""
+    parser = _Parser(
         prog="hybrid", description="Hybrid FSDP/DDP + parameter-server training."
     )
     parser.add_argument("--debug", action="store_true",

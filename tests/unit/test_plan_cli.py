@@ -133,6 +133,7 @@ def test_a_plan_naming_a_module_that_is_not_there(tmp_path, capsys):
 
 def test_usage_errors_exit_2(plan, devices, capsys):
     assert cli.main([]) == 2
+    assert "COMMAND" in capsys.readouterr().err  # no command: the help
     with pytest.raises(SystemExit) as e:
         cli.main(["plan", "show"])
     assert e.value.code == 2
@@ -142,7 +143,12 @@ def test_usage_errors_exit_2(plan, devices, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["plan"])
     assert e.value.code == 2
-    assert "--bogus" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--bogus" in err
+    # one line each, naming the command: the usage is left to --help
+    assert err.splitlines() == ["hybrid plan show: error: the following arguments are required: PLAN (--help for the usage)",
+                                "hybrid: error: unrecognized arguments: --bogus (--help for the usage)",
+                                "hybrid plan: error: the following arguments are required: ACTION (--help for the usage)"]
 
 
 def test_console_script_entry_point_is_main():
