@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from hybrid.errors import DEBUG_ENV, EXIT_USAGE, UserCodeError, exit_status, print_error
+from hybrid.errors import DEBUG_ENV, EXIT_USAGE, UserCodeError, exit_now, exit_status, print_error
 from hybrid.plan import Plan, PlanError, format_plan, load_plan, resolve, summarize
 from hybrid.plan.report import DENSE_OPTIMIZER_STATE
 
@@ -219,10 +219,7 @@ def _launch_main(args: argparse.Namespace) -> NoReturn:
     """``hybrid launch``; exits with the job's status at once. The launcher holds nothing to tear
     down (its output went straight to the terminal), and the interpreter's teardown of torch and
     the model it checked takes a second or two on a busy machine."""
-    code = _launch(args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(_launch(args))
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -322,15 +319,7 @@ def _is_override(arg: str) -> bool:
     return "=" in arg and not arg.startswith("-")
 
 
-def _exit_now(code: int) -> NoReturn:
-    """End the process with ``code`` once a command has returned: its files are written and
-    closed, RPC and the process groups are shut down. The interpreter's own teardown of torch,
-    torchrec and their modules would cost another ~2 CPU seconds per process (measured on a job's
-    worker: 7.2 s CPU with it, 5.1 s without), paid by every process of every job."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":  # how torchrun starts each process of a job (`python -m hybrid.cli train ...`)
-    _exit_now(main())
+    # Once a command has returned its files are written and closed and RPC and the process groups
+    # are down; the interpreter's teardown would cost every process ~2 CPU s (7.2 s against 5.1).
+    exit_now(main())

@@ -14,15 +14,13 @@ later, still ends it).
 
 from __future__ import annotations
 
-import os
 import signal
-import sys
 import traceback
 from typing import NoReturn
 
 import torch.distributed as dist
 
-from hybrid.errors import EXIT_FAILED, EXIT_USAGE, first_line, print_error
+from hybrid.errors import EXIT_FAILED, EXIT_USAGE, exit_now, first_line, print_error
 from hybrid.launch.address import link_down
 from hybrid.launch.init import failed_peers, record_failure, within
 from hybrid.launch.roles import Role
@@ -96,8 +94,6 @@ def _reported() -> bool:
 
 
 def _exit(code: int) -> NoReturn:
-    # os._exit: no waiting for peers in RPC's or the process group's teardown (they may be the
-    # reason), and no C++ destructors of threads still running.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # No waiting for peers in RPC's or the process group's teardown (they may be the reason), and
+    # no C++ destructors of threads still running.
+    exit_now(code)

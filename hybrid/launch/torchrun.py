@@ -13,11 +13,11 @@ command names one. Workers connect as clients and listen only on their own RPC a
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import sys
 import uuid
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -178,12 +178,12 @@ def main(argv: list[str] | None = None) -> None:
         _exit(128 + int(e.sigval))
 
 
-def _exit(code: int) -> None:
+def _exit(code: int) -> NoReturn:
     """Exit now: the workers have ended; the interpreter's teardown of torchrun's stores and threads
     would take another second or more."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from hybrid.errors import exit_now
+
+    exit_now(code)
 
 
 class _QuietAboutStops(logging.Filter):
