@@ -240,17 +240,22 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"error: launch runs `train`, the one command that runs on several processes; got {command[0]!r} "
               f"(run `hybrid {command[0]} ...` by itself)", file=sys.stderr)
         return EXIT_USAGE
+    from hybrid.launch import workers
     from hybrid.launch.address import numeric_address
 
-    # plan, config and data are checked here: a mistake is one message, exit 2
-    status, runtime, names = _check_train(command[1:], args.nproc)
-    if status:
-        return status
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; said here so it is not a surprise
     # torch's C++ warnings off in the processes started here (TORCH_CPP_LOG_LEVEL=WARNING brings
     # them back): when a process ends, every peer's RPC agent would print its raw "EOF"/"connection
-    # reset" lines before hybrid's own message that names the process.
+    # reset" lines before hybrid's own message that names the process. Set before the workers'
+    # fork server starts: torch reads it when it is loaded.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if args.nproc > 1 and workers.forked():
+        workers.start_server()  # its imports run beside the check below
+    # plan, config and data are checked here: a mistake is one message, exit 2
+    status, runtime, names = _check_train(command[1:], args.nproc)
+    if status:
+        workers.stop_server()
+        return status
     if args.nproc == 1:
         # One-process mode: the whole job runs here, as `hybrid train` without torchrun runs it
         # (torch, the plan and the model are loaded already).

@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     _honour_shutdown_timeout(argv)
     _bound_exit_barrier(exit_barrier_s)
     _quiet_stops()
+    from hybrid.launch import workers
+
+    workers.install()
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
@@ -182,7 +185,9 @@ def _exit(code: int) -> NoReturn:
     """Exit now: the workers have ended; the interpreter's teardown of torchrun's stores and threads
     would take another second or more."""
     from hybrid.errors import exit_now
+    from hybrid.launch.workers import remove_server_files
 
+    remove_server_files()
     exit_now(code)
 
 

@@ -195,3 +195,41 @@ def test_tables_that_do_not_fit_are_refused_by_launch_and_by_the_server():
                                                      "need "), res.stderr[-4000:]
     assert "runtime.server_memory_fraction=1e-07" in errors[0] and "the largest, t_C" in errors[0], errors
     assert "Traceback" not in res.stderr
+
+
+def _parent(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+
+
+def _cmdline(pid: int) -> str:
+    return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+
+
+@pytest.mark.parametrize("start", ["fork", "exec"])
+def test_workers_are_forked_from_one_server_each_in_a_session_of_its_own(tmp_path, start):
+    """``hybrid launch``'s workers are forked from one fork server below the launcher, which
+    imported torch and torchrec once; with ``HYBRID_WORKER_START=exec`` each is a new
+    ``python -m hybrid.cli`` (torchrun's own way). Either way each worker leads a session of its
+    own (torchrun stops a worker by signalling its group), and the fork server too (a signal to
+    the launcher's group must not end it, and with it the workers)."""
+    from tests.distributed.test_stops import DLRM
+    from tests.distributed.test_stops import TINY as LAUNCH_TINY
+    from tests.support.job import Job
+
+    out = tmp_path / "out"
+    with Job(["launch", "-n", "3", *DLRM, *LAUNCH_TINY, "train.steps=100000", f"train.out_dir={out}"],
+             env={"HYBRID_WORKER_START": start}) as job:
+        job.wait_training(out)
+        workers = {name: job.pid_of_role(name) for name in ("trainer0", "trainer1", "ps0")}
+        parents = {name: _parent(pid) for name, pid in workers.items()}
+        for name, pid in workers.items():
+            assert os.getsid(pid) == pid, (name, pid, os.getsid(pid))
+        if start == "exec":
+            assert set(parents.values()) == {job.proc.pid}, parents
+            for name, pid in workers.items():
+                assert " -m hybrid.cli train " in _cmdline(pid), (name, _cmdline(pid))
+        else:
+            (server,) = set(parents.values())
+            assert "multiprocessing.forkserver" in _cmdline(server), _cmdline(server)
+            assert "'torchrec'" in _cmdline(server), _cmdline(server)  # imported before any fork
+            assert _parent(server) == job.proc.pid and os.getsid(server) == server, (server, _parent(server))

@@ -52,3 +52,21 @@ def test_remote_module_ddp_step_changes_exactly_the_looked_up_rows():
     # DDP averaged the dense gradients: both trainers hold the same dense layer afterwards.
     for p0, p1 in zip(out[0][2], out[1][2]):
         torch.testing.assert_close(p0, p1, rtol=0, atol=0)
+
+
+def _plain_rpc(rank, world_size, *, tmp):
+    import hybrid._C  # noqa: F401 - registers the hybrid_uv transport with TensorPipe
+
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=f"file://{tmp}/rpc"))
+    try:
+        return rpc.rpc_sync(f"w{1 - rank}", torch.add, args=(torch.ones(2), rank)).tolist()
+    finally:
+        rpc.shutdown()
+
+
+def test_plain_rpc_runs_in_a_process_that_loaded_hybrid(tmp_path):
+    """A process that loaded hybrid's native library (it registers its own TensorPipe transport)
+    can still start torch's RPC with the default transports, as the tutorial does."""
+    out = run_distributed(_plain_rpc, 2, setup="none", timeout=60, tmp=str(tmp_path))
+    assert out == [[1.0, 1.0], [2.0, 2.0]]

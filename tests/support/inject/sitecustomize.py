@@ -1,8 +1,11 @@
 """Fault injection for tests that run the real command line (torchrun's workers).
 
 Python imports ``sitecustomize`` at start-up from the first ``sys.path`` entry that has one, so a
-test that puts this folder on ``PYTHONPATH`` gets this file run in every process of the job.
-Nothing happens without one of the variables, and nothing of this is in the product.
+test that puts this folder on ``PYTHONPATH`` gets this file run in every process of the job: in
+each worker torchrun execs, or once in the fork server that ``hybrid launch``'s workers are forked
+from (:mod:`hybrid.launch.workers`). The wrapped function therefore reads the worker's environment
+(its rank, torchrun's attempt) when it is called, not here. Nothing happens without one of the
+variables, and nothing of this is in the product.
 
 - ``HYBRID_TEST_FAULT=RANK:METHOD:N``: the worker of global rank ``RANK`` SIGKILLs itself on the
   ``N``-th call of ``hybrid.ps.server.shard.CollectionShard.METHOD`` -- only in torchrun's first
@@ -17,8 +20,7 @@ Nothing happens without one of the variables, and nothing of this is in the prod
 import os
 
 _spec = os.environ.get("HYBRID_TEST_FAULT", "")
-if _spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and \
-        os.environ.get("RANK") == _spec.split(":")[0]:
+if _spec:
     import signal
     import sys
 
@@ -33,6 +35,8 @@ if _spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and \
     def _wrapped(self, *args, **kwargs):
         import time
 
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("RANK") != _rank:
+            return _original(self, *args, **kwargs)
         _calls[0] += 1
         if _calls[0] >= int(_n):
             verb = "stops" if _signal == signal.SIGSTOP else "kills"

@@ -1,0 +1,159 @@
+"""How torchrun starts the processes of a ``hybrid`` job: forked from one server process that
+imported torch, torchrec and hybrid once, rather than each a new interpreter.
+
+torchrun runs ``python -u -m hybrid.cli ARGS`` once per worker, and each imports torch, torchrec
+and fbgemm again: about 6 s of CPU a process on this project's 2-core test host, and as many
+private copies of those modules in memory. Here torchrun's subprocess handler for that one command
+forks the worker from ``multiprocessing``'s fork server instead. The server is a fresh interpreter
+started once per agent: it imports the modules (:data:`PRELOAD`) and then only forks, so a worker
+inherits no thread, process group, RPC agent or CUDA context (importing torch initializes no
+GPU), only the imported modules. Each worker gets the environment its command would have had
+(the agent's, with its rank's variables), a session of its own (:mod:`hybrid.launch.zygote`), the
+agent's standard output and error, and runs ``hybrid ARGS``. Everything else is torchrun's own:
+how it watches, stops (by process group) and restarts workers, and how it reports failures.
+
+``HYBRID_WORKER_START=exec`` keeps torchrun's way (a new interpreter per worker).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+ENV = "HYBRID_WORKER_START"
+
+PRELOAD = ["hybrid.launch.zygote", "torch", "torch.distributed.rpc", "torch.distributed.fsdp", "torchrec",
+           "hybrid.train.loop", "hybrid.launch.init", "hybrid.compose"]
+"""What the fork server imports before it forks a worker (:mod:`hybrid.launch.zygote` first).
+Not ``hybrid.cli``: a launcher started as ``python -m hybrid.cli`` has ``multiprocessing`` run that
+module again in each worker as ``__mp_main__``, which it refuses (a warning) once imported."""
+
+COMMAND = ("-u", "-m", "hybrid.cli")
+"""The arguments before ``hybrid``'s own in the command torchrun runs for each worker."""
+
+_started: list[bool] = []
+
+
+def forked() -> bool:
+    """Whether workers start from the fork server (``HYBRID_WORKER_START``, default ``fork``)."""
+    return os.environ.get(ENV, "fork") != "exec"
+
+
+def start_server() -> None:
+    """Start the fork server now, so that its imports overlap what this process still does (the
+    launcher checks the plan meanwhile). Started already: nothing."""
+    import multiprocessing.forkserver as forkserver
+
+    if _started:
+        return
+    forkserver.set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+    _started.append(True)
+
+
+def stop_server() -> None:
+    """End a fork server that will fork nothing (the job was refused before it started): it would
+    finish its imports, seconds of CPU, before it noticed this process is gone."""
+    import multiprocessing.forkserver as forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None) if _started else None
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    remove_server_files()
+
+
+def remove_server_files() -> None:
+    """Remove the fork server's socket folder (``/tmp/pymp-*``): ``multiprocessing`` removes it at
+    a normal interpreter exit, which a launcher that leaves with ``os._exit`` skips."""
+    if not _started:
+        return
+    import shutil
+    from multiprocessing import util
+
+    shutil.rmtree(util.get_temp_dir(), ignore_errors=True)
+
+
+def _worker(argv: list[str], env: dict[str, str], stdout: str | None, stderr: str | None) -> None:
+    """The forked worker: the command's environment and output files, then ``hybrid ARGV``; ends
+    with its exit code and without the interpreter's teardown, as ``python -m hybrid.cli`` does."""
+    from hybrid.errors import exit_now
+
+    os.environ.clear()
+    os.environ.update(env)
+    for path, fd in ((stdout, 1), (stderr, 2)):
+        if path:
+            with open(path, "w") as f:
+                os.dup2(f.fileno(), fd)
+    # `python -u`, as torchrun runs the command: each line is out as it is written
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    from hybrid.cli import main
+
+    exit_now(main(argv))
+
+
+class ForkedProcess:
+    """The part of ``subprocess.Popen`` torchrun uses (``pid``, ``poll``, ``wait``,
+    ``send_signal``, ``kill``), for a worker forked from the fork server."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], stdout: str | None, stderr: str | None) -> None:
+        import multiprocessing
+
+        start_server()
+        self._process = multiprocessing.get_context("forkserver").Process(
+            target=_worker, args=(argv, env, stdout, stderr), name="hybrid-worker")
+        self._process.start()
+        self.pid = self._process.pid
+        self.args = [sys.executable, *COMMAND, *argv]
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def install() -> None:
+    """Have torchrun, in this process, fork the workers of ``python -u -m hybrid.cli ...`` from the
+    fork server (:class:`ForkedProcess`); any other command it runs as before."""
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+    if not forked():
+        return
+
+    class ForkedHandler(SubprocessHandler):
+        def _popen(self, args: tuple, env: dict[str, str]):  # noqa: ANN202 - a Popen stand-in
+            return ForkedProcess([str(a) for a in args[1 + len(COMMAND):]], env, self._stdout and self._stdout.name,
+                                 self._stderr and self._stderr.name)
+
+    get_handler = api.get_subprocess_handler
+
+    def handler(entrypoint: str, args: tuple, *rest, **kwargs) -> SubprocessHandler:
+        if entrypoint == sys.executable and tuple(args[:len(COMMAND)]) == COMMAND and not kwargs.get("numa_options"):
+            return ForkedHandler(entrypoint, args, *rest, **kwargs)
+        return get_handler(entrypoint, args, *rest, **kwargs)
+
+    api.get_subprocess_handler = handler

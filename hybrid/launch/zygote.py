@@ -1,0 +1,36 @@
+"""Imported by the fork server of a job's workers (:mod:`hybrid.launch.workers`) before anything
+else, and by no other process: the server ends with the agent that started it, and it and each
+worker it forks get sessions of their own.
+
+- The server asks the kernel for SIGKILL when its agent dies (Linux's parent-death signal), as
+  each worker does for its parent (:func:`hybrid.launch.init.end_with_the_agent`), here the
+  server: an agent killed outright (``kill -9`` of ``hybrid launch``, the OOM killer) takes the
+  server and so every worker with it. ``multiprocessing``'s own end of the server, when its
+  client's pipe closes, never comes while workers live: each holds a copy of that pipe.
+- torchrun starts its workers in sessions of their own (and stops one by signalling its process
+  group), so that a signal to the launcher's group -- Ctrl-C in a terminal, a closed terminal's
+  SIGHUP, a scheduler's SIGTERM -- reaches the launcher alone, and torchrun stops the workers
+  itself, each with the time to say why. The fork server would otherwise share the launcher's
+  group: SIGHUP or SIGTERM would end it there, and with it every worker, at once and silently. A
+  worker's new session is made in the child right after the fork, before the server reports its
+  pid, so that torchrun can signal its group from the first moment.
+"""
+
+import os
+import signal
+
+from hybrid import ops
+
+if os.getpid() != os.getsid(0):
+    os.setsid()
+if ops.die_with_parent(int(signal.SIGKILL)) and os.getppid() == 1:  # the agent is gone already
+    os.kill(os.getpid(), signal.SIGKILL)
+_SERVER = os.getpid()
+
+
+def _own_session() -> None:
+    if os.getppid() == _SERVER:  # forked by the server (not by a worker: its own children stay its)
+        os.setsid()
+
+
+os.register_at_fork(after_in_child=_own_session)
