@@ -124,6 +124,14 @@ def _context(start: str) -> mp.context.BaseContext:
     return ctx
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP; state ``T`` in /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -140,7 +148,8 @@ def run_distributed(
 
     Returns the ranks' return values (index = rank). Raises :class:`DistributedTestError` naming
     every failed or hung rank. After one rank fails, the others get ``failure_grace`` seconds to
-    finish before they are killed (a peer's failure often leaves them waiting forever).
+    finish before they are killed (a peer's failure often leaves them waiting forever); once only
+    stopped ranks (SIGSTOP) are left, they are killed at once.
     """
     assert setup in ("pg", "hybrid", "none"), setup
     if setup == "hybrid" and num_servers is None:
@@ -171,6 +180,8 @@ def run_distributed(
                 if now > deadline or (first_failure and now > first_failure + failure_grace):
                     timed_out = now > deadline
                     break
+                if first_failure and all(_stopped(p.pid) for p in procs if p.is_alive()):
+                    break  # only stopped ranks (SIGSTOP: a hung peer) are left; none will end by itself
                 time.sleep(0.05)
         finally:
             # Give hung ranks' faulthandler a moment, then make sure nothing survives the test.

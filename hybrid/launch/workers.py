@@ -92,6 +92,12 @@ def _worker(argv: list[str], env: dict[str, str], stdout: str | None, stderr: st
     # `python -u`, as torchrun runs the command: each line is out as it is written
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
+    import torch
+
+    if torch.cuda._is_in_bad_fork():  # an import initialized CUDA in the server: unusable here
+        print(f"error: this worker was forked after CUDA was initialized in the process it was forked from, so "
+              f"it cannot use a GPU; start the workers as new processes with {ENV}=exec", file=sys.stderr)
+        exit_now(1)
     from hybrid.cli import main
 
     exit_now(main(argv))

@@ -83,6 +83,24 @@ def test_hybrid_train_moves_batches_to_the_gpu_and_matches_one_cpu_process(tmp_p
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-4)
 
 
+def test_hybrid_launch_forks_workers_that_train_on_the_gpu(tmp_path):
+    """``hybrid launch`` forks its workers from a server that imported torch, torchrec and
+    fbgemm_gpu (whose import asks whether CUDA is available): the trainers still use the GPU and
+    train as one CPU process does."""
+    from tests.support.cli import run_hybrid
+
+    out = tmp_path / "run"
+    over = _overrides("dlrm", out)
+    res = run_hybrid(["launch", "-n", "2", "train", "--plan", "conf/plans/dlrm.yaml", "--config",
+                      "conf/train/dlrm.yaml", *over], timeout=300)
+    assert res.returncode == 0, res.output
+    assert "on cuda" in res.stderr + res.stdout, res.output  # "materialized the model on cuda:0"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    got = [r["loss"] for r in rows if r["kind"] == "train"]
+    want = reference_losses("dlrm", over, world_size=2)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-4)
+
+
 # Every mode a GPU trainer can run in gives what the same job gives with the trainer on the CPU
 # (which the rest of the suite checks against one process): the batch handed over on the GPU as
 # the loop hands it, the next batch prefetched each step, then an evaluation read on the device.

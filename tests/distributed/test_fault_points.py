@@ -167,10 +167,15 @@ def test_the_workers_end_with_a_launcher_killed_outright(tmp_path):
     from tests.distributed.test_stops import TINY as LAUNCH_TINY
     from tests.support.job import Job
 
+    import shutil
+
+    from tests.support.cli import fork_server_folders
+
     out = tmp_path / "out"
     with Job(["launch", "-n", "3", *DLRM, *LAUNCH_TINY, "train.steps=100000", f"train.out_dir={out}"]) as job:
         job.wait_training(out)
         workers = [job.pid_of_role(name) for name in ("trainer0", "trainer1", "ps0")]
+        left = fork_server_folders(job.pids())  # what a launcher killed outright leaves (docs/training.md)
         os.kill(job.proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
         alive = workers
@@ -180,6 +185,8 @@ def test_the_workers_end_with_a_launcher_killed_outright(tmp_path):
         print(f"workers still running {time.monotonic() - t0:.2f}s after the launcher's SIGKILL: {alive}")
         for pid in alive:  # orphans are no longer below the job: the Job cannot end them
             os.kill(pid, signal.SIGKILL)
+    for folder in left:
+        shutil.rmtree(folder, ignore_errors=True)
     assert not alive, f"workers still running 10s after the launcher was killed: {alive}"
 
 

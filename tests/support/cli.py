@@ -58,11 +58,30 @@ def run_hybrid(args: list[str], *, timeout: float, cwd: Path | None = None, env:
 
 
 def kill_tree(root: int) -> None:
-    """SIGKILL ``root`` and every process below it (torchrun puts its workers in new sessions)."""
+    """SIGKILL ``root`` and every process below it (torchrun puts its workers in new sessions),
+    and remove the socket folder of a fork server among them (``multiprocessing`` removes it when
+    the process that started the server exits, not when that process is killed)."""
+    import shutil
+
     from tests.support.sockets import descendants
 
-    for pid in descendants(root)[::-1]:
+    pids = descendants(root)
+    folders = fork_server_folders(pids)
+    for pid in pids[::-1]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def fork_server_folders(pids: list[int]) -> set[str]:
+    """The socket folders (``/tmp/pymp-*``) of the ``multiprocessing`` fork servers among ``pids``."""
+    import tempfile
+
+    from tests.support.sockets import unix_socket_paths
+
+    return {os.path.dirname(p) for p in unix_socket_paths(pids)
+            if os.path.dirname(os.path.dirname(p)) == tempfile.gettempdir()
+            and os.path.basename(os.path.dirname(p)).startswith("pymp-")}

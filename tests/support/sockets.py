@@ -64,3 +64,14 @@ def listening(pids: list[int]) -> list[tuple[int, str]]:
             if parts[3] == "0A" and parts[9] in owner:  # 0A = LISTEN
                 found.append((owner[parts[9]], _addr(parts[1], v6)))
     return found
+
+
+def unix_socket_paths(pids: list[int]) -> set[str]:
+    """The file paths of the Unix sockets held by ``pids`` (abstract ones have none)."""
+    inodes = {inode for pid in pids for inode in _socket_inodes(pid)}
+    found = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        parts = line.split()
+        if len(parts) >= 8 and parts[6] in inodes and parts[7].startswith("/"):
+            found.add(parts[7])
+    return found
