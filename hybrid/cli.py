@@ -249,10 +249,12 @@ def _launch(args: argparse.Namespace) -> int:
     # reset" lines before hybrid's own message that names the process. Set before the workers'
     # fork server starts: torch reads it when it is loaded.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # plan, config and data are checked here: a mistake is one message, exit 2. With workers to
+    # fork, in a process forked from their server (this one then never imports torchrec).
     if args.nproc > 1 and workers.forked():
-        workers.start_server()  # its imports run beside the check below
-    # plan, config and data are checked here: a mistake is one message, exit 2
-    status, runtime, names = _check_train(command[1:], args.nproc)
+        status, runtime, names = workers.call("hybrid.cli:_check_train", command[1:], args.nproc)
+    else:
+        status, runtime, names = _check_train(command[1:], args.nproc)
     if status:
         workers.stop_server()
         return status

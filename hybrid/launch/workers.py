@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 ENV = "HYBRID_WORKER_START"
 
@@ -101,6 +102,41 @@ def _worker(argv: list[str], env: dict[str, str], stdout: str | None, stderr: st
     from hybrid.cli import main
 
     exit_now(main(argv))
+
+
+def call(target: str, *args: Any) -> Any:
+    """``module:function(*args)`` in a process forked from the fork server; its return value.
+
+    ``hybrid launch`` checks the plan, config and data this way: the check imports torchrec and
+    builds the model, which the server has imported already, and the launcher itself then never
+    imports torchrec (a few seconds of CPU less a job). The process shares this one's standard
+    output and error; a check that fails prints its own message there and returns its status."""
+    import multiprocessing
+
+    start_server()
+    ctx = multiprocessing.get_context("forkserver")
+    receive, send = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_call, args=(send, target, args), name="hybrid-check")
+    process.start()
+    send.close()
+    try:
+        result = receive.recv()
+    except EOFError:
+        process.join()
+        raise RuntimeError(f"{target} ended without an answer (exit code {process.exitcode})") from None
+    process.join()
+    return result
+
+
+def _call(send, target: str, args: tuple) -> None:  # noqa: ANN001 - a Connection
+    import importlib
+
+    from hybrid.errors import exit_now
+
+    module, _, name = target.partition(":")
+    send.send(getattr(importlib.import_module(module), name)(*args))
+    send.close()
+    exit_now(0)
 
 
 class ForkedProcess:

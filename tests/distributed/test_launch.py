@@ -207,8 +207,8 @@ def _cmdline(pid: int) -> str:
 
 @pytest.mark.parametrize("start", ["fork", "exec"])
 def test_workers_are_forked_from_one_server_each_in_a_session_of_its_own(tmp_path, start):
-    """``hybrid launch``'s workers are forked from one fork server below the launcher, which
-    imported torch and torchrec once; with ``HYBRID_WORKER_START=exec`` each is a new
+    """``hybrid launch``'s workers (and its check of the plan) are forked from one fork server below
+    the launcher, which imported torch and torchrec once; with ``HYBRID_WORKER_START=exec`` each is a new
     ``python -m hybrid.cli`` (torchrun's own way). Either way each worker leads a session of its
     own (torchrun stops a worker by signalling its group), and the fork server too (a signal to
     the launcher's group must not end it, and with it the workers)."""
@@ -233,3 +233,7 @@ def test_workers_are_forked_from_one_server_each_in_a_session_of_its_own(tmp_pat
             assert "multiprocessing.forkserver" in _cmdline(server), _cmdline(server)
             assert "'torchrec'" in _cmdline(server), _cmdline(server)  # imported before any fork
             assert _parent(server) == job.proc.pid and os.getsid(server) == server, (server, _parent(server))
+            # the plan was checked in a process forked from the server: the launcher never loaded
+            # torchrec (nor fbgemm_gpu's library, which torchrec loads), the server did
+            assert "fbgemm_gpu" in open(f"/proc/{server}/maps").read()
+            assert "fbgemm_gpu" not in open(f"/proc/{job.proc.pid}/maps").read()
