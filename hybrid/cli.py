@@ -255,8 +255,8 @@ def _launch(args: argparse.Namespace) -> int:
         status, runtime, names = workers.call("hybrid.cli:_check_train", command[1:], args.nproc)
     else:
         status, runtime, names = _check_train(command[1:], args.nproc)
-    if status:
-        workers.stop_server()
+    if status:  # the fork server ends with this process (its parent-death signal)
+        workers.remove_server_files()
         return status
     if args.nproc == 1:
         # One-process mode: the whole job runs here, as `hybrid train` without torchrun runs it

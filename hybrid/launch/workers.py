@@ -43,8 +43,8 @@ def forked() -> bool:
 
 
 def start_server() -> None:
-    """Start the fork server now, so that its imports overlap what this process still does (the
-    launcher checks the plan meanwhile). Started already: nothing."""
+    """Start the fork server (once a process); it then imports :data:`PRELOAD`, and the first fork
+    waits for that."""
     import multiprocessing.forkserver as forkserver
 
     if _started:
@@ -52,20 +52,6 @@ def start_server() -> None:
     forkserver.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
     _started.append(True)
-
-
-def stop_server() -> None:
-    """End a fork server that will fork nothing (the job was refused before it started): it would
-    finish its imports, seconds of CPU, before it noticed this process is gone."""
-    import multiprocessing.forkserver as forkserver
-
-    pid = getattr(forkserver._forkserver, "_forkserver_pid", None) if _started else None
-    if pid:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    remove_server_files()
 
 
 def remove_server_files() -> None:
