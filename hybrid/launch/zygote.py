@@ -14,10 +14,11 @@ worker it forks get sessions of their own.
   group: SIGHUP or SIGTERM would end it there, and with it every worker, at once and silently. A
   worker's new session is made in the child right after the fork, before the server reports its
   pid, so that torchrun can signal its group from the first moment.
-- A process forked after its parent initialized CUDA cannot use it, and ``torch.cuda.is_available()``
-  initializes it, unless ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` has it ask NVML instead (torch's
-  documented way not to "poison" a fork); fbgemm_gpu asks at import. The server sets it for its
-  own imports; a worker gets its command's environment back (:func:`hybrid.launch.workers._worker`).
+- A process forked after its parent initialized CUDA cannot use it, and
+  ``torch.cuda.is_available()`` initializes it, unless ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` has it
+  ask NVML instead (torch's documented way not to "poison" a fork); fbgemm_gpu asks at import.
+  The server sets it for its own imports; a worker gets its command's environment back
+  (:func:`hybrid.launch.workers._worker`).
 """
 
 import os

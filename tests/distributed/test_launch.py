@@ -207,9 +207,9 @@ def _cmdline(pid: int) -> str:
 
 @pytest.mark.parametrize("start", ["fork", "exec"])
 def test_workers_are_forked_from_one_server_each_in_a_session_of_its_own(tmp_path, start):
-    """``hybrid launch``'s workers (and its check of the plan) are forked from one fork server below
-    the launcher, which imported torch and torchrec once; with ``HYBRID_WORKER_START=exec`` each is a new
-    ``python -m hybrid.cli`` (torchrun's own way). Either way each worker leads a session of its
+    """``hybrid launch``'s workers (and its check of the plan) are forked from one fork server
+    below the launcher, which imported torch and torchrec once; with ``HYBRID_WORKER_START=exec``
+    each is a new ``python -m hybrid.cli`` (torchrun's own way). Either way each worker leads a session of its
     own (torchrun stops a worker by signalling its group), and the fork server too (a signal to
     the launcher's group must not end it, and with it the workers)."""
     from tests.distributed.test_stops import DLRM

@@ -77,7 +77,7 @@ def kill_tree(root: int) -> None:
 
 
 def fork_server_folders(pids: list[int]) -> set[str]:
-    """The socket folders (``/tmp/pymp-*``) of the ``multiprocessing`` fork servers among ``pids``."""
+    """The socket folders (``/tmp/pymp-*``) of the ``multiprocessing`` fork servers in ``pids``."""
     import tempfile
 
     from tests.support.sockets import unix_socket_paths
