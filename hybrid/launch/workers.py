@@ -18,7 +18,6 @@ how it watches, stops (by process group) and restarts workers, and how it report
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from typing import Any
@@ -127,7 +126,7 @@ def _call(send, target: str, args: tuple) -> None:  # noqa: ANN001 - a Connectio
 
 class ForkedProcess:
     """The part of ``subprocess.Popen`` torchrun uses (``pid``, ``poll``, ``wait``,
-    ``send_signal``, ``kill``), for a worker forked from the fork server."""
+    ``send_signal``), for a worker forked from the fork server."""
 
     def __init__(self, argv: list[str], env: dict[str, str], stdout: str | None, stderr: str | None) -> None:
         import multiprocessing
@@ -138,10 +137,6 @@ class ForkedProcess:
         self._process.start()
         self.pid = self._process.pid
         self.args = [sys.executable, *COMMAND, *argv]
-
-    @property
-    def returncode(self) -> int | None:
-        return self._process.exitcode
 
     def poll(self) -> int | None:
         return self._process.exitcode
@@ -155,12 +150,6 @@ class ForkedProcess:
     def send_signal(self, sig: int) -> None:
         if self._process.exitcode is None:
             os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def install() -> None:
