@@ -224,6 +224,9 @@ def spawn(
     runs on the network's host ``r``.
     """
     if hosts is None:
+        from hybrid.launch.workers import short_socket_folder
+
+        short_socket_folder()
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
     else:

@@ -41,6 +41,31 @@ def forked() -> bool:
     return os.environ.get(ENV, "fork") != "exec"
 
 
+SUN_PATH_MAX = 107
+"""The longest path a Unix socket can have on Linux (108 bytes with the terminating NUL)."""
+
+
+def short_socket_folder() -> None:
+    """Have ``multiprocessing`` make its folder for sockets (``pymp-*``, where the fork server
+    listens) in the system's temp folder when the one ``TMPDIR`` names is too deep for a socket's
+    path (``AF_UNIX path too long`` otherwise), as Python 3.13's ``multiprocessing`` does. Only
+    that folder moves: everything else, the workers included, keeps ``TMPDIR``."""
+    import tempfile
+    from multiprocessing import util
+
+    base = tempfile.gettempdir()
+    if len(os.fsencode(base)) + len("/pymp-12345678/listener-12345678") <= SUN_PATH_MAX:
+        return
+    usable = [d for d in ("/tmp", "/var/tmp", "/usr/tmp") if os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK)]
+    if not usable:
+        return  # nothing shorter: multiprocessing names the path it cannot bind
+    saved, tempfile.tempdir = tempfile.tempdir, usable[0]
+    try:
+        util.get_temp_dir()  # made now, and kept for this process's sockets
+    finally:
+        tempfile.tempdir = saved
+
+
 def start_server() -> None:
     """Start the fork server (once a process); it then imports :data:`PRELOAD`, and the first fork
     waits for that."""
@@ -48,6 +73,7 @@ def start_server() -> None:
 
     if _started:
         return
+    short_socket_folder()
     forkserver.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
     _started.append(True)

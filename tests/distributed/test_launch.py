@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -211,15 +212,23 @@ def test_workers_are_forked_from_one_server_each_in_a_session_of_its_own(tmp_pat
     below the launcher, which imported torch and torchrec once; with ``HYBRID_WORKER_START=exec``
     each is a new ``python -m hybrid.cli`` (torchrun's own way). Either way each worker leads a session of its
     own (torchrun stops a worker by signalling its group), and the fork server too (a signal to
-    the launcher's group must not end it, and with it the workers)."""
+    the launcher's group must not end it, and with it the workers).
+
+    ``TMPDIR`` is deeper than a Unix socket's path allows below it: the server's socket folder is
+    made in the system's temp folder (and removed at the end), the workers keep ``TMPDIR``."""
     from tests.distributed.test_stops import DLRM
     from tests.distributed.test_stops import TINY as LAUNCH_TINY
     from tests.support.job import Job
+    from tests.support.sockets import unix_socket_paths
 
     out = tmp_path / "out"
+    deep = tmp_path / ("deep-" + "d" * max(1, 90 - len(str(tmp_path))))
+    deep.mkdir()
     with Job(["launch", "-n", "3", *DLRM, *LAUNCH_TINY, "train.steps=100000", f"train.out_dir={out}"],
-             env={"HYBRID_WORKER_START": start}) as job:
+             env={"HYBRID_WORKER_START": start, "TMPDIR": str(deep)}) as job:
         job.wait_training(out)
+        for name in ("trainer0", "trainer1", "ps0"):
+            assert f"TMPDIR={deep}\0" in open(f"/proc/{job.pid_of_role(name)}/environ").read(), name
         workers = {name: job.pid_of_role(name) for name in ("trainer0", "trainer1", "ps0")}
         parents = {name: _parent(pid) for name, pid in workers.items()}
         for name, pid in workers.items():
@@ -237,3 +246,9 @@ def test_workers_are_forked_from_one_server_each_in_a_session_of_its_own(tmp_pat
             # torchrec (nor fbgemm_gpu's library, which torchrec loads), the server did
             assert "fbgemm_gpu" in open(f"/proc/{server}/maps").read()
             assert "fbgemm_gpu" not in open(f"/proc/{job.proc.pid}/maps").read()
+            (socket,) = unix_socket_paths([server])
+            folder = os.path.dirname(socket)
+            assert os.path.dirname(folder) == "/tmp" and os.path.basename(folder).startswith("pymp-"), socket
+            os.killpg(job.proc.pid, signal.SIGINT)  # Ctrl-C: the launcher ends the job and removes the folder
+            assert job.wait(timeout=60) == 130, job.output[-4000:]
+            assert not os.path.exists(folder), f"{folder} left after the job"
