@@ -25,7 +25,8 @@ demo: env
 
 # HYBRID_REQUIRE_NATIVE: `make env` built hybrid._C, so its tests fail rather than skip without it.
 # Most tests run on two workers (a file's tests together, so they share its fixtures); the
-# `serial` ones bound how long something takes and run alone afterwards. Bytecode is written and
+# `serial` ones bound how long something takes and run afterwards, without the others' load: two
+# at a time, as they mostly wait out the timeouts they bound. Bytecode is written and
 # reused (__pycache__, ignored by git) even where PYTHONDONTWRITEBYTECODE is set, as on this
 # project's test hosts: else every process of every job compiles hybrid and the examples from
 # source again (~0.15 CPU s a process), and each pytest process rewrites the asserts of every test
@@ -33,7 +34,7 @@ demo: env
 test: env
 	$(PY) -m compileall -q hybrid recsys_examples benchmarks tests
 	PYTHONDONTWRITEBYTECODE= HYBRID_REQUIRE_NATIVE=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not serial" tests
-	PYTHONDONTWRITEBYTECODE= HYBRID_REQUIRE_NATIVE=1 $(PY) -m pytest -q -m serial tests
+	PYTHONDONTWRITEBYTECODE= HYBRID_REQUIRE_NATIVE=1 $(PY) -m pytest -q -n 2 --dist loadfile -m serial tests
 
 # On a CUDA machine (docs/install.md, "CUDA"): the tests that need a GPU, and every operator.
 test-gpu: env

@@ -110,7 +110,7 @@ def _assert_survivors_named(report: str, logs: dict[str, str], survivors: list[s
     assert elapsed < bound, f"{elapsed:.1f}s from the fault to the last exit (bound {bound:.0f}s)"
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 @pytest.mark.parametrize("who", ["trainer1", "ps0"])
 def test_a_process_killed_while_the_processes_connect_is_named_within_the_startup_timeout(tmp_path, who):
     """The process dies after every process checked in, before RPC is up: the others are inside
@@ -125,7 +125,7 @@ def test_a_process_killed_while_the_processes_connect_is_named_within_the_startu
         assert f"{who} (rank {1 if who == 'trainer1' else 2}, checked in) did not join within 6s" in logs[name], logs[name]
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 def test_a_server_killed_during_a_checkpoint_save_is_a_failed_process_not_bad_input(tmp_path):
     """The server dies while it writes its shards of a checkpoint: the trainers exit 1 naming it
     (a failed process), not 2 with a checkpoint ``error:`` line (a mistake the user could fix)."""
@@ -138,7 +138,7 @@ def test_a_server_killed_during_a_checkpoint_save_is_a_failed_process_not_bad_in
         assert "ps0 stopped answering while writing its shards" in logs[name], logs[name]
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 @pytest.mark.parametrize("who", ["trainer1", "ps0"])
 def test_a_process_killed_after_the_last_step_is_named_by_the_others_leaving(tmp_path, who):
     """Training is over and the servers are released; the process dies as it starts to leave RPC.
@@ -159,7 +159,7 @@ def test_a_process_killed_after_the_last_step_is_named_by_the_others_leaving(tmp
                 or re.search(rf"peers not answering: [^(]*\b{who}\b", text)), text
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 def test_the_workers_end_with_a_launcher_killed_outright(tmp_path):
     """``kill -9`` of ``hybrid launch`` (torchrun's agent runs in its process, so it cannot stop
     the workers): the workers end with it, rather than train on orphaned."""
@@ -197,7 +197,7 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
 def test_a_launcher_stopped_by_a_scheduler_or_a_closed_terminal_says_so_in_one_line(tmp_path, sig):
     """SIGTERM (a scheduler stopping the job) or SIGHUP (the terminal closed) to ``hybrid launch``
@@ -224,7 +224,7 @@ def test_a_launcher_stopped_by_a_scheduler_or_a_closed_terminal_says_so_in_one_l
     assert not [p for p in workers if _running(p)]
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 def test_a_server_hung_during_a_checkpoint_save_is_named_within_the_rpc_timeout(tmp_path):
     """The server stops (SIGSTOP) while it writes its shards: trainer 0, waiting for its answer
     (a call that may take up to 30 minutes for large tables), names it within
@@ -239,7 +239,7 @@ def test_a_server_hung_during_a_checkpoint_save_is_named_within_the_rpc_timeout(
         assert "no answer to a ping within 6s (runtime.rpc_timeout_s)" in logs[name], logs[name]
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 def test_a_server_names_the_trainer_that_died_not_the_one_that_failed_on_it(tmp_path):
     """trainer1 is killed mid-run; trainer0 fails on it and exits, saying so, before the server's
     heartbeat notices either. The server's line names trainer1 as the peer that died and trainer0
@@ -252,7 +252,7 @@ def test_a_server_names_the_trainer_that_died_not_the_one_that_failed_on_it(tmp_
     assert "trainer0 failed too, saying why" in line or "trainer0" not in line.split("stopped on:")[0], line
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 def test_a_trainer_killed_while_the_store_host_hangs_ends_the_others_within_seconds(tmp_path):
     """The job's store lives in torchrun's agent (on another machine: node 0's). With the agent
     stopped (SIGSTOP: as a lost machine, it neither answers nor closes its connections), trainer1
@@ -289,7 +289,7 @@ def test_a_trainer_killed_while_the_store_host_hangs_ends_the_others_within_seco
     assert "trainer0: peers not answering: trainer1" in job.output, job.output[-4000:]
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 def test_a_checkpoint_save_longer_than_the_collective_timeout_succeeds(tmp_path):
     """A healthy server takes 12 s to write its shards (large tables on a slow disk) with
     ``pg_timeout_s`` 6: the save completes and training goes on. The trainers other than trainer 0
@@ -306,7 +306,7 @@ def test_a_checkpoint_save_longer_than_the_collective_timeout_succeeds(tmp_path)
     assert "fault: sleep:12" in (tmp_path / "ps0.log").read_text()
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 def test_a_checkpoint_restore_longer_than_the_collective_timeout_succeeds(tmp_path):
     """The same for a resume: the server takes 12 s to load its tables, ``pg_timeout_s`` 6."""
     from tests.harness import run_distributed

@@ -125,7 +125,7 @@ TCP = ["runtime.ps_transport=socket"]
 """Step messages over the TCP step connection, as to a server on another host."""
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 @pytest.mark.parametrize("method,overrides", [("gather", []), ("push", []), ("unpool", POOLED), ("gather", TCP),
                                               ("unpool", [*POOLED, *TCP])],
                          ids=["mid-forward", "mid-backward", "mid-backward-pooled-on-server", "mid-forward-over-tcp",
@@ -145,7 +145,7 @@ def _assert_step_messages_went(logs: dict[str, str], overrides: list[str]) -> No
         assert f"step messages to ps0 go through {way}" in logs[name], logs[name]
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 @pytest.mark.parametrize("overrides", [[], TCP], ids=["shared-memory", "tcp"])
 def test_trainer_killed_ends_every_process_naming_it(tmp_path, overrides):
     report, logs, elapsed = _run_fault(tmp_path, 3, 1, {"who": "trainer1", "kind": "die_trainer", "after_s": 12.0},
@@ -160,7 +160,7 @@ def test_trainer_killed_ends_every_process_naming_it(tmp_path, overrides):
     _assert_step_messages_went(logs, overrides)
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 @pytest.mark.parametrize("overrides", [[], TCP], ids=["shared-memory", "tcp"])
 def test_slow_server_gives_a_timeout_error_naming_it(tmp_path, overrides):
     report, logs, elapsed = _run_fault(tmp_path, 3, 1, {"who": "ps0", "kind": "sleep", "method": "gather", "after": 6,
@@ -193,7 +193,7 @@ def _never_started_server(rank: int, world_size: int, *, tmp: str):
     return None
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 def test_a_server_that_never_starts_is_named_within_the_startup_timeout(tmp_path):
     for waited, err in run_distributed(_never_started_server, 3, setup="none", timeout=60, tmp=str(tmp_path))[:2]:
         print(f"a trainer named the missing server after {waited:.1f}s (startup_timeout_s=4)")
@@ -275,7 +275,7 @@ def _shutdown_in_flight(rank: int, world_size: int, *, tmp: str, busy_s: float):
     return took, all(f.done() and f.value() == busy_s for f in futs), pending
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 def test_shutdown_with_rpcs_in_flight_returns_within_a_bound(tmp_path):
     """8 RPCs of 1.5 s each are still running on the server when every process shuts down: the
     in-flight calls finish (the server runs them on its worker threads, 8 by default, in
@@ -288,7 +288,7 @@ def test_shutdown_with_rpcs_in_flight_returns_within_a_bound(tmp_path):
         assert took < busy + 15, f"rank {rank} took {took:.1f}s to shut down"
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 def test_a_hung_server_ends_the_whole_launch_within_the_timeout_and_the_kill_grace(tmp_path):
     """SIGSTOP the server mid-run (it neither answers nor dies): the trainers fail after
     ``rpc_timeout_s`` naming it, and ``hybrid launch`` has ended every process, the stopped one

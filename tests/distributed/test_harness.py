@@ -72,7 +72,7 @@ def test_a_raising_rank_is_named_with_its_traceback():
     assert "rank 0" not in msg
 
 
-@pytest.mark.serial  # bounds how long it takes (the fork server's start counts): runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes (the fork server's start counts): runs after the others (make test)
 def test_a_hung_rank_is_killed_within_the_timeout_with_its_stack():
     start = time.monotonic()
     with pytest.raises(DistributedTestError) as e:

@@ -115,7 +115,7 @@ def test_csv_data_with_a_nan_batch_is_refused_or_skipped_and_changes_nothing(tmp
     assert "3 (48 samples, 1 batches skipped)" in res.stdout, res.output
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 def test_a_rendezvous_port_in_use_is_named_at_once():
     """One node must host the rendezvous store; a taken port is an immediate, clear error (torch
     alone would try to join whatever listens there and fail a minute later without naming it)."""

@@ -89,7 +89,7 @@ def _after_steps(n: int):
     return reached
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 def test_a_host_whose_link_goes_down_mid_step_ends_every_process_naming_it(tmp_path):
     """Host 0 -- trainer0, and the job's store in its torchrun agent -- loses its link for good in
     the middle of training. trainer0 says its own link is down (it crashed inside TensorPipe,

@@ -41,7 +41,7 @@ def test_every_listening_socket_of_a_running_job_is_on_the_configured_address(tm
     assert not elsewhere, f"listening beyond {address}: {elsewhere} (all: {sockets})"
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 def test_an_address_this_machine_does_not_have_is_refused_at_once(tmp_path):
     address = "192.0.2.1"  # TEST-NET-1 (RFC 5737): documentation only, on no ordinary machine
     if _can_listen(address):

@@ -42,7 +42,7 @@ def _state(pid: int) -> str:
         return "Z"
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 def test_ctrl_c_ends_the_job_within_3s_with_one_line(tmp_path):
     """SIGINT to the launcher's process group (what a terminal sends on Ctrl-C) mid-training."""
     tmp, out = _fresh_tmp(tmp_path), tmp_path / "out"
@@ -134,7 +134,7 @@ DATA_ERRORS = {
 EXTRA = {"bad line past data.check_lines": lambda d: ["data.check_lines=10", f"data.eval_paths=[{d / 't.csv'}]"]}
 
 
-@pytest.mark.serial  # bounds how long it takes: runs alone (make test)
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 @pytest.mark.parametrize("what", list(DATA_ERRORS))
 def test_a_data_error_is_one_line_and_exit_2(tmp_path, what):
     """Errors in the files' make-up and in their first ``data.check_lines`` lines are found by the
@@ -166,9 +166,10 @@ def test_a_data_error_is_one_line_and_exit_2(tmp_path, what):
     started = "serving" in job.output
     assert started != before_start, job.output[-6000:]  # checked by the launcher: no process started
     if before_start:
-        # 2.7 s to 3.0 s on an idle 2-core machine (python and torch start, the plan, the check);
-        # the bound leaves room for a machine busy with other work
-        assert ended - t0 < 10.0, f"{ended - t0:.2f}s from the command to its end"
+        # 7 s on an idle 2-core machine (the workers' fork server imports torch and torchrec, then
+        # the check runs in a process forked from it), up to 15 s with another serial test beside
+        # it; a job whose workers started would also print "serving" (checked above)
+        assert ended - t0 < 30.0, f"{ended - t0:.2f}s from the command to its end"
     if not before_start:
         # one line, by one trainer: the other trainer and the server say nothing after it
         others = [line for when, line in job.lines if when >= errors[0][0] and line.startswith("[hybrid")]
