@@ -9,8 +9,8 @@ forked from ``multiprocessing``'s fork server, which imported torch and torchrec
 (:data:`PRELOAD`): a process inherits those modules and nothing else (no thread, process group, RPC
 agent or tensor of the parent's), and starts in a fraction of a second rather than the seconds of
 CPU those imports take. With ``hosts`` (an :class:`~benchmarks.network.EmulatedNetwork`) rank ``r``
-runs on emulated host ``r``: a new interpreter (``multiprocessing`` spawn) started in that host's
-network namespace.
+runs on emulated host ``r``, forked from that host's own server (:class:`HostServer`: an
+interpreter started once in the host's namespaces, which imported the same modules).
 
 :class:`Meter` measures one process over the timed window: wall seconds, CPU seconds (every
 thread of the process, so a busy-spinning transport thread shows), peak RSS, and on an emulated
@@ -186,6 +186,115 @@ def kill_all(procs: list) -> None:
         p.join(timeout=5)
 
 
+class HostServer:
+    """The process that forks every rank run on one emulated host.
+
+    A new interpreter started once in the host's namespaces (``multiprocessing`` spawn, with the
+    host's script as its executable) imports :data:`PRELOAD`, then forks one process per request,
+    as ``multiprocessing``'s fork server does where there is one host: a rank starts in a fraction
+    of a second rather than importing torch and torchrec again, and every system's rank ``r`` runs
+    on the same host ``r``. The rank's function and arguments are unpickled in the rank, so the
+    server itself imports no system's code. When this end closes (:meth:`stop`, or the benchmark
+    dies), the server kills what it forked and exits.
+    """
+
+    def __init__(self, executable: str) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, theirs = ctx.Pipe()
+        self._process = ctx.Process(target=_serve_host, args=(theirs,), name="hybrid-bench-host", daemon=True)
+        with _executable(ctx, executable):
+            self._process.start()
+        theirs.close()
+
+    def fork(self, payload: bytes) -> HostProcess:
+        """A process running ``_child(*pickle.loads(payload))`` on this host."""
+        return HostProcess(self, self._ask(("fork", payload)))
+
+    def exitcode(self, pid: int) -> int | None:
+        """The exit code of ``pid`` (minus the signal that killed it), or None while it runs."""
+        return self._ask(("poll", pid))
+
+    def _ask(self, request: tuple) -> Any:
+        try:
+            self._conn.send(request)
+            if self._conn.poll(60):
+                return self._conn.recv()
+        except (OSError, EOFError):
+            pass
+        raise BenchmarkError(f"the server of an emulated host (pid {self._process.pid}) stopped answering "
+                             f"(exit code {self._process.exitcode})")
+
+    def stop(self) -> None:
+        """End the server; :func:`spawn` has killed the ranks it forked already (the server,
+        seeing this end close, would kill them too, but it may still be importing)."""
+        self._conn.close()
+        self._process.kill()
+        self._process.join()
+
+
+class HostProcess:
+    """The part of ``multiprocessing.Process`` :func:`spawn` uses, for a rank a
+    :class:`HostServer` forked (its parent is that server, not this process)."""
+
+    def __init__(self, server: HostServer, pid: int) -> None:
+        self._server = server
+        self.pid = pid
+        self._code: int | None = None
+
+    @property
+    def exitcode(self) -> int | None:
+        if self._code is None:
+            self._code = self._server.exitcode(self.pid)
+        return self._code
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.exitcode is None and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.02)
+
+
+def _serve_host(conn) -> None:  # noqa: ANN001 - a Connection
+    """:class:`HostServer`'s process: import, then fork on request and report exit codes."""
+    import importlib
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the benchmark's to handle: it ends this via stop()
+    for name in PRELOAD:
+        importlib.import_module(name)
+    codes: dict[int, int | None] = {}
+    try:
+        while True:
+            try:
+                op, arg = conn.recv()
+            except (EOFError, OSError):
+                return
+            if op == "fork":
+                pid = os.fork()
+                if pid == 0:
+                    conn.close()
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    _child(*pickle.loads(arg))  # never returns: os._exit
+                codes[pid] = None
+                conn.send(pid)
+            elif op == "poll":
+                if codes.get(arg) is None:
+                    done, status = os.waitpid(arg, os.WNOHANG)
+                    if done:
+                        codes[arg] = os.waitstatus_to_exitcode(status)
+                conn.send(codes[arg])
+    finally:
+        for pid, code in codes.items():
+            if code is None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except (ProcessLookupError, ChildProcessError):
+                    pass
+        os._exit(0)
+
+
 @contextmanager
 def _executable(ctx, path: str | None) -> Iterator[None]:
     """Within the block, ``ctx`` starts processes with ``path`` instead of this Python (a script
@@ -229,22 +338,25 @@ def spawn(
         short_socket_folder()
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
-    else:
-        ctx = mp.get_context("spawn")
     env = {"OMP_NUM_THREADS": str(threads)}  # the children's too (a spawned one's torch reads it at import)
     if quiet:
         env["PYTHONWARNINGS"] = "ignore"  # also for warnings raised before _child runs
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     with tempfile.TemporaryDirectory(prefix="hybrid-bench-") as store:
-        procs = [
-            ctx.Process(target=_child, args=(fn, r, world_size, store, threads, quiet, env, kwargs))
-            for r in range(world_size)
-        ]
+        procs: list = []
+        servers = [hosts.server(r) for r in range(world_size)] if hosts is not None else []  # importing at once
         try:
-            for r, p in enumerate(procs):
-                with _executable(ctx, hosts.executable(r) if hosts is not None else None):
-                    p.start()
+            for r in range(world_size):
+                args = (fn, r, world_size, store, threads, quiet, env, kwargs)
+                if hosts is None:
+                    procs.append(ctx.Process(target=_child, args=args))
+                    procs[-1].start()
+                else:
+                    procs.append(servers[r].fork(pickle.dumps(args)))
+        except BaseException:
+            kill_all(procs)
+            raise
         finally:
             for k, v in saved.items():
                 if v is None:

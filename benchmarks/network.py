@@ -38,6 +38,10 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from benchmarks.launch import HostServer
 
 PREFIX = "hbnet"
 """Every namespace this module creates is named ``hbnet<pid>-...``."""
@@ -112,8 +116,9 @@ def _parse_delay(value: str) -> float:
 class EmulatedNetwork:
     """``hosts`` emulated hosts on one switch (see the module's docstring); a context manager.
 
-    :meth:`executable` is what starts a process on host ``i`` (``multiprocessing``'s executable,
-    :func:`benchmarks.launch.spawn`).
+    :meth:`executable` is what starts a process on host ``i`` (``multiprocessing``'s executable);
+    :meth:`server` is the process that forks every process run there
+    (:func:`benchmarks.launch.spawn`).
     """
 
     def __init__(self, spec: NetworkSpec, hosts: int) -> None:
@@ -123,6 +128,7 @@ class EmulatedNetwork:
         self.switch = f"{self.name}-sw"
         self.namespaces: list[str] = []
         self.workdir: Path | None = None
+        self.servers: dict[int, HostServer] = {}
 
     def host_namespace(self, i: int) -> str:
         return f"{self.name}-h{i}"
@@ -203,8 +209,20 @@ class EmulatedNetwork:
             path.chmod(0o700)
         return str(path)
 
+    def server(self, i: int) -> HostServer:
+        """The process on host ``i`` that forks the processes run there, started on first use."""
+        from benchmarks.launch import HostServer
+
+        if i not in self.servers:
+            self.servers[i] = HostServer(self.executable(i))
+        return self.servers[i]
+
     def close(self) -> None:
-        """Remove every namespace (and with them every link) and the scripts; idempotent."""
+        """Stop the hosts' servers (and what they forked), remove every namespace (and with them
+        every link) and the scripts; idempotent."""
+        for server in self.servers.values():
+            server.stop()
+        self.servers = {}
         for ns in reversed(self.namespaces):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.namespaces = []

@@ -183,19 +183,22 @@ def test_on_the_emulated_network_every_system_crosses_the_links_from_the_same_lo
 @needs_root
 def test_a_failed_system_and_an_interrupted_run_leave_no_network_and_no_process():
     before, links = set(namespaces()), root_links()
-    # Every rank killed at its 2 s timeout: the system fails, the run goes on to its end.
-    res = run_hybrid([*TINY, "--network", "emulated:delay=0", "--systems", "hybrid_sync", "--timeout", "2"],
+    # Every rank killed at its 2 s timeout (far more steps than 2 s allow): the system fails, the
+    # run goes on to its end.
+    endless = [*TINY, "--steps", "100000"]
+    res = run_hybrid([*endless, "--network", "emulated:delay=0", "--systems", "hybrid_sync", "--timeout", "2"],
                      module="benchmarks.run", timeout=120)
     assert res.returncode == 1, res.output
     assert "passed the 2s timeout" in _lines(res.stdout)[0]["error"], res.output
     assert _new_networks(before) == [] and root_links() == links
-    # SIGTERM while a system's processes run: they are killed and the network removed.
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.run", *TINY, "--network", "emulated:delay=0",
+    # SIGTERM while the hosts' servers start: they are killed and the network removed (the ranks
+    # forked on the hosts are killed as above).
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.run", *endless, "--network", "emulated:delay=0",
                              "--systems", "hybrid_sync"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while len(ranks := _ranks(proc.pid)) < 3 or not of_process(proc.pid):
+        while len(ranks := _ranks(proc.pid)) < 3 or not of_process(proc.pid):  # the hosts' servers, importing
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
@@ -209,7 +212,8 @@ def test_a_failed_system_and_an_interrupted_run_leave_no_network_and_no_process(
 
 
 def _ranks(pid: int) -> list[int]:
-    """The processes below ``pid`` that multiprocessing spawned (not its resource tracker)."""
+    """The processes below ``pid`` that multiprocessing spawned (not its resource tracker): the
+    emulated hosts' servers, and the ranks they forked."""
     out = []
     for p in descendants(pid)[1:]:
         try:
