@@ -181,33 +181,39 @@ def test_on_the_emulated_network_every_system_crosses_the_links_from_the_same_lo
 
 
 @needs_root
-def test_a_failed_system_and_an_interrupted_run_leave_no_network_and_no_process():
+def test_a_failed_system_and_an_interrupted_run_leave_no_network_and_no_process(tmp_path):
+    """One emulated run of two systems, each far more steps than its 4 s timeout allows: the first
+    system's ranks are killed at the timeout and the run goes on to the second; SIGTERM while the
+    second's ranks run kills every process (the hosts' servers and their ranks) and removes the
+    network."""
     before, links = set(namespaces()), root_links()
-    # Every rank killed at its 2 s timeout (far more steps than 2 s allow): the system fails, the
-    # run goes on to its end.
-    endless = [*TINY, "--steps", "100000"]
-    res = run_hybrid([*endless, "--network", "emulated:delay=0", "--systems", "hybrid_sync", "--timeout", "2"],
-                     module="benchmarks.run", timeout=120)
-    assert res.returncode == 1, res.output
-    assert "passed the 2s timeout" in _lines(res.stdout)[0]["error"], res.output
-    assert _new_networks(before) == [] and root_links() == links
-    # SIGTERM while the hosts' servers start: they are killed and the network removed (the ranks
-    # forked on the hosts are killed as above).
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.run", *endless, "--network", "emulated:delay=0",
-                             "--systems", "hybrid_sync"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    err_path = tmp_path / "stderr"
+    with open(err_path, "w") as err_file:
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.run", *TINY, "--steps", "100000", "--network",
+                                 "emulated:delay=0", "--systems", "hybrid_sync,hybrid_async", "--timeout", "4"],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=err_file, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while len(ranks := _ranks(proc.pid)) < 3 or not of_process(proc.pid):  # the hosts' servers, importing
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.1)
+        deadline = time.monotonic() + 120
+        seen: set[int] = set()  # before the first system's failure: the hosts' servers and its ranks
+        while True:
+            failed = "run 1/1: hybrid_sync failed" in err_path.read_text()  # printed before the next starts
+            running = set(_ranks(proc.pid))
+            if not failed:
+                seen |= running
+            elif len(running - seen) >= 3:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, (proc.poll(), err_path.read_text())
+            time.sleep(0.05)
+        assert len(seen) >= 6, seen
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        proc.communicate(timeout=60)
     finally:
         kill_tree(proc.pid)
+    err = err_path.read_text()
     assert proc.returncode == 130, err
+    assert "passed the 4s timeout" in err, err
     assert err.strip().splitlines()[-1] == "benchmarks.run: interrupted; its processes were killed and its network removed"
-    assert not [p for p in ranks if os.path.exists(f"/proc/{p}") and _state(p) != "Z"], ranks
+    assert not [p for p in seen | running if os.path.exists(f"/proc/{p}") and _state(p) != "Z"], (seen, running)
     assert _new_networks(before) == [] and root_links() == links
 
 

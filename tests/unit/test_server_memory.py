@@ -43,8 +43,11 @@ def test_a_collection_that_does_not_fit_is_refused_before_anything_is_allocated(
     assert f"runtime.server_memory_fraction={fraction:g}" in msg and "GiB available (" in msg, msg
     assert ps.collections == {}
     roomy = ParameterServer(0, ServerOptions(huge_pages=False))
-    roomy.create(_config("table_wise", 1), start_step=0, init="seed")
-    assert [t.weight.shape for t in roomy.shard("ebc").tables] == [(10, 4), (1000, 8)]
+    try:
+        roomy.create(_config("table_wise", 1), start_step=0, init="seed")
+        assert [t.weight.shape for t in roomy.shard("ebc").tables] == [(10, 4), (1000, 8)]
+    finally:
+        roomy.close()  # its background fill, which would log after the test's output is gone
 
 
 def _dlrm_plan(servers: int, rows: int):
