@@ -217,7 +217,7 @@ class HostServer:
     def _ask(self, request: tuple) -> Any:
         try:
             self._conn.send(request)
-            if self._conn.poll(60):
+            if self._conn.poll(300):  # a fork waits for the server's imports, on busy cores too
                 return self._conn.recv()
         except (OSError, EOFError):
             pass
