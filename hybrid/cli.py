@@ -25,11 +25,14 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
-from hybrid.errors import DEBUG_ENV, EXIT_USAGE, UserCodeError, exit_now, exit_status, print_error
-from hybrid.plan import Plan, PlanError, format_plan, load_plan, resolve, summarize
-from hybrid.plan.report import DENSE_OPTIMIZER_STATE
+# torch-free: `hybrid launch` checks the plan in a process forked from the workers' server, and
+# imports torch (for torchrun) only once the check passed; each verb imports what it needs
+from hybrid.errors import DEBUG_ENV, EXIT_USAGE, PlanError, UserCodeError, exit_now, exit_status, print_error
+
+if TYPE_CHECKING:
+    from hybrid.plan import Plan
 
 MODEL_HELP = "the model: package.module:attr (a ModelSpec or a builder) or a name registered in hybrid.models"
 
@@ -102,18 +105,25 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
         )  # fmt: skip
         if action == "show":
             p.add_argument(
-                "--dense-optimizer", default=None, choices=sorted(DENSE_OPTIMIZER_STATE),
-                help="dense optimizer whose state the byte estimates count (default: the --config's "
-                     "train.optimizer, else adagrad)",
+                "--dense-optimizer", default=None, metavar="NAME",
+                help="dense optimizer whose state the byte estimates count: sgd, adagrad or adam "
+                     "(default: the --config's train.optimizer, else adagrad)",
             )  # fmt: skip
         p.set_defaults(handler=_plan_main)
 
 
 def _plan_main(args: argparse.Namespace) -> int:
     """``hybrid plan show|check``: load, build the model, resolve, then print the table or OK."""
+    from hybrid.errors import one_of
+    from hybrid.plan import format_plan, load_plan, resolve, summarize
+    from hybrid.plan.report import DENSE_OPTIMIZER_STATE
     from hybrid.train.spec import known_models, meta_model, resolve_model
 
     try:
+        chosen = getattr(args, "dense_optimizer", None)  # `plan show` only
+        if chosen is not None and chosen not in DENSE_OPTIMIZER_STATE:
+            raise PlanError(f"got {chosen!r}; expected {one_of(DENSE_OPTIMIZER_STATE)}",
+                            category="bad_value", key="--dense-optimizer")
         plan = load_plan(args.plan, args.overrides)
         name, key = (args.model, "--model") if args.model else (plan.model, "model")
         dense_optimizer = "adagrad"
@@ -173,11 +183,23 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_launch_main)
 
 
-def _check_train(argv: Sequence[str], world_size: int):
-    """Check a ``train`` command's plan, config and data files: the exit status (2 and one
-    message for a mistake), the runtime options and each rank's process name."""
+class _Checked(NamedTuple):
+    """What ``hybrid launch`` needs of a checked ``train`` command: plain values, so that the
+    launcher unpickles them from the process that checked it without importing torch."""
+
+    status: int
+    """0, or the exit status of the mistake (its message printed)."""
+    address: str = "127.0.0.1"
+    """``runtime.address``."""
+    kill_grace_s: float = 5.0
+    """``runtime.kill_grace_s``."""
+    names: tuple[str, ...] = ()
+    """Each rank's process name."""
+
+
+def _check_train(argv: Sequence[str], world_size: int) -> _Checked:
+    """Check a ``train`` command's plan, config and data files."""
     from hybrid.checkpoint.files import CheckpointError, checkpoint_key
-    from hybrid.launch.init import RuntimeOptions
     from hybrid.launch.roles import role_of
     from hybrid.train.loop import checkpoint_start, load_run
 
@@ -191,9 +213,9 @@ def _check_train(argv: Sequence[str], world_size: int):
         checkpoint_start(cfg, key=checkpoint_key(cfg.checkpoint.key_file))
     except (PlanError, CheckpointError, UserCodeError) as e:  # a builder that raises: its traceback, exit 1
         print_error(e)
-        return exit_status(e), RuntimeOptions(), []
-    names = [role_of(r, world_size, resolved.num_servers).name for r in range(world_size)]
-    return 0, cfg.runtime, names
+        return _Checked(exit_status(e))
+    names = tuple(role_of(r, world_size, resolved.num_servers).name for r in range(world_size))
+    return _Checked(0, cfg.runtime.address, cfg.runtime.kill_grace_s, names)
 
 
 def torchrun_args(nproc: int, command: Sequence[str], max_restarts: int = 0, address: str = "127.0.0.1",
@@ -250,14 +272,15 @@ def _launch(args: argparse.Namespace) -> int:
     # fork server starts: torch reads it when it is loaded.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     # plan, config and data are checked here: a mistake is one message, exit 2. With workers to
-    # fork, in a process forked from their server (this one then never imports torchrec).
+    # fork, in a process forked from their server: this one then never imports torchrec, and
+    # imports torch (for torchrun) only once the check passed.
     if args.nproc > 1 and workers.forked():
-        status, runtime, names = workers.call("hybrid.cli:_check_train", command[1:], args.nproc)
+        checked = workers.call("hybrid.cli:_check_train", command[1:], args.nproc)
     else:
-        status, runtime, names = _check_train(command[1:], args.nproc)
-    if status:  # the fork server ends with this process (its parent-death signal)
+        checked = _check_train(command[1:], args.nproc)
+    if checked.status:  # the fork server ends with this process (its parent-death signal)
         workers.remove_server_files()
-        return status
+        return checked.status
     if args.nproc == 1:
         # One-process mode: the whole job runs here, as `hybrid train` without torchrun runs it
         # (torch, the plan and the model are loaded already).
@@ -273,8 +296,8 @@ def _launch(args: argparse.Namespace) -> int:
     # SIGINT/SIGTERM; it exits this process itself when one fails.
     from hybrid.launch import torchrun
 
-    torchrun.main(torchrun_args(args.nproc, command, args.max_restarts, numeric_address(runtime.address),
-                                runtime.kill_grace_s, names))
+    torchrun.main(torchrun_args(args.nproc, command, args.max_restarts, numeric_address(checked.address),
+                                checked.kill_grace_s, checked.names))
     return 0
 
 

@@ -20,7 +20,7 @@ import os
 import socket
 from collections.abc import Iterator, Sequence
 
-from hybrid.plan.errors import PlanError
+from hybrid.errors import PlanError
 
 KEY = "runtime.address"
 RPC_ADDRESS_ENV = "HYBRID_RPC_ADDRESS"

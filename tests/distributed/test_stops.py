@@ -166,7 +166,7 @@ def test_a_data_error_is_one_line_and_exit_2(tmp_path, what):
     started = "serving" in job.output
     assert started != before_start, job.output[-6000:]  # checked by the launcher: no process started
     if before_start:
-        # 7 s on an idle 2-core machine (the workers' fork server imports torch and torchrec, then
+        # 6 s on an idle 2-core machine (the workers' fork server imports torch and torchrec, then
         # the check runs in a process forked from it), up to 15 s with another serial test beside
         # it; a job whose workers started would also print "serving" (checked above)
         assert ended - t0 < 30.0, f"{ended - t0:.2f}s from the command to its end"

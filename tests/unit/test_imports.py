@@ -69,3 +69,18 @@ def test_the_library_calls_no_c_function_through_ctypes():
     named = [f"{p.relative_to(ROOT.parent)}:{n}" for p in sorted(ROOT.rglob("*.py"))
              for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if "ctypes" in line]
     assert named == [], named
+
+
+def test_the_launcher_imports_no_torch_before_the_plan_check():
+    """``hybrid launch`` parses its command line, starts the workers' fork server and has the plan
+    checked in a process forked from it before it imports torch (for torchrun): a plan, config or
+    data mistake is reported without the launcher paying torch's import (seconds of CPU)."""
+    code = (
+        "import sys\n"
+        "import hybrid.cli, hybrid.launch.address, hybrid.launch.workers\n"
+        "hybrid.cli.build_parser().parse_args(['launch', '-n', '3', 'train', '--plan', 'p.yaml'])\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'omegaconf') if m in sys.modules))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.strip() == "[]", res.stdout

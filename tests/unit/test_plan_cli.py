@@ -221,5 +221,8 @@ def test_show_with_a_config_sizes_the_model_as_the_job_does(capsys):
     assert cli.main(["plan", "show", "conf/plans/sequential.yaml", "--config", "conf/train/sequential_large.yaml",
                      "--dense-optimizer", "sgd"]) == 0
     assert "params + grads + sgd state" in capsys.readouterr().out
+    assert cli.main(["plan", "show", "conf/plans/sequential.yaml", "--dense-optimizer", "lamb"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "error: --dense-optimizer: got 'lamb'; expected one of 'sgd', 'adagrad', 'adam'"
     assert cli.main(["plan", "check", "conf/plans/sequential.yaml", "--config", "conf/train/dlrm.yaml"]) == 2
     assert "conf/train/dlrm.yaml:6: model.name" in capsys.readouterr().err
