@@ -35,6 +35,14 @@ DENSE_OPTIMIZER_STATE = {"sgd": 0, "adagrad": 1, "adam": 2}
 """Dense optimizer -> state tensors kept per parameter (plain SGD keeps none)."""
 
 
+def dense_optimizer_state(name: str, *, key: str = "dense_optimizer") -> int:
+    """The state tensors dense optimizer ``name`` keeps per parameter; a PlanError naming ``key``
+    (``--dense-optimizer`` on the command line) for an optimizer the estimates do not know."""
+    if name not in DENSE_OPTIMIZER_STATE:
+        raise PlanError(f"got {name!r}; expected {one_of(DENSE_OPTIMIZER_STATE)}", category="bad_value", key=key)
+    return DENSE_OPTIMIZER_STATE[name]
+
+
 @dataclass
 class ModuleEstimate:
     """Parameters and resident bytes of one resolved module."""
@@ -56,10 +64,7 @@ def estimate_memory(
     resolved: ResolvedPlan, model: nn.Module, *, dense_optimizer: str = "adagrad"
 ) -> list[ModuleEstimate]:
     """One :class:`ModuleEstimate` per entry of ``resolved``, in module order (see module docs)."""
-    if dense_optimizer not in DENSE_OPTIMIZER_STATE:
-        detail = f"got {dense_optimizer!r}; expected {one_of(DENSE_OPTIMIZER_STATE)}"
-        raise PlanError(detail, category="bad_value", key="dense_optimizer")
-    state = DENSE_OPTIMIZER_STATE[dense_optimizer]
+    state = dense_optimizer_state(dense_optimizer)
     owned = _owned_parameters(resolved, model)
     modules = dict(model.named_modules())
     out = []

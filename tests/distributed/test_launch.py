@@ -227,9 +227,9 @@ def test_workers_are_forked_from_one_server_each_in_a_session_of_its_own(tmp_pat
     with Job(["launch", "-n", "3", *DLRM, *LAUNCH_TINY, "train.steps=100000", f"train.out_dir={out}"],
              env={"HYBRID_WORKER_START": start, "TMPDIR": str(deep)}) as job:
         job.wait_training(out)
-        for name in ("trainer0", "trainer1", "ps0"):
-            assert f"TMPDIR={deep}\0" in open(f"/proc/{job.pid_of_role(name)}/environ").read(), name
         workers = {name: job.pid_of_role(name) for name in ("trainer0", "trainer1", "ps0")}
+        for name, pid in workers.items():
+            assert f"TMPDIR={deep}\0" in open(f"/proc/{pid}/environ").read(), name
         parents = {name: _parent(pid) for name, pid in workers.items()}
         for name, pid in workers.items():
             assert os.getsid(pid) == pid, (name, pid, os.getsid(pid))
