@@ -129,6 +129,10 @@ class DDPOptions:
             raise _bad("broadcast_buffers", self.broadcast_buffers, "true, false or 'auto'")
 
 
+_DYNAMIC_ONLY = frozenset({"capacity", "admit_after", "evict", "partitions", "admit_window"})
+"""The options of ``ids: dynamic``: refused under ``ids: range``, where nothing would read them."""
+
+
 @dataclass(kw_only=True)
 class PSOptions:
     """``strategy: parameter_server`` — the tables live on parameter servers, reached by RPC."""
@@ -194,9 +198,18 @@ class PSOptions:
         check_choice("wire_dtype", self.wire_dtype, WIRE_DTYPES)
         check_choice("pool_on", self.pool_on, POOL_ON)
         if self.ids == "dynamic":
+            if self.capacity == 0:  # not given: the mistake is where ids: dynamic was written
+                raise PlanError("'dynamic' needs capacity, the rows per table over all servers (>= 1); "
+                                "this rule has none", category="bad_value", key="ids")
             if self.capacity < 1:
                 raise _bad("capacity", self.capacity, "a number of rows >= 1 with ids: dynamic")
             self.dynamic_ids()  # checks admit_after, evict, partitions
+        else:
+            for f in fields(self):
+                if f.name in _DYNAMIC_ONLY and getattr(self, f.name) != f.default:
+                    raise PlanError(f"got {getattr(self, f.name)!r}, which only ids: dynamic reads, and this "
+                                    f"rule has ids: {self.ids}; remove it or set ids: dynamic",
+                                    category="bad_value", key=f.name)
         if isinstance(self.servers, str):
             if self.servers != "all":
                 expected = "'all' or a list of server indices such as [0, 1]"

@@ -199,6 +199,18 @@ def test_schema_error_names_file_line_and_key(tmp_path):
     assert e.value.category == "unknown_key" and e.value.key == "modules.dense_arch.bucket_cap"
 
 
+def test_dynamic_ids_without_capacity_name_the_ids_line(tmp_path):
+    path = write(tmp_path, """
+        modules:
+          ebc:
+            strategy: parameter_server
+            optimizer: {name: sgd, lr: 0.1}
+            ids: dynamic
+    """)
+    with pytest.raises(PlanError, match=r"plan\.yaml:5: modules\.ebc\.ids: 'dynamic' needs capacity"):
+        load_plan(path)
+
+
 # (plan dict, category, message regex): every load-time category, with key, value and fix.
 LOAD_ERRORS = [
     ({"topolgy": {}}, "unknown_key", r"^topolgy: unknown key 'topolgy' \(did you mean 'topology'\?\); a plan has model, world_size, topology, modules, sync"),
@@ -252,6 +264,16 @@ LOAD_ERRORS = [
      r"modules\.e\.admit_window: got 5; expected 0 with admit_after: 1 \(every id gets a row on first touch"),
     ({"modules": {"e": {**PS_RULE, "ids": "dynamic", "capacity": 9, "admit_after": 2, "admit_window": -1}}}, "bad_value",
      r"modules\.e\.admit_window: got -1; expected a number of steps >= 0 \(0: sightings never forgotten\)"),
+    ({"modules": {"e": {**PS_RULE, "ids": "dynamic"}}}, "bad_value",
+     r"modules\.e\.ids: 'dynamic' needs capacity, the rows per table over all servers \(>= 1\); this rule has none"),
+    ({"modules": {"e": {**PS_RULE, "ids": "dynamic", "capacity": -3}}}, "bad_value",
+     r"modules\.e\.capacity: got -3; expected a number of rows >= 1 with ids: dynamic"),
+    ({"modules": {"e": {**PS_RULE, "capacity": 100}}}, "bad_value",
+     r"modules\.e\.capacity: got 100, which only ids: dynamic reads, and this rule has ids: range; remove it or set ids: dynamic"),
+    ({"modules": {"e": {**PS_RULE, "evict": "lru"}}}, "bad_value", r"modules\.e\.evict: got 'lru', which only ids: dynamic reads"),
+    ({"modules": {"e": {**PS_RULE, "partitions": 4}}}, "bad_value", r"modules\.e\.partitions: got 4, which only ids: dynamic reads"),
+    ({"modules": {"e": {**PS_RULE, "admit_after": 2}}}, "bad_value", r"modules\.e\.admit_after: got 2, which only ids: dynamic reads"),
+    ({"modules": {"e": {**PS_RULE, "admit_window": 3}}}, "bad_value", r"modules\.e\.admit_window: got 3, which only ids: dynamic reads"),
 ]
 
 
@@ -272,6 +294,13 @@ OVERRIDE_ERRORS = [
     (["topolgy.parameter_servers=2"], "unknown_key", r"override 'topolgy\.parameter_servers=2': topolgy: unknown key 'topolgy' \(did you mean 'topology'\?\)"),
     (["modules.dense_arch.strategy=fsdp", "modules.dense_arch.bucket_cap_mb=3"], "unknown_key",
      r"override 'modules\.dense_arch\.bucket_cap_mb=3': modules\.dense_arch\.bucket_cap_mb: .*it is an option of ddp, not fsdp"),
+    # the mistake is named where it was made: the override that asked for dynamic ids, or the one
+    # that gave a dynamic-only option to a rule with ids: range
+    (["modules.sparse_arch.embedding_bag_collection.ids=dynamic"], "bad_value",
+     r"^override 'modules\.sparse_arch\.embedding_bag_collection\.ids=dynamic': modules\.sparse_arch\.embedding_bag_collection\.ids: "
+     r"'dynamic' needs capacity"),
+    (["modules.sparse_arch.embedding_bag_collection.capacity=100"], "bad_value",
+     r"^override 'modules\.sparse_arch\.embedding_bag_collection\.capacity=100': .*capacity: got 100, which only ids: dynamic reads"),
 ]
 
 
