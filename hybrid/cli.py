@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import os
 import sys
 from collections.abc import Sequence
@@ -52,7 +53,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     if args.debug:  # the processes a command starts inherit it
         os.environ[DEBUG_ENV] = "1"
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:  # Ctrl-C in a verb that runs here (export, plan): one line, as a shell's 130
+        print(f"hybrid {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 class _Parser(argparse.ArgumentParser):

@@ -235,7 +235,6 @@ def export(ckpt: str | Path, out: str | Path, *, key: bytes | None = None,
     if clash:
         raise CheckpointError(f"{path}: key {clash[0]!r} is both a dense and a table key")
     index_path = out.with_name(f"{out.name}.index.json")
-    index_path.unlink(missing_ok=True)  # an earlier export's, now stale
     # A dynamic table's bytes: its rows (float32) and their ids (int64).
     table_bytes = (sum(t["num_embeddings"] * t["embedding_dim"] * 4 for t in tables.values())
                    + sum(_dynamic_rows(t) * (4 * t["embedding_dim"] + 8) for t in dynamic.values()))
@@ -243,19 +242,50 @@ def export(ckpt: str | Path, out: str | Path, *, key: bytes | None = None,
                                                             for t in tables.values())
               + sum(_dynamic_rows(t) * (t["embedding_dim"] + 1) for t in dynamic.values()))
     keys = _ordered(manifest, [*dense, *tables, *(k for key in dynamic for k in (ids_key(key), key))])
-    if sum(v.numel() * v.element_size() for v in dense.values()) + table_bytes <= part_bytes:
-        _dynamic(path, manifest, dense)
-        state = {**dense, **{k: table_rows(path, t, 0, t["num_embeddings"]) for k, t in tables.items()}}
-        _save_atomic({k: state[k] for k in keys}, out)
+    # Every file is written under a temporary name and renamed once all are written, so an
+    # interrupted or failed export removes what it wrote and leaves an earlier export at ``out``
+    # as it was.
+    written: list[tuple[Path, Path]] = []
+    try:
+        if sum(v.numel() * v.element_size() for v in dense.values()) + table_bytes <= part_bytes:
+            _dynamic(path, manifest, dense)
+            state = {**dense, **{k: table_rows(path, t, 0, t["num_embeddings"]) for k, t in tables.items()}}
+            _save_temp({k: state[k] for k in keys}, out, written)
+            parts = None
+        else:
+            parts = _write_parts(path, out, keys, dense, dynamic, tables, part_bytes, written)
+        index_path.unlink(missing_ok=True)  # an earlier export's, stale from here on
+        for tmp, final in reversed(written):  # the parts first, ``out`` last
+            os.replace(tmp, final)
+        written.clear()
+        if parts is not None:
+            F.atomic_write_text(index_path, json.dumps({"dense": out.name, "keys": keys, "tables": parts}, indent=1))
+    except BaseException as e:  # Ctrl-C included: a part may be as big as a table
+        for tmp, _ in written:
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"export: cannot write {out} ({e.strerror or e})") from None
+        raise
+    if parts is None:
         return {"files": [out.name], "keys": keys, "values": values}
-    _save_atomic({k: dense[k] for k in keys if k in dense}, out)
+    files = [out.name] + [p["file"] for ps in parts.values() for p in ps] + [index_path.name]
+    return {"files": files, "keys": keys, "values": values}
+
+
+def _write_parts(path: Path, out: Path, keys: list[str], dense: dict[str, torch.Tensor],
+                 dynamic: dict[str, dict[str, Any]], tables: dict[str, dict[str, Any]], part_bytes: int,
+                 written: list[tuple[Path, Path]]) -> dict[str, list[dict[str, Any]]]:
+    """The dense part for ``out`` and every table in part files of at most ``part_bytes``, each
+    under a temporary name appended to ``written`` with its final one; returns the index's
+    ``tables``."""
+    _save_temp({k: dense[k] for k in keys if k in dense}, out, written)
     parts: dict[str, list[dict[str, Any]]] = {}
     for name, t in dynamic.items():  # ids and rows together, ascending by id, merged from the servers' files
         step = max(1, part_bytes // (4 * t["embedding_dim"] + 8))
         start = 0
         for i, (ids, rows) in enumerate(dynamic_chunks(path, t, step)):
             file = f"{out.name}.{quote(name, safe='.-_')}.part{i}.pt"
-            _save_atomic({ids_key(name): ids, name: rows}, out.with_name(file))
+            _save_temp({ids_key(name): ids, name: rows}, out.with_name(file), written)
             for key in (ids_key(name), name):
                 parts.setdefault(key, []).append({"file": file, "rows": [start, start + ids.numel()]})
             start += ids.numel()
@@ -264,23 +294,17 @@ def export(ckpt: str | Path, out: str | Path, *, key: bytes | None = None,
         for i, start in enumerate(range(0, t["num_embeddings"], step)):
             stop = min(start + step, t["num_embeddings"])
             file = f"{out.name}.{quote(name, safe='.-_')}.part{i}.pt"
-            _save_atomic({name: table_rows(path, t, start, stop)}, out.with_name(file))
+            _save_temp({name: table_rows(path, t, start, stop)}, out.with_name(file), written)
             parts.setdefault(name, []).append({"file": file, "rows": [start, stop]})
-    F.atomic_write_text(index_path, json.dumps({"dense": out.name, "keys": keys, "tables": parts}, indent=1))
-    files = [out.name] + [p["file"] for ps in parts.values() for p in ps] + [index_path.name]
-    return {"files": files, "keys": keys, "values": values}
+    return parts
 
 
-def _save_atomic(state: dict[str, torch.Tensor], out: Path) -> None:
+def _save_temp(state: dict[str, torch.Tensor], out: Path, written: list[tuple[Path, Path]]) -> None:
+    """``state`` into a temporary file beside ``out``, recorded in ``written`` (before the write,
+    so that a partial file is removed too)."""
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    try:
-        F.save_tensors(state, tmp)
-        os.replace(tmp, out)
-    except BaseException as e:  # Ctrl-C included: a partial temp file may be as big as the model
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise CheckpointError(f"export: cannot write {out} ({e.strerror or e})") from None
-        raise
+    written.append((tmp, out))
+    F.save_tensors(state, tmp)
 
 
 def load_export(out: str | Path) -> dict[str, torch.Tensor]:

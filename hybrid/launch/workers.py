@@ -104,6 +104,13 @@ def _worker(argv: list[str], env: dict[str, str], stdout: str | None, stderr: st
     # `python -u`, as torchrun runs the command: each line is out as it is written
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
+    # `multiprocessing` as in a new interpreter: a child of the fork server inherits its start
+    # method, under which every lock the worker makes (tqdm's progress bar makes one) is a named
+    # semaphore left to the launcher's resource tracker, which a worker ending at once never
+    # releases (the tracker then warns of "leaked semaphore objects" as the job ends).
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)
     import torch
 
     if torch.cuda._is_in_bad_fork():  # an import initialized CUDA in the server: unusable here

@@ -7,6 +7,7 @@ built in this process (no RPC).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pickle
@@ -569,20 +570,65 @@ def test_dynamic_tables_export_ascending_by_id_whole_or_in_parts(tmp_path, monke
         assert part[key].shape[0] == p["rows"][1] - p["rows"][0] <= 200 // (4 * 3 + 8)
 
 
-class _Interrupting:
-    """Pickling it is interrupted as Ctrl-C interrupts a long write."""
+@pytest.mark.parametrize("part_bytes, writes_before", [(None, 0), (200, 0), (200, 3)],
+                         ids=["one file", "parts: at the first", "parts: at the fourth"])
+def test_an_interrupted_export_leaves_the_earlier_export_as_it_was(tmp_path, monkeypatch, part_bytes, writes_before):
+    """Ctrl-C while an export writes (after ``writes_before`` whole files, halfway through the
+    next) removes every file it wrote, the partial one included, and leaves the export an earlier
+    run wrote to the same name as it was, whole in one file or in parts."""
+    E = importlib.import_module("hybrid.checkpoint.export")  # the package's ``export`` is the function
+    monkeypatch.setattr(E, "dense_state_dict", lambda *a, **k: {"dense.w": torch.arange(4.0)})
+    spec = SparseOptimSpec(name="sgd")
+    kw = {} if part_bytes is None else {"part_bytes": part_bytes}
+    out = tmp_path / "export" / "model.pt"
+    E.export(_save(tmp_path / "ck1", "row_wise", 1, spec, _full(spec)), out, **kw)
+    before = {p.name: p.read_bytes() for p in out.parent.iterdir()}
+    assert len(before) == (1 if part_bytes is None else 6)
+    state = E.load_export(out)
+    full = {name: (w + 1, st) for name, (w, st) in _full(spec).items()}  # another checkpoint
+    ckpt = _save(tmp_path / "ck2", "row_wise", 1, spec, full)
+    calls = []
+    save = F.save_tensors
 
-    def __reduce__(self):
+    def interrupted(tensors, path):
+        calls.append(path)
+        if len(calls) > writes_before:
+            path.write_bytes(b"partial")
+            raise KeyboardInterrupt
+        save(tensors, path)
+
+    monkeypatch.setattr(F, "save_tensors", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        E.export(ckpt, out, **kw)
+    assert len(calls) == writes_before + 1
+    assert {p.name: p.read_bytes() for p in out.parent.iterdir()} == before
+    got = E.load_export(out)
+    assert list(got) == list(state) and all(torch.equal(got[k], state[k]) for k in state)
+    monkeypatch.setattr(F, "save_tensors", save)
+    E.export(ckpt, out, **kw)  # the same export, not interrupted, replaces it
+    got = E.load_export(out)
+    assert all(torch.equal(got[f"ebc.embedding_bags.{t}.weight"], w) for t, (w, _) in full.items())
+
+
+def test_ctrl_c_in_hybrid_export_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    """``hybrid export`` interrupted (Ctrl-C while its file is written) says so in one line, with no
+    traceback, exits 130 as a shell would, and leaves no file of its own behind."""
+    from hybrid.cli import main
+
+    E = importlib.import_module("hybrid.checkpoint.export")
+    monkeypatch.setattr(E, "dense_state_dict", lambda *a, **k: {"dense.w": torch.arange(4.0)})
+    spec = SparseOptimSpec(name="sgd")
+    ckpt = _save(tmp_path / "ck", "row_wise", 1, spec, _full(spec))
+    calls = []
+    save = F.save_tensors
+
+    def interrupted(tensors, path):
+        calls.append(path)
+        path.write_bytes(b"partial")
         raise KeyboardInterrupt
 
-
-def test_an_interrupted_export_write_leaves_no_partial_file(tmp_path):
-    """Ctrl-C while an export file is written (here: while it is pickled, part of it already in
-    the file) removes the temp file: a partial one may be as big as the model."""
-    from hybrid.checkpoint.export import _save_atomic
-
-    out = tmp_path / "model.pt"
-    with pytest.raises(BaseException) as got:  # noqa: PT011 - torch may raise its own error on the way out
-        _save_atomic({"w": torch.zeros(1 << 16), "x": _Interrupting()}, out)
-    assert isinstance(got.value, KeyboardInterrupt) or isinstance(got.value.__context__, KeyboardInterrupt)
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.setattr(F, "save_tensors", interrupted)
+    assert main(["export", str(ckpt), str(tmp_path / "out" / "model.pt")]) == 130
+    err = capsys.readouterr().err
+    assert err == "hybrid export: interrupted\n"
+    assert len(calls) == 1 and list((tmp_path / "out").iterdir()) == []
