@@ -112,12 +112,27 @@ EXIT_FAILED, EXIT_USAGE = 1, 2
 """Exit codes: a failure (a process, the user's code), and a mistake the user can fix (one line)."""
 
 
+_REMOVE_AT_EXIT: list[str] = []
+
+
+def remove_at_exit(folder: str) -> None:
+    """Have :func:`exit_now` remove ``folder``: a process that ends at once skips the ``with``
+    blocks and ``atexit`` handlers that would."""
+    _REMOVE_AT_EXIT.append(folder)
+
+
 def exit_now(code: int) -> NoReturn:
     """End the process with ``code`` at once, its output flushed: no interpreter teardown (of
     torch, torchrec and their modules: a second or two of CPU a process) and no waiting in RPC's,
-    the process groups' or torchrun's teardown. For a process whose work is done or given up."""
+    the process groups' or torchrun's teardown. For a process whose work is done or given up.
+    The folders given to :func:`remove_at_exit` are removed first."""
     sys.stdout.flush()
     sys.stderr.flush()
+    if _REMOVE_AT_EXIT:
+        import shutil
+
+        for folder in _REMOVE_AT_EXIT:
+            shutil.rmtree(folder, ignore_errors=True)
     os._exit(code)
 
 

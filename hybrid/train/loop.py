@@ -30,7 +30,7 @@ from torch import nn
 
 import hybrid
 from hybrid.data import Batch, check_files, make_dataset
-from hybrid.errors import EXIT_FAILED, EXIT_USAGE, InputError, UserCodeError, exit_status, print_error
+from hybrid.errors import EXIT_FAILED, EXIT_USAGE, InputError, UserCodeError, exit_status, print_error, remove_at_exit
 from hybrid.launch.init import init_hybrid, shutdown, trainer_device
 from hybrid.launch.roles import Role, role_of
 from hybrid.launch.failure import fail
@@ -161,6 +161,7 @@ def _main_one_process(plan_path: str, config_path: str | None, overrides: Sequen
         logger.info("one process: the %d parameter server(s) of the plan are held in this trainer",
                     plan.topology.parameter_servers)
     with tempfile.TemporaryDirectory(prefix="hybrid-one-") as tmp:
+        remove_at_exit(tmp)  # a run that fails ends at once (hybrid.launch.failure), past this block
         return run_process(role_of(0, 1, 0), plan, cfg, resolved, init_method=f"file://{tmp}/store")
 
 

@@ -88,3 +88,18 @@ def test_a_one_process_run_ends_cleanly_while_its_tables_are_still_being_filled(
                       "data.batch_size=32", f"train.out_dir={tmp_path / 'run'}"], timeout=240)
     assert res.returncode == 0, res.output
     assert "background fill:" not in res.output, "the fill ended before the run: this test shows nothing"
+
+
+def test_a_one_process_run_that_fails_leaves_no_temp_folder(tmp_path):
+    """A one-process run keeps its store in a temp folder; one that fails (here: a
+    checkpoint.dir that cannot be made, found once the run has set up) ends at once, past the
+    block that removes the folder, and removes it on its way out."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    res = run_hybrid(["train", *DEMO, *SMALL, f"checkpoint.dir={blocker / 'ckpt'}", "checkpoint.every=2",
+                      f"train.out_dir={tmp_path / 'run'}"], timeout=240, env={"TMPDIR": str(tmp)})
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1 and "cannot create it" in errors[0], res.output
+    assert not list(tmp.glob("hybrid-one-*")), sorted(p.name for p in tmp.iterdir())
