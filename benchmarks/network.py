@@ -265,9 +265,14 @@ def stale() -> list[str]:
 
 
 def remove_stale() -> None:
-    """Remove the namespaces of emulated networks whose benchmark process is gone."""
+    """Remove the namespaces of emulated networks whose benchmark process is gone, and their
+    hosts' script folders in the temp folder."""
     for ns in stale():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
+        m = re.fullmatch(rf"{PREFIX}(\d+)-\w+", folder.name)
+        if m and folder.is_dir() and not _alive(int(m.group(1))):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:

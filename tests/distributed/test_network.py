@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 from benchmarks.network import EmulatedNetwork, NetworkError, NetworkSpec, namespaces, of_process
 from tests.support.network import needs_root, root_links
@@ -93,13 +94,22 @@ def test_a_delay_is_netem_and_a_kernel_without_it_is_refused_leaving_nothing():
     assert of_process(os.getpid()) == []
 
 
-def test_a_killed_runs_namespaces_are_removed_by_the_next_run():
+def test_a_killed_runs_namespaces_and_folder_are_removed_by_the_next_run(tmp_path, monkeypatch):
+    """What a run killed outright left (its namespaces, its hosts' script folder in the temp
+    folder) goes when the next network starts; another live run's folder stays."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
     stale = f"hbnet{dead}-sw"
+    folder, live = tmp_path / f"hbnet{dead}-x1y2", tmp_path / f"hbnet{os.getppid()}-a3b4"
+    for f in (folder, live):
+        f.mkdir()
+        (f / "h0.sh").write_text("")
     subprocess.run(["ip", "netns", "add", stale], check=True)
     try:
-        with EmulatedNetwork(NetworkSpec(delay_s=0.0), hosts=1):
+        with EmulatedNetwork(NetworkSpec(delay_s=0.0), hosts=1) as net:
             assert stale not in namespaces()
+            assert not folder.exists() and live.exists() and net.workdir.parent == tmp_path
     finally:
         subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
