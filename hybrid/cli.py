@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import signal
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple, NoReturn

@@ -254,17 +254,22 @@ def export(ckpt: str | Path, out: str | Path, *, key: bytes | None = None,
             parts = None
         else:
             parts = _write_parts(path, out, keys, dense, dynamic, tables, part_bytes, written)
-        index_path.unlink(missing_ok=True)  # an earlier export's, stale from here on
-        for tmp, final in reversed(written):  # the parts first, ``out`` last
-            os.replace(tmp, final)
-        written.clear()
-        if parts is not None:
-            F.atomic_write_text(index_path, json.dumps({"dense": out.name, "keys": keys, "tables": parts}, indent=1))
-    except BaseException as e:  # Ctrl-C included: a part may be as big as a table
-        for tmp, _ in written:
-            tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
+        try:
+            index_path.unlink(missing_ok=True)  # an earlier export's, stale from here on
+            for tmp, final in reversed(written):  # the parts first, ``out`` last
+                os.replace(tmp, final)
+            written.clear()
+            if parts is not None:
+                F.atomic_write_text(index_path, json.dumps({"dense": out.name, "keys": keys, "tables": parts},
+                                                           indent=1))
+        except OSError as e:
             raise CheckpointError(f"export: cannot write {out} ({e.strerror or e})") from None
+    except BaseException:  # Ctrl-C included: a part may be as big as a table
+        for tmp, _ in written:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:  # never made (a name too long, say): nothing to remove
+                pass
         raise
     if parts is None:
         return {"files": [out.name], "keys": keys, "values": values}
@@ -304,7 +309,10 @@ def _save_temp(state: dict[str, torch.Tensor], out: Path, written: list[tuple[Pa
     so that a partial file is removed too)."""
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     written.append((tmp, out))
-    F.save_tensors(state, tmp)
+    try:
+        F.save_tensors(state, tmp)
+    except OSError as e:
+        raise CheckpointError(f"export: cannot write {out} ({e.strerror or e})") from None
 
 
 def load_export(out: str | Path) -> dict[str, torch.Tensor]:

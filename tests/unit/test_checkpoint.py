@@ -276,8 +276,11 @@ def test_a_run_refuses_a_checkpoint_dir_whose_checkpoints_it_would_overwrite(tmp
     F.refuse_overwrite(tmp_path, 4, resumed=True)
 
 
-def test_export_refuses_an_output_inside_the_checkpoint_or_one_it_cannot_write(tmp_path):
+def test_export_refuses_an_output_inside_the_checkpoint_or_one_it_cannot_write(tmp_path, monkeypatch):
     from hybrid.checkpoint.export import export
+
+    E = importlib.import_module("hybrid.checkpoint.export")
+    monkeypatch.setattr(E, "dense_state_dict", lambda *a, **k: {"dense.w": torch.arange(4.0)})
 
     spec = SparseOptimSpec(name="sgd")
     ckpt = _save(tmp_path / "ck", "row_wise", 1, spec, _full(spec))
@@ -290,6 +293,10 @@ def test_export_refuses_an_output_inside_the_checkpoint_or_one_it_cannot_write(t
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="cannot create the output's directory"):
         export(ckpt, tmp_path / "file" / "model.pt")
+    long = tmp_path / "out" / ("m" * 250)  # its temporary file's name is too long for the file system
+    with pytest.raises(CheckpointError, match=r"export: cannot write .*m{250} \(File name too long\)"):
+        export(ckpt, long)
+    assert list((tmp_path / "out").iterdir()) == []
 
 
 @pytest.mark.parametrize("edit,section", [
