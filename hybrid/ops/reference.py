@@ -206,7 +206,8 @@ def optimizer_rows(kind, rows, grads, *, grad_scale, weight, state, lr, eps, wei
         new_state["sum"] = acc
     elif kind == "rowwise_adagrad":
         acc = state["sum"].index_select(0, rows) + grad.pow(2).mean(dim=1)
-        w = w.addcdiv(grad, (acc.sqrt() + eps).unsqueeze(1), value=-lr)
+        root = acc.double().sqrt().float()  # correctly rounded (torch's float32 sqrt is MKL's, not always)
+        w = w.addcdiv(grad, (root + eps).unsqueeze(1), value=-lr)
         new_state["sum"] = acc
     elif kind == "adam":
         k = state["step"].index_select(0, rows) + 1

@@ -48,7 +48,9 @@ struct State {
 // Values the optimizer takes from torch (ops.cpp computes them with the reference's own ATen
 // calls, so they round exactly as there: torch's reductions, pow, and its float sqrt -- MKL's
 // vsSqrt, which is not correctly rounded -- cannot be reproduced element by element).
-// rowwise_adagrad: mean = the mean of each squared gradient row; root = sqrt of the new sum.
+// rowwise_adagrad: mean = the mean of each squared gradient row; root = sqrt of the new sum,
+// correctly rounded (torch's float64 sqrt rounded to float32: its in-place kernel takes each
+// row's root on its own, with the CPU's square root, rather than a vector of them from MKL).
 // adagrad: root = sqrt of the new sum (rows x dim). adam: step = step size, bc2 = sqrt of the
 // second bias correction (per row), root = sqrt of the new exp_avg_sq (rows x dim).
 struct FromTorch {
@@ -56,9 +58,10 @@ struct FromTorch {
   const float* root = nullptr;
   const float* step = nullptr;
   const float* bc2 = nullptr;
-  // step_inplace only: torch's float32 square root of n values (MKL's vmsSqrt in the mode
-  // ATen calls it with, checked against at::sqrt once), and the lanes of torch's vectorized
-  // row sum (8 or 16, whichever reproduces at::mean: checked once per optimizer and dim).
+  // step_inplace only: torch's float32 square root of n values for adagrad and adam (MKL's
+  // vmsSqrt in the mode ATen calls it with, checked against at::sqrt once), and the lanes of
+  // torch's vectorized row sum for rowwise_adagrad (8 or 16, whichever reproduces at::mean:
+  // checked once per optimizer and dim).
   void (*sqrt)(int64_t n, const float* x, float* y) = nullptr;
   int sum_lanes = 0;
 };

@@ -355,7 +355,7 @@ int64_t weight_step(Optim kind, const Table& weight, const State& out, int64_t n
 // order. Leaves the vector part in vacc (lanes) and the tail's sum in *tail, so a caller can add
 // the lanes of many rows at once (the additions' order is the same).
 template <int L>
-inline void torch_row_sum_parts(const float* x, int64_t d, float* vacc, float* tail) {
+__attribute__((always_inline)) inline void torch_row_sum_parts(const float* x, int64_t d, float* vacc, float* tail) {
   constexpr int kIlp = 4, kLevels = 4;
   const int64_t nvec = d / L;
   const int64_t size = nvec / kIlp;  // rows of kIlp vectors
@@ -449,8 +449,8 @@ constexpr int64_t kStateAhead = 16;
 // little compute each, so 8 rows ahead left the loads waiting for memory.
 constexpr int64_t kWeightAhead = 32;
 
-// Each chunk of rows in three passes: (1) the rows' state copied from the table into the undo
-// log, a tight loop of copies whose loads the core overlaps as in the gather (interleaved with
+// Adagrad, Adam and SGD with weight decay: each chunk of rows in three passes: (1) the rows'
+// state copied from the table into the undo log, a tight loop of copies whose loads the core overlaps as in the gather (interleaved with
 // the arithmetic, each row's state load waited for memory on AMD EPYC, whatever the prefetch
 // distance); (2) the new state computed from the log while the chunk's weight rows and the
 // next chunk's state are requested into L2, then its square roots in one call; (3) the new
@@ -469,14 +469,12 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
   const bool needs_w = h.weight_decay != 0.0f;
   const float neg_lr = -h.lr;
   constexpr int64_t C = kStepChunk;
-  const int lanes = t.sum_lanes > 0 ? t.sum_lanes : 1;
-  // per chunk: gradients as the update sees them, new state (a, b), square roots; row sums
-  float* g = scratch<float>(4 * C * d + C + 2 * d);
+  // per chunk: gradients as the update sees them, new state (a, b), square roots
+  float* g = scratch<float>(4 * C * d + 2 * d);
   float* a = g + C * d;
   float* b = a + C * d;
   float* root = b + C * d;
-  float* total = root + C * d;  // each row's scalar tail
-  float* wbuf = total + C;
+  float* wbuf = root + C * d;
   float* ow = wbuf + d;
   StepResult res;
   bool writing = __atomic_load_n(stop, __ATOMIC_RELAXED) == 0;
@@ -486,9 +484,7 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
     for (int64_t p = c0; p < c0 + m; p++) {  // (1) old state into the undo log
       const int64_t r = rows[p];
       if (p + kStateAhead < n) prefetch_state<3>(kind, st, rows[p + kStateAhead], d);
-      if (kind == Optim::rowwise_adagrad) {
-        undo.s1[p] = st.s1[r];
-      } else if (kind == Optim::adagrad) {
+      if (kind == Optim::adagrad) {
         std::memcpy(undo.s1 + p * d, st.s1 + r * d, sbytes);
       } else if (kind == Optim::adam) {
         std::memcpy(undo.s1 + p * d, st.s1 + r * d, sbytes);
@@ -503,18 +499,7 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
       const float* wr = needs_w ? weight_row<S>(w, rows[p], d, wbuf) : nullptr;
       float* gi = g + i * d;
       grad_row<G>(grads + p * d, wr, d, gscale, h, gi);
-      if (kind == Optim::rowwise_adagrad) {  // sum + grad.pow(2).mean(dim=1), in torch's order
-        float* sq = root + i * d;
-        for (int64_t j = 0; j < d; j++) sq[j] = gi[j] * gi[j];
-        float vacc[16];
-        if (lanes == 16)
-          torch_row_sum_parts<16>(sq, d, vacc, total + i);
-        else
-          torch_row_sum_parts<8>(sq, d, vacc, total + i);
-        float sum = total[i];  // the tail first, then the lanes in order (torch's order)
-        for (int e = 0; e < lanes; e++) sum += vacc[e];
-        a[i] = undo.s1[p] + sum / static_cast<float>(d);
-      } else if (kind == Optim::adagrad) {
+      if (kind == Optim::adagrad) {
         const float* ar = undo.s1 + p * d;
         float* oa = a + i * d;
         for (int64_t j = 0; j < d; j++) oa[j] = __builtin_fmaf(gi[j], gi[j], ar[j]);
@@ -529,9 +514,7 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
         }
       }
     }
-    if (kind == Optim::rowwise_adagrad) {
-      t.sqrt(m, a, root);
-    } else if (kind == Optim::adagrad) {
+    if (kind == Optim::adagrad) {
       t.sqrt(m * d, a, root);
     } else if (kind == Optim::adam) {
       t.sqrt(m * d, b, root);
@@ -552,12 +535,9 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
           ow[j] = wr[j] - t.step[p] * (m1[j] / (rt[j] / t.bc2[p] + h.eps));
       } else if (kind == Optim::sgd) {
         for (int64_t j = 0; j < d; j++) ow[j] = __builtin_fmaf(neg_lr, gi[j], wr[j]);
-      } else if (kind == Optim::adagrad) {
+      } else {  // adagrad
         const float* rt = root + i * d;
         for (int64_t j = 0; j < d; j++) ow[j] = wr[j] + (neg_lr * gi[j]) / (rt[j] + h.eps);
-      } else {
-        const float denom = root[i] + h.eps;
-        for (int64_t j = 0; j < d; j++) ow[j] = wr[j] + (neg_lr * gi[j]) / denom;
       }
       if (!finite_row(ow, d)) {
         if (res.bad++ == 0) res.first_bad = p;
@@ -573,9 +553,7 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
       T* wd = w + r * d;
       std::memcpy(undo_w + p * d, wd, static_cast<size_t>(wbytes));
       for (int64_t j = 0; j < d; j++) wd[j] = S::store(ow[j]);
-      if (kind == Optim::rowwise_adagrad) {
-        st.s1[r] = a[i];
-      } else if (kind == Optim::adagrad) {
+      if (kind == Optim::adagrad) {
         std::memcpy(st.s1 + r * d, a + i * d, sbytes);
       } else if (kind == Optim::adam) {
         std::memcpy(st.s1 + r * d, a + i * d, sbytes);
@@ -588,6 +566,78 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
   return res;
 }
 
+// How far ahead row-wise Adagrad's one pass requests a row's weight lines and its state (for
+// writing). Each row's three lines are requested together, and a short distance keeps the
+// requests in flight within what the core holds (longer ones measured slower here).
+constexpr int64_t kRowwiseAhead = 8;
+
+// Row-wise Adagrad in one pass over the rows: each row's state, new state, square root (the
+// correctly rounded one, as the reference's float64 root rounded to float32) and new weight
+// in turn, the old weight and state into the undo log before the row is written. Its scalar
+// root needs no batch of square roots, so no chunk has to be read twice.
+template <typename S, typename G>
+StepResult step_rowwise_t(const Table& weight, const State& st, int64_t n, const int64_t* rows,
+                          const typename G::T* grads, float gscale, const Hyper& h,
+                          const FromTorch& t, const Undo& undo, int* stop) {
+  using T = typename S::T;
+  const int64_t d = weight.dim;
+  T* w = static_cast<T*>(weight.data);
+  T* undo_w = static_cast<T*>(undo.w);
+  const int64_t wbytes = d * static_cast<int64_t>(sizeof(T));
+  const bool needs_w = h.weight_decay != 0.0f;
+  const float neg_lr = -h.lr;
+  const int lanes = t.sum_lanes > 0 ? t.sum_lanes : 1;
+  float* gi = scratch<float>(4 * d);  // the row's gradient as the update sees it, its squares,
+  float* sq = gi + d;                 // the row as float32 (16-bit tables), its new value
+  float* wbuf = sq + d;
+  float* ow = wbuf + d;
+  StepResult res;
+  bool writing = __atomic_load_n(stop, __ATOMIC_RELAXED) == 0;
+  for (int64_t i = 0; i < n && i < kRowwiseAhead; i++) {
+    prefetch_row_w(w + rows[i] * d, wbytes);
+    __builtin_prefetch(st.s1 + rows[i], 1);
+  }
+  for (int64_t p = 0; p < n; p++) {
+    const int64_t r = rows[p];
+    if (p + kRowwiseAhead < n) {
+      prefetch_row_w(w + rows[p + kRowwiseAhead] * d, wbytes);
+      __builtin_prefetch(st.s1 + rows[p + kRowwiseAhead], 1);
+    }
+    const float* wr = weight_row<S>(w, r, d, wbuf);
+    grad_row<G>(grads + p * d, needs_w ? wr : nullptr, d, gscale, h, gi);
+    // sum + grad.pow(2).mean(dim=1), in torch's order: the tail, then the lanes in order
+    for (int64_t j = 0; j < d; j++) sq[j] = gi[j] * gi[j];
+    float vacc[16], sum;
+    if (lanes == 16)
+      torch_row_sum_parts<16>(sq, d, vacc, &sum);
+    else
+      torch_row_sum_parts<8>(sq, d, vacc, &sum);
+    for (int e = 0; e < lanes; e++) sum += vacc[e];
+    const float old = st.s1[r];
+    const float a = old + sum / static_cast<float>(d);
+    const float denom = std::sqrt(a) + h.eps;
+    for (int64_t j = 0; j < d; j++) ow[j] = wr[j] + (neg_lr * gi[j]) / denom;
+    if (!finite_row(ow, d)) {
+      if (res.bad++ == 0) res.first_bad = p;
+      __atomic_store_n(stop, 1, __ATOMIC_RELAXED);
+      writing = false;
+      continue;
+    }
+    if (!writing) continue;
+    if (__atomic_load_n(stop, __ATOMIC_RELAXED) != 0) {
+      writing = false;
+      continue;
+    }
+    T* wd = w + r * d;
+    std::memcpy(undo_w + p * d, wd, static_cast<size_t>(wbytes));
+    undo.s1[p] = old;
+    for (int64_t j = 0; j < d; j++) wd[j] = S::store(ow[j]);
+    st.s1[r] = a;
+    res.committed = p + 1;
+  }
+  return res;
+}
+
 StepResult step_inplace(Optim kind, const Table& weight, const State& state, int64_t n,
                         const int64_t* rows, const void* grads, DType grad_dtype, float grad_scale,
                         const Hyper& h, const FromTorch& t, const Undo& undo, int* stop) {
@@ -595,9 +645,10 @@ StepResult step_inplace(Optim kind, const Table& weight, const State& state, int
     using S = decltype(s);
     return with_dtype(grad_dtype, [&](auto gd) {
       using G = decltype(gd);
-      return step_inplace_t<S, G>(kind, weight, state, n, rows,
-                                  static_cast<const typename G::T*>(grads), grad_scale, h, t,
-                                  undo, stop);
+      const auto* g = static_cast<const typename G::T*>(grads);
+      if (kind == Optim::rowwise_adagrad)
+        return step_rowwise_t<S, G>(weight, state, n, rows, g, grad_scale, h, t, undo, stop);
+      return step_inplace_t<S, G>(kind, weight, state, n, rows, g, grad_scale, h, t, undo, stop);
     });
   });
 }

@@ -458,7 +458,10 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, Tensor, std::vector<Tensor>> opti
       kern.state_step(kind, w, sv, hi - lo, rp + lo, gp + lo * grow, gdt, gscale, h, part(t, lo),
                       out_part(lo));
     });
-    root = at::sqrt(new_state[kind == k::Optim::adam ? 1 : 0]);
+    // Row-wise Adagrad's root is the correctly rounded one (float64, rounded once), which its
+    // one-pass in-place kernel takes a row at a time; the others' is torch's float32 sqrt.
+    root = kind == k::Optim::rowwise_adagrad ? at::sqrt(new_state[0].to(at::kDouble)).to(at::kFloat)
+                                             : at::sqrt(new_state[kind == k::Optim::adam ? 1 : 0]);
   }
   const k::FromTorch t{ptr(mean), ptr(root), ptr(step), ptr(bc2)};
   std::mutex mu;
@@ -514,7 +517,7 @@ int inplace_lanes(k::Optim kind, int64_t d) {
   auto it = known.find(key);
   if (it != known.end()) return it->second;
   int found = 0;
-  if (vmsSqrt != nullptr || kind == k::Optim::sgd) {
+  if (vmsSqrt != nullptr || kind == k::Optim::sgd || kind == k::Optim::rowwise_adagrad) {
     const int64_t n = 37;
     const char* names[] = {"sgd", "adagrad", "rowwise_adagrad", "adam"};
     auto f32 = at::TensorOptions().dtype(at::kFloat);

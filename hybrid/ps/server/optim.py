@@ -4,7 +4,8 @@ Semantics (``g`` is the step's summed, scaled gradient of one row):
 
 - ``sgd``: ``w -= lr * (g + wd * w)``.
 - ``adagrad`` (as ``torch.optim.Adagrad``): ``s += g*g``; ``w -= lr * g / (sqrt(s) + eps)``.
-- ``rowwise_adagrad`` (as FBGEMM's): ``s_row += mean(g*g)``; ``w -= lr * g / (sqrt(s_row) + eps)``.
+- ``rowwise_adagrad`` (as FBGEMM's): ``s_row += mean(g*g)``; ``w -= lr * g / (sqrt(s_row) + eps)``,
+  the root correctly rounded (one pass over the rows takes it a row at a time).
 - ``adam`` (lazy): only touched rows move, each with its own step count ``k`` for the bias
   corrections: ``m = b1 m + (1-b1) g``; ``v = b2 v + (1-b2) g*g``;
   ``w -= lr / (1 - b1^k) * m / (sqrt(v) / sqrt(1 - b2^k) + eps)`` (torch.optim.Adam's formula).
