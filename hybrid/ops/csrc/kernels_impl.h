@@ -449,6 +449,24 @@ constexpr int64_t kStateAhead = 16;
 // little compute each, so 8 rows ahead left the loads waiting for memory.
 constexpr int64_t kWeightAhead = 32;
 
+// Whether an in-place step may write row p's new weight ow: not when it is not finite (counted
+// in res, and every thread of the step told to stop writing), nor once this thread or another
+// found such a row.
+inline bool may_write(const float* ow, int64_t d, int64_t p, StepResult& res, bool& writing, int* stop) {
+  if (!finite_row(ow, d)) {
+    if (res.bad++ == 0) res.first_bad = p;
+    __atomic_store_n(stop, 1, __ATOMIC_RELAXED);
+    writing = false;
+    return false;
+  }
+  if (!writing) return false;
+  if (__atomic_load_n(stop, __ATOMIC_RELAXED) != 0) {
+    writing = false;
+    return false;
+  }
+  return true;
+}
+
 // Adagrad, Adam and SGD with weight decay: each chunk of rows in three passes: (1) the rows'
 // state copied from the table into the undo log, a tight loop of copies whose loads the core overlaps as in the gather (interleaved with
 // the arithmetic, each row's state load waited for memory on AMD EPYC, whatever the prefetch
@@ -539,17 +557,7 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
         const float* rt = root + i * d;
         for (int64_t j = 0; j < d; j++) ow[j] = wr[j] + (neg_lr * gi[j]) / (rt[j] + h.eps);
       }
-      if (!finite_row(ow, d)) {
-        if (res.bad++ == 0) res.first_bad = p;
-        __atomic_store_n(stop, 1, __ATOMIC_RELAXED);
-        writing = false;
-        continue;
-      }
-      if (!writing) continue;
-      if (__atomic_load_n(stop, __ATOMIC_RELAXED) != 0) {
-        writing = false;
-        continue;
-      }
+      if (!may_write(ow, d, p, res, writing, stop)) continue;
       T* wd = w + r * d;
       std::memcpy(undo_w + p * d, wd, static_cast<size_t>(wbytes));
       for (int64_t j = 0; j < d; j++) wd[j] = S::store(ow[j]);
@@ -617,17 +625,7 @@ StepResult step_rowwise_t(const Table& weight, const State& st, int64_t n, const
     const float a = old + sum / static_cast<float>(d);
     const float denom = std::sqrt(a) + h.eps;
     for (int64_t j = 0; j < d; j++) ow[j] = wr[j] + (neg_lr * gi[j]) / denom;
-    if (!finite_row(ow, d)) {
-      if (res.bad++ == 0) res.first_bad = p;
-      __atomic_store_n(stop, 1, __ATOMIC_RELAXED);
-      writing = false;
-      continue;
-    }
-    if (!writing) continue;
-    if (__atomic_load_n(stop, __ATOMIC_RELAXED) != 0) {
-      writing = false;
-      continue;
-    }
+    if (!may_write(ow, d, p, res, writing, stop)) continue;
     T* wd = w + r * d;
     std::memcpy(undo_w + p * d, wd, static_cast<size_t>(wbytes));
     undo.s1[p] = old;
