@@ -17,8 +17,8 @@ from typing import Any, Literal, get_args
 
 from hybrid.plan.errors import Category, PlanError, did_you_mean, one_of
 from hybrid.ps.config import OptimizerSpec as SparseOptimizer
-from hybrid.ps.config import (IDS_MODES, POOL_ON, WIRE_DTYPES, GradientScaling, IdPolicy, IdsMode, PoolOn, Sharding,
-                              StorageDtype, WireDtype, check_choice)
+from hybrid.ps.config import (IDS_MODES, POOL_ON, WIRE_DTYPES, DynamicIds, GradientScaling, IdPolicy, IdsMode, PoolOn,
+                              Sharding, StorageDtype, WireDtype, check_choice)
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 CommHook = Literal["none", "fp16", "bf16"]
@@ -129,8 +129,9 @@ class DDPOptions:
             raise _bad("broadcast_buffers", self.broadcast_buffers, "true, false or 'auto'")
 
 
-_DYNAMIC_ONLY = frozenset({"capacity", "admit_after", "evict", "partitions", "admit_window"})
-"""The options of ``ids: dynamic``: refused under ``ids: range``, where nothing would read them."""
+_DYNAMIC_ONLY = tuple(f.name for f in fields(DynamicIds))
+"""The options of ``ids: dynamic`` (a rule's keys of the same names): refused under ``ids: range``,
+where nothing would read them."""
 
 
 @dataclass(kw_only=True)
@@ -184,12 +185,9 @@ class PSOptions:
 
     def dynamic_ids(self):
         """The collection's :class:`hybrid.ps.config.DynamicIds` (None under ``ids: range``)."""
-        from hybrid.ps.config import DynamicIds
-
         if self.ids != "dynamic":
             return None
-        return DynamicIds(capacity=self.capacity, admit_after=self.admit_after, evict=self.evict,
-                          partitions=self.partitions, admit_window=self.admit_window)
+        return DynamicIds(**{name: getattr(self, name) for name in _DYNAMIC_ONLY})
 
     def __post_init__(self) -> None:
         check_choice("ids", self.ids, IDS_MODES)
