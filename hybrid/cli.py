@@ -281,7 +281,6 @@ def _launch(args: argparse.Namespace) -> int:
     else:
         checked = _check_train(command[1:], args.nproc)
     if checked.status:  # the fork server ends with this process (its parent-death signal)
-        workers.remove_server_files()
         return checked.status
     if args.nproc == 1:
         # One-process mode: the whole job runs here, as `hybrid train` without torchrun runs it

@@ -185,9 +185,7 @@ def _exit(code: int) -> NoReturn:
     """Exit now: the workers have ended; the interpreter's teardown of torchrun's stores and threads
     would take another second or more."""
     from hybrid.errors import exit_now
-    from hybrid.launch.workers import remove_server_files
 
-    remove_server_files()
     exit_now(code)
 
 

@@ -71,23 +71,19 @@ def start_server() -> None:
     waits for that."""
     import multiprocessing.forkserver as forkserver
 
+    from multiprocessing import util
+
+    from hybrid.errors import remove_at_exit
+
     if _started:
         return
     short_socket_folder()
     forkserver.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
+    # The server's socket folder (``/tmp/pymp-*``): multiprocessing removes it at a normal
+    # interpreter exit, which a launcher that ends with ``exit_now`` skips.
+    remove_at_exit(util.get_temp_dir())
     _started.append(True)
-
-
-def remove_server_files() -> None:
-    """Remove the fork server's socket folder (``/tmp/pymp-*``): ``multiprocessing`` removes it at
-    a normal interpreter exit, which a launcher that leaves with ``os._exit`` skips."""
-    if not _started:
-        return
-    import shutil
-    from multiprocessing import util
-
-    shutil.rmtree(util.get_temp_dir(), ignore_errors=True)
 
 
 def _worker(argv: list[str], env: dict[str, str], stdout: str | None, stderr: str | None) -> None:
