@@ -256,12 +256,14 @@ def of_process(pid: int) -> list[str]:
 def stale() -> list[str]:
     """The namespaces of emulated networks whose benchmark process is gone (what a killed run
     left; another run's live network is not among them)."""
-    out = []
-    for ns in namespaces():
-        m = re.fullmatch(rf"{PREFIX}(\d+)-\w+", ns)
-        if m and not _alive(int(m.group(1))):
-            out.append(ns)
-    return out
+    return [ns for ns in namespaces() if _left_behind(ns)]
+
+
+def _left_behind(name: str) -> bool:
+    """Whether ``name`` (a namespace, a script folder) is an emulated network's whose benchmark
+    process is gone."""
+    m = re.fullmatch(rf"{PREFIX}(\d+)-\w+", name)
+    return m is not None and not _alive(int(m.group(1)))
 
 
 def remove_stale() -> None:
@@ -270,8 +272,7 @@ def remove_stale() -> None:
     for ns in stale():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
-        m = re.fullmatch(rf"{PREFIX}(\d+)-\w+", folder.name)
-        if m and folder.is_dir() and not _alive(int(m.group(1))):
+        if folder.is_dir() and _left_behind(folder.name):
             shutil.rmtree(folder, ignore_errors=True)
 
 
