@@ -178,7 +178,10 @@ class ForkedProcess:
 
     def send_signal(self, sig: int) -> None:
         if self._process.exitcode is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # ended, and reaped by the fork server, since the check
+                pass
 
 
 def install() -> None:
@@ -194,6 +197,16 @@ def install() -> None:
         def _popen(self, args: tuple, env: dict[str, str]):  # noqa: ANN202 - a Popen stand-in
             return ForkedProcess([str(a) for a in args[1 + len(COMMAND):]], env, self._stdout and self._stdout.name,
                                  self._stderr and self._stderr.name)
+
+        def close(self, death_sig=None) -> None:  # noqa: ANN001 - torch's signature
+            # The fork server reaps its children as they end, so a worker that ended between
+            # torchrun's poll and its signal has no process group left to signal.
+            try:
+                super().close(death_sig)
+            except ProcessLookupError:
+                for f in (self._stdout, self._stderr):
+                    if f:
+                        f.close()
 
     get_handler = api.get_subprocess_handler
 

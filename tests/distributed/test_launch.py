@@ -273,3 +273,22 @@ def test_workers_are_forked_from_one_server_each_in_a_session_of_its_own(tmp_pat
             os.killpg(job.proc.pid, signal.SIGINT)  # Ctrl-C: the launcher ends the job and removes the folder
             assert job.wait(timeout=60) == 130, job.output[-4000:]
             assert not os.path.exists(folder), f"{folder} left after the job"
+
+
+def test_a_forked_worker_that_ended_is_closed_without_error(tmp_path):
+    """torchrun signals the workers it polled as running; the fork server reaps a worker the moment
+    it ends, so one that ended in between has no process group left to signal: closing its
+    handler is no error (it was a ProcessLookupError traceback from the launcher, exit 1)."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    from hybrid.launch import workers
+
+    if not workers.forked():
+        pytest.skip(f"{workers.ENV}=exec: no forked workers")
+    workers.install()
+    handler = api.get_subprocess_handler(sys.executable, (*workers.COMMAND, "plan", "--help"), dict(os.environ),
+                                         str(tmp_path / "out"), str(tmp_path / "err"), 0, None)
+    assert type(handler).__name__ == "ForkedHandler"
+    assert handler.proc.wait(120) == 0, (tmp_path / "err").read_text()
+    handler.close(signal.SIGTERM)
+    assert "usage: hybrid plan" in (tmp_path / "out").read_text()
