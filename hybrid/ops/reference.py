@@ -115,16 +115,25 @@ def _route_tail(req, t_u, rank_u, per_row, by_row, inverse, lengths, weights, *,
         grad_scale = weights.index_select(0, members) if weights is not None else None
     out_weights = weights
     if sample_major and nf > 1:
-        sm_lengths = lengths.view(nf, b).t().reshape(-1)
-        fm_start = (lengths.cumsum(0) - lengths).view(nf, b).t().reshape(-1)
-        sm_start = sm_lengths.cumsum(0) - sm_lengths
-        perm = torch.arange(total) + torch.repeat_interleave(fm_start - sm_start, sm_lengths, output_size=total)
+        perm = sample_major_positions(lengths, nf, b)
         idx = idx.index_select(0, perm)
         out_weights = weights.index_select(0, perm) if weights is not None else None
-        lengths = sm_lengths
+        lengths = lengths.view(nf, b).t().reshape(-1)
     offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
     return Route(requests_ids=requests_ids, per=per, raw=raw, idx=idx, offsets=offsets, weights=out_weights,
                  grad_bags=grad_bags, grad_offsets=grad_offsets, grad_scale=grad_scale, num_unique=req.numel())
+
+
+def sample_major_positions(lengths: torch.Tensor, num_features: int, batch_size: int) -> torch.Tensor:
+    """Where each id of a batch in sample-major order (sample by sample, each sample's features
+    in turn) sits in the feature-major order of ``lengths`` (``[num_features * batch_size]``,
+    feature by feature): ``ids.index_select(0, positions)`` reorders a feature-major tensor."""
+    nf, b = num_features, batch_size
+    total = int(lengths.sum())
+    sm_lengths = lengths.view(nf, b).t().reshape(-1)
+    fm_start = (lengths.cumsum(0) - lengths).view(nf, b).t().reshape(-1)
+    sm_start = sm_lengths.cumsum(0) - sm_lengths
+    return torch.arange(total) + torch.repeat_interleave(fm_start - sm_start, sm_lengths, output_size=total)
 
 
 def _check_rows(ids: torch.Tensor, counts: list[int], nrows: list[int]) -> None:

@@ -115,27 +115,91 @@ def _weighted_and_bag(rank, world_size):
         torch.testing.assert_close(rbag(x, per_sample_weights=psw), bag(x, per_sample_weights=psw))
         flat, offs = torch.tensor([1, 5, 5, 7]), torch.tensor([0, 1, 1])
         torch.testing.assert_close(rbag(flat, offs), bag(flat, offs))
-    # Weights that ask for a gradient would get none from the servers (whatever computed them
-    # would silently not learn): refused before anything is sent, in a collection and a bag alike.
+    # Weights that require grad get it, bit for bit torch's, in a collection and a bag alike.
     kjt_w = kjt_slice(global_batch(1, sample_tables(), 8, weighted=True), 0, 8)
-    kjt_w = KeyedJaggedTensor.from_lengths_sync(keys=kjt_w.keys(), values=kjt_w.values(), lengths=kjt_w.lengths(),
-                                                weights=kjt_w.weights().requires_grad_())
-    for call in (lambda: remote(kjt_w), lambda: rbag(x, per_sample_weights=psw.requires_grad_())):
-        with pytest.raises(BadBatchError, match="per-sample weights require grad"):
-            call()
-    with torch.no_grad():  # an evaluation takes them
+
+    def learned(kjt):
+        return KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+                                                   weights=kjt.weights().detach().clone().requires_grad_())
+
+    with torch.no_grad():  # the local twin as the servers' tables are now
+        for t, w in remote.read_tables().items():
+            ebc.embedding_bags[t].weight.copy_(w)
+    ours, theirs = learned(kjt_w), learned(kjt_w)
+    with step(pipeline) as st:
+        st.backward(remote(ours).values().pow(3).sum())
+    ebc(theirs).values().pow(3).sum().backward()
+    assert ours.weights().grad is not None and torch.equal(ours.weights().grad, theirs.weights().grad)
+    with torch.no_grad():  # an evaluation takes them as plain weights
         plain = KeyedJaggedTensor.from_lengths_sync(keys=kjt_w.keys(), values=kjt_w.values(), lengths=kjt_w.lengths(),
                                                     weights=kjt_w.weights().detach())
-        torch.testing.assert_close(remote(kjt_w).values(), remote(plain).values())
+        torch.testing.assert_close(remote(learned(kjt_w)).values(), remote(plain).values())
     assert list(rbag.state_dict()) == list(bag.state_dict()) == ["weight"]
     # Gradients scaled by each id's frequency in the batch: not what the servers apply, so refused.
     with pytest.raises(ValueError, match=r"nn\.EmbeddingBag with scale_grad_by_freq=True is not supported"):
         remote_bag(nn.EmbeddingBag(20, 3, mode="mean", scale_grad_by_freq=True), pipeline, cid="freq", num_servers=1,
                    optimizer={"name": "sgd", "lr": 0.1})
     assert torch.equal(rbag.state_dict()["weight"], bag.weight.detach())
+    psw_ours, psw_theirs = psw.clone().requires_grad_(), psw.clone().requires_grad_()
+    with step(pipeline) as st:
+        st.backward(rbag(x, per_sample_weights=psw_ours).pow(2).sum())
+    bag(x, per_sample_weights=psw_theirs).pow(2).sum().backward()
+    assert torch.equal(psw_ours.grad, psw_theirs.grad)
+    # Bags pooled on the servers give no gradient to their weights: refused before anything is sent.
+    on_server = remote_of(ebc, pipeline, cid="ws", num_servers=1, optimizer={"name": "sgd", "lr": 1.0}, seed=3,
+                          pool_on="server")
+    with pytest.raises(BadBatchError, match="pools its bags on the servers.*pool_on: trainer"):
+        with step(pipeline) as st:
+            st.backward(on_server(learned(kjt_w)).values().sum())
+    with step(pipeline) as st:  # detached, they are taken
+        st.backward(on_server(kjt_w).values().sum())
     pipeline.close()
     return True
 
 
 def test_weighted_collection_and_plain_embedding_bag_match_local():
     assert run_distributed(_weighted_and_bag, 2, setup="hybrid", num_servers=1, timeout=90)[0]
+
+
+def _position_weighted(rank, world_size):
+    """TorchRec's learned position weights (``PositionWeightedModuleCollection``) before a
+    weighted collection on the servers, trained a few steps beside the same pair held locally."""
+    if rank == 1:
+        return None
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+
+    lr = 0.1
+    ebc = make_ebc(seed=5, weighted=True)
+    keys = [f for t in sample_tables(mean=False) for f in t.feature_names]
+    ours_pw = PositionWeightedModuleCollection({k: 4 for k in keys})
+    theirs_pw = PositionWeightedModuleCollection({k: 4 for k in keys})
+    pipeline = make_pipeline(trainer=0, num_servers=1, staleness=0)
+    remote = remote_of(ebc, pipeline, cid="pw", num_servers=1, optimizer={"name": "sgd", "lr": lr}, seed=5)
+    ours_opt = torch.optim.SGD(ours_pw.parameters(), lr=lr)
+    theirs_opt = torch.optim.SGD(theirs_pw.parameters(), lr=lr)
+    for s in range(6):
+        kjt = kjt_slice(global_batch(s, sample_tables(mean=False), B), 0, B)
+        ours_opt.zero_grad()
+        with step(pipeline) as st:
+            st.backward(remote(ours_pw(kjt)).values().tanh().sum())
+        ours_opt.step()
+        theirs_opt.zero_grad()
+        ebc.zero_grad()
+        ebc(theirs_pw(kjt)).values().tanh().sum().backward()
+        theirs_opt.step()
+        with torch.no_grad():
+            for p in ebc.parameters():
+                p -= lr * p.grad
+    got = remote.read_tables()
+    for t in got:
+        torch.testing.assert_close(got[t], ebc.embedding_bags[t].weight.detach(), rtol=1e-6, atol=1e-6)
+    for k in keys:
+        moved = ours_pw.position_weights[k].detach()
+        assert not torch.equal(moved, torch.ones(4)), k  # learned
+        torch.testing.assert_close(moved, theirs_pw.position_weights[k].detach(), rtol=1e-6, atol=1e-6)
+    pipeline.close()
+    return True
+
+
+def test_learned_position_weights_train_with_their_tables_on_a_server():
+    assert run_distributed(_position_weighted, 2, setup="hybrid", num_servers=1, timeout=90)[0]

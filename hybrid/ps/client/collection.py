@@ -24,7 +24,7 @@ from hybrid.errors import PlanError
 from hybrid.log import logger
 from hybrid.ps.client.cache import HotRows
 from hybrid.ps.client.pipeline import StepPipeline, _server_error
-from hybrid.ps.client.routing import BadBatchError, BadIdError, RoutedBatch, Router
+from hybrid.ps.client.routing import BadBatchError, BadIdError, RoutedBatch, Router, wants_weight_grad
 from hybrid.ps.config import (
     CollectionConfig,
     OptimizerSpec,
@@ -335,7 +335,14 @@ class RemoteEmbeddingBagCollection(RemoteCollection):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         routed, rows = self.rows(features)
-        values = self.router.pool(routed, rows) if routed.bags is None else self.router.pooled(routed, rows)
+        if routed.bags is None:
+            values = self.router.pool(routed, rows, features)
+        elif wants_weight_grad(features):  # prefetched with bags from a copy whose weights needed none
+            raise BadBatchError(f"{self.cid}: the per-sample weights require grad, but this collection pools its "
+                                f"bags on the servers, which give no gradient to the weights; set the module's "
+                                f"pool_on: trainer in the plan")
+        else:
+            values = self.router.pooled(routed, rows)
         return KeyedTensor(keys=self.router.embedding_names, length_per_key=self.router.length_per_key,
                            values=values)
 

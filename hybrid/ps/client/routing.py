@@ -11,7 +11,11 @@ case (DLRM: one dimension, one pooling) there is one group.
 Pooling (:class:`PooledRows`) is one ``embedding_bag`` over every bag of a group, bags ordered
 sample by sample so that its output is already the ``KeyedTensor`` layout; its backward is one
 more ``embedding_bag`` -- the bags' gradients as the table, one bag per reply row listing the
-bags its ids fell in -- with no id-sized copy and no second sort.
+bags its ids fell in -- with no id-sized copy and no second sort. Per-sample weights that require
+grad (computed by the model, say a learned weight per position) take part in the graph: the
+batch's weights, reordered sample by sample by an ``index_select``, are the pooling's weights,
+and each one's gradient is its bag's gradient dotted with its row, by torch's own
+``embedding_bag`` backward for per-sample weights.
 
 A collection pooled on its servers (``pool_on: server``; every table whole on one server) sends
 each server, with a step's lookup, the bags of the features it holds (:class:`Bags`: the same
@@ -39,6 +43,7 @@ import torch.nn.functional as F
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from hybrid import ops
+from hybrid.ops import reference
 from hybrid.errors import InputError
 from hybrid.ps.config import CollectionConfig, TableSpec
 from hybrid.ps.protocol import BagGroup, Bags, Rows
@@ -172,6 +177,12 @@ class Router:
         that tag."""
         routed = self._route(kjt, where=where)
         if tag >= 0:
+            if wants_weight_grad(kjt):
+                raise BadBatchError(
+                    f"{where}: the per-sample weights require grad, but this collection pools its bags on the "
+                    f"servers, which give no gradient to the weights (only to the rows); set the module's "
+                    f"pool_on: trainer in the plan, or detach the weights (weights.detach()) if they are not "
+                    f"to be learned")
             routed.tag = tag
             routed.bags = {s: Bags(tag, self._bag_groups(routed, r)) for r, s in enumerate(self.servers)}
         return routed
@@ -206,15 +217,6 @@ class Router:
 
     def _route(self, kjt: KeyedJaggedTensor, *, where: str) -> RoutedBatch:
         check_kjt(kjt, where=where)
-        weights = kjt.weights_or_none() if self.config.weighted else None
-        if weights is not None and weights.requires_grad and torch.is_grad_enabled():
-            # The pooled rows are differentiable in the rows only: a weight's gradient (its bag's
-            # gradient dotted with its row) is never formed, here or on a server. Training on
-            # would leave whatever computed the weights without its gradient.
-            raise BadBatchError(f"{where}: the per-sample weights require grad, but a collection on the parameter "
-                                f"servers gives no gradient to its weights (only to its rows); detach them "
-                                f"(weights.detach()) if they are not to be learned, or keep this module off the "
-                                f"servers (strategy: ddp)")
         missing = [f for f in self.feature_order if f not in kjt.keys()]
         if missing:
             raise ValueError(f"{where}: the input KeyedJaggedTensor lacks features {missing}; it has {kjt.keys()}")
@@ -286,19 +288,33 @@ class Router:
             f"to take ids modulo the table size"
         )
 
-    def pool(self, routed: RoutedBatch, rows: dict[int, torch.Tensor]) -> torch.Tensor:
+    def pool(self, routed: RoutedBatch, rows: dict[int, torch.Tensor],
+             kjt: KeyedJaggedTensor | None = None) -> torch.Tensor:
         """The collection's pooled values ``[batch, sum of feature dims]`` (collection feature
-        order) from each server's reply."""
+        order) from each server's reply; differentiable in ``kjt``'s per-sample weights too where
+        they require grad (``kjt``: the batch ``routed`` was routed from, or an equal copy)."""
         outs = []
         parts = self._parts(routed, rows)
+        learned = self.config.weighted and kjt is not None and wants_weight_grad(kjt)
         for k, (g, route) in enumerate(zip(self.groups, routed.routes)):
             table_rows = self._group_rows(parts, k, g)
             route = _on_device(route, table_rows.device)
-            outs.append(PooledRows.apply(table_rows, route, g.pooling).view(routed.batch_size, len(g.features) * g.dim))
+            weights = self._sample_major_weights(kjt, g, routed.batch_size).to(table_rows.device) if learned else None
+            pooled = PooledRows.apply(table_rows, route, g.pooling, weights)
+            outs.append(pooled.view(routed.batch_size, len(g.features) * g.dim))
         values = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self.columns is None:
             return values
         return values.index_select(1, self.columns.to(values.device, non_blocking=True))
+
+    @staticmethod
+    def _sample_major_weights(kjt: KeyedJaggedTensor, g: TableGroup, b: int) -> torch.Tensor:
+        """Group ``g``'s per-sample weights of ``kjt`` in its route's (sample-major) order, as a
+        function of ``kjt.weights()`` (their gradient flows back to it)."""
+        _, lengths, weights = _features(kjt, g.features, weighted=True)
+        if len(g.features) == 1:
+            return weights
+        return weights.index_select(0, reference.sample_major_positions(lengths, len(g.features), b))
 
     def pooled(self, routed: RoutedBatch, replies: dict[int, torch.Tensor]) -> torch.Tensor:
         """The collection's pooled values ``[batch, sum of feature dims]`` (collection feature
@@ -385,20 +401,41 @@ def _on_device(route: ops.Route, device: torch.device) -> ops.Route:
     return dataclasses.replace(route, **moved)
 
 
+def wants_weight_grad(kjt: KeyedJaggedTensor) -> bool:
+    """Whether ``kjt``'s per-sample weights require grad in a pass that records gradients."""
+    weights = kjt.weights_or_none()
+    return weights is not None and weights.requires_grad and torch.is_grad_enabled()
+
+
 class PooledRows(torch.autograd.Function):
     """``embedding_bag`` forward; backward: one ``embedding_bag`` of the bags' gradients, a
-    "bag" per reply row (see the module docstring)."""
+    "bag" per reply row (see the module docstring), and where ``weights`` (the route's per-sample
+    weights, in its order, as a tensor of the graph) require grad, theirs."""
 
     @staticmethod
-    def forward(ctx, rows, route, mode):  # noqa: D401
+    def forward(ctx, rows, route, mode, weights=None):  # noqa: D401
         ctx.route = route
-        return F.embedding_bag(route.idx, rows, route.offsets, mode=mode, per_sample_weights=route.weights,
+        if weights is not None:
+            ctx.save_for_backward(rows)
+        return F.embedding_bag(route.idx, rows, route.offsets, mode=mode,
+                               per_sample_weights=route.weights if weights is None else weights,
                                include_last_offset=True)
 
     @staticmethod
     def backward(ctx, grad):
         r = ctx.route
-        # A strided gradient would take a slow path; the bags' gradients are the "table".
-        rows_grad = F.embedding_bag(r.grad_bags, grad.contiguous(), r.grad_offsets, mode="sum",
+        grad = grad.contiguous()  # a strided gradient would take a slow path
+        # The bags' gradients are the "table".
+        rows_grad = F.embedding_bag(r.grad_bags, grad, r.grad_offsets, mode="sum",
                                     per_sample_weights=r.grad_scale, include_last_offset=True)
-        return rows_grad, None, None
+        weights_grad = None
+        if ctx.needs_input_grad[3]:
+            # Each weight's gradient: its bag's gradient dotted with its row, as torch's
+            # embedding_bag computes it (bit for bit: the same operator on the same vectors).
+            (rows,) = ctx.saved_tensors
+            bounds = r.offsets
+            bag_of = torch.repeat_interleave(torch.arange(bounds.numel() - 1, device=bounds.device), bounds.diff(),
+                                             output_size=r.idx.numel())
+            weights_grad = torch.ops.aten._embedding_bag_per_sample_weights_backward(
+                grad, rows, r.idx, bounds[:-1], bag_of, 0)  # mode 0: sum
+        return rows_grad, None, None, weights_grad
