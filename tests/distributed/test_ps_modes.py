@@ -177,11 +177,14 @@ def _position_weighted(rank, world_size):
     remote = remote_of(ebc, pipeline, cid="pw", num_servers=1, optimizer={"name": "sgd", "lr": lr}, seed=5)
     ours_opt = torch.optim.SGD(ours_pw.parameters(), lr=lr)
     theirs_opt = torch.optim.SGD(theirs_pw.parameters(), lr=lr)
-    for s in range(6):
-        kjt = kjt_slice(global_batch(s, sample_tables(mean=False), B), 0, B)
+    batches = [kjt_slice(global_batch(s, sample_tables(mean=False), B), 0, B) for s in range(6)]
+    for s, kjt in enumerate(batches):
         ours_opt.zero_grad()
         with step(pipeline) as st:
-            st.backward(remote(ours_pw(kjt)).values().tanh().sum())
+            out = remote(ours_pw(kjt))
+            if s + 1 < len(batches):  # the raw batch: its weights are computed in the next forward
+                st.prefetch(batches[s + 1])
+            st.backward(out.values().tanh().sum())
         ours_opt.step()
         theirs_opt.zero_grad()
         ebc.zero_grad()
@@ -193,6 +196,11 @@ def _position_weighted(rank, world_size):
     got = remote.read_tables()
     for t in got:
         torch.testing.assert_close(got[t], ebc.embedding_bags[t].weight.detach(), rtol=1e-6, atol=1e-6)
+    # Each step's rows were asked for once: the prefetched ones served the step whose forward
+    # weighted them.
+    assert remote.stats()["ps0"]["lookups"] == len(batches)
+    with pytest.raises(BadBatchError, match="weighted .* holds no per-sample weights"):
+        remote(batches[0])
     for k in keys:
         moved = ours_pw.position_weights[k].detach()
         assert not torch.equal(moved, torch.ones(4)), k  # learned

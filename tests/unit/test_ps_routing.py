@@ -135,7 +135,8 @@ def test_seeded_fuzz_routing_and_pooling_equal_the_local_collection_or_refuse_ba
     """Random batches (empty bags, empty features, bad ids, weights, both pooling modes, 1-3
     servers, both shardings, one table group and several): the remote collection pools exactly
     what the local one does and gives the rows the local one's gradients, or -- only for ids outside a table under id_policy=error -- raises
-    BadIdError before anything is sent; under modulo it equals the local one on the wrapped ids."""
+    BadIdError before anything is sent; under modulo it equals the local one on the wrapped ids.
+    Per-sample weights require grad and get the local one's gradients."""
     g = torch.Generator().manual_seed(1234)
     outcomes = {"equal": 0, "refused": 0, "wrapped": 0}
     for case in range(60):
@@ -170,7 +171,11 @@ def test_seeded_fuzz_routing_and_pooling_equal_the_local_collection_or_refuse_ba
         route = route_fn(kjt)
         weights = {n: b.weight.detach() for n, b in ebc.embedding_bags.items()}
         rows = _serve(router, route, weights)
-        got = router.pool(route, rows)
+        if weighted:  # per-sample weights that require grad, in both
+            kjt, ref_kjt = (KeyedJaggedTensor.from_lengths_sync(
+                keys=k.keys(), values=k.values(), lengths=k.lengths(),
+                weights=k.weights().detach().clone().requires_grad_()) for k in (kjt, ref_kjt))
+        got = router.pool(route, rows, kjt)
         want = ebc(ref_kjt)
         assert router.embedding_names == want.keys(), case
         torch.testing.assert_close(got, want.values(), rtol=1e-6, atol=1e-6,
@@ -184,6 +189,8 @@ def test_seeded_fuzz_routing_and_pooling_equal_the_local_collection_or_refuse_ba
             want_grad = torch.zeros_like(grad) if want_grad is None else want_grad
             torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"case {case} table {name} gradient: {m}")
+        if weighted:  # and the weights' gradients, torch's own bit for bit
+            assert torch.equal(kjt.weights().grad, ref_kjt.weights().grad), case
     assert all(outcomes.values()), outcomes  # every branch was exercised
 
 

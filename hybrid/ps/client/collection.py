@@ -334,6 +334,9 @@ class RemoteEmbeddingBagCollection(RemoteCollection):
         return self.config.weighted
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if self.config.weighted and features.weights_or_none() is None:
+            raise BadBatchError(f"{self.cid}: the collection is weighted (is_weighted=True) but the batch holds no "
+                                f"per-sample weights")
         routed, rows = self.rows(features)
         if routed.bags is None:
             values = self.router.pool(routed, rows, features)

@@ -358,18 +358,19 @@ class DistAutogradPush(GradientPush):
         self.wait(pipeline)
 
 
-def same_batch(a, b) -> bool:
+def same_batch(a, b, *, weights: bool = True) -> bool:
     """Whether sparse batches ``a`` and ``b`` (KeyedJaggedTensors) are the same object or hold
-    the same keys, batch size, lengths, ids and weights, so that one's routing and rows serve the
-    other (a step may run on an equal copy of the batch prefetched for it)."""
+    the same keys, batch size, lengths, ids and (with ``weights``) per-sample weights, so that
+    one's routing and rows serve the other (a step may run on an equal copy of the batch
+    prefetched for it); without ``weights``, whether one's rows serve the other."""
     if a is b:
         return True
     if list(a.keys()) != list(b.keys()) or a.stride() != b.stride():
         return False
     wa, wb = a.weights_or_none(), b.weights_or_none()
-    if (wa is None) != (wb is None):
+    if weights and (wa is None) != (wb is None):
         return False
-    pairs = [(a.lengths(), b.lengths()), (a.values(), b.values())] + ([(wa, wb)] if wa is not None else [])
+    pairs = [(a.lengths(), b.lengths()), (a.values(), b.values())] + ([(wa, wb)] if weights and wa is not None else [])
     return all(x.device == y.device and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
                for x, y in pairs)
 
@@ -514,6 +515,12 @@ class StepPipeline:
         state = self.current
         t0 = time.perf_counter()
         lk = state.prefetched.pop(id(collection), None)
+        if (lk is not None and lk.routed.bags is None and not same_batch(lk.kjt, kjt)
+                and same_batch(lk.kjt, kjt, weights=False)):
+            # The same ids with other per-sample weights (computed in the model's forward, as
+            # learned position weights are): the rows asked for serve; the batch is routed again
+            # for its weights, which the trainer pools with.
+            lk.routed, lk.kjt = collection.route(kjt, step=True), kjt
         if lk is not None and not same_batch(lk.kjt, kjt):
             if self.push_strategy.autograd:
                 # The prefetched lookup stays in flight: the step ends as one that raised.

@@ -246,7 +246,10 @@ class Router:
         """The group's route, and for an unpooled group its ids per feature. Pooled groups order
         their bags sample by sample (the ``KeyedTensor`` layout); unpooled ones keep the ids in
         feature-major order, each feature's a contiguous run."""
-        values, lengths, weights = _features(kjt, g.features, weighted=self.config.weighted)
+        # A weighted collection's batch without weights is routed for its ids alone (a
+        # prefetch of the raw batch, whose weights the model computes in its forward).
+        weighted = self.config.weighted and kjt.weights_or_none() is not None
+        values, lengths, weights = _features(kjt, g.features, weighted=weighted)
         args = (g.feature_table, g.row_base, g.shards, g.server_rank)
         unpooled = g.pooling == "none"
         kw = dict(num_servers=len(self.servers), batch_size=b, weights=weights, mean=g.pooling == "mean",
