@@ -495,3 +495,70 @@ def test_a_step_that_looks_a_collection_up_twice_equals_single_process_training(
     out = run_distributed(_twice, 3, setup="hybrid", num_servers=1, timeout=180, configs=configs, push=push)
     for r in out[:2]:
         assert r == {c: 8 for c in configs}, r
+
+
+class _PositionWeighted(torch.nn.Module):
+    """TorchRec's FeatureProcessedEmbeddingBagCollection (learned position weights before a
+    weighted collection) and a tower."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+        from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+        super().__init__()
+        ebc = EmbeddingBagCollection(tables=copy.deepcopy(TABLES), is_weighted=True, device=torch.device(device))
+        pw = PositionWeightedModuleCollection({t.feature_names[0]: 4 for t in TABLES})
+        self.fpebc = FeatureProcessedEmbeddingBagCollection(ebc, pw)
+        torch.manual_seed(0)
+        self.tower = torch.nn.Linear(4 * 8, 1)
+
+    def forward(self, kjt):
+        return self.tower(self.fpebc(kjt).values())
+
+
+def _position_weighted(rank, world_size, *, num_servers):
+    role = role_of(rank, world_size, num_servers)
+    if not role.is_trainer:
+        return None
+    lr = 0.5
+    plan = plan_from_dict({"world_size": world_size, "topology": {"parameter_servers": num_servers}, "modules": {
+        "fpebc._embedding_bag_collection": {"strategy": "parameter_server", "sharding": "row_wise",
+                                           "optimizer": {"name": "sgd", "lr": lr}},
+        "fpebc._feature_processors": {"strategy": "ddp"}, "tower": {"strategy": "ddp"}}})
+    model, plain = _PositionWeighted("meta"), _PositionWeighted()
+    hybrid.init_tables(plain.fpebc._embedding_bag_collection, seed=0)
+    hybrid.compose(model, plan, role=role, name="pw")
+    for k, v in plain.state_dict().items():
+        assert torch.equal(full(model.state_dict()[k]), v), k
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    tables = {n: b.weight for n, b in plain.fpebc._embedding_bag_collection.embedding_bags.items()}
+    ref_opt = torch.optim.SGD([p for n, p in plain.named_parameters() if "embedding_bags" not in n], lr=lr)
+    ref_sparse = {n: ReferenceSparseOptimizer("sgd", w.data, lr=lr) for n, w in tables.items()}
+    t_n, lo, hi = role.num_trainers, role.index * B, (role.index + 1) * B
+    nxt = global_data(0, t_n * B)
+    for s in range(5):
+        _, labels, data = nxt
+        with hybrid.step(model, optimizer) as st:
+            logits = model(kjt_slice(data, lo, hi)).squeeze(1)
+            nxt = global_data(s + 1, t_n * B)
+            st.prefetch(kjt_slice(nxt[2], lo, hi))  # the raw batch: the forward computes its weights
+            st.backward(F.binary_cross_entropy_with_logits(logits, labels[lo:hi]))
+        ref_opt.zero_grad()
+        for w in tables.values():
+            w.grad = None
+        F.binary_cross_entropy_with_logits(plain(kjt_slice(data, 0, t_n * B)).squeeze(1), labels).backward()
+        ref_opt.step()
+        touched = touched_rows(data, TABLES)
+        for n, w in tables.items():
+            ref_sparse[n].step(w.grad, touched[n])
+    got, want = model.state_dict(), plain.state_dict()
+    assert list(got) == list(want)
+    for k in want:
+        torch.testing.assert_close(full(got[k]).detach(), want[k], rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    moved = got["fpebc._feature_processors.position_weights.f0"]
+    assert not torch.equal(moved, torch.ones(4))  # the position weights learned
+    return True
+
+
+def test_feature_processed_collection_learns_its_position_weights_with_tables_on_a_server():
+    assert all(run_distributed(_position_weighted, 3, setup="hybrid", num_servers=1, timeout=120)[:2])
