@@ -111,6 +111,8 @@ VARIANTS = {
     "wire_bfloat16": dict(wire_dtype="bfloat16", optimizer={"name": "sgd", "lr": 0.5}),
     "weighted_on_server": dict(weighted=True, pool_on="server", optimizer={"name": "adagrad", "lr": 0.3}),
     "dynamic": dict(dynamic=True, optimizer={"name": "rowwise_adagrad", "lr": 0.1}),
+    # TorchRec's learned position weights computed in the forward, the raw batch prefetched
+    "learned_weights": dict(weighted=True, learned=True, optimizer={"name": "sgd", "lr": 0.3}),
 }
 GPU_STEPS, GPU_BATCH = 5, 8
 
@@ -126,6 +128,7 @@ def _variant_job(rank, world_size, *, device, variant):
     staleness, hot_rows = opts.pop("staleness", 0), opts.pop("hot_rows", 0)
     push, kind = opts.pop("gradient_push", "rpc"), opts.pop("kind", "bag")
     weighted, dynamic = opts.pop("weighted", False), opts.pop("dynamic", False)
+    learned = opts.pop("learned", False)
     dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
     tables = sparse.sample_tables(mean=not weighted)
     module = make_ebc(seed=0, weighted=weighted) if kind == "bag" else _collection("sequence", tables)
@@ -134,17 +137,23 @@ def _variant_job(rank, world_size, *, device, variant):
         opts["dynamic"] = DynamicIds(capacity=64, evict="lru", partitions=4)
     remote = remote_of(module, pipeline, cid=variant, num_servers=1, staleness=staleness, hot_rows=hot_rows, **opts)
     c = torch.linspace(-1, 1, sum(t.embedding_dim * len(t.feature_names) for t in tables), device=dev)
+    weigh, pw_opt = (lambda kjt: kjt), None
+    if learned:
+        from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+
+        pw = PositionWeightedModuleCollection({f: 4 for t in tables for f in t.feature_names}).to(dev)
+        weigh, pw_opt = pw, torch.optim.SGD(pw.parameters(), lr=0.2)
 
     def batch(s):
-        data = global_batch(s, tables, GPU_BATCH, weighted=weighted)
+        data = global_batch(s, tables, GPU_BATCH, weighted=weighted and not learned)
         return kjt_slice(_raw(data, s) if dynamic else data, 0, GPU_BATCH).to(dev)
 
     outs, nxt = [], batch(0)
     for s in range(GPU_STEPS):
         kjt = nxt
         pipeline.flush()  # async: every push applied before the step, so both runs see the same rows
-        with step(pipeline) as st:
-            out = remote(kjt)
+        with step(pipeline, optimizer=pw_opt) as st:
+            out = remote(weigh(kjt))
             nxt = batch(s + 1)
             st.prefetch(nxt)
             if kind == "bag":
@@ -157,8 +166,10 @@ def _variant_job(rank, world_size, *, device, variant):
                 outs.extend(v.detach().cpu() for v in values.values())
                 st.backward(_seq_loss(values, GPU_BATCH))
     pipeline.flush()
+    if learned:
+        outs.extend(p.detach().cpu() for p in pw.parameters())
     with torch.no_grad():  # evaluation: the trained rows, read onto the trainer's device
-        out = remote(batch(GPU_STEPS))
+        out = remote(weigh(batch(GPU_STEPS)))
         values = [out.values()] if kind == "bag" else [jt.values() for jt in out.values()]
         assert all(v.device == dev for v in values)
         outs.extend(v.cpu() for v in values)
