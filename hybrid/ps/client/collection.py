@@ -337,6 +337,12 @@ class RemoteEmbeddingBagCollection(RemoteCollection):
         if self.config.weighted and features.weights_or_none() is None:
             raise BadBatchError(f"{self.cid}: the collection is weighted (is_weighted=True) but the batch holds no "
                                 f"per-sample weights")
+        if self.pools_on_server and self.config.pool_on == "auto" and wants_weight_grad(features):
+            # Learned weights get their gradient only where the bags are pooled: here.
+            self.pools_on_server = False
+            logger.info("%s: trainer %d pools its bags itself from now on (pool_on: auto): its per-sample weights "
+                        "require grad, which bags pooled on the servers would not give them", self.cid,
+                        self.pipeline.trainer)
         routed, rows = self.rows(features)
         if routed.bags is None:
             values = self.router.pool(routed, rows, features)
