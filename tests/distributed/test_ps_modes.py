@@ -161,7 +161,7 @@ def test_weighted_collection_and_plain_embedding_bag_match_local():
     assert run_distributed(_weighted_and_bag, 2, setup="hybrid", num_servers=1, timeout=90)[0]
 
 
-def _position_weighted(rank, world_size, *, transport):
+def _position_weighted(rank, world_size, *, transport, push="rpc"):
     """TorchRec's learned position weights (``PositionWeightedModuleCollection``) before a
     weighted collection on the servers, trained a few steps beside the same pair held locally.
     Over a socket ``pool_on: auto`` would pool on the server: the learned weights keep the
@@ -175,9 +175,9 @@ def _position_weighted(rank, world_size, *, transport):
     keys = [f for t in sample_tables(mean=False) for f in t.feature_names]
     ours_pw = PositionWeightedModuleCollection({k: 4 for k in keys})
     theirs_pw = PositionWeightedModuleCollection({k: 4 for k in keys})
-    pipeline = make_pipeline(trainer=0, num_servers=1, staleness=0, transport=transport)
+    pipeline = make_pipeline(trainer=0, num_servers=1, staleness=0, transport=transport, gradient_push=push)
     remote = remote_of(ebc, pipeline, cid="pw", num_servers=1, optimizer={"name": "sgd", "lr": lr}, seed=5)
-    assert remote.pools_on_server == (transport == "socket")
+    assert remote.pools_on_server == (transport == "socket" and push == "rpc")
     ours_opt = torch.optim.SGD(ours_pw.parameters(), lr=lr)
     theirs_opt = torch.optim.SGD(theirs_pw.parameters(), lr=lr)
     batches = [kjt_slice(global_batch(s, sample_tables(mean=False), B), 0, B) for s in range(6)]
@@ -212,6 +212,7 @@ def _position_weighted(rank, world_size, *, transport):
     return True
 
 
-@pytest.mark.parametrize("transport", ["auto", "socket"])
-def test_learned_position_weights_train_with_their_tables_on_a_server(transport):
-    assert run_distributed(_position_weighted, 2, setup="hybrid", num_servers=1, timeout=90, transport=transport)[0]
+@pytest.mark.parametrize("transport,push", [("auto", "rpc"), ("socket", "rpc"), ("auto", "dist_autograd")])
+def test_learned_position_weights_train_with_their_tables_on_a_server(transport, push):
+    assert run_distributed(_position_weighted, 2, setup="hybrid", num_servers=1, timeout=90, transport=transport,
+                           push=push)[0]
