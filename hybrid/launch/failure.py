@@ -3,7 +3,9 @@
 - A mistake the user can fix (:class:`~hybrid.errors.InputError`, a checkpoint that must not
   load, ...) is one ``error:`` line, printed by the first process that found it (every trainer
   reads the same data, so usually all find it), exit code 2; the others exit 2 quietly, and so
-  does a process that fails afterwards because a peer left for that reason.
+  does a process that fails afterwards because a peer left for that reason -- a server too: the
+  mark is in the job's start-up store, which every process shares, and it is set before the
+  process that found the mistake leaves.
 - Anything else is logged with the peers that no longer answer named first: a dead trainer is
   what the others report, not the socket error it caused (gloo's ``Connection reset by peer``).
 
@@ -69,7 +71,13 @@ def fail(role: Role, e: BaseException, *, user_error: bool) -> NoReturn:
 
 
 def _store() -> dist.Store | None:
-    """The trainers' store (servers have none: they find no user errors)."""
+    """The job's start-up store of this attempt, which servers share (they find no user errors,
+    but see a trainer leave for one); else the trainers' default store."""
+    from hybrid.launch.init import startup_store
+
+    store = startup_store()
+    if store is not None:
+        return store
     if not dist.is_initialized():
         return None
     try:

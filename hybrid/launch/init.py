@@ -385,6 +385,12 @@ def record_failure() -> None:
         within(_CHECKIN[0].failed, None)
 
 
+def startup_store() -> dist.Store | None:
+    """The job's start-up store of this attempt (every process of the job, servers too), or None
+    where the job has none."""
+    return _CHECKIN[0].store if _CHECKIN else None
+
+
 def failed_peers(role: Role) -> set[str]:
     """The names of the job's processes that marked themselves failed (:func:`record_failure`):
     gone, but not silently -- each said what happened to it."""

@@ -314,3 +314,29 @@ def test_a_hung_server_ends_the_whole_launch_within_the_timeout_and_the_kill_gra
     # start-up of the failure path on 2 busy cores (measured: 12.4 to 13.9 s in all)
     assert took <= timeout_s + grace_s + 5.0, f"{took:.1f}s from the stop to the end of the launch\n{res.output}"
     assert not list(tmpdir.glob("torchelastic_*")), list(tmpdir.iterdir())
+
+
+def _trainers_leave_for_a_user_error(rank, world_size, *, num_servers):
+    from hybrid.errors import InputError
+    from hybrid.launch.failure import fail
+    from hybrid.launch.roles import role_of
+    from hybrid.launch.serve import PeerFailure, serve
+
+    role = role_of(rank, world_size, num_servers)
+    if role.is_trainer:
+        fail(role, InputError("t.csv:9002: column 'd1': 'abc' is not a number"), user_error=True)
+    try:
+        serve(role, heartbeat_s=0.1, timeout_s=2.0)
+    except PeerFailure as e:
+        fail(role, e, user_error=False)
+
+
+def test_a_server_whose_trainers_left_for_a_user_error_exits_2_quietly():
+    """Without torchrun's agent to stop it first, the server sees its trainers go: they left for
+    a mistake one of them reported, so it exits 2 and names no peer (exit 1 with a peers-not-
+    answering message is for a peer that died)."""
+    with pytest.raises(DistributedTestError) as raised:
+        run_distributed(_trainers_leave_for_a_user_error, 3, setup="hybrid", num_servers=1, timeout=60)
+    text = str(raised.value)
+    for who in ("trainer0", "trainer1", "ps0"):
+        assert f"{who}) was killed or exited with code 2 " in text, text
