@@ -337,21 +337,20 @@ class RemoteEmbeddingBagCollection(RemoteCollection):
         if self.config.weighted and features.weights_or_none() is None:
             raise BadBatchError(f"{self.cid}: the collection is weighted (is_weighted=True) but the batch holds no "
                                 f"per-sample weights")
-        if self.pools_on_server and self.config.pool_on == "auto" and wants_weight_grad(features):
-            # Learned weights get their gradient only where the bags are pooled: here.
+        if self.pools_on_server and wants_weight_grad(features):
+            # Learned weights get their gradient only where the bags are pooled: on the trainer.
+            if self.config.pool_on == "server":
+                raise BadBatchError(
+                    f"{self.cid}: the per-sample weights require grad, but this collection pools its bags on the "
+                    f"servers, which give no gradient to the weights (only to the rows); set the module's "
+                    f"pool_on: trainer in the plan, or detach the weights (weights.detach()) if they are not to "
+                    f"be learned")
             self.pools_on_server = False
             logger.info("%s: trainer %d pools its bags itself from now on (pool_on: auto): its per-sample weights "
                         "require grad, which bags pooled on the servers would not give them", self.cid,
                         self.pipeline.trainer)
         routed, rows = self.rows(features)
-        if routed.bags is None:
-            values = self.router.pool(routed, rows, features)
-        elif wants_weight_grad(features):  # prefetched with bags from a copy whose weights needed none
-            raise BadBatchError(f"{self.cid}: the per-sample weights require grad, but this collection pools its "
-                                f"bags on the servers, which give no gradient to the weights; set the module's "
-                                f"pool_on: trainer in the plan")
-        else:
-            values = self.router.pooled(routed, rows)
+        values = self.router.pool(routed, rows, features) if routed.bags is None else self.router.pooled(routed, rows)
         return KeyedTensor(keys=self.router.embedding_names, length_per_key=self.router.length_per_key,
                            values=values)
 

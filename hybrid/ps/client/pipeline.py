@@ -375,6 +375,22 @@ def same_batch(a, b, *, weights: bool = True) -> bool:
                for x, y in pairs)
 
 
+def _serves(lk: Lookup, collection: RemoteCollection, kjt) -> bool:
+    """Whether ``lk``, prefetched for this step, serves ``collection``'s lookup of ``kjt``: routed
+    for the pooling the collection does now (``pool_on: auto`` turns to the trainer for learned
+    weights), for ``kjt`` or an equal copy. Pooled on the trainer, the same ids with other
+    per-sample weights (computed in the model's forward, as learned position weights are) serve
+    too: the rows asked for are the same, and ``lk`` is routed again for the weights."""
+    if (lk.routed.bags is not None) != collection.pools_on_server:
+        return False
+    if same_batch(lk.kjt, kjt):
+        return True
+    if lk.routed.bags is None and same_batch(lk.kjt, kjt, weights=False):
+        lk.routed, lk.kjt = collection.route(kjt, step=True), kjt
+        return True
+    return False
+
+
 class StepPipeline:
     """One composed model's steps on one trainer (see the module docstring)."""
 
@@ -515,13 +531,7 @@ class StepPipeline:
         state = self.current
         t0 = time.perf_counter()
         lk = state.prefetched.pop(id(collection), None)
-        if (lk is not None and lk.routed.bags is None and not same_batch(lk.kjt, kjt)
-                and same_batch(lk.kjt, kjt, weights=False)):
-            # The same ids with other per-sample weights (computed in the model's forward, as
-            # learned position weights are): the rows asked for serve; the batch is routed again
-            # for its weights, which the trainer pools with.
-            lk.routed, lk.kjt = collection.route(kjt, step=True), kjt
-        if lk is not None and not same_batch(lk.kjt, kjt):
+        if lk is not None and not _serves(lk, collection, kjt):
             if self.push_strategy.autograd:
                 # The prefetched lookup stays in flight: the step ends as one that raised.
                 raise RuntimeError(
@@ -529,7 +539,8 @@ class StepPipeline:
                     f"under runtime.gradient_push: dist_autograd every lookup a step made takes part in its "
                     f"backward, so prefetched rows cannot be dropped: prefetch the batch the step runs (an equal "
                     f"copy will do), or use gradient_push: rpc")
-            # Another batch than the one prefetched: its rows are discarded, and nothing is ever
+            # Another batch than the one prefetched (or routed for pooling on the servers where
+            # the collection now pools itself): its rows are discarded, and nothing is ever
             # pushed for them (a server drops a lookup kept without a push).
             for kept in (state.inflight, state.deferred):
                 if lk in kept:

@@ -177,12 +177,6 @@ class Router:
         that tag."""
         routed = self._route(kjt, where=where)
         if tag >= 0:
-            if wants_weight_grad(kjt):
-                raise BadBatchError(
-                    f"{where}: the per-sample weights require grad, but this collection pools its bags on the "
-                    f"servers, which give no gradient to the weights (only to the rows); set the module's "
-                    f"pool_on: trainer in the plan, or detach the weights (weights.detach()) if they are not "
-                    f"to be learned")
             routed.tag = tag
             routed.bags = {s: Bags(tag, self._bag_groups(routed, r)) for r, s in enumerate(self.servers)}
         return routed
