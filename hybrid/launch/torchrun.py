@@ -71,7 +71,7 @@ def install(address: str) -> None:
 
 def _flag(argv: list[str], *names: str) -> str | None:
     """The value of torchrun flag ``names`` (``--x v`` or ``--x=v``; dashes or underscores)."""
-    spellings = {n for name in names for n in (name, name.replace("-", "_"))}
+    spellings = {n for name in names for n in (name, "--" + name[2:].replace("-", "_"))}
     for i, a in enumerate(argv):
         if a in ("-m", "--module", "--no-python") or a.endswith(".py"):
             break  # the training command's own arguments start here
@@ -79,6 +79,23 @@ def _flag(argv: list[str], *names: str) -> str | None:
         if key in spellings:
             return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
     return None
+
+
+def _without_flag(argv: list[str], name: str) -> list[str]:
+    """``argv`` without torchrun flag ``name`` and its value (spelled as :func:`_flag` reads it)."""
+    spellings = {name, "--" + name[2:].replace("-", "_")}
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-m", "--module", "--no-python") or a.endswith(".py"):
+            return out + argv[i:]
+        key, eq, _ = a.partition("=")
+        if key in spellings:
+            i += 1 if eq else 2
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 def port_in_use_error(argv: list[str], address: str) -> str | None:
@@ -160,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)
     install(address)
-    _honour_shutdown_timeout(argv)
+    argv = _honour_shutdown_timeout(argv)
     _bound_exit_barrier(exit_barrier_s)
     _quiet_stops()
     from hybrid.launch import workers
@@ -223,15 +240,18 @@ def _quiet_stops() -> None:
     mp_api._terminate_process_handler = quiet_on_stop
 
 
-def _honour_shutdown_timeout(argv: list[str]) -> None:
+def _honour_shutdown_timeout(argv: list[str]) -> list[str]:
     """Make ``--shutdown-timeout`` the grace between SIGTERM and SIGKILL whenever torchrun stops
-    its workers. torch 2.13 passes it to the agent's final shutdown only: when a worker fails,
-    the process context closes the others itself with a fixed 30 s, so a hung worker would
-    outlive the failure by 30 s whatever the flag says."""
+    its workers, and return the arguments for torchrun. torch 2.13 passes it to the agent's final
+    shutdown only: when a worker fails, the process context closes the others itself with a fixed
+    30 s, so a hung worker would outlive the failure by 30 s whatever the flag says. A torchrun
+    without the flag (torch 2.11's) would refuse it: there it is taken out of the arguments, and
+    this grace is the only one."""
     grace = _flag(argv, "--shutdown-timeout")
     if grace is None:
-        return
+        return argv
     from torch.distributed.elastic.multiprocessing import api as mp_api
+    from torch.distributed.run import get_args_parser
 
     close = mp_api.PContext.close
 
@@ -239,6 +259,10 @@ def _honour_shutdown_timeout(argv: list[str]) -> None:
         close(self, death_sig, min(timeout, int(grace)))
 
     mp_api.PContext.close = close_within_grace
+    _, unknown = get_args_parser().parse_known_args([f"--shutdown-timeout={grace}", "-m", "x"])
+    if not unknown:
+        return argv
+    return _without_flag(argv, "--shutdown-timeout")
 
 
 EXIT_BARRIER_S = 30.0

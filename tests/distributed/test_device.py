@@ -111,10 +111,34 @@ VARIANTS = {
     "wire_bfloat16": dict(wire_dtype="bfloat16", optimizer={"name": "sgd", "lr": 0.5}),
     "weighted_on_server": dict(weighted=True, pool_on="server", optimizer={"name": "adagrad", "lr": 0.3}),
     "dynamic": dict(dynamic=True, optimizer={"name": "rowwise_adagrad", "lr": 0.1}),
-    # TorchRec's learned position weights computed in the forward, the raw batch prefetched
+    # learned position weights computed in the forward on the device, the raw batch prefetched
     "learned_weights": dict(weighted=True, learned=True, optimizer={"name": "sgd", "lr": 0.3}),
 }
 GPU_STEPS, GPU_BATCH = 5, 8
+
+
+class _PositionWeights(torch.nn.Module):
+    """TorchRec's position weighting (``PositionWeightedModuleCollection``: each id weighted by a
+    learned weight for its position in its bag, all ones at first) in plain torch operators.
+    torchrec's own calls fbgemm operators that fbgemm's CPU build, the one the GPU machines this
+    test ran on could carry, has no CUDA kernels for; test_ps_modes and test_compose train it with
+    the tables on the servers."""
+
+    def __init__(self, features: list[str], max_length: int):
+        super().__init__()
+        self.features = features
+        self.position_weight = torch.nn.Parameter(torch.ones(len(features), max_length))
+
+    def forward(self, kjt):
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        assert kjt.keys() == self.features, kjt.keys()
+        lengths = kjt.lengths()
+        starts = torch.cumsum(lengths, 0) - lengths  # each bag's first position in values
+        position = torch.arange(lengths.sum(), device=lengths.device) - starts.repeat_interleave(lengths)
+        feature = torch.arange(len(self.features), device=lengths.device).repeat_interleave(kjt.stride())
+        weights = self.position_weight[feature.repeat_interleave(lengths), position]
+        return KeyedJaggedTensor(kjt.keys(), kjt.values(), weights=weights, lengths=lengths, stride=kjt.stride())
 
 
 def _variant_job(rank, world_size, *, device, variant):
@@ -139,9 +163,7 @@ def _variant_job(rank, world_size, *, device, variant):
     c = torch.linspace(-1, 1, sum(t.embedding_dim * len(t.feature_names) for t in tables), device=dev)
     weigh, pw_opt = (lambda kjt: kjt), None
     if learned:
-        from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
-
-        pw = PositionWeightedModuleCollection({f: 4 for t in tables for f in t.feature_names}).to(dev)
+        pw = _PositionWeights([f for t in tables for f in t.feature_names], 4).to(dev)
         weigh, pw_opt = pw, torch.optim.SGD(pw.parameters(), lr=0.2)
 
     def batch(s):

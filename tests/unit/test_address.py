@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from hybrid.launch.address import check_address, numeric_address
-from hybrid.launch.torchrun import standalone_on
+from hybrid.launch.torchrun import _flag, _without_flag, standalone_on
 from hybrid.plan import PlanError
 
 CMD = ["-m", "hybrid.cli", "train", "--standalone"]  # the command's own arguments are left alone
@@ -56,3 +56,13 @@ def test_a_given_local_addr_and_rendezvous_stay():
     given = ["--nnodes=2", "--rdzv-endpoint=10.0.0.1:29400", "--local-addr", "10.0.0.2", *CMD]
     assert standalone_on(given, "10.0.0.2") == given
     assert standalone_on(["--rdzv-endpoint=h:1", *CMD], "10.0.0.2")[0] == "--local-addr=10.0.0.2"
+
+
+def test_a_torchrun_flag_is_taken_out_with_its_value_before_the_command():
+    """Where torchrun lacks ``--shutdown-timeout`` (torch 2.11), ``hybrid launch`` takes it out."""
+    cmd = ["-m", "hybrid.cli", "train", "--shutdown-timeout", "3"]
+    for spelled in (["--shutdown-timeout=5"], ["--shutdown_timeout", "5"]):
+        assert _flag([*spelled, *cmd], "--shutdown-timeout") == "5"
+        assert _without_flag(["--standalone", *spelled, "--nproc-per-node=3", *cmd], "--shutdown-timeout") == [
+            "--standalone", "--nproc-per-node=3", *cmd]
+
