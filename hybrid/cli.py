@@ -292,13 +292,16 @@ def _launch(args: argparse.Namespace) -> int:
         if os.environ["OMP_NUM_THREADS"].isdigit():  # torch read it when it was imported
             torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
         return main(command)
-    # torchrun runs in this process: torch is imported already, and a second interpreter would
-    # import it again. It starts the workers in sessions of their own and stops them on
-    # SIGINT/SIGTERM; it exits this process itself when one fails.
+    # torchrun's agent starts the workers in sessions of their own and stops them on
+    # SIGINT/SIGTERM; it exits itself when one fails. With workers to fork it runs in a process
+    # forked from their server, which has imported torch; else in this one.
+    argv = torchrun_args(args.nproc, command, args.max_restarts, numeric_address(checked.address),
+                         checked.kill_grace_s, checked.names)
+    if workers.forked():
+        return workers.run_agent(argv)
     from hybrid.launch import torchrun
 
-    torchrun.main(torchrun_args(args.nproc, command, args.max_restarts, numeric_address(checked.address),
-                                checked.kill_grace_s, checked.names))
+    torchrun.main(argv)
     return 0
 
 

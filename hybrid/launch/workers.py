@@ -153,6 +153,74 @@ def _call(send, target: str, args: tuple) -> None:  # noqa: ANN001 - a Connectio
     exit_now(0)
 
 
+AGENT_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+"""The signals ``hybrid launch`` passes on to torchrun's agent: those it stops the job on."""
+
+
+def run_agent(argv: list[str]) -> int:
+    """torchrun's agent (:func:`hybrid.launch.torchrun.main` with ``argv``) in a process forked
+    from the fork server, which has imported torch already: the launcher itself then never
+    imports torch (about 3 s of CPU and 300 MB a job). The agent forks the workers from the same
+    server; it has the launcher's environment, standard output and error. The signals the job
+    stops on (:data:`AGENT_SIGNALS`), which the launcher's session gets (a terminal's Ctrl-C, a
+    scheduler), are passed on to the agent, which stops the workers and says so itself. Returns
+    the agent's exit status (128 + N where signal N ended it)."""
+    import multiprocessing
+    import multiprocessing.forkserver as forkserver
+    import signal
+
+    start_server()
+    ctx = multiprocessing.get_context("forkserver")
+    agent = ctx.Process(target=_agent, args=(argv, dict(os.environ), forkserver._forkserver._forkserver_address),
+                        name="hybrid-agent")
+
+    passed: set[int] = set()
+
+    def forward(signum: int, _frame) -> None:  # noqa: ANN001 - a signal handler's signature
+        if agent.pid is not None and agent.exitcode is None:
+            passed.add(signum)
+            os.kill(agent.pid, signum)
+
+    for name in AGENT_SIGNALS:
+        signal.signal(getattr(signal, name), forward)
+    agent.start()
+    agent.join()
+    if agent.exitcode >= 0:
+        return agent.exitcode
+    if -agent.exitcode not in passed:  # killed outright (the OOM killer, kill -9): it could not say so
+        print(f"error: torchrun's agent (pid {agent.pid}) was killed by {signal.Signals(-agent.exitcode).name}; "
+              f"the job's processes end with it", file=sys.stderr)
+    return 128 - agent.exitcode
+
+
+def _agent(argv: list[str], env: dict[str, str], server_address: str) -> None:
+    """The agent's process: the launcher's environment (the server set its own for its imports),
+    workers forked from the server at ``server_address``, and ended with the server (and so with
+    the launcher: the server's parent-death signal)."""
+    import multiprocessing.forkserver as forkserver
+    import signal
+
+    from hybrid import ops
+
+    os.environ.clear()
+    os.environ.update(env)
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)  # as in a new interpreter (see _worker)
+    # multiprocessing gives every child of the server the launcher's pipe that keeps the server
+    # running, but not its address, and would start a server of its own: this process asks the
+    # launcher's, which runs as long as the launcher (waiting for this process) does.
+    server = forkserver._forkserver
+    server._forkserver_address = server_address
+    server.ensure_running = lambda: None
+    _started.append(True)
+    if ops.die_with_parent(int(signal.SIGKILL)) and os.getppid() == 1:  # the server is gone already
+        os.kill(os.getpid(), signal.SIGKILL)
+    from hybrid.launch import torchrun
+
+    torchrun.main(argv)
+
+
 class ForkedProcess:
     """The part of ``subprocess.Popen`` torchrun uses (``pid``, ``poll``, ``wait``,
     ``send_signal``), for a worker forked from the fork server."""

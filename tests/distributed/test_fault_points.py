@@ -160,9 +160,11 @@ def test_a_process_killed_after_the_last_step_is_named_by_the_others_leaving(tmp
 
 
 @pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
-def test_the_workers_end_with_a_launcher_killed_outright(tmp_path):
-    """``kill -9`` of ``hybrid launch`` (torchrun's agent runs in its process, so it cannot stop
-    the workers): the workers end with it, rather than train on orphaned."""
+@pytest.mark.parametrize("killed", ["launcher", "agent"])
+def test_the_workers_end_with_a_launcher_or_agent_killed_outright(tmp_path, killed):
+    """``kill -9`` of ``hybrid launch``, or of the torchrun agent it runs in a process forked from
+    the workers' server: nobody is left to stop the workers, and they end with it rather than
+    train on orphaned. A killed agent is named by the launcher, which exits 137."""
     from tests.distributed.test_stops import DLRM
     from tests.distributed.test_stops import TINY as LAUNCH_TINY
     from tests.support.job import Job
@@ -176,18 +178,35 @@ def test_the_workers_end_with_a_launcher_killed_outright(tmp_path):
         job.wait_training(out)
         workers = [job.pid_of_role(name) for name in ("trainer0", "trainer1", "ps0")]
         left = fork_server_folders(job.pids())  # what a launcher killed outright leaves (docs/training.md)
-        os.kill(job.proc.pid, signal.SIGKILL)
+        # the launcher's children: the fork server and multiprocessing's resource tracker
+        below = [p for p in job.pids() if _parent(p) == job.proc.pid]
+        agent = [p for p in job.pids() if _parent(p) in below and p not in workers]
+        assert len(agent) == 1, (below, agent, workers)
+        os.kill(job.proc.pid if killed == "launcher" else agent[0], signal.SIGKILL)
         t0 = time.monotonic()
         alive = workers
         while alive and time.monotonic() < t0 + 10:
             time.sleep(0.05)
             alive = [p for p in workers if _running(p)]
-        print(f"workers still running {time.monotonic() - t0:.2f}s after the launcher's SIGKILL: {alive}")
+        print(f"workers still running {time.monotonic() - t0:.2f}s after the {killed}'s SIGKILL: {alive}")
         for pid in alive:  # orphans are no longer below the job: the Job cannot end them
             os.kill(pid, signal.SIGKILL)
-    for folder in left:
-        shutil.rmtree(folder, ignore_errors=True)
-    assert not alive, f"workers still running 10s after the launcher was killed: {alive}"
+        code = job.wait(timeout=10)
+    if killed == "launcher":
+        for folder in left:
+            shutil.rmtree(folder, ignore_errors=True)
+    assert not alive, f"workers still running 10s after the {killed} was killed: {alive}"
+    if killed == "agent":
+        assert code == 137, job.output[-4000:]
+        assert f"error: torchrun's agent (pid {agent[0]}) was killed by SIGKILL" in job.output, job.output[-4000:]
+        assert left and not any(Path(f).exists() for f in left), left  # the launcher removed its server's folder
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
 
 
 def _running(pid: int) -> bool:
