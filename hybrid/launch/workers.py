@@ -175,15 +175,24 @@ def run_agent(argv: list[str]) -> int:
                         name="hybrid-agent")
 
     passed: set[int] = set()
+    early: list[int] = []
+    """Signals that came before the agent had a pid: passed on once it has."""
 
     def forward(signum: int, _frame) -> None:  # noqa: ANN001 - a signal handler's signature
-        if agent.pid is not None and agent.exitcode is None:
-            passed.add(signum)
+        passed.add(signum)
+        if agent.pid is None:
+            early.append(signum)
+            return
+        try:  # (not agent.exitcode: that reads the pipe join may be reading)
             os.kill(agent.pid, signum)
+        except ProcessLookupError:  # it ended: join returns
+            pass
 
     for name in AGENT_SIGNALS:
         signal.signal(getattr(signal, name), forward)
     agent.start()
+    for signum in early:
+        os.kill(agent.pid, signum)
     agent.join()
     if agent.exitcode >= 0:
         return agent.exitcode
