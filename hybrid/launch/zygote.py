@@ -1,11 +1,13 @@
 """Imported by the fork server of a job's workers (:mod:`hybrid.launch.workers`) before anything
-else, and by no other process: the server ends with the agent that started it, and it and each
-worker it forks get sessions of their own.
+else, and by no other process: the server ends with the process that started it (``hybrid
+launch``, or torchrun's agent under ``python -m hybrid.launch.torchrun``), and it and each process
+it forks get sessions of their own.
 
-- The server asks the kernel for SIGKILL when its agent dies (Linux's parent-death signal), as
-  each worker does for its parent (:func:`hybrid.launch.init.end_with_the_agent`), here the
-  server: an agent killed outright (``kill -9`` of ``hybrid launch``, the OOM killer) takes the
-  server and so every worker with it. ``multiprocessing``'s own end of the server, when its
+- The server asks the kernel for SIGKILL when the process that started it dies (Linux's
+  parent-death signal), as each worker does for its parent (:func:`hybrid.launch.init.end_with_the_agent`)
+  and ``hybrid launch``'s agent does (:func:`hybrid.launch.workers.run_agent`), here the server:
+  a launcher killed outright (``kill -9``, the OOM killer) takes the server and so the agent and
+  every worker with it. ``multiprocessing``'s own end of the server, when its
   client's pipe closes, never comes while workers live: each holds a copy of that pipe.
 - torchrun starts its workers in sessions of their own (and stops one by signalling its process
   group), so that a signal to the launcher's group -- Ctrl-C in a terminal, a closed terminal's
