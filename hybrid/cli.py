@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.handler(args)
     except KeyboardInterrupt:  # Ctrl-C in a verb that runs here (export, plan): one line, as a shell's 130
-        print(f"hybrid {args.command}: interrupted", file=sys.stderr)
+        print(f"hybrid {args.verb}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
 
 
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true",
                         help="show the traceback of a user error (plan, config, data, checkpoint) too")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="verb", metavar="COMMAND")
     _add_plan_parser(commands)
     _add_train_parser(commands)
     _add_launch_parser(commands)

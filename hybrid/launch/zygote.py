@@ -26,12 +26,14 @@ it forks get sessions of their own.
 import os
 import signal
 
-os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # before torch: see above
-
-from hybrid import ops  # noqa: E402 - after the variable
-
+# A session of its own first: importing torch takes seconds, and a Ctrl-C to the launcher's group
+# meanwhile would interrupt the import here (a KeyboardInterrupt's traceback) besides the launcher.
 if os.getpid() != os.getsid(0):
     os.setsid()
+os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # before torch: see above
+
+from hybrid import ops  # noqa: E402 - after the session and the variable
+
 if ops.die_with_parent(int(signal.SIGKILL)) and os.getppid() == 1:  # the agent is gone already
     os.kill(os.getpid(), signal.SIGKILL)
 _SERVER = os.getpid()

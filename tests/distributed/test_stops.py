@@ -35,6 +35,40 @@ def _assert_nothing_left(pids: list[int], tmp: Path) -> None:
     assert not list(tmp.glob("torchelastic_*")), sorted(p.name for p in tmp.iterdir())
 
 
+@pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
+def test_ctrl_c_while_the_plan_is_checked_ends_the_launch_with_one_line(tmp_path):
+    """SIGINT to the launcher's process group while the workers' server imports torch and the
+    plan is checked (before torchrun starts): the launcher's one line, exit 130, within 5 s,
+    and the server (in a session of its own from its first line) neither prints a traceback nor
+    stays behind."""
+    tmp = _fresh_tmp(tmp_path)
+    with Job(["launch", "-n", "3", *DLRM, *TINY, "train.steps=5", f"train.out_dir={tmp_path / 'out'}"],
+             env={"TMPDIR": str(tmp)}) as job:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any("forkserver" in _cmdline(p) for p in job.pids()):
+            time.sleep(0.05)
+        time.sleep(0.3)  # the server is importing torch
+        pids = job.pids()
+        t0 = time.monotonic()
+        os.killpg(job.proc.pid, signal.SIGINT)
+        code = job.wait(timeout=60)
+        took = time.monotonic() - t0
+    print(f"Ctrl-C during the check: exit {code} after {took:.2f}s: {job.output[-2000:]}")
+    assert code == 130, job.output[-4000:]
+    assert [line for _, line in job.lines_after(t0)] == ["hybrid launch: interrupted"], job.output[-4000:]
+    assert not any(n in job.output for n in NOISE), job.output[-4000:]
+    assert "serving" not in job.output, job.output[-4000:]  # no worker started
+    assert took < 5.0, f"{took:.2f}s"
+    _assert_nothing_left(pids, tmp)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
+
+
 def _state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
