@@ -69,12 +69,22 @@ def install(address: str) -> None:
     static_tcp_rendezvous.TCPStore = cls
 
 
+def _command_start(argv: list[str]) -> int:
+    """Where the training command starts in torchrun's arguments (``-m``, ``--module``,
+    ``--no-python`` or a script): what follows is the command's own."""
+    return next((i for i, a in enumerate(argv) if a in ("-m", "--module", "--no-python") or a.endswith(".py")),
+                len(argv))
+
+
+def _spellings(name: str) -> set[str]:
+    """Torchrun flag ``--x-y`` as torchrun takes it: ``--x-y`` or ``--x_y``."""
+    return {name, "--" + name[2:].replace("-", "_")}
+
+
 def _flag(argv: list[str], *names: str) -> str | None:
     """The value of torchrun flag ``names`` (``--x v`` or ``--x=v``; dashes or underscores)."""
-    spellings = {n for name in names for n in (name, "--" + name[2:].replace("-", "_"))}
-    for i, a in enumerate(argv):
-        if a in ("-m", "--module", "--no-python") or a.endswith(".py"):
-            break  # the training command's own arguments start here
+    spellings = set().union(*map(_spellings, names))
+    for i, a in enumerate(argv[:_command_start(argv)]):
         key, eq, value = a.partition("=")
         if key in spellings:
             return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
@@ -83,19 +93,16 @@ def _flag(argv: list[str], *names: str) -> str | None:
 
 def _without_flag(argv: list[str], name: str) -> list[str]:
     """``argv`` without torchrun flag ``name`` and its value (spelled as :func:`_flag` reads it)."""
-    spellings = {name, "--" + name[2:].replace("-", "_")}
+    end, spellings = _command_start(argv), _spellings(name)
     out, i = [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a in ("-m", "--module", "--no-python") or a.endswith(".py"):
-            return out + argv[i:]
-        key, eq, _ = a.partition("=")
+    while i < end:
+        key, eq, _ = argv[i].partition("=")
         if key in spellings:
             i += 1 if eq else 2
             continue
-        out.append(a)
+        out.append(argv[i])
         i += 1
-    return out
+    return out + argv[end:]
 
 
 def port_in_use_error(argv: list[str], address: str) -> str | None:
@@ -128,8 +135,7 @@ def standalone_on(argv: list[str], address: str) -> list[str]:
     """``argv`` with ``--standalone`` spelled out as a one-node c10d rendezvous hosted on
     ``address`` (a free port), and ``--local-addr address`` unless given: the stores torchrun
     hosts then listen there, and the workers dial ``address`` (their ``MASTER_ADDR``)."""
-    end = next((i for i, a in enumerate(argv) if a in ("-m", "--module", "--no-python") or a.endswith(".py")),
-               len(argv))
+    end = _command_start(argv)
     head, tail = argv[:end], argv[end:]
     if _flag(head, "--local-addr") is None:
         head = [f"--local-addr={address}", *head]

@@ -172,6 +172,7 @@ def test_the_workers_end_with_a_launcher_or_agent_killed_outright(tmp_path, kill
     import shutil
 
     from tests.support.cli import fork_server_folders
+    from tests.support.sockets import parent_of
 
     out = tmp_path / "out"
     with Job(["launch", "-n", "3", *DLRM, *LAUNCH_TINY, "train.steps=100000", f"train.out_dir={out}"]) as job:
@@ -179,8 +180,8 @@ def test_the_workers_end_with_a_launcher_or_agent_killed_outright(tmp_path, kill
         workers = [job.pid_of_role(name) for name in ("trainer0", "trainer1", "ps0")]
         left = fork_server_folders(job.pids())  # what a launcher killed outright leaves (docs/training.md)
         # the launcher's children: the fork server and multiprocessing's resource tracker
-        below = [p for p in job.pids() if _parent(p) == job.proc.pid]
-        agent = [p for p in job.pids() if _parent(p) in below and p not in workers]
+        below = [p for p in job.pids() if parent_of(p) == job.proc.pid]
+        agent = [p for p in job.pids() if parent_of(p) in below and p not in workers]
         assert len(agent) == 1, (below, agent, workers)
         os.kill(job.proc.pid if killed == "launcher" else agent[0], signal.SIGKILL)
         t0 = time.monotonic()
@@ -200,13 +201,6 @@ def test_the_workers_end_with_a_launcher_or_agent_killed_outright(tmp_path, kill
         assert code == 137, job.output[-4000:]
         assert f"error: torchrun's agent (pid {agent[0]}) was killed by SIGKILL" in job.output, job.output[-4000:]
         assert left and not any(Path(f).exists() for f in left), left  # the launcher removed its server's folder
-
-
-def _parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return -1
 
 
 def _running(pid: int) -> bool:

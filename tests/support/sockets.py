@@ -7,16 +7,18 @@ import os
 from pathlib import Path
 
 
+def parent_of(pid: int) -> int:
+    """The parent of process ``pid``; -1 where it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return -1
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
 def descendants(root: int) -> list[int]:
     """``root`` and every live process below it (torchrun starts its workers in new sessions)."""
-    parent = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            parent[int(d.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    parent = {int(d.name): parent_of(int(d.name)) for d in Path("/proc").iterdir() if d.name.isdigit()}
     found, frontier = [root], [root]
     while frontier:
         frontier = [p for p, pp in parent.items() if pp in frontier]
