@@ -333,7 +333,15 @@ def _prefetch_then_other_batch(rank, world_size, *, num_servers, push):
         except BadIdError as e:
             report["error"] = str(e)
         report["after"] = run_step(STEPS + 1, good, batch(STEPS + 2))
-        pipeline_of(model).flush()
+        pipe = pipeline_of(model)
+        pipe.flush()
+        # The last step's prefetch may still be on its way: wait for its replies, and for the
+        # other trainer's, so that the server has counted every lookup before it is asked.
+        for st in pipe.open_steps.values():
+            for lk in st.prefetched.values():
+                for fut, _ in (lk.futures or {}).values():
+                    fut.wait()
+        dist.barrier()
         report["lookups"] = model.sparse_arch.embedding_bag_collection.stats()["ps0"]["lookups"]
         out[(dense, staleness)] = report
     return out
