@@ -350,8 +350,9 @@ def spawn(
             for r in range(world_size):
                 args = (fn, r, world_size, store, threads, quiet, env, kwargs)
                 if hosts is None:
-                    procs.append(ctx.Process(target=_child, args=args))
-                    procs[-1].start()
+                    proc = ctx.Process(target=_child, args=args)
+                    proc.start()  # listed once started: one that failed to start has nothing to reap
+                    procs.append(proc)
                 else:
                     procs.append(servers[r].fork(pickle.dumps(args)))
         except BaseException:
