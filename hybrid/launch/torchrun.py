@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = _honour_shutdown_timeout(argv)
     _bound_exit_barrier(exit_barrier_s)
     _quiet_stops()
+    _name_restarts(names)
     from hybrid.launch import workers
 
     workers.install()
@@ -244,6 +245,41 @@ def _quiet_stops() -> None:
         handler(signum, frame)
 
     mp_api._terminate_process_handler = quiet_on_stop
+
+
+def _name_restarts(names: list[str]) -> None:
+    """Say, when torchrun restarts the workers (``--max-restarts``), which process's end made it:
+    torchrun logs a restart at INFO only, a process killed outright cannot say so itself, and
+    torchrun stops the others (SIGTERM) before they may notice the loss."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent._monitor_workers
+
+    def monitor_naming_restarts(self, worker_group):  # noqa: ANN001, ANN202 - torch's method
+        result = monitor(self, worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._remaining_restarts > 0:
+            total = worker_group.spec.max_restarts
+            for rank, failure in _causes(result.failures):
+                print(f"hybrid: {_who(rank, failure, names)} {_how(failure)}; torchrun restarts every worker "
+                      f"(restart {total - self._remaining_restarts + 1} of {total})", file=sys.stderr, flush=True)
+        return result
+
+    LocalElasticAgent._monitor_workers = monitor_naming_restarts
+
+
+def _causes(failures: dict) -> list:
+    """The (rank, failure) pairs of a failed worker group that ended it: every one but those
+    torchrun stopped itself (SIGTERM), by rank."""
+    return [(rank, f) for rank, f in sorted(failures.items()) if f.exitcode != -signal.SIGTERM]
+
+
+def _who(rank: int, failure, names: list[str]) -> str:  # noqa: ANN001 - torch's ProcessFailure
+    return f"{names[rank]} (rank {rank}, pid {failure.pid})" if rank < len(names) else f"rank {rank} (pid {failure.pid})"
+
+
+def _how(failure) -> str:  # noqa: ANN001 - torch's ProcessFailure
+    return f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
 
 
 def _honour_shutdown_timeout(argv: list[str]) -> list[str]:
@@ -322,13 +358,11 @@ def _exit_status(e, names: list[str]) -> int:
     process has said what went wrong itself. A process that exited 2 (a mistake the user can fix,
     already named on one line) makes it 2; one killed by a signal other than the SIGTERM torchrun
     stops the others with is named here, since it could not say so itself; anything else is 1."""
-    for rank, failure in sorted(e.failures.items()):
-        if failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM:
-            who = f"{names[rank]} (rank {rank}, pid {failure.pid})" if rank < len(names) else \
-                f"rank {rank} (pid {failure.pid})"
+    for rank, failure in _causes(e.failures):
+        if failure.exitcode < 0:
             why = " (by torchrun: it did not end within runtime.kill_grace_s of SIGTERM; hung?)" \
                 if failure.pid in _QuietAboutStops.force_killed else ""
-            print(f"error: {who} was killed by {failure.signal_name()}{why}", file=sys.stderr)
+            print(f"error: {_who(rank, failure, names)} {_how(failure)}{why}", file=sys.stderr)
     return 2 if any(f.exitcode == 2 for f in e.failures.values()) else 1
 
 
