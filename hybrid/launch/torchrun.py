@@ -250,7 +250,9 @@ def _quiet_stops() -> None:
 def _name_restarts(names: list[str]) -> None:
     """Say, when torchrun restarts the workers (``--max-restarts``), which process's end made it:
     torchrun logs a restart at INFO only, a process killed outright cannot say so itself, and
-    torchrun stops the others (SIGTERM) before they may notice the loss."""
+    torchrun stops the others (SIGTERM) before they may notice the loss. A worker that exited 2
+    (a mistake in the plan, config or data, which it named on one line) ends the job instead: a
+    restart would only repeat it."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -259,6 +261,9 @@ def _name_restarts(names: list[str]) -> None:
     def monitor_naming_restarts(self, worker_group):  # noqa: ANN001, ANN202 - torch's method
         result = monitor(self, worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._remaining_restarts > 0:
+            if any(f.exitcode == 2 for f in result.failures.values()):
+                self._remaining_restarts = 0  # torchrun then ends the job as without restarts (exit 2)
+                return result
             total = worker_group.spec.max_restarts
             for rank, failure in _causes(result.failures):
                 print(f"hybrid: {_who(rank, failure, names)} {_how(failure)}; torchrun restarts every worker "
