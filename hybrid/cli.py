@@ -180,7 +180,9 @@ def _add_launch_parser(commands: argparse._SubParsersAction) -> None:
         ", e.g. `hybrid launch -n 3 train --plan conf/plans/dlrm.yaml --config conf/train/dlrm.yaml`. "
         "For several machines run torchrun yourself (see docs/training.md, Several machines)."))
     p.add_argument("-n", "--nproc", type=int, required=True, help="processes (trainers + parameter servers)")
-    p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of the whole group on a failure")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun restarts of the whole group on a failure (not on a plan, config or data "
+                        "mistake: exit 2 at once)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="train and its arguments: train --plan ...")
     p.set_defaults(handler=_launch_main)
 
