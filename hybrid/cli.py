@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 # torch-free: `hybrid launch` checks the plan in a process forked from the workers' server, and
 # imports torch (for torchrun) only once the check passed; each verb imports what it needs
-from hybrid.errors import DEBUG_ENV, EXIT_USAGE, PlanError, UserCodeError, exit_now, exit_status, print_error
+from hybrid.errors import (DEBUG_ENV, EXIT_USAGE, InputError, PlanError, UserCodeError, exit_now, exit_status,
+                           print_error)
 
 if TYPE_CHECKING:
     from hybrid.plan import Plan
@@ -205,7 +206,7 @@ def _check_train(argv: Sequence[str], world_size: int) -> _Checked:
     """Check a ``train`` command's plan, config and data files."""
     from hybrid.checkpoint.files import CheckpointError, checkpoint_key
     from hybrid.launch.roles import role_of
-    from hybrid.train.loop import checkpoint_start, load_run
+    from hybrid.train.loop import check_out_dir, checkpoint_start, load_run
 
     from hybrid.plan import check_server_memory
 
@@ -215,7 +216,8 @@ def _check_train(argv: Sequence[str], world_size: int) -> _Checked:
         # Every process runs here: tables that do not fit are refused before any starts.
         check_server_memory(resolved, model, fraction=cfg.runtime.server_memory_fraction)
         checkpoint_start(cfg, key=checkpoint_key(cfg.checkpoint.key_file))
-    except (PlanError, CheckpointError, UserCodeError) as e:  # a builder that raises: its traceback, exit 1
+        check_out_dir(cfg)
+    except (PlanError, CheckpointError, InputError, UserCodeError) as e:  # a builder that raises: its traceback, exit 1
         print_error(e)
         return _Checked(exit_status(e), "", 0.0, ())
     names = tuple(role_of(r, world_size, resolved.num_servers).name for r in range(world_size))

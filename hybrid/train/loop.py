@@ -102,6 +102,21 @@ def checkpoint_start(cfg: RunConfig, *, key: bytes | None):
     return resume
 
 
+def check_out_dir(cfg: RunConfig) -> None:
+    """``train.out_dir`` is a folder this process can write in, made if missing. Raises
+    ``InputError`` naming the key; the launcher calls it before any process starts, trainer 0
+    before it writes there."""
+    path = cfg.out_dir
+    if path.exists() and not path.is_dir():
+        raise InputError(f"train.out_dir {path}: a file is there, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"train.out_dir {path}: cannot create it ({e.strerror or e})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InputError(f"train.out_dir {path}: not writable by this process")
+
+
 def _check_data_files(cfg: RunConfig, meta: nn.Module) -> None:
     """The data files exist, can be read, are not empty and have the named columns (PlanError,
     located at the data.* key its message starts with, if any: its line or its override)."""
@@ -320,6 +335,8 @@ class Trainer:
         self.train_data, self.eval_data = train_data, eval_data
         self.out_dir = cfg.out_dir
         earlier = self._earlier_rows() if self.rank0 and self.resume is not None else []
+        if self.rank0:
+            check_out_dir(cfg)
         try:
             self.writer = MetricsWriter(self.out_dir, tensorboard=self.t.tensorboard) if self.rank0 else None
         except OSError as e:

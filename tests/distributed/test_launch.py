@@ -67,6 +67,15 @@ def test_config_mistake_names_file_line_and_key(tmp_path):
     assert f"{bad}:5" in res.stderr and "optimiser" in res.stderr and "optimizer" in res.stderr, res.output
 
 
+def test_an_out_dir_that_cannot_be_made_is_refused_before_any_process_starts(tmp_path):
+    (tmp_path / "taken").write_text("a file where the run's folder would go")
+    res = run_hybrid(["launch", "-n", "3", "train", "--plan", "conf/plans/dlrm.yaml", "--config", "conf/train/dlrm.yaml",
+                      f"train.out_dir={tmp_path / 'taken'}"], timeout=60)
+    assert res.returncode == 2, res.output
+    assert res.stderr.strip() == f"error: train.out_dir {tmp_path / 'taken'}: a file is there, not a folder", res.output
+    assert "serving" not in res.output, res.output  # no process started
+
+
 def test_launch_runs_train_only():
     res = run_hybrid(["launch", "-n", "3", "export", "runs/x", "model.pt"], timeout=60)
     assert res.returncode == 2 and res.stderr.strip().startswith("error: launch runs `train`"), res.output
