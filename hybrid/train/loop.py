@@ -92,12 +92,7 @@ def checkpoint_start(cfg: RunConfig, *, key: bytes | None):
         raise CheckpointError(f"checkpoint.resume={ck.resume}: {e}") from None
     if ck.dir:
         path = Path(ck.dir).expanduser()
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"checkpoint.dir {ck.dir}: cannot create it ({e.strerror or e})") from None
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise CheckpointError(f"checkpoint.dir {ck.dir}: not writable by this process")
+        _writable_folder(path, f"checkpoint.dir {ck.dir}", CheckpointError)
         refuse_overwrite(path, resume.step if resume is not None else 0, resumed=resume is not None)
     return resume
 
@@ -106,15 +101,20 @@ def check_out_dir(cfg: RunConfig) -> None:
     """``train.out_dir`` is a folder this process can write in, made if missing. Raises
     ``InputError`` naming the key; the launcher calls it before any process starts, trainer 0
     before it writes there."""
-    path = cfg.out_dir
+    _writable_folder(cfg.out_dir, f"train.out_dir {cfg.out_dir}", InputError)
+
+
+def _writable_folder(path: Path, what: str, error: type[Exception]) -> None:
+    """Make folder ``path`` if missing and check that this process can write in it; else raise
+    ``error`` whose message starts with ``what`` (the key and its value)."""
     if path.exists() and not path.is_dir():
-        raise InputError(f"train.out_dir {path}: a file is there, not a folder")
+        raise error(f"{what}: a file is there, not a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise InputError(f"train.out_dir {path}: cannot create it ({e.strerror or e})") from None
+        raise error(f"{what}: cannot create it ({e.strerror or e})") from None
     if not os.access(path, os.W_OK | os.X_OK):
-        raise InputError(f"train.out_dir {path}: not writable by this process")
+        raise error(f"{what}: not writable by this process")
 
 
 def _check_data_files(cfg: RunConfig, meta: nn.Module) -> None:

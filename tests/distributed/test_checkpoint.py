@@ -326,7 +326,7 @@ def test_a_run_refuses_a_checkpoint_dir_it_would_overwrite_or_cannot_make(straig
     assert "Traceback" not in res.output and not (tmp_path / "blocked" / "metrics.jsonl").exists(), res.output
     res = _train(blocker / "out", nproc=1)  # train.out_dir under a file
     errors = _error_lines(res)
-    assert res.returncode == 2 and errors == [f"error: train.out_dir {blocker / 'out'}: cannot write {blocker / 'out'} "
+    assert res.returncode == 2 and errors == [f"error: train.out_dir {blocker / 'out'}: cannot create it "
                                               f"(Not a directory)"], res.output
 
 
