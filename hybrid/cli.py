@@ -203,7 +203,7 @@ class _Checked(NamedTuple):
 
 
 def _check_train(argv: Sequence[str], world_size: int) -> _Checked:
-    """Check a ``train`` command's plan, config and data files."""
+    """Check a ``train`` command's plan, config and data files and the folders it writes in."""
     from hybrid.checkpoint.files import CheckpointError, checkpoint_key
     from hybrid.launch.roles import role_of
     from hybrid.train.loop import check_out_dir, checkpoint_start, load_run
@@ -217,7 +217,7 @@ def _check_train(argv: Sequence[str], world_size: int) -> _Checked:
         check_server_memory(resolved, model, fraction=cfg.runtime.server_memory_fraction)
         checkpoint_start(cfg, key=checkpoint_key(cfg.checkpoint.key_file))
         check_out_dir(cfg)
-    except (PlanError, CheckpointError, InputError, UserCodeError) as e:  # a builder that raises: its traceback, exit 1
+    except (PlanError, CheckpointError, InputError, UserCodeError) as e:  # UserCodeError: a builder raised (exit 1)
         print_error(e)
         return _Checked(exit_status(e), "", 0.0, ())
     names = tuple(role_of(r, world_size, resolved.num_servers).name for r in range(world_size))
