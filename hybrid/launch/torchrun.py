@@ -261,7 +261,7 @@ def _name_restarts(names: list[str]) -> None:
     def monitor_naming_restarts(self, worker_group):  # noqa: ANN001, ANN202 - torch's method
         result = monitor(self, worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self._remaining_restarts > 0:
-            if any(f.exitcode == 2 for f in result.failures.values()):
+            if _mistake(result.failures):
                 self._remaining_restarts = 0  # torchrun then ends the job as without restarts (exit 2)
                 return result
             total = worker_group.spec.max_restarts
@@ -271,6 +271,14 @@ def _name_restarts(names: list[str]) -> None:
         return result
 
     LocalElasticAgent._monitor_workers = monitor_naming_restarts
+
+
+def _mistake(failures: dict) -> bool:
+    """Whether a worker of a failed group exited 2: a mistake in the plan, config or data that it
+    named on one line (:data:`hybrid.errors.EXIT_USAGE`)."""
+    from hybrid.errors import EXIT_USAGE
+
+    return any(f.exitcode == EXIT_USAGE for f in failures.values())
 
 
 def _causes(failures: dict) -> list:
@@ -368,7 +376,7 @@ def _exit_status(e, names: list[str]) -> int:
             why = " (by torchrun: it did not end within runtime.kill_grace_s of SIGTERM; hung?)" \
                 if failure.pid in _QuietAboutStops.force_killed else ""
             print(f"error: {_who(rank, failure, names)} {_how(failure)}{why}", file=sys.stderr)
-    return 2 if any(f.exitcode == 2 for f in e.failures.values()) else 1
+    return 2 if _mistake(e.failures) else 1
 
 
 if __name__ == "__main__":

@@ -252,17 +252,14 @@ def test_torchrun_restart_after_a_killed_server_resumes_from_the_last_checkpoint
 def test_a_mistake_in_the_data_ends_the_job_whatever_max_restarts_allows(tmp_path):
     """A worker that exits 2 (an id outside its table, found as the trainers read the batch) ends
     the job with its one line and exit 2: torchrun restarting the workers would only repeat it."""
-    header = "label,d1,d2,a,b\n"
-    good = [f"{i % 2},{0.5 * i},1.0,{i % 7},{i % 5}|{(i + 1) % 5}\n" for i in range(64)]
-    bad = list(good)
-    bad[3] = "1,0.5,1.0,57,1\n"
-    (tmp_path / "train.csv").write_text(header + "".join(bad))
-    (tmp_path / "eval.csv").write_text(header + "".join(good))
+    from tests.support.csv_data import COLUMNS, GOOD, good_with, write_csv
+
+    train = write_csv(tmp_path / "train.csv", good_with(3, (1, 0.5, 1.0, 57, "1")))
+    held_out = write_csv(tmp_path / "eval.csv", GOOD)
     res = run_hybrid(["launch", "-n", "3", "--max-restarts", "2", "train", "--plan", "conf/plans/dlrm.yaml",
-                      "--config", "conf/train/dlrm.yaml", *TINY, "model.num_embeddings=10", "train.steps=6",
-                      "model.features=[a,b]", "model.num_dense=2", "data.dense_columns=[d1,d2]",
-                      "data.sparse_columns=[a,b]", "data.source=csv", f"data.train_paths=[{tmp_path / 'train.csv'}]",
-                      f"data.eval_paths=[{tmp_path / 'eval.csv'}]", f"train.out_dir={tmp_path / 'out'}"], timeout=120)
+                      "--config", "conf/train/dlrm.yaml", *TINY, *COLUMNS, "model.num_embeddings=10", "train.steps=6",
+                      "data.source=csv", f"data.train_paths=[{train}]", f"data.eval_paths=[{held_out}]",
+                      f"train.out_dir={tmp_path / 'out'}"], timeout=120)
     assert res.returncode == 2, res.output
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "feature 'a'" in errors[0] and "57" in errors[0], res.output

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import run_hybrid
+from tests.support.csv_data import COLUMNS, GOOD, good_with, write_csv
 from tests.support.job import Job
 
 TINY = ["model.num_embeddings=200", "model.bottom_mlp=[8,16]", "model.top_mlp=[8,1]", "train.eval_every=0",
@@ -120,11 +121,6 @@ def test_a_killed_trainer_is_named_first(tmp_path):
     _assert_nothing_left(pids, tmp)
 
 
-def _csv(path: Path, rows: list[tuple], header: str = "label,d1,d2,a,b") -> Path:
-    path.write_text(header + "\n" + "".join(",".join(map(str, r)) + "\n" for r in rows))
-    return path
-
-
 def _empty(path: Path) -> Path:
     path.write_bytes(b"")
     return path
@@ -138,29 +134,21 @@ def _criteo(path: Path, bad_line: int | None = None) -> Path:
     return path
 
 
-GOOD = [(i % 2, 0.5 * i, 1.0, i % 7, f"{i % 5}|{(i + 1) % 5}") for i in range(64)]
-
-
-def _with(row: int, value: tuple) -> list[tuple]:
-    rows = list(GOOD)
-    rows[row] = value
-    return rows
-
-
 # (what, how the train file is made, words the error line must hold, found before any process starts)
 DATA_ERRORS = {
-    "missing column": (lambda d: _csv(d / "t.csv", [r[:4] for r in GOOD], "label,d1,d2,a"),
+    "missing column": (lambda d: write_csv(d / "t.csv", [r[:4] for r in GOOD], "label,d1,d2,a"),
                        ["t.csv", "no column 'b'", "data.sparse_columns"], True),
     "empty file": (lambda d: _empty(d / "t.csv"), ["t.csv", "empty file"], True),
-    "non-number in a dense column": (lambda d: _csv(d / "t.csv", _with(20, (1, "abc", 1.0, 3, "1"))),
+    "non-number in a dense column": (lambda d: write_csv(d / "t.csv", good_with(20, (1, "abc", 1.0, 3, "1"))),
                                      ["t.csv:22", "column 'd1'", "'abc' is not a number"], True),
-    "NaN label": (lambda d: _csv(d / "t.csv", _with(20, ("nan", 0.5, 1.0, 3, "1"))),
+    "NaN label": (lambda d: write_csv(d / "t.csv", good_with(20, ("nan", 0.5, 1.0, 3, "1"))),
                   ["t.csv:22", "column 'label'", "'nan'"], True),
     "malformed Criteo line": (lambda d: _criteo(d / "t.tsv", bad_line=30),
                               ["t.tsv:30", "field 2 (I1)", "'x9' is not an integer"], True),
-    "id outside its table": (lambda d: _csv(d / "t.csv", _with(3, (1, 0.5, 1.0, 57, "1"))),
+    "id outside its table": (lambda d: write_csv(d / "t.csv", good_with(3, (1, 0.5, 1.0, 57, "1"))),
                              ["feature 'a'", "57", "10 rows", "id_policy: modulo"], False),
-    "bad line past data.check_lines": (lambda d: _csv(d / "t.csv", (GOOD * 160)[:9000] + [(1, "abc", 1.0, 3, "1")]),
+    "bad line past data.check_lines": (lambda d: write_csv(d / "t.csv",
+                                                           (GOOD * 160)[:9000] + [(1, "abc", 1.0, 3, "1")]),
                                        ["t.csv:9002", "column 'd1'", "'abc' is not a number"], False),
 }
 # more overrides for a case: the file with a bad line far down is also the held-out file, which
@@ -179,10 +167,9 @@ def test_a_data_error_is_one_line_and_exit_2(tmp_path, what):
     tmp = _fresh_tmp(tmp_path)
     train = make(tmp_path)
     criteo = train.suffix == ".tsv"
-    columns = ([] if criteo else ["model.features=[a,b]", "model.num_dense=2", "data.dense_columns=[d1,d2]",
-                                  "data.sparse_columns=[a,b]"])
+    columns = [] if criteo else COLUMNS
     source = "criteo" if criteo else "csv"
-    good = _criteo(tmp_path / "e.tsv") if criteo else _csv(tmp_path / "e.csv", GOOD)
+    good = _criteo(tmp_path / "e.tsv") if criteo else write_csv(tmp_path / "e.csv", GOOD)
     args = ["launch", "-n", "3", *DLRM, *TINY, *columns, "model.num_embeddings=10", "train.steps=6",
             f"data.source={source}", f"data.train_paths=[{train}]", f"data.eval_paths=[{good}]",
             f"train.out_dir={tmp_path / 'out'}", *EXTRA.get(what, lambda d: [])(tmp_path)]
