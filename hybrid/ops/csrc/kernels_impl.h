@@ -13,8 +13,21 @@ namespace hybrid {
 namespace kernels {
 namespace HY_ISA {
 
+// How far ahead the two-pass optimizer kernels and the chunks of the in-place ones request
+// rows (their rows were read once already, or are requested into L2 a pass earlier).
 constexpr int64_t kPrefetchAhead = 8;
 constexpr int64_t kLine = 64;
+
+// How many rows ahead of the one it works on a one-pass row kernel (gather, SGD, row-wise
+// Adagrad, scatter, initial rows) requests rows from memory: about 4 KiB of rows, at least 4.
+// Random rows come from DRAM, and only with that much in flight do their lines arrive before
+// the loop reaches them (AMD EPYC, 128 MB table, rows of 32 floats: the gather took 11.8 ns a
+// row requesting each row's first line 8 rows ahead, 7.9 requesting all its lines 32 rows
+// ahead, no faster 64 ahead; SGD 16 ns and 7.8; rows of 16, 64 and 128 floats alike).
+inline int64_t rows_ahead(int64_t row_bytes) {
+  constexpr int64_t kAheadBytes = 4096;
+  return kAheadBytes / row_bytes > 4 ? kAheadBytes / row_bytes : 4;
+}
 
 // Every cache line of a row into the second-level cache only (for a later pass over the rows).
 inline void prefetch_row_l2(const void* p, int64_t bytes) {
@@ -61,9 +74,10 @@ template <typename S, typename O>
 void gather_t(const typename S::T* w, int64_t d, const int64_t* ids, int64_t n,
               typename O::T* out) {
   const int64_t bytes = d * static_cast<int64_t>(sizeof(typename S::T));
+  const int64_t ahead = rows_ahead(bytes);
+  for (int64_t k = 0; k < n && k < ahead; k++) prefetch_row(w + ids[k] * d, bytes);
   for (int64_t k = 0; k < n; k++) {
-    // The first line of a row ahead (measured faster than all four lines of a 256-byte row).
-    if (k + kPrefetchAhead < n) __builtin_prefetch(w + ids[k + kPrefetchAhead] * d);
+    if (k + ahead < n) prefetch_row(w + ids[k + ahead] * d, bytes);
     const typename S::T* src = w + ids[k] * d;
     if constexpr (S::dtype == O::dtype) {
       std::memcpy(out, src, static_cast<size_t>(bytes));
@@ -90,8 +104,10 @@ void gather(const Table& t, const int64_t* ids, int64_t n, void* out, DType out_
 template <typename G>
 void sgd_f32(float* w, int64_t d, const int64_t* ids, int64_t n, const typename G::T* g,
              float alpha) {
+  const int64_t ahead = rows_ahead(d * 4);
+  for (int64_t k = 0; k < n && k < ahead; k++) prefetch_row_w(w + ids[k] * d, d * 4);
   for (int64_t k = 0; k < n; k++) {
-    if (k + kPrefetchAhead < n) prefetch_row_w(w + ids[k + kPrefetchAhead] * d, d * 4);
+    if (k + ahead < n) prefetch_row_w(w + ids[k + ahead] * d, d * 4);
     float* wr = w + ids[k] * d;
     for (int64_t j = 0; j < d; j++) wr[j] = __builtin_fmaf(alpha, G::load(g[j]), wr[j]);
     g += d;
@@ -588,24 +604,37 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
   return res;
 }
 
-// How far ahead row-wise Adagrad's one pass requests a row's weight lines and its state (for
-// writing). Each row's three lines are requested together, and a short distance keeps the
-// requests in flight within what the core holds (12 and 16 measured no faster here).
-constexpr int64_t kRowwiseAhead = 8;
+// Calls f with the row length as a compile-time constant where that measured faster (row-wise
+// Adagrad, rows of 32 and 64 floats: 14.6 and 24 ns a row against 31 and 51 with the length
+// read at run time, whose row loops check trip count and aliasing on every row; rows of 16 and
+// 128 floats were slower so, the compiler unrolling their loops into scalar code), else with 0.
+template <typename F>
+inline auto with_dim(int64_t d, F&& f) {
+  switch (d) {
+    case 32:
+      return f(std::integral_constant<int64_t, 32>{});
+    case 64:
+      return f(std::integral_constant<int64_t, 64>{});
+    default:
+      return f(std::integral_constant<int64_t, 0>{});
+  }
+}
 
 // Row-wise Adagrad in one pass over the rows: each row's state, new state, square root (the
 // correctly rounded one, as the reference's float64 root rounded to float32) and new weight
 // in turn, the old weight and state into the undo log before the row is written. Its scalar
-// root needs no batch of square roots, so no chunk has to be read twice.
-template <typename S, typename G>
+// root needs no batch of square roots, so no chunk has to be read twice. kD: the row length when
+// known at compile time (0: weight.dim).
+template <typename S, typename G, int64_t kD>
 StepResult step_rowwise_t(const Table& weight, const State& st, int64_t n, const int64_t* rows,
                           const typename G::T* grads, float gscale, const Hyper& h,
                           const FromTorch& t, const Undo& undo, int* stop) {
   using T = typename S::T;
-  const int64_t d = weight.dim;
+  const int64_t d = kD > 0 ? kD : weight.dim;
   T* w = static_cast<T*>(weight.data);
   T* undo_w = static_cast<T*>(undo.w);
   const int64_t wbytes = d * static_cast<int64_t>(sizeof(T));
+  const int64_t ahead = rows_ahead(wbytes);
   const bool needs_w = h.weight_decay != 0.0f;
   const float neg_lr = -h.lr;
   const int lanes = t.sum_lanes > 0 ? t.sum_lanes : 1;
@@ -615,15 +644,15 @@ StepResult step_rowwise_t(const Table& weight, const State& st, int64_t n, const
   float* ow = wbuf + d;
   StepResult res;
   bool writing = __atomic_load_n(stop, __ATOMIC_RELAXED) == 0;
-  for (int64_t i = 0; i < n && i < kRowwiseAhead; i++) {
+  for (int64_t i = 0; i < n && i < ahead; i++) {
     prefetch_row_w(w + rows[i] * d, wbytes);
     __builtin_prefetch(st.s1 + rows[i], 1);
   }
   for (int64_t p = 0; p < n; p++) {
     const int64_t r = rows[p];
-    if (p + kRowwiseAhead < n) {
-      prefetch_row_w(w + rows[p + kRowwiseAhead] * d, wbytes);
-      __builtin_prefetch(st.s1 + rows[p + kRowwiseAhead], 1);
+    if (p + ahead < n) {
+      prefetch_row_w(w + rows[p + ahead] * d, wbytes);
+      __builtin_prefetch(st.s1 + rows[p + ahead], 1);
     }
     const float* wr = weight_row<S>(w, r, d, wbuf);
     grad_row<G>(grads + p * d, needs_w ? wr : nullptr, d, gscale, h, gi);
@@ -653,7 +682,10 @@ StepResult step_inplace(Optim kind, const Table& weight, const State& state, int
       using G = decltype(gd);
       const auto* g = static_cast<const typename G::T*>(grads);
       if (kind == Optim::rowwise_adagrad)
-        return step_rowwise_t<S, G>(weight, state, n, rows, g, grad_scale, h, t, undo, stop);
+        return with_dim(weight.dim, [&](auto dim) {
+          return step_rowwise_t<S, G, decltype(dim)::value>(weight, state, n, rows, g, grad_scale,
+                                                           h, t, undo, stop);
+        });
       return step_inplace_t<S, G>(kind, weight, state, n, rows, g, grad_scale, h, t, undo, stop);
     });
   });
@@ -665,8 +697,10 @@ template <typename D, typename Src>
 void scatter_t(typename D::T* dst, int64_t width, const int64_t* rows, int64_t n,
                const typename Src::T* src) {
   const int64_t bytes = width * static_cast<int64_t>(sizeof(typename D::T));
+  const int64_t ahead = rows_ahead(bytes);
+  for (int64_t i = 0; i < n && i < ahead; i++) prefetch_row_w(dst + rows[i] * width, bytes);
   for (int64_t i = 0; i < n; i++) {
-    if (i + kPrefetchAhead < n) prefetch_row_w(dst + rows[i + kPrefetchAhead] * width, bytes);
+    if (i + ahead < n) prefetch_row_w(dst + rows[i + ahead] * width, bytes);
     typename D::T* o = dst + rows[i] * width;
     const typename Src::T* s = src + i * width;
     if constexpr (D::dtype == Src::dtype) {
@@ -693,8 +727,10 @@ template <typename D>
 void initial_rows_t(typename D::T* out, int64_t dim, const int64_t* ids, const int64_t* at, int64_t n,
                     uint32_t key, float bound) {
   const int64_t bytes = dim * static_cast<int64_t>(sizeof(typename D::T));
+  const int64_t ahead = rows_ahead(bytes);
+  for (int64_t i = 0; at && i < n && i < ahead; i++) prefetch_row_w(out + at[i] * dim, bytes);
   for (int64_t i = 0; i < n; i++) {
-    if (at && i + kPrefetchAhead < n) prefetch_row_w(out + at[i + kPrefetchAhead] * dim, bytes);
+    if (at && i + ahead < n) prefetch_row_w(out + at[i + ahead] * dim, bytes);
     typename D::T* o = out + (at ? at[i] : i) * dim;
     const uint32_t h = hash::row_hash(static_cast<uint64_t>(ids[i]), key);
     for (int64_t c = 0; c < dim; c++) o[c] = D::store(hash::initial_value(h, c, bound));
