@@ -500,6 +500,33 @@ def test_optimizer_step_in_place_equals_the_reference(kind, dim, threads):
 
 
 @native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_wise_adagrad_in_place_counts_every_non_finite_row_and_restores_every_row(threads):
+    """Row-wise Adagrad checks its new weights once per window of rows written: two non-finite
+    rows in one window and a third far after it are all counted, the first named, and every
+    row of both tables is as it was, on one thread and split over two."""
+    g = torch.Generator().manual_seed(32)
+    weights = [torch.randn(5000, 32, generator=g), torch.randn(300, 32, generator=g)]
+    states = [_state(g, "rowwise_adagrad", n, 32) for n in (5000, 300)]
+    rows = [torch.randperm(5000, generator=g)[:4000].sort().values, torch.arange(0, 300, 2)]
+    grads = [torch.randn(4000, 32, generator=g), torch.randn(150, 32, generator=g)]
+    grads[0][1001, 5] = float("nan")
+    grads[0][1003, 0] = float("inf")
+    grads[0][3900, 31] = float("-inf")
+    before_w, before_s = [w.clone() for w in weights], [{k: v.clone() for k, v in s.items()} for s in states]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with pytest.raises(ops.NonFinite, match=f"for 3 rows \\(the first: row {int(rows[0][1001])}\\)"):
+            ops.optimizer_step_("rowwise_adagrad", weights, states, rows, grads, [1.0, 1.0], lr=0.05, eps=1e-8,
+                                weight_decay=0.0, beta1=0.9, beta2=0.999)
+    finally:
+        torch.set_num_threads(previous)
+    assert all(_equal(a, b) for a, b in zip(weights, before_w))
+    assert all(_equal(a[k], b[k]) for a, b in zip(states, before_s) for k in b)
+
+
+@native
 @pytest.mark.parametrize("kind", ["rowwise_adagrad", "adam"])
 def test_rows_split_over_threads_equal_the_reference(kind):
     g = torch.Generator().manual_seed(15)

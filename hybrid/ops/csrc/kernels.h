@@ -113,9 +113,10 @@ struct RowKernels {
   // One optimizer step of n distinct (ascending) checked rows of one table, written in place:
   // each row's weight and state read, updated and written in one visit (rows taken in chunks
   // of a few, so torch's square root runs over a chunk at a time). A row whose new weight is
-  // not finite is not written, nor is any row after it once *stop is set (by this call or a
-  // sibling on another thread; it sets *stop itself); the old values of every written row go
-  // to undo, so the caller can restore them.
+  // not finite is not written (row-wise Adagrad: not beyond the window of rows it checks at
+  // once), nor is any row after it once *stop is set (by this call or a sibling on another
+  // thread; it sets *stop itself); every row's non-finite new weight is counted all the same.
+  // The old values of every written row go to undo, so the caller can restore them.
   StepResult (*step_inplace)(Optim kind, const Table& weight, const State& state, int64_t n,
                              const int64_t* rows, const void* grads, DType grad_dtype,
                              float grad_scale, const Hyper& h, const FromTorch& t,
