@@ -421,9 +421,9 @@ dynamic_plan(const Tensor& ids, const Tensor& found, const Tensor& seen, IntArra
           flat(plans, &Plan::admitted_seen)};
 }
 
-// Rows ahead of the one being written or read whose first cache lines are requested early: the
-// tables are far larger than the caches and the slots are scattered, so overlapping the misses
-// matters more than anything else in these loops.
+// Slots ahead of the one being written whose state dynamic_commit_ requests early: the slots
+// are scattered over memory far larger than the caches, so overlapping the misses matters more
+// than anything else in its loops (a lookup's rows: kernels::rows_ahead).
 constexpr int64_t kAhead = 8;
 
 inline void prefetch_lines(const void* p, int64_t bytes) {
@@ -555,13 +555,14 @@ int64_t lookup_rows(const void* table, int64_t dim, const int64_t* ip, const int
                     int64_t admit_after, int64_t lo, int64_t hi, uint32_t key, float bound, float* o) {
   const auto* w = static_cast<const typename S::T*>(table);
   const int64_t bytes = dim * static_cast<int64_t>(sizeof(typename S::T));
+  const int64_t ahead = k::rows_ahead(bytes);
   int64_t hits = 0;
   const auto init = k::dispatch().initial_rows;
   // A 16-bit table's new row holds its initial value rounded into the table's dtype
   // (dynamic_commit_), so the lookup that admits it reads that rounded value too.
   std::vector<typename S::T> rounded(std::is_same_v<S, k::F32> ? 0 : static_cast<size_t>(dim));
   for (int64_t i = lo; i < hi; i++, o += dim) {
-    if (i + kAhead < hi && sp[i + kAhead] >= 0) prefetch_lines(w + sp[i + kAhead] * dim, bytes);
+    if (i + ahead < hi && sp[i + ahead] >= 0) prefetch_lines(w + sp[i + ahead] * dim, bytes);
     if (sp[i] >= 0) {
       hits++;
       const auto* row = w + sp[i] * dim;

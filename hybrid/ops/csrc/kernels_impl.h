@@ -18,17 +18,6 @@ namespace HY_ISA {
 constexpr int64_t kPrefetchAhead = 8;
 constexpr int64_t kLine = 64;
 
-// How many rows ahead of the one it works on a one-pass row kernel (gather, SGD, row-wise
-// Adagrad, scatter, initial rows) requests rows from memory: about 4 KiB of rows, at least 4.
-// Random rows come from DRAM, and only with that much in flight do their lines arrive before
-// the loop reaches them (AMD EPYC, 128 MB table, rows of 32 floats: the gather took 11.8 ns a
-// row requesting each row's first line 8 rows ahead, 7.9 requesting all its lines 32 rows
-// ahead, no faster 64 ahead; SGD 16 ns and 7.8; rows of 16, 64 and 128 floats alike).
-inline int64_t rows_ahead(int64_t row_bytes) {
-  constexpr int64_t kAheadBytes = 4096;
-  return kAheadBytes / row_bytes > 4 ? kAheadBytes / row_bytes : 4;
-}
-
 // Every cache line of a row into the second-level cache only (for a later pass over the rows).
 inline void prefetch_row_l2(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
