@@ -694,6 +694,29 @@ def test_sgd_rows_refuses_non_finite_gradients_and_writes_nothing(table_dtype):
 
 
 @native
+@pytest.mark.parametrize("grad_dtype", ROW_DTYPES)
+def test_sgd_rows_counts_the_non_finite_gradient_rows_of_a_long_gradient(grad_dtype):
+    """The check scans a gradient in vectors before it counts rows: values anywhere in a long
+    gradient (inside the vectors, in the last partial one) are found, counted once per row, and
+    the first is named; nothing is written."""
+    g = torch.Generator().manual_seed(22)
+    table = torch.randn(2000, 8, generator=g)
+    ids = torch.randperm(2000, generator=g)[:1203]
+    before = table.clone()
+    for bad in ((5, 1, float("nan")), (6, 0, float("inf")), (7, 2, -float("inf")), (900, 7, float("inf")),
+                (900, 0, -float("inf")), (1202, 7, float("nan"))):  # each of the scan's 4 vectors, the tail
+        grad = torch.randn(1203, 8, generator=g)
+        grad[bad[0], bad[1]] = bad[2]
+        with pytest.raises(ops.NonFinite, match=f"in 1 rows \\(the first: position {bad[0]}, table 0\\)"):
+            ops.sgd_rows_([table], ids, [1203], grad.to(grad_dtype).reshape(-1), alpha=-1.0)
+    grad = torch.randn(1203, 8, generator=g)
+    grad[[17, 400, 401], 3] = float("inf")
+    with pytest.raises(ops.NonFinite, match="in 3 rows \\(the first: position 17, table 0\\)"):
+        ops.sgd_rows_([table], ids, [1203], grad.to(grad_dtype).reshape(-1), alpha=-1.0)
+    assert torch.equal(table, before)
+
+
+@native
 def test_optimizer_rows_refuses_a_non_finite_new_weight_like_the_reference():
     weight = torch.zeros(5, 3)
     weight[2, 1] = float("inf")  # the row's update is not finite although its gradient is

@@ -130,6 +130,9 @@ struct RowKernels {
   // i in [0, n): a vectorizable loop over the columns.
   void (*initial_rows)(void* out, DType out_dtype, int64_t dim, const int64_t* ids, const int64_t* at,
                        int64_t n, uint32_t key, float bound);
+  // How many of nrows rows of x (d elements of dtype each) hold a non-finite value; *first =
+  // the first (-1: none).
+  int64_t (*nonfinite_rows)(const void* x, DType dtype, int64_t nrows, int64_t d, int64_t* first);
 };
 
 // The kernels for this CPU: AVX2+FMA where the CPU has them (x86-64), else the baseline build.
@@ -165,9 +168,6 @@ int sort_by_row(const int64_t* ids, int64_t n, int64_t nrows, uint64_t* keys);
 
 // First id outside its table, tables in order (chunk t of ids is counts[t] long).
 Status first_bad_id(const Table* tables, int64_t ntab, const int64_t* counts, const int64_t* ids);
-
-// How many rows (of width d elements) hold a non-finite value; *first = the first (-1: none).
-int64_t nonfinite_rows(const void* x, DType dtype, int64_t nrows, int64_t d, int64_t* first);
 
 struct RouteIn {
   int64_t n;                  // ids

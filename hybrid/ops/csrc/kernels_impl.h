@@ -782,12 +782,56 @@ void initial_rows(void* out, DType out_dtype, int64_t dim, const int64_t* ids, c
   });
 }
 
+// -- checks -----------------------------------------------------------------------------------
+
+// Rows of a gradient with a non-finite value: one branch-free scan of the whole buffer (float32:
+// x - x summed in four vector accumulators; 16-bit: the exponent bits), and only when it finds
+// something, a scan row by row to count them.
+template <typename S>
+int64_t nonfinite_rows_t(const typename S::T* x, int64_t nrows, int64_t d, int64_t* first) {
+  *first = -1;
+  const int64_t n = nrows * d;
+  bool bad;
+  if constexpr (S::dtype == DType::f32) {
+    v8f acc[4] = {};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+      for (int k = 0; k < 4; k++) {
+        v8f v;
+        std::memcpy(&v, x + i + 8 * k, sizeof v);
+        acc[k] += v - v;
+      }
+    v8f all = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    for (; i < n; i++) all[0] += x[i] - x[i];
+    bad = any_nan(all);
+  } else {
+    uint32_t b = 0;
+    for (int64_t i = 0; i < n; i++) b |= S::finite(x[i]) ? 0u : 1u;
+    bad = b != 0;
+  }
+  if (!bad) return 0;
+  int64_t count = 0;
+  for (int64_t r = 0; r < nrows; r++) {
+    bool row_bad = false;
+    for (int64_t j = 0; j < d; j++) row_bad |= !S::finite(x[r * d + j]);
+    if (row_bad && count++ == 0) *first = r;
+  }
+  return count;
+}
+
+int64_t nonfinite_rows(const void* x, DType dtype, int64_t nrows, int64_t d, int64_t* first) {
+  return with_dtype(dtype, [&](auto s) {
+    using S = decltype(s);
+    return nonfinite_rows_t<S>(static_cast<const typename S::T*>(x), nrows, d, first);
+  });
+}
+
 }  // namespace HY_ISA
 
 const RowKernels HY_KERNELS = {
     HY_ISA_NAME,         HY_ISA::gather,      HY_ISA::sgd,          HY_ISA::sum_rows,
     HY_ISA::state_step, HY_ISA::weight_step, HY_ISA::step_inplace, HY_ISA::scatter,
-    HY_ISA::initial_rows,
+    HY_ISA::initial_rows, HY_ISA::nonfinite_rows,
 };
 
 }  // namespace kernels

@@ -289,7 +289,7 @@ StatusTuple sgd_rows_(TensorList tables, const Tensor& ids, IntArrayRef counts, 
     used += n;
     first_id[t] = p;
     int64_t first = -1;
-    const int64_t bad = k::nonfinite_rows(grad_of[t], gdt, counts[t], views[t].dim, &first);
+    const int64_t bad = k::dispatch().nonfinite_rows(grad_of[t], gdt, counts[t], views[t].dim, &first);
     if (bad && st.code == k::kOk) {
       st.code = k::kNonFinite;
       st.table = t;

@@ -85,28 +85,6 @@ Status first_bad_id(const Table* tables, int64_t ntab, const int64_t* counts, co
   return st;
 }
 
-template <typename S>
-static int64_t nonfinite_rows_t(const typename S::T* x, int64_t nrows, int64_t d, int64_t* first) {
-  *first = -1;
-  uint32_t bad = 0;  // branch-free scan; rows are counted only when something is wrong
-  for (int64_t i = 0; i < nrows * d; i++) bad |= S::finite(x[i]) ? 0u : 1u;
-  if (!bad) return 0;
-  int64_t count = 0;
-  for (int64_t r = 0; r < nrows; r++) {
-    bool row_bad = false;
-    for (int64_t j = 0; j < d; j++) row_bad |= !S::finite(x[r * d + j]);
-    if (row_bad && count++ == 0) *first = r;
-  }
-  return count;
-}
-
-int64_t nonfinite_rows(const void* x, DType dtype, int64_t nrows, int64_t d, int64_t* first) {
-  return with_dtype(dtype, [&](auto s) {
-    using S = decltype(s);
-    return nonfinite_rows_t<S>(static_cast<const typename S::T*>(x), nrows, d, first);
-  });
-}
-
 // Raw ids (RouteIn::partitions > 0) grouped by (table, id), positions in order within a group:
 // sorted_pos[i] the i-th position in that order, utab/uid each distinct pair, rank[p] the
 // distinct pair of position p, ustart[u] its first place in the order. packed: n + n scratch.
