@@ -44,11 +44,12 @@ inline bool finite_row(const float* x, int64_t d) {
   return bad == 0;
 }
 
-// Lanes that are NaN where some element of the float32 row x is infinite or NaN, +0 elsewhere
-// (x - x is +0 for a finite x, and a sum of such values is NaN exactly when one of them is):
-// one subtraction and one addition per 8 elements, no comparison, no branch.
+// out = lanes that are NaN where some element of the float32 row x is infinite or NaN, +0
+// elsewhere (x - x is +0 for a finite x, and a sum of such values is NaN exactly when one of
+// them is): one subtraction and one addition per 8 elements, no comparison, no branch. (Vectors
+// go by reference: the baseline build has no 32-byte registers to pass them in.)
 typedef float v8f __attribute__((vector_size(32)));
-inline v8f nonfinite_lanes(const float* x, int64_t d) {
+inline void nonfinite_lanes(const float* x, int64_t d, v8f& out) {
   v8f acc = {};
   int64_t j = 0;
   for (; j + 8 <= d; j += 8) {
@@ -57,11 +58,11 @@ inline v8f nonfinite_lanes(const float* x, int64_t d) {
     acc += v - v;
   }
   for (; j < d; j++) acc[0] += x[j] - x[j];
-  return acc;
+  out = acc;
 }
 
 // Whether some lane of v is NaN.
-inline bool any_nan(v8f v) {
+inline bool any_nan(const v8f& v) {
   bool nan = false;
   for (int e = 0; e < 8; e++) nan |= v[e] != v[e];
   return nan;
@@ -686,7 +687,7 @@ StepResult step_rowwise_t(const Table& weight, const State& st, int64_t n, const
       may_write(ow, d, p, res, writing, stop);
       continue;
     }
-    window[p - w0] = nonfinite_lanes(ow, d);
+    nonfinite_lanes(ow, d, window[p - w0]);
     T* wd = w + r * d;
     std::memcpy(undo_w + p * d, wd, static_cast<size_t>(wbytes));
     undo.s1[p] = old;
