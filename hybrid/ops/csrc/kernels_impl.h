@@ -677,11 +677,15 @@ StepResult step_rowwise_t(const Table& weight, const State& st, int64_t n, const
     }
     const float* wr = weight_row<S>(w, r, d, wbuf);
     grad_row<G>(grads + p * d, needs_w ? wr : nullptr, d, gscale, h, gi);
-    // sum + grad.pow(2).mean(dim=1), in torch's order
+    // sum + grad.pow(2).mean(dim=1), in torch's order. (ivdep on the row loops: the scratch
+    // rows, the gradient and the table row never overlap, and without it each loop would first
+    // test that they do not: about 10% of the step at every row length measured.)
+#pragma GCC ivdep
     for (int64_t j = 0; j < d; j++) sq[j] = gi[j] * gi[j];
     const float old = st.s1[r];
     const float a = old + torch_row_sum(sq, d, lanes) / static_cast<float>(d);
     const float denom = std::sqrt(a) + h.eps;
+#pragma GCC ivdep
     for (int64_t j = 0; j < d; j++) ow[j] = wr[j] + (neg_lr * gi[j]) / denom;
     if (!writing) {  // count the non-finite rows
       may_write(ow, d, p, res, writing, stop);
@@ -691,6 +695,7 @@ StepResult step_rowwise_t(const Table& weight, const State& st, int64_t n, const
     T* wd = w + r * d;
     std::memcpy(undo_w + p * d, wd, static_cast<size_t>(wbytes));
     undo.s1[p] = old;
+#pragma GCC ivdep
     for (int64_t j = 0; j < d; j++) wd[j] = S::store(ow[j]);
     st.s1[r] = a;
     res.committed = p + 1;
