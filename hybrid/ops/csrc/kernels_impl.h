@@ -68,6 +68,25 @@ inline bool any_nan(const v8f& v) {
   return nan;
 }
 
+// Copies a row of `bytes` bytes: for the common row sizes a copy of known length, which the
+// compiler makes a few vector moves; memcpy with a length known only at run time is a call a
+// row (a gather of 128-byte rows: 7.9 ns a row with the call, 7.0 without).
+inline void copy_row(void* out, const void* src, int64_t bytes) {
+  switch (bytes) {
+    case 64:
+      std::memcpy(out, src, 64);
+      break;
+    case 128:
+      std::memcpy(out, src, 128);
+      break;
+    case 256:
+      std::memcpy(out, src, 256);
+      break;
+    default:
+      std::memcpy(out, src, static_cast<size_t>(bytes));
+  }
+}
+
 // Per-thread scratch that only grows: no allocation per call once warm.
 template <typename T>
 inline T* scratch(int64_t n) {
@@ -93,7 +112,7 @@ void gather_t(const typename S::T* w, int64_t d, const int64_t* ids, int64_t n,
     if (k + ahead < n) prefetch_row(w + ids[k + ahead] * d, bytes);
     const typename S::T* src = w + ids[k] * d;
     if constexpr (S::dtype == O::dtype) {
-      std::memcpy(out, src, static_cast<size_t>(bytes));
+      copy_row(out, src, bytes);
     } else {
       for (int64_t j = 0; j < d; j++) out[j] = O::store(S::load(src[j]));
     }
@@ -747,7 +766,7 @@ void scatter_t(typename D::T* dst, int64_t width, const int64_t* rows, int64_t n
     typename D::T* o = dst + rows[i] * width;
     const typename Src::T* s = src + i * width;
     if constexpr (D::dtype == Src::dtype) {
-      std::memcpy(o, s, static_cast<size_t>(bytes));
+      copy_row(o, s, bytes);
     } else {
       for (int64_t j = 0; j < width; j++) o[j] = D::store(Src::load(s[j]));
     }
