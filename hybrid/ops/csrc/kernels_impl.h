@@ -35,30 +35,28 @@ inline void prefetch_row_w(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += kLine) __builtin_prefetch(c + off, 1);
 }
 
-// Whether every element of a float32 row is finite (a vectorizable scan of the exponent bits).
-inline bool finite_row(const float* x, int64_t d) {
-  typedef uint32_t __attribute__((may_alias)) bits_t;
-  const bits_t* b = reinterpret_cast<const bits_t*>(x);
-  uint32_t bad = 0;
-  for (int64_t j = 0; j < d; j++) bad |= (~b[j] & 0x7f800000u) == 0;
-  return bad == 0;
-}
-
-// out = lanes that are NaN where some element of the float32 row x is infinite or NaN, +0
+// out = lanes that are NaN where some of the n float32 values at x is infinite or NaN, +0
 // elsewhere (x - x is +0 for a finite x, and a sum of such values is NaN exactly when one of
-// them is): one subtraction and one addition per 8 elements, no comparison, no branch. (Vectors
+// them is): a subtraction and an addition per 8 values, no comparison, no branch; four
+// accumulators over blocks of 32, so that a long scan is not one chain of additions. (Vectors
 // go by reference: the baseline build has no 32-byte registers to pass them in.)
 typedef float v8f __attribute__((vector_size(32)));
-inline void nonfinite_lanes(const float* x, int64_t d, v8f& out) {
-  v8f acc = {};
+inline void nonfinite_lanes(const float* x, int64_t n, v8f& out) {
+  v8f acc[4] = {};
   int64_t j = 0;
-  for (; j + 8 <= d; j += 8) {
+  for (; j + 32 <= n; j += 32)
+    for (int k = 0; k < 4; k++) {
+      v8f v;
+      std::memcpy(&v, x + j + 8 * k, sizeof v);
+      acc[k] += v - v;
+    }
+  for (; j + 8 <= n; j += 8) {
     v8f v;
     std::memcpy(&v, x + j, sizeof v);
-    acc += v - v;
+    acc[0] += v - v;
   }
-  for (; j < d; j++) acc[0] += x[j] - x[j];
-  out = acc;
+  for (; j < n; j++) acc[0][0] += x[j] - x[j];
+  out = (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
 // Whether some lane of v is NaN.
@@ -66,6 +64,13 @@ inline bool any_nan(const v8f& v) {
   bool nan = false;
   for (int e = 0; e < 8; e++) nan |= v[e] != v[e];
   return nan;
+}
+
+// Whether every element of a float32 row is finite.
+inline bool finite_row(const float* x, int64_t d) {
+  v8f lanes;
+  nonfinite_lanes(x, d, lanes);
+  return !any_nan(lanes);
 }
 
 // Copies a row of `bytes` bytes: for the common row sizes a copy of known length, which the
@@ -810,25 +815,15 @@ void initial_rows(void* out, DType out_dtype, int64_t dim, const int64_t* ids, c
 // -- checks -----------------------------------------------------------------------------------
 
 // Rows of a gradient with a non-finite value: one branch-free scan of the whole buffer (float32:
-// x - x summed in four vector accumulators; 16-bit: the exponent bits), and only when it finds
-// something, a scan row by row to count them.
+// finite_row over all of it; 16-bit: the exponent bits), and only when it finds something, a
+// scan row by row to count them.
 template <typename S>
 int64_t nonfinite_rows_t(const typename S::T* x, int64_t nrows, int64_t d, int64_t* first) {
   *first = -1;
   const int64_t n = nrows * d;
   bool bad;
   if constexpr (S::dtype == DType::f32) {
-    v8f acc[4] = {};
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32)
-      for (int k = 0; k < 4; k++) {
-        v8f v;
-        std::memcpy(&v, x + i + 8 * k, sizeof v);
-        acc[k] += v - v;
-      }
-    v8f all = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    for (; i < n; i++) all[0] += x[i] - x[i];
-    bad = any_nan(all);
+    bad = !finite_row(x, n);
   } else {
     uint32_t b = 0;
     for (int64_t i = 0; i < n; i++) b |= S::finite(x[i]) ? 0u : 1u;
