@@ -426,11 +426,6 @@ dynamic_plan(const Tensor& ids, const Tensor& found, const Tensor& seen, IntArra
 // than anything else in its loops (a lookup's rows: kernels::rows_ahead).
 constexpr int64_t kAhead = 8;
 
-inline void prefetch_lines(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
-}
-
 k::DType row_dtype(const Tensor& w, const std::string& what) {
   TORCH_CHECK_VALUE(w.device().is_cpu() && w.is_contiguous() && w.dim() == 2, what,
                     " must be a contiguous 2-D CPU tensor, got shape ", w.sizes());
@@ -562,12 +557,12 @@ int64_t lookup_rows(const void* table, int64_t dim, const int64_t* ip, const int
   // (dynamic_commit_), so the lookup that admits it reads that rounded value too.
   std::vector<typename S::T> rounded(std::is_same_v<S, k::F32> ? 0 : static_cast<size_t>(dim));
   for (int64_t i = lo; i < hi; i++, o += dim) {
-    if (i + ahead < hi && sp[i + ahead] >= 0) prefetch_lines(w + sp[i + ahead] * dim, bytes);
+    if (i + ahead < hi && sp[i + ahead] >= 0) k::prefetch_row(w + sp[i + ahead] * dim, bytes);
     if (sp[i] >= 0) {
       hits++;
       const auto* row = w + sp[i] * dim;
       if constexpr (std::is_same_v<S, k::F32>) {
-        std::memcpy(o, row, static_cast<size_t>(bytes));
+        k::copy_row(o, row, bytes);
       } else {
         for (int64_t c = 0; c < dim; c++) o[c] = S::load(row[c]);
       }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace hybrid {
 namespace kernels {
@@ -154,6 +155,33 @@ extern const RowKernels avx2_kernels;
 inline int64_t rows_ahead(int64_t row_bytes) {
   constexpr int64_t kAheadBytes = 4096;
   return kAheadBytes / row_bytes > 4 ? kAheadBytes / row_bytes : 4;
+}
+
+constexpr int64_t kLine = 64;
+
+// Every cache line of a row of `bytes` bytes at p (for reading).
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += kLine) __builtin_prefetch(c + off);
+}
+
+// Copies a row of `bytes` bytes: for the common row sizes a copy of known length, which the
+// compiler makes a few vector moves; memcpy with a length known only at run time is a call a
+// row (a gather of 128-byte rows: 7.9 ns a row with the call, 7.0 without).
+inline void copy_row(void* out, const void* src, int64_t bytes) {
+  switch (bytes) {
+    case 64:
+      std::memcpy(out, src, 64);
+      break;
+    case 128:
+      std::memcpy(out, src, 128);
+      break;
+    case 256:
+      std::memcpy(out, src, 256);
+      break;
+    default:
+      std::memcpy(out, src, static_cast<size_t>(bytes));
+  }
 }
 
 int bit_length(uint64_t x);

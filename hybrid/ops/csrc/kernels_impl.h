@@ -16,18 +16,11 @@ namespace HY_ISA {
 // How far ahead the two-pass optimizer kernels and the chunks of the in-place ones request
 // rows (their rows were read once already, or are requested into L2 a pass earlier).
 constexpr int64_t kPrefetchAhead = 8;
-constexpr int64_t kLine = 64;
 
 // Every cache line of a row into the second-level cache only (for a later pass over the rows).
 inline void prefetch_row_l2(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += kLine) __builtin_prefetch(c + off, 0, 2);
-}
-
-// Every cache line of a row of `bytes` bytes at p (for reading, or for writing).
-inline void prefetch_row(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += kLine) __builtin_prefetch(c + off);
 }
 
 inline void prefetch_row_w(const void* p, int64_t bytes) {
@@ -71,25 +64,6 @@ inline bool finite_row(const float* x, int64_t d) {
   v8f lanes;
   nonfinite_lanes(x, d, lanes);
   return !any_nan(lanes);
-}
-
-// Copies a row of `bytes` bytes: for the common row sizes a copy of known length, which the
-// compiler makes a few vector moves; memcpy with a length known only at run time is a call a
-// row (a gather of 128-byte rows: 7.9 ns a row with the call, 7.0 without).
-inline void copy_row(void* out, const void* src, int64_t bytes) {
-  switch (bytes) {
-    case 64:
-      std::memcpy(out, src, 64);
-      break;
-    case 128:
-      std::memcpy(out, src, 128);
-      break;
-    case 256:
-      std::memcpy(out, src, 256);
-      break;
-    default:
-      std::memcpy(out, src, static_cast<size_t>(bytes));
-  }
 }
 
 // Per-thread scratch that only grows: no allocation per call once warm.
