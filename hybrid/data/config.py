@@ -85,6 +85,14 @@ class DataConfig:
     """Held-out files read at every evaluation. File sources only."""
     batch_size: int = 256
     """Samples per trainer per step; a step trains on ``trainers x batch_size`` samples."""
+    read_ahead: int = 8
+    """Training batches each trainer draws at a time, ahead of the steps that train on them. The
+    trainers agree on each group (which batches hold NaN/inf, how many samples each step has)
+    in one small all-reduce, instead of one collective every step; 1 draws each batch in its
+    own step. The batches and the training are the same for every value. A group waits on the
+    host (a GPU trainer copies each batch to its device when its step comes), and a read error
+    in it (a malformed line) stops the run when the group is drawn, up to ``read_ahead - 1``
+    steps before that batch's step."""
     eval_batches: int = 8
     """Synthetic source: held-out batches per trainer at every evaluation."""
     ids_per_feature: int = 1
@@ -165,6 +173,8 @@ def check_data_config(cfg: DataConfig) -> None:
         value = getattr(cfg, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"data.{key}: got {value!r}; expected an integer >= 1")
+    if not isinstance(cfg.read_ahead, int) or isinstance(cfg.read_ahead, bool) or cfg.read_ahead < 1:
+        raise ValueError(f"data.read_ahead: got {cfg.read_ahead!r}; expected an integer >= 1")
     if not isinstance(cfg.eval_batches, int) or isinstance(cfg.eval_batches, bool) or cfg.eval_batches < 0:
         raise ValueError(f"data.eval_batches: got {cfg.eval_batches!r}; expected an integer >= 0")
     if not isinstance(cfg.num_negatives, int) or isinstance(cfg.num_negatives, bool) or cfg.num_negatives < 0:

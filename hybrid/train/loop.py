@@ -13,6 +13,7 @@ and everyone shuts down.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -259,6 +260,17 @@ def remote_collections(model: nn.Module) -> list[RemoteCollection]:
 
 
 @dataclasses.dataclass
+class _Drawn:
+    """One training batch as drawn: the batch (on the host), this trainer's share of the step's
+    loss, its place in the data (epoch, batch) and the batches skipped through it (NaN/inf)."""
+
+    batch: Any
+    share: float
+    pos: tuple[int, int]
+    skipped: int
+
+
+@dataclasses.dataclass
 class _Window:
     """Sums over the steps since the last train row."""
 
@@ -357,18 +369,9 @@ class Trainer:
             self._restore(self.resume)
 
     # -- data ------------------------------------------------------------------------------------
-    def _batches(self) -> Iterator[tuple[Any, float]]:
-        """Training batches, each with this trainer's share of the step's loss: ``train.steps``
-        of them, or fewer when ``epochs`` passes end first.
-
-        A batch with NaN/inf is refused or skipped by every trainer together (one small
-        all-reduce per batch, which also adds up the step's samples), so the trainers never
-        disagree on which step a batch is. The share is ``trainers x samples here / samples of
-        the step``: 1 when every trainer has a full batch; an unevenly split last batch
-        (``data.drop_last: false``) weighs each trainer's mean loss by its samples, so that the
-        trainers' averaged gradients are those of the mean over the whole step, as one process
-        computes it.
-        """
+    def _passes(self) -> Iterator[tuple[tuple[int, int], Any]]:
+        """Every training batch the data gives from the run's start (a resumed run's data
+        position), with its place (epoch, batch): passes over the data until ``train.epochs``."""
         epoch, first = self._data_start
         while True:
             produced = False
@@ -379,20 +382,7 @@ class Trainer:
                 produced = True
                 if index < first:
                     continue  # file readers: batches a resumed checkpoint already trained on
-                # On the trainer's device: the trainers' group may be NCCL, which has no CPU tensors.
-                counts = torch.tensor([0.0 if self._finite(batch) else 1.0, float(len(batch))],
-                                      dtype=torch.float64, device=self.device)
-                dist.all_reduce(counts)
-                bad, samples = counts.tolist()
-                if bad:
-                    if self.t.nonfinite == "error":
-                        raise NonFiniteBatch(
-                            f"{self.role.name}: a training batch holds NaN or inf in its dense features or "
-                            f"labels (step {self.step}); set train.nonfinite=skip to skip such batches")
-                    self.skipped += 1
-                    continue
-                self._data_pos = (epoch, index)
-                yield self._on_device(batch), self.role.num_trainers * len(batch) / samples
+                yield (epoch, index), batch
             epoch, first = epoch + 1, 0
             if not produced:
                 raise InputError(f"{self.role.name}: the training data yielded no batch of data.batch_size="
@@ -402,6 +392,55 @@ class Trainer:
                 return
             if hasattr(self.train_data, "restart"):
                 self.train_data.restart()
+
+    def _batches(self) -> Iterator[_Drawn]:
+        """The batches the loop trains on, each with this trainer's share of the step's loss (on
+        the host: :meth:`_take` moves it to the device): one a step, or fewer when ``epochs``
+        passes end first (a resumed run with no step left still draws the first, for its final
+        checkpoint's data position).
+
+        A batch with NaN/inf is refused or skipped by every trainer together, so the trainers
+        never disagree on which step a batch is: they draw ``data.read_ahead`` batches at a time
+        and agree on them in one small all-reduce (which also adds up each step's samples), one
+        collective per group instead of one a step. A refused batch raises when its step comes.
+        The share is ``trainers x samples here / samples of the step``: 1 when every trainer has
+        a full batch; an unevenly split last batch (``data.drop_last: false``) weighs each
+        trainer's mean loss by its samples, so that the trainers' averaged gradients are those of
+        the mean over the whole step, as one process computes it.
+        """
+        passes = self._passes()
+        limit = max(1, self.t.steps - self.start_step)
+        taken, skipped = 0, self.skipped
+        while taken < limit:
+            # As many as the steps left need: every trainer draws groups of the same sizes, since
+            # they agree on every batch's fate.
+            group = list(itertools.islice(passes, min(self.cfg.data.read_ahead, limit - taken)))
+            if not group:
+                return
+            # On the trainer's device: the trainers' group may be NCCL, which has no CPU tensors.
+            counts = torch.tensor([[0.0 if self._finite(b) else 1.0, float(len(b))] for _, b in group],
+                                  dtype=torch.float64, device=self.device)
+            dist.all_reduce(counts)
+            for ((pos, batch), (bad, samples)) in zip(group, counts.tolist()):
+                if bad:
+                    if self.t.nonfinite == "error":
+                        raise NonFiniteBatch(
+                            f"{self.role.name}: a training batch holds NaN or inf in its dense features or "
+                            f"labels (step {self.start_step + taken}); set train.nonfinite=skip to skip such "
+                            f"batches")
+                    skipped += 1
+                    continue
+                yield _Drawn(batch, self.role.num_trainers * len(batch) / samples, pos, skipped)
+                taken += 1
+
+    def _take(self, batches: Iterator[_Drawn]) -> tuple[Any, float] | None:
+        """The next batch (on the trainer's device) and its loss share, or None; the data position
+        and the skipped count move to it (what a checkpoint saved now records)."""
+        d = next(batches, None)
+        if d is None:
+            return None
+        self._data_pos, self.skipped = d.pos, d.skipped
+        return self._on_device(d.batch), d.share
 
     @staticmethod
     def _finite(batch) -> bool:
@@ -420,7 +459,7 @@ class Trainer:
         self.step = self.start_step
         window = _Window()
         batches = self._batches()
-        nxt = next(batches, None)
+        nxt = self._take(batches)
         if t.eval_every and self.resume is None:
             self._evaluate()  # the untrained model's numbers, for comparison
         bar = self._progress()
@@ -434,7 +473,7 @@ class Trainer:
             with hybrid.step(self.model, self.optimizer) as s:
                 outputs = self.task.forward(self.model, batch)
                 td = time.perf_counter()
-                nxt = next(batches, None) if self.step + 1 < t.steps else None
+                nxt = self._take(batches) if self.step + 1 < t.steps else None
                 data_time = time.perf_counter() - td
                 if nxt is not None:
                     # The next step's rows travel while this one computes (sync: they are read

@@ -124,6 +124,44 @@ def test_csv_data_with_a_nan_batch_is_refused_or_skipped_and_changes_nothing(tmp
     assert "3 (48 samples, 1 batches skipped)" in res.stdout, res.output
 
 
+def _train_rows(out) -> dict[int, tuple[float, int]]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["skipped_batches"]) for r in rows if r["kind"] == "train"}
+
+
+def test_batches_drawn_in_groups_train_as_batches_drawn_one_a_step(tmp_path):
+    """``data.read_ahead``: the trainers agree on groups of batches in one all-reduce. Groups of 3
+    here cross a skipped NaN batch, an unevenly split last batch and the passes' ends (70 rows:
+    per pass global batches of 16, 16 (one NaN: skipped), 16, 16 and 6, split 3 + 3); every step's
+    loss and skipped count equal drawing one batch a step, and a run resumed from step 3 (its next
+    batch drawn in the middle of a group) continues with the same losses."""
+    rows = [(i % 2, 0.5 * (i % 64), 1.0, i % 7, f"{i % 5}|{(i + 1) % 5}") for i in range(70)]
+    rows[20] = (1, "nan", 1.0, 3, "1")
+    _csv(tmp_path / "train.csv", rows)
+    _csv(tmp_path / "eval.csv", rows[:16])
+    common = ["train", "--plan", "conf/plans/dlrm.yaml", "--config", "conf/train/dlrm.yaml",
+              "model.features=[a,b]", "model.num_dense=2", "model.num_embeddings=10", "model.bottom_mlp=[8,16]",
+              "model.top_mlp=[8,1]", "data.source=csv", f"data.train_paths=[{tmp_path}/train.csv]",
+              f"data.eval_paths=[{tmp_path}/eval.csv]", "data.dense_columns=[d1,d2]", "data.sparse_columns=[a,b]",
+              "data.batch_size=8", "data.drop_last=false", "train.nonfinite=skip", "train.steps=9",
+              "train.eval_every=0", "train.log_every=1", "train.progress=false", "train.plot=false"]
+    runs = {}
+    for name, extra in [("one", ["data.read_ahead=1"]),
+                        ("groups", ["data.read_ahead=3", f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.every=3"])]:
+        res = run_hybrid(["launch", "-n", "3", *common, *extra, f"train.out_dir={tmp_path}/{name}"], timeout=240)
+        assert res.returncode == 0, res.output
+        runs[name] = _train_rows(tmp_path / name)
+    assert sorted(runs["one"]) == list(range(1, 10))
+    assert runs["groups"] == runs["one"]  # float equality: the same batches, shares and skips
+    assert runs["one"][9][1] == 2  # the NaN batch of the first two passes (the third stops before it)
+    res = run_hybrid(["launch", "-n", "3", *common, "data.read_ahead=3",
+                      f"checkpoint.resume={tmp_path}/ckpt/step_00000003", f"train.out_dir={tmp_path}/resumed"],
+                     timeout=240)
+    assert res.returncode == 0, res.output
+    resumed = _train_rows(tmp_path / "resumed")
+    assert resumed == {s: runs["one"][s] for s in range(4, 10)}
+
+
 @pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
 def test_a_rendezvous_port_in_use_is_named_at_once():
     """One node must host the rendezvous store; a taken port is an immediate, clear error (torch

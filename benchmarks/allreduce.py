@@ -1,0 +1,107 @@
+"""``python -m benchmarks.allreduce``: how long one gloo all-reduce of a DDP gradient bucket takes
+between two trainer processes of this machine.
+
+Every DDP step of every system waits for one (TorchRec's DMP also for its all-to-alls, and the
+training loop for its data agreement, ``data.read_ahead``). Two fresh processes
+(:func:`benchmarks.launch.spawn`) all-reduce a float32 tensor of ``--floats`` elements (default:
+the benchmark DLRM's dense parameters) ``--calls`` times back to back, after a warm-up, and one
+JSON line reports the wall time of a call (percentiles and mean) and each process's CPU per call
+(its threads' included: gloo's worker and event-loop threads do the work).
+
+On this project's 2-core virtual machine the median call takes about 0.3 ms, but one in ten or
+more takes 3.5-7 ms: about one tick of its kernel's scheduler (250 Hz, no preemption of kernel
+code). gloo's TCP event loop skips a connection whose lock another thread of the process holds
+and polls again at once; when that thread is waiting for the same core, the loop spins until the
+tick preempts it (``perf stat -e syscalls:sys_enter_epoll_wait -- .venv/bin/python -m
+benchmarks.allreduce`` counts hundreds of ``epoll_wait`` calls per all-reduce, against about 16
+with ``--floats 1``). See docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+
+from benchmarks.launch import BenchmarkError, spawn
+from benchmarks.workload import HelpFormatter
+
+DLRM_DENSE = 56_609
+"""Dense parameters of the benchmark's DLRM (bottom MLP 13-128-32, top MLP 256-128-1): DDP's one
+bucket."""
+PERCENTILES = (10, 50, 75, 90, 99)
+
+
+def _rank(rank: int, world_size: int, store: str, *, floats: int, calls: int, warmup: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}/pg", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        x = torch.zeros(floats)  # a sum that stays put, call after call
+        for _ in range(warmup):
+            dist.all_reduce(x)
+        dist.barrier()
+        walls = []
+        cpu0 = time.process_time()
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            walls.append(time.perf_counter() - t0)
+        cpu = (time.process_time() - cpu0) / calls
+        check = torch.full((floats,), float(rank + 1))
+        dist.all_reduce(check)
+        summed = bool((check == 3).all())
+    finally:
+        dist.destroy_process_group()
+    return {"walls": walls, "cpu_s": cpu, "summed": summed}
+
+
+def measure(floats: int = DLRM_DENSE, calls: int = 2000, warmup: int = 50, timeout_s: float = 300.0) -> dict:
+    """Run the all-reduces; the report (milliseconds)."""
+    if floats < 1 or calls < 1:
+        raise BenchmarkError(f"--floats and --calls: got {floats} and {calls}; expected integers >= 1")
+    reports = spawn(_rank, 2, timeout_s=timeout_s, floats=floats, calls=calls, warmup=warmup)
+    if not all(r["summed"] for r in reports):
+        raise BenchmarkError("the all-reduce's check (1 + 2 in every element) came out wrong")
+    walls = sorted(reports[0]["walls"])
+    at = lambda q: 1e3 * walls[min(len(walls) - 1, int(q / 100 * len(walls)))]  # noqa: E731
+    return {
+        "floats": floats,
+        "calls": calls,
+        "wall_ms": {f"p{q}": at(q) for q in PERCENTILES},
+        "mean_wall_ms": 1e3 * sum(walls) / len(walls),
+        "cpu_ms_per_call": [1e3 * r["cpu_s"] for r in reports],
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.allreduce", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--floats", type=int, default=DLRM_DENSE, help="elements of the float32 tensor all-reduced")
+    p.add_argument("--calls", type=int, default=2000, help="timed all-reduces")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before the processes are stopped")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        report = measure(args.floats, args.calls, timeout_s=args.timeout)
+    except BenchmarkError as e:
+        print(f"benchmarks.allreduce: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report))
+    w = report["wall_ms"]
+    print(f"all-reduce of {args.floats} floats between 2 processes, {args.calls} calls: "
+          + ", ".join(f"{k} {v:.2f} ms" for k, v in w.items())
+          + f"; mean {report['mean_wall_ms']:.2f} ms; CPU a call "
+          + " + ".join(f"{c:.2f}" for c in report["cpu_ms_per_call"]) + " ms", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
