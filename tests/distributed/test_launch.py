@@ -103,18 +103,24 @@ def _csv(path, rows):
     path.write_text(header + "".join(",".join(map(str, r)) + "\n" for r in rows))
 
 
+def _csv_train(tmp_path, train_rows, eval_rows, steps: int) -> list[str]:
+    """``hybrid train`` arguments for the demo DLRM on these rows (written as CSV), 8 samples per
+    trainer, a train row every step."""
+    _csv(tmp_path / "train.csv", train_rows)
+    _csv(tmp_path / "eval.csv", eval_rows)
+    return ["train", "--plan", "conf/plans/dlrm.yaml", "--config", "conf/train/dlrm.yaml",
+            "model.features=[a,b]", "model.num_dense=2", "model.num_embeddings=10", "model.bottom_mlp=[8,16]",
+            "model.top_mlp=[8,1]", "data.source=csv", f"data.train_paths=[{tmp_path}/train.csv]",
+            f"data.eval_paths=[{tmp_path}/eval.csv]", "data.dense_columns=[d1,d2]", "data.sparse_columns=[a,b]",
+            "data.batch_size=8", f"train.steps={steps}", "train.eval_every=0", "train.log_every=1",
+            "train.progress=false", "train.plot=false"]
+
+
 def test_csv_data_with_a_nan_batch_is_refused_or_skipped_and_changes_nothing(tmp_path):
     good = [(i % 2, 0.5 * i, 1.0, i % 7, f"{i % 5}|{(i + 1) % 5}") for i in range(64)]
     bad = list(good)
     bad[20] = (1, "nan", 1.0, 3, "1")  # global batch 1 (16 rows per global batch)
-    _csv(tmp_path / "train.csv", bad)
-    _csv(tmp_path / "eval.csv", good[:16])
-    common = ["train", "--plan", "conf/plans/dlrm.yaml", "--config", "conf/train/dlrm.yaml",
-              "model.features=[a,b]", "model.num_dense=2", "model.num_embeddings=10", "model.bottom_mlp=[8,16]",
-              "model.top_mlp=[8,1]", "data.source=csv", f"data.train_paths=[{tmp_path}/train.csv]",
-              f"data.eval_paths=[{tmp_path}/eval.csv]", "data.dense_columns=[d1,d2]", "data.sparse_columns=[a,b]",
-              "data.batch_size=8", "train.steps=3", "train.eval_every=0", "train.log_every=1", "train.progress=false",
-              "train.plot=false"]
+    common = _csv_train(tmp_path, bad, good[:16], steps=3)
     res = run_hybrid(["launch", "-n", "3", *common, f"train.out_dir={tmp_path}/err"], timeout=240)
     assert res.returncode != 0, res.output
     assert "NaN or inf" in res.stderr and "train.nonfinite=skip" in res.stderr, res.output
@@ -137,14 +143,7 @@ def test_batches_drawn_in_groups_train_as_batches_drawn_one_a_step(tmp_path):
     batch drawn in the middle of a group) continues with the same losses."""
     rows = [(i % 2, 0.5 * (i % 64), 1.0, i % 7, f"{i % 5}|{(i + 1) % 5}") for i in range(70)]
     rows[20] = (1, "nan", 1.0, 3, "1")
-    _csv(tmp_path / "train.csv", rows)
-    _csv(tmp_path / "eval.csv", rows[:16])
-    common = ["train", "--plan", "conf/plans/dlrm.yaml", "--config", "conf/train/dlrm.yaml",
-              "model.features=[a,b]", "model.num_dense=2", "model.num_embeddings=10", "model.bottom_mlp=[8,16]",
-              "model.top_mlp=[8,1]", "data.source=csv", f"data.train_paths=[{tmp_path}/train.csv]",
-              f"data.eval_paths=[{tmp_path}/eval.csv]", "data.dense_columns=[d1,d2]", "data.sparse_columns=[a,b]",
-              "data.batch_size=8", "data.drop_last=false", "train.nonfinite=skip", "train.steps=9",
-              "train.eval_every=0", "train.log_every=1", "train.progress=false", "train.plot=false"]
+    common = [*_csv_train(tmp_path, rows, rows[:16], steps=9), "data.drop_last=false", "train.nonfinite=skip"]
     runs = {}
     for name, extra in [("one", ["data.read_ahead=1"]),
                         ("groups", ["data.read_ahead=3", f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.every=3"])]:
