@@ -473,7 +473,7 @@ class Trainer:
             with hybrid.step(self.model, self.optimizer) as s:
                 outputs = self.task.forward(self.model, batch)
                 td = time.perf_counter()
-                nxt = self._take(batches) if self.step + 1 < t.steps else None
+                nxt = self._take(batches)  # None after the last step's batch: _batches knows how many
                 data_time = time.perf_counter() - td
                 if nxt is not None:
                     # The next step's rows travel while this one computes (sync: they are read

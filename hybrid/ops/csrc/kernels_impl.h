@@ -788,28 +788,28 @@ void initial_rows(void* out, DType out_dtype, int64_t dim, const int64_t* ids, c
 
 // -- checks -----------------------------------------------------------------------------------
 
-// Rows of a gradient with a non-finite value: one branch-free scan of the whole buffer (float32:
-// finite_row over all of it; 16-bit: the exponent bits), and only when it finds something, a
-// scan row by row to count them.
+// Whether every one of the n values at x is finite: float32 through finite_row, 16-bit values by
+// their exponent bits; branch-free either way.
+template <typename S>
+inline bool finite_values(const typename S::T* x, int64_t n) {
+  if constexpr (S::dtype == DType::f32) {
+    return finite_row(x, n);
+  } else {
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= S::finite(x[i]) ? 0u : 1u;
+    return bad == 0;
+  }
+}
+
+// Rows of a gradient with a non-finite value: one scan of the whole buffer, and only when it
+// finds something, a scan row by row to count them.
 template <typename S>
 int64_t nonfinite_rows_t(const typename S::T* x, int64_t nrows, int64_t d, int64_t* first) {
   *first = -1;
-  const int64_t n = nrows * d;
-  bool bad;
-  if constexpr (S::dtype == DType::f32) {
-    bad = !finite_row(x, n);
-  } else {
-    uint32_t b = 0;
-    for (int64_t i = 0; i < n; i++) b |= S::finite(x[i]) ? 0u : 1u;
-    bad = b != 0;
-  }
-  if (!bad) return 0;
+  if (finite_values<S>(x, nrows * d)) return 0;
   int64_t count = 0;
-  for (int64_t r = 0; r < nrows; r++) {
-    bool row_bad = false;
-    for (int64_t j = 0; j < d; j++) row_bad |= !S::finite(x[r * d + j]);
-    if (row_bad && count++ == 0) *first = r;
-  }
+  for (int64_t r = 0; r < nrows; r++)
+    if (!finite_values<S>(x + r * d, d) && count++ == 0) *first = r;
   return count;
 }
 
