@@ -329,8 +329,14 @@ def compose(
             DENSE_STRATEGIES["local"](model, entry.fqn, mesh=mesh, options=entry.options)
     # ddp modules with equal options share one DDP (one set of buckets) where that is exact.
     ddp = [(e.fqn, e.options) for e in order if e.strategy == "ddp"]
+    # In async mode a CPU trainer routes and sends the lookup two steps ahead while DDP's
+    # all-reduce is on the wire (StepPipeline.depth), time its thread would spend waiting.
+    on_launch = pipeline.reduction_launched if pipeline.can_overlap_reduction() else None
     for root, fqns, opts in merge_groups(model, ddp):
-        apply_ddp_merged(model, root, fqns, mesh=mesh, options=opts)
+        if apply_ddp_merged(model, root, fqns, mesh=mesh, options=opts, on_launch=on_launch) and on_launch:
+            pipeline.depth = 2
+    if pipeline.depth > 1 and role.index == 0:
+        logger.info("prefetch depth 2: each step asks for the rows two steps ahead while DDP's all-reduce runs")
     for entry in order:
         if entry.strategy in ("ddp", "fsdp"):
             _guard_dense(model.get_submodule(entry.fqn), entry.fqn)

@@ -5,8 +5,8 @@ The tables go to the parameter servers (``sgd`` with ``sparse_lr``, trainers' gr
 averaged), the bottom and top MLPs under DDP (``hybrid_sync``, ``hybrid_async``) or FSDP2
 (``hybrid_sync_fsdp``); ``hybrid_sync_dynamic`` is ``hybrid_sync`` with ``ids: dynamic`` tables
 (capacity ``rows`` each, ``evict: lru``: the id map, routing by hash and row creation on first
-touch, without evictions at steady state); ``hybrid_async`` runs with staleness 1 and prefetches the next batch's
-rows while the current step computes. Every step is ``with hybrid.step(model, optimizer)``, as
+touch, without evictions at steady state); ``hybrid_async`` runs with staleness 1 and prefetches two batches
+ahead, the second one's lookup sent while DDP's all-reduce runs (``s.prefetch_depth``). Every step is ``with hybrid.step(model, optimizer)``, as
 in the training loop. ``wire_dtype`` (every system) is the tables' ``wire_dtype``: the dtype of
 rows and gradients between trainers and servers. Besides the common report, trainer 0 returns the
 per-step breakdown (:class:`hybrid.ps.client.StepTimes`), the servers' counters over the timed
@@ -100,15 +100,14 @@ def wait_filled(collection, timeout_s: float = 600.0) -> None:
 
 
 def train_step(model, optimizer, batches: list, t: int) -> torch.Tensor:
-    """Step ``t`` of a composed model over ``batches``, prefetching the next batch's rows, as the
-    training loop does; the loss."""
+    """Step ``t`` of a composed model over ``batches``, prefetching the coming batches' rows (as
+    many as ``s.prefetch_depth``), as the training loop does; the loss."""
     import hybrid
 
     b = batches[t]
     with hybrid.step(model, optimizer) as s:
         logits = model(b.dense, b.kjt())
-        if t + 1 < len(batches):
-            s.prefetch(batches[t + 1].kjt())
+        s.prefetch(*(c.kjt() for c in batches[t + 1:t + 1 + s.prefetch_depth]))
         loss = loss_fn(logits, b.labels)
         s.backward(loss)
     return loss

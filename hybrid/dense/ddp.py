@@ -22,6 +22,7 @@ two small MLPs in one bucket save a millisecond per step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, get_args
 
 import torch
@@ -50,6 +51,24 @@ def _comm_hook(name: str, device_type: str):
     if name == "bf16":
         return _bf16_compress_hook_any_backend if device_type == "cpu" else default_hooks.bf16_compress_hook
     raise ValueError(f"ddp comm_hook: got {name!r}; expected one of {', '.join(map(repr, COMM_HOOKS))}")
+
+
+def _mean_allreduce(group, bucket):  # noqa: ANN001 - DDP refuses a hook whose bucket annotation is not GradBucket
+    # What DDP's built-in reduction computes, bit for bit: each gradient times 1 / trainers (the
+    # reducer scales as it copies into the bucket when no hook is registered), then a sum.
+    buffer = bucket.buffer().mul_(1.0 / group.size())
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _launch_then(hook, on_launch):
+    """``hook`` (DDP's bucket reduction), then ``on_launch()`` while the reduction is on the wire."""
+
+    def reduce_bucket(group, bucket):  # noqa: ANN001 - DDP refuses a hook whose bucket annotation is not GradBucket
+        fut = hook(group, bucket)
+        on_launch()
+        return fut
+
+    return reduce_bucket
 
 
 def _is_under(fqn: str, root: str) -> bool:
@@ -121,8 +140,11 @@ def _mergeable(model: nn.Module, fqns: list[str]) -> bool:
                    for p in _path_modules(fqns, root))
 
 
-def apply_ddp_merged(model: nn.Module, root: str, fqns: list[str], *, mesh: DeviceMesh, options: Any) -> None:
-    """One DDP for the modules ``fqns`` (a group from :func:`merge_groups`), applied on ``root``.
+def apply_ddp_merged(model: nn.Module, root: str, fqns: list[str], *, mesh: DeviceMesh, options: Any,
+                     on_launch: Callable[[], None] | None = None) -> bool:
+    """One DDP for the modules ``fqns`` (a group from :func:`merge_groups`), applied on ``root``;
+    whether it was (not when no member has a parameter that takes gradients). ``on_launch`` as
+    :func:`apply_ddp`'s.
 
     ``replicate(root, ignored_modules=...)`` takes the members' parameters and nothing else (the
     other branches under ``root`` are ignored), and its forward hooks on ``root`` drive the
@@ -130,10 +152,9 @@ def apply_ddp_merged(model: nn.Module, root: str, fqns: list[str], *, mesh: Devi
     would silently skip the sync; it raises instead, naming the group.
     """
     if len(fqns) == 1 and root == fqns[0]:
-        apply_ddp(model, root, mesh=mesh, options=options)
-        return
+        return apply_ddp(model, root, mesh=mesh, options=options, on_launch=on_launch)
     if not _has_gradients(", ".join(fqns), [p for f in fqns for p in model.get_submodule(f).parameters()]):
-        return
+        return False
     path = _path_modules(fqns, root)
     ignored = []
     for p in path:
@@ -142,8 +163,9 @@ def apply_ddp_merged(model: nn.Module, root: str, fqns: list[str], *, mesh: Devi
             if child_fqn not in fqns and child_fqn not in path:
                 ignored.append(child)
     _replicate(model, root, mesh=mesh, options=options, ignored_modules=ignored,
-               what=f"{', '.join(fqns)} (one reducer on {root or '<root>'})")
+               what=f"{', '.join(fqns)} (one reducer on {root or '<root>'})", on_launch=on_launch)
     _require_inside(model, root, fqns)
+    return True
 
 
 def _require_inside(model: nn.Module, root: str, fqns: list[str]) -> None:
@@ -176,7 +198,8 @@ def _require_inside(model: nn.Module, root: str, fqns: list[str]) -> None:
         model.get_submodule(f).register_forward_pre_hook(lambda m, a, f=f: check(m, a, fqn=f))
 
 
-def apply_ddp(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any) -> None:
+def apply_ddp(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any,
+              on_launch: Callable[[], None] | None = None) -> bool:
     """Make ``model.get_submodule(fqn)`` data parallel over ``mesh`` (the trainers), in place.
 
     Options (read by attribute): ``bucket_cap_mb``, ``static_graph``, ``gradient_as_bucket_view``,
@@ -189,10 +212,17 @@ def apply_ddp(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any) -> 
     ``DistributedDataParallel`` constructor does, this broadcasts rank 0's parameters to every
     trainer now (a collective: every trainer must call it). Gradients of a plain
     ``loss.backward()`` are then averaged over the trainers.
+
+    ``on_launch``, if given, is called inside the backward each time a bucket's reduction has
+    been launched (the composer sends postponed lookups there: the trainer's thread would
+    otherwise wait for the network). Returns whether DDP was applied (not on a module without
+    parameters that take gradients).
     """
     name = fqn or "<root>"
-    if _has_gradients(name, list(model.get_submodule(fqn).parameters())):
-        _replicate(model, fqn, mesh=mesh, options=options, ignored_modules=[], what=name)
+    if not _has_gradients(name, list(model.get_submodule(fqn).parameters())):
+        return False
+    _replicate(model, fqn, mesh=mesh, options=options, ignored_modules=[], what=name, on_launch=on_launch)
+    return True
 
 
 def _has_gradients(name: str, params: list[nn.Parameter]) -> bool:
@@ -238,11 +268,13 @@ def _sync_buffers_from_rank0(module: nn.Module, ignored_modules: list[nn.Module]
 
 
 def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ignored_modules: list[nn.Module],
-               what: str) -> None:
+               what: str, on_launch: Callable[[], None] | None) -> None:
     module = model.get_submodule(fqn)
     broadcast = broadcasts_buffers(module, ignored_modules, options.broadcast_buffers)
     group = mesh.get_group()
     hook = _comm_hook(options.comm_hook, mesh.device_type) if options.comm_hook != "none" else None
+    if on_launch is not None:
+        hook = _launch_then(hook or _mean_allreduce, on_launch)
     replicate(
         module,
         ignored_modules=ignored_modules,

@@ -12,6 +12,7 @@ and everyone shuts down.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import json
@@ -364,6 +365,8 @@ class Trainer:
                 indent=2, default=str))
         self._data_start: tuple[int, int] = (0, 0)  # (epoch, batch) of the first training batch
         self._data_pos: tuple[int, int] = (0, -1)  # (epoch, batch) of the last batch handed out
+        self._coming: collections.deque[_Drawn] = collections.deque()  # drawn for a prefetch, not yet taken
+        self._draw_error: Exception | None = None  # what drawing one of them raised, for its step to raise
         self._last_saved: int | None = None
         if self.resume is not None:
             self._restore(self.resume)
@@ -436,11 +439,34 @@ class Trainer:
     def _take(self, batches: Iterator[_Drawn]) -> tuple[Any, float] | None:
         """The next batch (on the trainer's device) and its loss share, or None; the data position
         and the skipped count move to it (what a checkpoint saved now records)."""
-        d = next(batches, None)
+        if self._coming:
+            d = self._coming.popleft()
+        elif self._draw_error is not None:
+            raise self._draw_error
+        else:
+            d = self._draw(batches)
         if d is None:
             return None
         self._data_pos, self.skipped = d.pos, d.skipped
-        return self._on_device(d.batch), d.share
+        return d.batch, d.share
+
+    def _draw(self, batches: Iterator[_Drawn]) -> _Drawn | None:
+        d = next(batches, None)
+        return None if d is None else dataclasses.replace(d, batch=self._on_device(d.batch))
+
+    def _after_next(self, batches: Iterator[_Drawn], n: int) -> list[Any]:
+        """The ``n`` batches after the next one, or as many as are left: drawn now (for their
+        prefetch) and taken by their steps, so the data position stays the next batch's."""
+        while len(self._coming) < n and self._draw_error is None:
+            try:
+                d = self._draw(batches)
+            except Exception as e:  # noqa: BLE001 - a refused or unreadable batch fails at its own step
+                self._draw_error = e
+                break
+            if d is None:
+                break
+            self._coming.append(d)
+        return [d.batch for d in itertools.islice(self._coming, n)]
 
     @staticmethod
     def _finite(batch) -> bool:
@@ -474,11 +500,13 @@ class Trainer:
                 outputs = self.task.forward(self.model, batch)
                 td = time.perf_counter()
                 nxt = self._take(batches)  # None after the last step's batch: _batches knows how many
+                later = self._after_next(batches, s.prefetch_depth - 1) if nxt is not None else []
                 data_time = time.perf_counter() - td
                 if nxt is not None:
                     # The next step's rows travel while this one computes (sync: they are read
-                    # once this step is applied, and asked for with this step's gradient push).
-                    s.prefetch(nxt[0].sparse)
+                    # once this step is applied, and asked for with this step's gradient push);
+                    # in async mode, on CPU under DDP, the step after's too (s.prefetch_depth).
+                    s.prefetch(nxt[0].sparse, *(b.sparse for b in later))
                 loss = self.task.loss(outputs, batch)
                 if share != 1.0:
                     loss = loss * share

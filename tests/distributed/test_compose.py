@@ -376,6 +376,100 @@ def test_a_step_on_another_batch_than_the_one_prefetched_looks_its_rows_up(push)
             assert r["lookups"] == 2 * (1 + STEPS + 1 + 1 + 1 - failed), (cfg, r["lookups"])
 
 
+def _two_ahead(rank, world_size, *, num_servers):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from hybrid.ps.client import BadIdError, pipeline_of
+
+    role = role_of(rank, world_size, num_servers)
+    if not role.is_trainer:
+        return None
+    t_n, me = role.num_trainers, role.index
+    lo, hi = me * B, (me + 1) * B
+    report = {"depth": {}}
+    for ci, (dense, staleness) in enumerate((("ddp", 0), ("fsdp", 1), ("ddp", 1))):
+        model = build_dlrm()
+        hybrid.compose(model, make_plan(dense, "row_wise", "sgd", num_servers, world_size, staleness), role=role,
+                       name=f"two{ci}")
+        report["depth"][(dense, staleness)] = pipeline_of(model).depth
+    pipe = pipeline_of(model)  # async, under DDP
+    optimizer = dense_opt("sgd", model.parameters())
+    sent = []  # per message: (its lookups' steps, its pushes' steps, sent inside a backward)
+    for transport in pipe.transports.values():
+        def recording(msg, send=transport.send):
+            sent.append(([p.step for p in msg.parts if p.lookup is not None],
+                         sorted({q.step for p in msg.parts for q in p.pushes}),
+                         torch._C._current_graph_task_id() != -1))
+            return send(msg)
+        transport.send = recording
+
+    def batch(s):
+        return kjt_slice(global_data(s, t_n * B)[2], lo, hi)
+
+    def run_step(s, *coming):
+        dense_x, labels, _ = global_data(s, t_n * B)
+        with hybrid.step(model, optimizer) as st:
+            logits = model(dense_x[lo:hi], batch(s)).squeeze(1)
+            st.prefetch(*coming)
+            report.setdefault("depths", set()).add(st.prefetch_depth)
+            report.setdefault("waiting", []).append(s + 2 in pipe.open_steps)  # not before the push
+            st.backward(F.binary_cross_entropy_with_logits(logits, labels[lo:hi]))
+        return loss_item(logits, labels[lo:hi])
+
+    def loss_item(logits, labels):
+        return F.binary_cross_entropy_with_logits(logits.detach(), labels).item()
+
+    report["losses"] = [run_step(s, batch(s + 1), batch(s + 2), batch(s + 3)) for s in range(STEPS)]
+    # A bad id in the batch two steps ahead: its routing fails inside the all-reduce, and the
+    # step's s.backward raises the routing's own error once the step is done (the dense
+    # optimizer stepped); the next step runs on its prefetched rows, and the one after looks up.
+    good = batch(STEPS + 2)
+    values = good.values().clone()
+    values[-1] = 10**6
+    bad = KeyedJaggedTensor.from_lengths_sync(keys=good.keys(), values=values, lengths=good.lengths())
+    before = [p.detach().clone() for p in model.over_arch.parameters()]
+    try:
+        run_step(STEPS, batch(STEPS + 1), bad)
+    except BadIdError as e:
+        report["error"] = str(e)
+    report["stepped"] = all(not torch.equal(a, p) for a, p in zip(before, model.over_arch.parameters()))
+    report["after"] = [run_step(s, batch(s + 1), batch(s + 2)) for s in (STEPS + 1, STEPS + 2)]
+    pipe.flush()
+    for st in pipe.open_steps.values():  # the last prefetches are answered, not waited for
+        for lk in st.prefetched.values():
+            for fut, _ in (lk.futures or {}).values():
+                fut.wait()
+    dist.barrier()
+    report["sent"] = sent
+    report["stats"] = model.sparse_arch.embedding_bag_collection.stats()
+    return report
+
+
+def test_async_under_ddp_asks_two_steps_ahead_while_the_all_reduce_runs():
+    """Async mode on CPU trainers under DDP prefetches two batches ahead (``s.prefetch_depth``
+    2; 1 in sync mode and without DDP): the lookup two steps ahead waits for the step's push and
+    leaves inside the backward, with DDP's all-reduce under way, carrying the push (one message
+    a step). Training goes on within the staleness bound, every lookup answered; a bad id in
+    the batch two ahead raises the routing's error after its step, and training goes on."""
+    for r in run_distributed(_two_ahead, 4, setup="hybrid", num_servers=2, timeout=150):
+        if r is None:
+            continue
+        assert r["depth"] == {("ddp", 0): 1, ("fsdp", 1): 1, ("ddp", 1): 2}
+        assert r["depths"] == {2} and not any(r["waiting"])
+        assert all(0.0 < x < 2.0 for x in r["losses"] + r["after"]), r["losses"]
+        assert "f3" in r["error"] and "1000000" in r["error"], r["error"]
+        assert r["stepped"]
+        ahead = [m for m in r["sent"] if any(2 <= s <= STEPS + 1 for s in m[0])]
+        assert len(ahead) == 2 * STEPS  # one message to each of the 2 servers per step
+        for lookups, pushes, in_backward in ahead:
+            assert in_backward and pushes == [lookups[0] - 2] and len(set(lookups)) == 1, (lookups, pushes)
+        for name, st in r["stats"].items():
+            # Steps 0 .. STEPS + 4 looked up once each by each trainer (the last two prefetched;
+            # the bad batch never left).
+            assert st["lookups"] == st["answered"] == 2 * (STEPS + 5), (name, st)
+            assert st["max_lag"] <= 1, (name, st)
+
+
 def _aborted(rank, world_size, *, num_servers, configs, abort, push):
     """Sync training with a prefetch every step, where every trainer raises inside step
     ``abort`` after its forward -- under ``rpc`` a forward on another batch than the one

@@ -306,6 +306,50 @@ def test_ddp_comm_hooks_are_registered_and_track_uncompressed_training():
         assert any(not torch.equal(v, ref_state[k]) for k, v in state.items())  # the hook did something
 
 
+def _on_launch(rank: int, world_size: int, *, steps: int):
+    """DDP with ``on_launch``, without and with fp16 compression, beside DDP with neither."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = {}
+    for name, hook, launch in [("plain", "none", False), ("launch", "none", True), ("fp16", "fp16", False),
+                               ("fp16+launch", "fp16", True)]:
+        calls: list[tuple[int, bool]] = []
+        step = [0]
+
+        def on_launch():
+            # Inside the backward (a graph task runs), with the bucket's all-reduce under way.
+            calls.append((step[0], torch._C._current_graph_task_id() != -1))
+
+        model = build()
+        applied = apply_ddp(model, "", mesh=mesh, options=DDPOpts(comm_hook=hook),
+                            on_launch=on_launch if launch else None)
+        opt = make_opt("sgd", model.parameters())
+        grads = []
+        for s in range(steps):
+            step[0] = s
+            x, y = data(s, world_size * B)
+            opt.zero_grad()
+            F.mse_loss(model(x[rank * B:(rank + 1) * B]), y[rank * B:(rank + 1) * B]).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            opt.step()
+        out[name] = (applied, calls, grads)
+    out["nothing"] = apply_ddp(nn.Sequential(nn.ReLU()), "", mesh=mesh, options=DDPOpts(), on_launch=lambda: None)
+    return out
+
+
+def test_ddp_on_launch_runs_in_each_bucket_reduction_and_keeps_ddps_gradients_bit_for_bit():
+    """``on_launch`` is called inside the backward of every step, once the (one) bucket's
+    all-reduce is launched; DDP's mean comes out bit for bit as without it, with 3 trainers (the
+    1/3 scaling rounds), uncompressed and compressed."""
+    for out in run_distributed(_on_launch, 3, timeout=90, steps=3):
+        for ref, name in (("plain", "launch"), ("fp16", "fp16+launch")):
+            applied, calls, grads = out[name]
+            assert applied and calls == [(0, True), (1, True), (2, True)], (name, calls)
+            assert out[ref][1] == []
+            for s, (got, want) in enumerate(zip(grads, out[ref][2])):
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), (name, s)
+        assert out["nothing"] is False  # no parameter takes gradients: no DDP, nothing to call
+
+
 class Indexed(nn.Module):
     """Mixed behind a fixed feature permutation held as an integer buffer (like DLRM's
     ``triu_indices``), with an optional BatchNorm (float running statistics) in front, and an

@@ -132,6 +132,11 @@ class StepState:
     """id(collection) -> its lookup of this step, sent or deferred ahead of the forward."""
     deferred: list[Lookup] = field(default_factory=list)
     """Lookups routed ahead, to be sent with the previous step's gradient push (sync)."""
+    postponed: list[tuple[Any, int]] = field(default_factory=list)
+    """(sparse features, steps ahead) of prefetches two or more steps ahead, asked for before this
+    step's push: routed and sent once it is owed (:meth:`StepPipeline.send_postponed`)."""
+    postpone_error: Exception | None = None
+    """What sending them raised inside the backward, raised by ``s.backward`` after the step."""
     inflight: list[Lookup] = field(default_factory=list)
     """Lookups sent for this step whose rows the model has not consumed yet."""
     times: StepTimes = field(default_factory=StepTimes)
@@ -410,6 +415,9 @@ class StepPipeline:
         self.current: StepState | None = None
         self.last_times: StepTimes | None = None
         self.collections: list[RemoteCollection] = []
+        self.depth = 1
+        """How many coming batches a step prefetches (``s.prefetch_depth``): 2 where the composer
+        hooked :meth:`reduction_launched` into DDP (:meth:`can_overlap_reduction`), else 1."""
 
     # -- steps ----------------------------------------------------------------------------------
     def _state(self, step: int) -> StepState:
@@ -571,11 +579,55 @@ class StepPipeline:
         local.register_post_accumulate_grad_hook(self._grad_hook(state))
         return local
 
+    def can_overlap_reduction(self) -> bool:
+        """Whether this trainer looks up two steps ahead, the second lookup sent while DDP's
+        all-reduce runs: in async mode (a lookup of step t + 2 may then read rows once step t is
+        pushed), with gradients riding the step messages (under ``dist_autograd`` a lookup
+        belongs to its own step's context), on a CPU trainer (on a GPU the backward and the
+        all-reduce run on the device's streams, so the thread is not waiting there, and the hook
+        runs on autograd's device thread), for a model with remote collections."""
+        return (self.staleness >= 1 and not self.push_strategy.autograd and self.device.type == "cpu"
+                and bool(self.collections))
+
+    def reduction_launched(self) -> None:
+        """DDP's comm hook, once it has launched a bucket's all-reduce: the step's postponed
+        lookups go now, while the trainer would otherwise wait for the network. Inside autograd
+        an error would come out as another exception: it is kept for ``s.backward`` to raise."""
+        state = self.current
+        try:
+            self.send_postponed()
+        except Exception as e:  # noqa: BLE001 - raised again by s.backward, outside autograd
+            if state is not None:
+                state.postpone_error = e
+
+    def send_postponed(self) -> None:
+        """Route and send the current step's postponed prefetches (two or more steps ahead), once
+        its gradients are owed (they ride on these lookups): from :meth:`reduction_launched`, or
+        by ``s.backward`` after the backward where no all-reduce did."""
+        state = self.current
+        if state is None or not state.pushed:
+            return
+        if state.postpone_error is not None:
+            e, state.postpone_error = state.postpone_error, None
+            raise e
+        while state.postponed:
+            kjt, ahead = state.postponed.pop(0)
+            self.prefetch(kjt, ahead)
+
     def prefetch(self, kjt, ahead: int = 1) -> None:
         """Route the batch of the step ``ahead`` steps on (for every collection whose features
         ``kjt`` holds; with no step open, ``ahead`` 1 is the next step to run) and ask for its
         rows: at once where the step may already read them (staleness >= ``ahead``, or no step
-        open), else together with this step's gradient push."""
+        open), else together with this step's gradient push. A lookup two or more steps ahead
+        asked for before this step's push is postponed until the push is owed and rides on it
+        (:meth:`send_postponed`): it may read rows this step updates, and it has a whole step to
+        come back."""
+        if ahead > self.staleness + 1:
+            raise ValueError(f"prefetch {ahead} steps ahead: staleness {self.staleness} allows at most "
+                             f"{self.staleness + 1} (the lookup would wait for a push sent after it)")
+        if ahead > 1 and self.current is not None and not self.current.pushed:
+            self.current.postponed.append((kjt, ahead))
+            return
         base = self.next_step - 1 if self.current is None else self.current.step
         state = self._state(base + ahead)
         lookups = []
@@ -640,10 +692,21 @@ class StepHandle:
     def times(self) -> StepTimes:
         return self._state.times if self._state is not None else StepTimes()
 
-    def prefetch(self, kjt) -> None:
-        """Ask now for the rows the next step's batch (its sparse features ``kjt``) will need."""
+    @property
+    def prefetch_depth(self) -> int:
+        """How many coming batches :meth:`prefetch` uses: 2 in async mode on a CPU trainer whose
+        dense part is under DDP (the second batch's lookup leaves while DDP's all-reduce runs
+        and has a whole step to come back), else 1; 0 for a plain model."""
+        return self._pipeline.depth if self._pipeline is not None else 0
+
+    def prefetch(self, *kjts) -> None:
+        """Ask for the rows the coming steps' batches (their sparse features, the next step's
+        first) will need: the first :attr:`prefetch_depth` of ``kjts``; the rest are ignored
+        (asked for by the steps after). A batch asked for by an earlier step is not asked for
+        again."""
         if self._pipeline is not None:
-            self._pipeline.prefetch(kjt)
+            for ahead, kjt in enumerate(kjts[:self._pipeline.depth], start=1):
+                self._pipeline.prefetch(kjt, ahead)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Local backward (dense hooks fire), push to the servers, then the dense optimizer."""
@@ -659,15 +722,22 @@ class StepHandle:
             if state is not None:
                 state.in_backward = False
         t1 = time.perf_counter()
+        failed = None
         if state is not None:
             state.times.dense += t1 - self._t0 - state.times.lookup
             self._pipeline.gradients_ready(state)
+            try:
+                self._pipeline.send_postponed()  # what no all-reduce sent
+            except Exception as e:  # noqa: BLE001 - a later batch's: this step still completes
+                failed = e
         if self._optimizer is not None:
             self._optimizer.step()
             self._optimizer.zero_grad(set_to_none=True)
         if state is not None:
             state.times.optimizer += time.perf_counter() - t1
         self.backward_done = True
+        if failed is not None:
+            raise failed
 
 
 def pipeline_of(model: torch.nn.Module | StepPipeline | None) -> StepPipeline | None:
