@@ -65,7 +65,8 @@ def build_dlrm(seed: int = 0, *, plain: bool = False, cls: type[DLRM] = DLRM) ->
     return model
 
 
-def make_plan(dense: str, sharding: str, opt: str, num_servers: int, world_size: int, staleness: int = 0):
+def make_plan(dense: str, sharding: str, opt: str, num_servers: int, world_size: int, staleness: int = 0,
+              hot_rows: int = 0):
     """``sharding`` ``table_wise+pool_on_server``: table-wise with ``pool_on: server``."""
     sharding, _, pool = sharding.partition("+")
     modules = {
@@ -73,6 +74,7 @@ def make_plan(dense: str, sharding: str, opt: str, num_servers: int, world_size:
             "strategy": "parameter_server", "sharding": sharding,
             "optimizer": {"name": SPARSE_OPT[opt], "lr": LR[opt][1]},
             **({"pool_on": "server"} if pool == "pool_on_server" else {}),
+            **({"hot_rows": hot_rows} if hot_rows else {}),
         },
         **copy.deepcopy(DENSE[dense]),
     }
@@ -387,11 +389,11 @@ def _two_ahead(rank, world_size, *, num_servers):
     t_n, me = role.num_trainers, role.index
     lo, hi = me * B, (me + 1) * B
     report = {"depth": {}}
-    for ci, (dense, staleness) in enumerate((("ddp", 0), ("fsdp", 1), ("ddp", 1))):
+    for ci, (dense, staleness, hot) in enumerate((("ddp", 0, 0), ("fsdp", 1, 0), ("ddp", 2, 100), ("ddp", 1, 0))):
         model = build_dlrm()
-        hybrid.compose(model, make_plan(dense, "row_wise", "sgd", num_servers, world_size, staleness), role=role,
-                       name=f"two{ci}")
-        report["depth"][(dense, staleness)] = pipeline_of(model).depth
+        hybrid.compose(model, make_plan(dense, "row_wise", "sgd", num_servers, world_size, staleness, hot),
+                       role=role, name=f"two{ci}")
+        report["depth"][(dense, staleness, hot)] = pipeline_of(model).depth
     pipe = pipeline_of(model)  # async, under DDP
     optimizer = dense_opt("sgd", model.parameters())
     sent = []  # per message: (its lookups' steps, its pushes' steps, sent inside a backward)
@@ -447,14 +449,14 @@ def _two_ahead(rank, world_size, *, num_servers):
 
 def test_async_under_ddp_asks_two_steps_ahead_while_the_all_reduce_runs():
     """Async mode on CPU trainers under DDP prefetches two batches ahead (``s.prefetch_depth``
-    2; 1 in sync mode and without DDP): the lookup two steps ahead waits for the step's push and
+    2; 1 in sync mode, without DDP and with a hot-row cache): the lookup two steps ahead waits for the step's push and
     leaves inside the backward, with DDP's all-reduce under way, carrying the push (one message
     a step). Training goes on within the staleness bound, every lookup answered; a bad id in
     the batch two ahead raises the routing's error after its step, and training goes on."""
     for r in run_distributed(_two_ahead, 4, setup="hybrid", num_servers=2, timeout=150):
         if r is None:
             continue
-        assert r["depth"] == {("ddp", 0): 1, ("fsdp", 1): 1, ("ddp", 1): 2}
+        assert r["depth"] == {("ddp", 0, 0): 1, ("fsdp", 1, 0): 1, ("ddp", 2, 100): 1, ("ddp", 1, 0): 2}
         assert r["depths"] == {2} and not any(r["waiting"])
         assert all(0.0 < x < 2.0 for x in r["losses"] + r["after"]), r["losses"]
         assert "f3" in r["error"] and "1000000" in r["error"], r["error"]

@@ -585,9 +585,12 @@ class StepPipeline:
         pushed), with gradients riding the step messages (under ``dist_autograd`` a lookup
         belongs to its own step's context), on a CPU trainer (on a GPU the backward and the
         all-reduce run on the device's streams, so the thread is not waiting there, and the hook
-        runs on autograd's device thread), for a model with remote collections."""
+        runs on autograd's device thread), for a model with remote collections and no hot-row
+        cache (its rows serve a lookup within the staleness bound of their reply: made two steps
+        ahead, a lookup finds none fresh enough at staleness 2, where one step ahead it found
+        about a tenth)."""
         return (self.staleness >= 1 and not self.push_strategy.autograd and self.device.type == "cpu"
-                and bool(self.collections))
+                and bool(self.collections) and all(c.hot_rows is None for c in self.collections))
 
     def reduction_launched(self) -> None:
         """DDP's comm hook, once it has launched a bucket's all-reduce: the step's postponed
