@@ -500,7 +500,7 @@ class Trainer:
                 outputs = self.task.forward(self.model, batch)
                 td = time.perf_counter()
                 nxt = self._take(batches)  # None after the last step's batch: _batches knows how many
-                later = self._after_next(batches, s.prefetch_depth - 1) if nxt is not None else []
+                later = self._after_next(batches, max(s.prefetch_depth - 1, 0)) if nxt is not None else []
                 data_time = time.perf_counter() - td
                 if nxt is not None:
                     # The next step's rows travel while this one computes (sync: they are read
