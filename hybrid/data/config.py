@@ -169,12 +169,10 @@ def check_data_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.check_lines: got {cfg.check_lines!r}; expected an integer >= 0")
     if cfg.malformed not in MALFORMED:
         raise ValueError(f"data.malformed: got {cfg.malformed!r}; expected one of {_one_of(MALFORMED)}")
-    for key in ("batch_size", "ids_per_feature", "max_len"):
+    for key in ("batch_size", "ids_per_feature", "max_len", "read_ahead"):
         value = getattr(cfg, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"data.{key}: got {value!r}; expected an integer >= 1")
-    if not isinstance(cfg.read_ahead, int) or isinstance(cfg.read_ahead, bool) or cfg.read_ahead < 1:
-        raise ValueError(f"data.read_ahead: got {cfg.read_ahead!r}; expected an integer >= 1")
     if not isinstance(cfg.eval_batches, int) or isinstance(cfg.eval_batches, bool) or cfg.eval_batches < 0:
         raise ValueError(f"data.eval_batches: got {cfg.eval_batches!r}; expected an integer >= 0")
     if not isinstance(cfg.num_negatives, int) or isinstance(cfg.num_negatives, bool) or cfg.num_negatives < 0:

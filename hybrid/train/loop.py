@@ -262,8 +262,10 @@ def remote_collections(model: nn.Module) -> list[RemoteCollection]:
 
 @dataclasses.dataclass
 class _Drawn:
-    """One training batch as drawn: the batch (on the host), this trainer's share of the step's
-    loss, its place in the data (epoch, batch) and the batches skipped through it (NaN/inf)."""
+    """One training batch as drawn: the batch (on the host as :meth:`Trainer._batches` yields it,
+    on the trainer's device once :meth:`Trainer._draw` took it), this trainer's share of the
+    step's loss, its place in the data (epoch, batch) and the batches skipped through it
+    (NaN/inf)."""
 
     batch: Any
     share: float

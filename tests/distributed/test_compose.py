@@ -415,11 +415,9 @@ def _two_ahead(rank, world_size, *, num_servers):
             st.prefetch(*coming)
             report.setdefault("depths", set()).add(st.prefetch_depth)
             report.setdefault("waiting", []).append(s + 2 in pipe.open_steps)  # not before the push
-            st.backward(F.binary_cross_entropy_with_logits(logits, labels[lo:hi]))
-        return loss_item(logits, labels[lo:hi])
-
-    def loss_item(logits, labels):
-        return F.binary_cross_entropy_with_logits(logits.detach(), labels).item()
+            loss = F.binary_cross_entropy_with_logits(logits, labels[lo:hi])
+            st.backward(loss)
+        return loss.item()
 
     report["losses"] = [run_step(s, batch(s + 1), batch(s + 2), batch(s + 3)) for s in range(STEPS)]
     # A bad id in the batch two steps ahead: its routing fails inside the all-reduce, and the
