@@ -101,34 +101,61 @@ def test_a_lookup_and_its_push_cross_intact_and_rows_come_back(server, kind):
     trainer.close()
 
 
-def test_a_reply_s_rows_are_used_in_place_until_the_reply_two_messages_later(server, kind):
-    """No copy of a reply: its rows are views of the trainer's reply region, whose two halves
-    take the replies in turn, so the rows of message n hold while n + 1's are used and are
-    overwritten by n + 2's."""
+def test_a_reply_s_rows_are_used_in_place_until_the_reply_three_messages_later(server, kind):
+    """No copy of a reply: its rows are views of the trainer's reply region, whose three slots
+    take the replies in turn, so the rows of message n hold while n + 1's and n + 2's are used
+    and are overwritten by n + 3's."""
     trainer, _, _ = _pair(kind)
     first = trainer.send(_lookup(0)).wait()[0]
     want = first.clone()
-    second = trainer.send(_lookup(0, ids=(0, 1, 2))).wait()[0]
-    assert torch.equal(first, want) and second.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
-    third = trainer.send(_lookup(0, ids=(0, 1, 2))).wait()[0]
-    assert third.data_ptr() == first.data_ptr() and torch.equal(first, second) and not torch.equal(first, want)
+    for _ in range(2):
+        later = trainer.send(_lookup(0, ids=(0, 1, 2))).wait()[0]
+        assert torch.equal(first, want) and later.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    fourth = trainer.send(_lookup(0, ids=(0, 1, 2))).wait()[0]
+    assert fourth.data_ptr() == first.data_ptr() and torch.equal(first, later) and not torch.equal(first, want)
     trainer.close()
 
 
-def test_a_second_message_while_rows_are_outstanding_goes_to_the_fallback(server, kind):
-    trainer, _, fallback = _pair(kind)
-    waiting = trainer.send(_lookup(5))  # step 5 waits for steps through 4: nobody answers it yet
-    msg = _lookup(0)
-    fut = trainer.send(msg)
-    assert fallback.sent == [msg], "it could wait forever behind the first"
-    assert fut.wait()[0].numel() == 6
+def _complete_through(server, step: int) -> None:
+    """As if steps through ``step`` were applied: the lookups waiting for them are answered."""
     shard = server.shard("c")
     with shard.lock:
-        shard.complete_through = 4  # as if steps 0-4 were applied
+        shard.complete_through = step
     for fn, err in shard.ready_waiters():
         fn(err)
-    assert waiting.wait()[0].numel() == 6
+
+
+def test_two_messages_wait_on_the_channel_and_a_third_goes_to_the_fallback(server, kind):
+    """Two messages may be unanswered on the channel, each answered when it can be: a lookup
+    that waits for its step is passed by the one after it. A third message while the first
+    still waits for rows goes to the fallback (the first's step may need its push)."""
+    trainer, _, fallback = _pair(kind)
+    waiting = trainer.send(_lookup(5))  # step 5 waits for steps through 4: nobody answers it yet
+    second = trainer.send(_lookup(0))
+    assert fallback.sent == [] and second.wait()[0].tolist() == [2.0, 3.0, 6.0, 7.0, 8.0, 9.0]
+    assert not waiting.done
+    msg = _lookup(0, ids=(0, 1, 2))
+    third = trainer.send(msg)
+    assert fallback.sent == [msg], "it could wait forever behind the first"
+    assert third.wait()[0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    _complete_through(server, 4)
+    assert waiting.wait()[0].tolist() == [2.0, 3.0, 6.0, 7.0, 8.0, 9.0]
     assert trainer.send(_lookup(5)).wait()[0].numel() == 6  # the channel is free again
+    assert fallback.sent == [msg] and server.shard("c").counters.channel_lookups == 3
+    trainer.close()
+
+
+def test_a_push_only_message_in_the_window_is_waited_for_not_passed_to_the_fallback(server, kind):
+    trainer, _, fallback = _pair(kind)
+    rows = Rows([0, 1], [2, 1], torch.tensor([1, 3, 4]))
+    pushed = trainer.send(StepMessage(trainer=0, parts=[Part(collection_handle("c"), pushes=[Push(0, rows,
+                                                                                              torch.ones(6))])]))
+    waiting = trainer.send(_lookup(5))
+    got = trainer.send(_lookup(1)).wait()[0]  # step 0 is applied: the push's answer came first
+    assert pushed.done and fallback.sent == [] and not waiting.done
+    assert got.tolist() == [1.0, 2.0, 5.0, 6.0, 7.0, 8.0]
+    _complete_through(server, 4)
+    assert waiting.wait()[0].tolist() == [1.0, 2.0, 5.0, 6.0, 7.0, 8.0]
     trainer.close()
 
 
@@ -166,7 +193,7 @@ def test_a_reply_collected_before_its_lookups_read_it_keeps_its_rows(server, kin
     assert not fallback.sent
     assert first.wait()[0].tolist() == [2.0, 3.0, 6.0, 7.0, 8.0, 9.0]  # the first lookup reads its rows
     fut.wait()
-    for ids in ((5, 6, 7), (8, 9, 2)):  # the second of these answers into the first reply's half
+    for ids in ((5, 6, 7), (8, 9, 2), (1, 2, 3)):  # the last of these answers into the first reply's slot
         trainer.send(_lookup(0, ids=ids)).wait()
     assert first.wait()[1].tolist() == [0.0, 1.0, 10.0, 11.0]  # the second lookup reads its rows only now
     trainer.close()
@@ -184,11 +211,11 @@ def test_a_server_error_comes_back_as_the_message_s_error(server, kind):
     trainer.close()
 
 
-def test_a_message_that_took_the_fallback_is_handled_after_the_one_still_on_the_channel(server, kind, monkeypatch):
-    """Step 0's push rides on step 1's lookup through the channel; step 1's push, sent while
-    that lookup's rows are outstanding, takes the fallback and may reach the server first. The
-    server handles the trainer's messages in the order they were sent: the lookup reads the
-    rows after step 0 only, then step 1 applies."""
+def test_a_message_that_took_the_fallback_is_handled_after_those_still_on_the_channel(server, kind, monkeypatch):
+    """Step 0's push rides on step 1's lookup through the channel, followed there by another
+    lookup of step 1; step 1's push, sent while both lookups' rows are outstanding, takes the
+    fallback and may reach the server first. The server handles the trainer's messages in the
+    order they were sent: the lookups read the rows after step 0 only, then step 1 applies."""
     gate = threading.Event()
     read = channel.read_frame
 
@@ -202,8 +229,9 @@ def test_a_message_that_took_the_fallback_is_handled_after_the_one_still_on_the_
     rows = Rows([0, 1], [2, 1], torch.tensor([1, 3, 4]))
     g0, g1 = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), torch.full((6,), 10.0)
     looked = trainer.send(_lookup(1, pushes=[Push(0, rows, g0)]))
+    again = trainer.send(_lookup(1))
     pushed = trainer.send(StepMessage(trainer=0, parts=[Part(collection_handle("c"), pushes=[Push(1, rows, g1)])]))
-    assert len(fallback.sent) == 1
+    assert len(fallback.sent) == 1 and fallback.sent[0].parts[0].lookup is None
     shard = server.shard("c")
     deadline = time.monotonic() + 5
     while server.inbox.held_count() == 0 and time.monotonic() < deadline:
@@ -213,7 +241,7 @@ def test_a_message_that_took_the_fallback_is_handled_after_the_one_still_on_the_
     got = looked.wait()[0]
     pushed.wait()
     start = torch.tensor([2.0, 3.0, 6.0, 7.0, 8.0, 9.0])  # table a rows 1 and 3, table b row 4 (sgd, lr 1)
-    assert got.tolist() == (start - g0).tolist()
+    assert got.tolist() == (start - g0).tolist() and again.wait()[0].tolist() == (start - g0).tolist()
     a, b = shard.tables[0].weight, shard.tables[1].weight
     assert torch.cat([a[1], a[3], b[4]]).tolist() == (start - g0 - g1).tolist()
     assert shard.complete_through == 1 and server.inbox.held_count() == 0
@@ -383,16 +411,16 @@ def test_a_frame_sent_from_its_tensors_is_the_frame_a_region_holds():
     got = bytearray()
 
     def read() -> None:
-        while len(got) < 8 + n:
+        while len(got) < 16 + n:
             got.extend(b.recv(1 << 16))
 
     reader = threading.Thread(target=read)
     reader.start()
-    tcp._send_pieces(a, [tcp._LENGTH.pack(n), *pieces])
+    tcp._send_pieces(a, [tcp._PREFIX.pack(n, 5), *pieces])
     reader.join(timeout=30)
     a.close(), b.close()
-    assert tcp._LENGTH.unpack(bytes(got[:8]))[0] == n
-    assert bytes(got[8:]) == bytes(region[:end].numpy())
+    assert tcp._PREFIX.unpack(bytes(got[:16])) == (n, 5)
+    assert bytes(got[16:]) == bytes(region[:end].numpy())
 
 
 def test_the_server_refuses_channel_files_that_are_not_the_trainer_s():

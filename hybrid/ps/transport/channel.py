@@ -1,14 +1,19 @@
 """What the frame channels share: the layout of a frame in a byte region, and the two ends.
 
-A frame channel carries a trainer's step messages to one server outside RPC, one message at a
-time: the message's frame (:mod:`hybrid.ps.protocol`) is laid out in a byte region
-(:func:`write_frame`), the other end finds it in a region of its own (:func:`read_frame`) and
-answers the same way. How the bytes get there is each channel's own: shared pages and a FIFO
-doorbell on one host (:mod:`hybrid.ps.transport.shm`), a TCP connection across hosts
-(:mod:`hybrid.ps.transport.tcp`). :class:`TrainerEnd` and :class:`ServerEnd` hold the rest: the
-one-outstanding-message rule with its RPC fallback, the deadline, the reply's future, and the
-server's thread that decodes, hands the message to the server and writes the reply (rows
-gathered straight into the reply's region).
+A frame channel carries a trainer's step messages to one server outside RPC, up to
+:data:`WINDOW` of them unanswered at a time: the message's frame (:mod:`hybrid.ps.protocol`) is
+laid out in a byte region (:func:`write_frame`), the other end finds it in a region of its own
+(:func:`read_frame`) and answers the same way. How the bytes get there is each channel's own:
+shared pages and a FIFO doorbell on one host (:mod:`hybrid.ps.transport.shm`), a TCP connection
+across hosts (:mod:`hybrid.ps.transport.tcp`). :class:`TrainerEnd` and :class:`ServerEnd` hold
+the rest: the window with its RPC fallback, the deadline, the replies' futures, and the server's
+thread that decodes, hands the message to the server and writes the reply (rows gathered
+straight into the reply's region).
+
+Each message ``seq`` has its slots, fixed by its number: its request in slot ``seq %
+WINDOW`` of the request region, its reply in slot ``seq % REPLY_SLOTS`` of the trainer's reply
+region (:func:`slot`). Replies come back in the order the server completes them (a lookup that
+waits for its step is passed by a later message that need not), each naming its message.
 
 A region's layout::
 
@@ -35,6 +40,14 @@ ENTRY = struct.Struct("<qqq")  # dtype code, elements, offset
 ALIGN = 64
 DTYPES = {0: torch.int64, 1: torch.float32, 2: torch.uint8, 3: torch.bfloat16, 4: torch.float16, 5: torch.int32}
 CODES = {v: k for k, v in DTYPES.items()}
+
+
+WINDOW = 2
+"""Messages of a channel unanswered at a time: an async trainer's lookup two steps ahead is sent
+while the one a step ahead is still unanswered (:mod:`hybrid.ps.client.pipeline`)."""
+REPLY_SLOTS = WINDOW + 1
+"""Slots of a trainer's reply region: a reply's rows are used in place until the reply of the
+message :data:`REPLY_SLOTS` later overwrites them."""
 
 
 class ChannelError(RuntimeError):
@@ -117,27 +130,29 @@ def error_frame(err: BaseException | str) -> Frame:
     return Frame([], [torch.frombuffer(bytearray(text), dtype=torch.uint8)])
 
 
-def reply_region(rep: torch.Tensor, seq: int) -> torch.Tensor:
-    """Where the reply to message ``seq`` lies in a trainer's ``rep``: its two halves in turn.
-    A reply's rows are used in place, without a copy, until the reply two messages later."""
-    half = rep.numel() // 2
-    return rep[(seq % 2) * half : (seq % 2 + 1) * half]
+def slot(region: torch.Tensor, seq: int, slots: int) -> torch.Tensor:
+    """Message ``seq``'s part of ``region``, made of ``slots`` equal slots taken in turn."""
+    size = region.numel() // slots
+    return region[(seq % slots) * size : (seq % slots + 1) * size]
 
 
 class TrainerEnd(Transport, ABC):
-    """A trainer's end of a frame channel to one server: one message at a time in ``req``, its
-    reply read from ``rep`` (twice the size of a reply: :func:`reply_region`). A message sent
-    while a reply carrying rows is outstanding (it may wait for a step this message completes: a
-    prefetch), too big for the region, or with distributed-autograd lookups goes over ``fallback``
-    (RPC), numbered in this channel's stream: the server handles it after the message still on
-    the channel. A push-only reply is collected first. So with one message outstanding, the reply of
-    message ``n`` is overwritten by that of ``n + 2`` at the earliest, sent once ``n + 1``'s reply
-    was collected: a reply's rows are consumed (pooled, copied to a device) as they are received
-    (waited for by each lookup of the message), long before. A reply collected by a later send
-    before every lookup of it waited (a prefetch sent before the current step's rows are read:
-    both replies are then collected unread) is copied out of the region when message ``n + 2``
-    is sent. Subclasses move the bytes (:meth:`_post`, :meth:`_receive`) and say what they
-    are (:attr:`Transport.what`: ``shared-memory channel``, ``TCP step connection``)."""
+    """A trainer's end of a frame channel to one server. Message ``seq`` is laid out in its slot of
+    ``req`` (:data:`WINDOW` slots) and answered in its slot of ``rep`` (:data:`REPLY_SLOTS`
+    slots). It goes on the channel once every message up to ``seq - WINDOW`` is answered (the
+    server is done with a request once it answers it, so its slot is free); a push-only message
+    there is waited for (it is answered at once), one that waits for rows is not (its step may
+    need this message's push). Such a message, one too big for a slot, and distributed-autograd
+    lookups go over ``fallback`` (RPC), numbered in this channel's stream: the server handles
+    them in their turn.
+
+    A reply's rows are views into its slot, used in place until the message
+    :data:`REPLY_SLOTS` later is sent: by then its rows were consumed (pooled, copied to a
+    device) as they were received, when each lookup of the message waited for it. A reply taken
+    in before every lookup of it waited (while waiting for another message's reply) and still
+    unread then is copied out of its slot first. Subclasses move the bytes (:meth:`_post`,
+    :meth:`_receive`) and say what they are (:attr:`Transport.what`: ``shared-memory channel``,
+    ``TCP step connection``)."""
 
     def __init__(self, server: str, req: torch.Tensor, rep: torch.Tensor, *, fallback: Transport,
                  timeout_s: float) -> None:
@@ -147,56 +162,62 @@ class TrainerEnd(Transport, ABC):
         self.timeout_s = timeout_s
         self.req, self.rep = req, rep
         self.seq = 0
-        self.outstanding: _Reply | None = None
-        self.in_region: list[_Reply | None] = [None, None]
-        """Per half of ``rep``, the collected reply whose tensors are views into it."""
+        self.pending: dict[int, _Reply] = {}
+        """The unanswered messages, by number."""
+        self.in_region: list[_Reply | None] = [None] * REPLY_SLOTS
+        """Per slot of ``rep``, the reply taken in whose tensors are views into it."""
         self.closed = False
 
     @abstractmethod
-    def _post(self, end: int) -> bool:
-        """The frame :meth:`_write` laid out (``end`` bytes) goes to the server; ``False`` if the
-        server is gone."""
+    def _post(self, seq: int, end: int) -> bool:
+        """Message ``seq``, the frame :meth:`_write` laid out (``end`` bytes), goes to the server;
+        ``False`` if the server is gone."""
 
     def _write(self, seq: int, frame: Frame) -> int:
-        """Lay out message ``seq`` for :meth:`_post`: here, in ``req``; its end, or 0 if it does
-        not fit."""
-        return write_frame(self.req, seq, STEP, frame)
+        """Lay out message ``seq`` for :meth:`_post`: here, in its slot of ``req``; its end, or 0
+        if it does not fit."""
+        return write_frame(slot(self.req, seq, WINDOW), seq, STEP, frame)
 
     @abstractmethod
-    def _receive(self, left_s: float, block: bool) -> bool | None:
-        """Wait up to ``left_s`` for the reply to message :attr:`seq` to arrive in its
-        :func:`reply_region` (not at all without ``block``): ``True`` once it is there, ``False``
-        if not yet, ``None`` at end-of-file (the server closed its end). May raise
-        :class:`ChannelError`."""
+    def _receive(self, left_s: float, block: bool) -> int | bool | None:
+        """Wait up to ``left_s`` for the next reply to arrive in its slot of ``rep`` (not at all
+        without ``block``): the number of the message it answers once it is there (one of
+        :attr:`pending`), ``False`` if none came, ``None`` at end-of-file (the server closed its
+        end). May raise :class:`ChannelError`."""
 
     def deliver(self, msg: StepMessage):
-        if self.closed or msg.autograd or (
-                self.outstanding is not None and not self._collect(block=not self.outstanding.answers_rows)):
+        if self.closed or msg.autograd:
             return self.fallback.deliver(msg)
         seq = self.seq + 1
-        self._keep_unread(seq % 2)
+        while self.pending and (old := min(self.pending)) <= seq - WINDOW:  # its slots are seq's
+            if not self._take(block=not self.pending[old].answers_rows):
+                return self.fallback.deliver(msg)
+        if self.closed:  # a reply taken in above found the channel broken
+            return self.fallback.deliver(msg)
+        self._keep_unread(seq % REPLY_SLOTS)
         end = self._write(seq, protocol.encode(msg))
         if not end:
             return self.fallback.deliver(msg)
-        if not self._post(end):
+        if not self._post(seq, end):
             self.closed = True  # the server is gone: RPC says so, naming it
             return self.fallback.deliver(msg)
         self.seq = seq
-        self.outstanding = _Reply(self, lookups=sum(p.lookup is not None for p in msg.parts))
-        return self.outstanding
+        fut = self.pending[seq] = _Reply(self, lookups=sum(p.lookup is not None for p in msg.parts))
+        return fut
 
-    def _keep_unread(self, half: int) -> None:
-        """Before a message whose reply goes to ``half`` of ``rep`` is sent: the reply lying there,
-        if nobody has waited for it yet, gets its own copy of its tensors."""
-        fut, self.in_region[half] = self.in_region[half], None
+    def _keep_unread(self, index: int) -> None:
+        """Before a message whose reply goes to slot ``index`` of ``rep`` is sent: the reply lying
+        there, if nobody has waited for it yet, gets its own copy of its tensors."""
+        fut, self.in_region[index] = self.in_region[index], None
         if fut is not None and not fut.read and fut.result is not None:
             fut.result = [t.clone() for t in fut.result]
 
-    def _collect(self, block: bool) -> bool:
-        """Complete the outstanding message's future from its reply (rows or error); without
-        ``block``, ``False`` if the reply is not there yet. A message whose future nobody waits
-        for (a prefetch discarded for another batch) is collected by the next :meth:`send`."""
-        fut = self.outstanding
+    def _take(self, block: bool) -> bool:
+        """Take in the next reply and complete its message's future (rows or error); without
+        ``block``, ``False`` if none has arrived. A channel found broken (end-of-file, no answer
+        within the timeout, a corrupt reply) fails every unanswered message and takes no more.
+        A message whose future nobody waits for (a prefetch discarded for another batch) is
+        taken in by a later wait or send."""
         try:
             got = self._receive(self.timeout_s, block)
             if got is False and not block:
@@ -206,16 +227,20 @@ class TrainerEnd(Transport, ABC):
             if got is False:
                 raise ChannelError(f"parameter server {self.server} did not answer within runtime.rpc_timeout_s: "
                                    f"timeout ({self.timeout_s * 1000:.0f} ms)")
-            kind, frame = read_frame(reply_region(self.rep, self.seq), self.seq)
+            fut = self.pending[got]
+            kind, frame = read_frame(slot(self.rep, got, REPLY_SLOTS), got)
             if kind == ERROR:
                 fut.error = RuntimeError(bytes(frame.tensors[0].numpy()).decode("utf-8", "replace"))
             else:
-                fut.result = frame.tensors  # views: valid until the reply two messages on
-                self.in_region[self.seq % 2] = fut
+                fut.result = frame.tensors  # views: valid until message got + REPLY_SLOTS is sent
+                self.in_region[got % REPLY_SLOTS] = fut
+            fut.done = True
+            del self.pending[got]
         except ChannelError as e:
-            fut.error, self.closed = e, True
-        fut.done = True
-        self.outstanding = None
+            self.closed = True
+            for fut in self.pending.values():
+                fut.error, fut.done = e, True
+            self.pending.clear()
         return True
 
 
@@ -239,8 +264,8 @@ class _Reply:
         return self.waits >= self.lookups
 
     def wait(self) -> list[torch.Tensor]:
-        if not self.done:
-            self.end._collect(block=True)
+        while not self.done:
+            self.end._take(block=True)
         self.waits += 1
         if self.error is not None:
             raise self.error
@@ -249,26 +274,29 @@ class _Reply:
 
 class ServerEnd(ABC):
     """A server's end of one trainer's channel: a daemon thread that waits for each message in
-    ``req`` (:meth:`_next`), decodes it, hands it to the server and answers in ``rep``
-    (:meth:`_post_reply`), the rows gathered straight into the reply's region. ``halves``: ``rep``
-    is the trainer's own memory, each reply in its :func:`reply_region`; else each reply is
-    written at the start of ``rep`` and sent from there before the next."""
+    its slot of ``req`` (:meth:`_next`), decodes it, hands it to the server and answers in its
+    slot of ``rep`` (:meth:`_post_reply`) from whichever thread completes it, the rows gathered
+    straight into the reply's slot. ``reply_slots``: :data:`REPLY_SLOTS` where ``rep`` is the
+    trainer's own memory; where it is the server's, from which each reply is sent, a slot per
+    message that may be unanswered (:data:`WINDOW`)."""
 
     what = "channel"
 
-    def __init__(self, req: torch.Tensor, rep: torch.Tensor, name: str, *, halves: bool) -> None:
-        self.req, self.rep, self.halves = req, rep, halves
+    def __init__(self, req: torch.Tensor, rep: torch.Tensor, name: str, *, reply_slots: int) -> None:
+        self.req, self.rep, self.reply_slots = req, rep, reply_slots
         self.lock = threading.Lock()
         self.seq = 0
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     @abstractmethod
-    def _next(self) -> bool:
-        """Wait for the next message in ``req``; ``False`` when the trainer closed its end."""
+    def _next(self, seq: int) -> bool:
+        """Wait for message ``seq`` in its slot of ``req``; ``False`` when the trainer closed its
+        end."""
 
     @abstractmethod
-    def _post_reply(self, end: int) -> None:
-        """The reply in ``rep[:end]`` goes to the trainer (nothing if it is gone)."""
+    def _post_reply(self, seq: int, end: int) -> None:
+        """The reply to message ``seq``, the first ``end`` bytes of its slot of ``rep``, goes to the
+        trainer (nothing if it is gone)."""
 
     def close(self) -> None:
         """Stop serving (the thread ends at its next wait)."""
@@ -276,11 +304,11 @@ class ServerEnd(ABC):
     def _run(self) -> None:
         from hybrid.ps.server.service import server
 
-        while self._next():
+        while self._next(self.seq + 1):
             self.seq += 1
             seq = self.seq
             try:
-                _, frame = read_frame(self.req, seq)
+                _, frame = read_frame(slot(self.req, seq, WINDOW), seq)
                 msg = protocol.decode(frame)
                 server().handle_step(msg, lambda rows, err, seq=seq: self.reply(seq, rows, err),
                                      lambda sizes, dtypes, seq=seq: self.buffers(seq, sizes, dtypes), via_channel=True)
@@ -292,7 +320,7 @@ class ServerEnd(ABC):
         self.close()
 
     def _region(self, seq: int) -> torch.Tensor:
-        return reply_region(self.rep, seq) if self.halves else self.rep
+        return slot(self.rep, seq, self.reply_slots)
 
     def buffers(self, seq: int, sizes: list[int], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
         """Where each part's rows (``sizes`` elements of ``dtypes``) of the reply to message
@@ -313,4 +341,4 @@ class ServerEnd(ABC):
         else:
             end = write_frame(region, seq, ROWS, Frame([], rows)) or write_frame(
                 region, seq, ERROR, error_frame(f"reply larger than the {self.what}"))
-        self._post_reply(end)
+        self._post_reply(seq, end)

@@ -8,10 +8,11 @@ with a one-byte write to a FIFO as its doorbell: the server's thread for this tr
 ``read`` on its FIFO, wakes, handles the message in place (ids and gradients are read straight
 from the shared pages, rows gathered straight into the reply's) and rings back. Nothing spins.
 
-A :class:`ShmTransport` carries one message at a time; a message sent while the previous one is
-unanswered, or too big for the mapping, goes over its RPC fallback (the server applies what
-arrives by either way the same: pushes are counted per trainer and step, lookups wait for their
-step). Set-up is one RPC: the trainer makes two anonymous shared-memory files (``memfd_create``)
+A :class:`ShmTransport` carries up to two unanswered messages (:data:`channel.WINDOW`), each in
+its own slot; a message sent while the window is taken, or too big for a slot, goes over its RPC
+fallback (the server applies what arrives by either way the same: pushes are counted per trainer
+and step, lookups wait for their step). Each doorbell byte is the low byte of the number of the
+message it rings for: requests are handled in order, replies come back as they are completed. Set-up is one RPC: the trainer makes two anonymous shared-memory files (``memfd_create``)
 and two pipes, and the server, if it is on the same host, opens them through
 ``/proc/<trainer pid>/fd/`` (which the kernel allows to a process of the same user only), checks
 that each is the file the trainer made (device and inode), and keeps its ends; the trainer then
@@ -38,15 +39,16 @@ import torch
 import torch.distributed.rpc as rpc
 
 from hybrid.ps.transport import Transport
-from hybrid.ps.transport.channel import ChannelError, ServerEnd, TrainerEnd
+from hybrid.ps.transport.channel import REPLY_SLOTS, WINDOW, ChannelError, ServerEnd, TrainerEnd
 
 __all__ = ["ChannelError", "DEFAULT_CAPACITY", "ShmTransport", "host_id", "rpc_open_channel"]
 
 DEFAULT_CAPACITY = 16 << 20
-"""Bytes of each direction's mapping, reserved up front (``posix_fallocate``): a shared-memory
-page first touched when memory has run out would kill the process with SIGBUS, a failed
-reservation only sends the messages over RPC. The benchmark's step message is about 1.1 MB
-(8,000 rows of 32 floats, their ids and gradients); a bigger one goes over RPC."""
+"""Bytes of each slot of the mappings (two request slots, three reply slots: 80 MiB per trainer
+and server), reserved up front (``posix_fallocate``): a shared-memory page first touched when
+memory has run out would kill the process with SIGBUS, a failed reservation only sends the
+messages over RPC. The benchmark's step message is about 1.1 MB (8,000 rows of 32 floats, their
+ids and gradients); a bigger one goes over RPC."""
 
 
 def host_id() -> str:
@@ -77,7 +79,7 @@ class _Made:
     def __init__(self, capacity: int) -> None:
         self.fds: dict[str, int] = {}
         try:
-            for name, size in (("req", capacity), ("rep", 2 * capacity)):  # replies alternate halves
+            for name, size in (("req", WINDOW * capacity), ("rep", REPLY_SLOTS * capacity)):
                 self.fds[name] = os.memfd_create(f"hybrid-ps-{name}", os.MFD_CLOEXEC)
                 os.posix_fallocate(self.fds[name], 0, size)  # ENOSPC/ENOMEM now, not SIGBUS later
             self.fds["to_server"], self.fds["bell_out"] = os.pipe()
@@ -105,14 +107,15 @@ class _Made:
 
 
 class ShmTransport(TrainerEnd):
-    """One trainer's shared-memory channel to one server on its host: one message at a time."""
+    """One trainer's shared-memory channel to one server on its host."""
 
     what = "shared-memory channel"
     shares_memory = True
 
     def __init__(self, server: str, made: _Made, capacity: int, *, fallback: Transport, timeout_s: float) -> None:
-        super().__init__(server, torch.from_file(made.path("req"), shared=True, size=capacity, dtype=torch.uint8),
-                         torch.from_file(made.path("rep"), shared=True, size=2 * capacity, dtype=torch.uint8),
+        super().__init__(server,
+                         torch.from_file(made.path("req"), shared=True, size=WINDOW * capacity, dtype=torch.uint8),
+                         torch.from_file(made.path("rep"), shared=True, size=REPLY_SLOTS * capacity, dtype=torch.uint8),
                          fallback=fallback, timeout_s=timeout_s)
         self.bell_in: int | None = made.take("bell_in")
         self.bell_out: int | None = made.take("bell_out")
@@ -141,14 +144,14 @@ class ShmTransport(TrainerEnd):
         finally:
             made.close()  # the server's ends: it holds its own now (or none)
 
-    def _post(self, end: int) -> bool:
+    def _post(self, seq: int, end: int) -> bool:
         try:
-            os.write(self.bell_out, b"\1")
+            os.write(self.bell_out, bytes([seq & 0xFF]))
         except OSError:
             return False
         return True
 
-    def _receive(self, left_s: float, block: bool) -> bool | None:
+    def _receive(self, left_s: float, block: bool) -> int | bool | None:
         deadline = time.monotonic() + left_s
         while True:
             try:
@@ -159,7 +162,13 @@ class ShmTransport(TrainerEnd):
                     return False
                 select.select([self.bell_in], [], [], left)
                 continue
-            return True if got else None
+            if not got:
+                return None
+            for seq in self.pending:  # fewer than 256 unanswered: the low byte names one
+                if seq & 0xFF == got[0]:
+                    return seq
+            raise ChannelError(f"parameter server {self.server} rang for message byte {got[0]}, which is not "
+                               f"unanswered on the {self.what}")
 
     def __del__(self) -> None:
         try:
@@ -184,15 +193,15 @@ class _ServerEnd(ServerEnd):
         which it takes over."""
         try:
             req, rep = (torch.from_file(f"/proc/self/fd/{fds[n]}", shared=True, size=size, dtype=torch.uint8)
-                        for n, size in (("req", capacity), ("rep", 2 * capacity)))
+                        for n, size in (("req", WINDOW * capacity), ("rep", REPLY_SLOTS * capacity)))
         finally:
             _close_fds((fds.pop("req"), fds.pop("rep")))  # the mappings hold the memory
-        super().__init__(req, rep, name, halves=True)
+        super().__init__(req, rep, name, reply_slots=REPLY_SLOTS)
         self.bell_in: int | None = fds["to_server"]
         self.bell_out: int | None = fds["to_trainer"]
         self.thread.start()
 
-    def _next(self) -> bool:
+    def _next(self, seq: int) -> bool:
         while True:
             fd = self.bell_in
             if fd is None:
@@ -204,14 +213,16 @@ class _ServerEnd(ServerEnd):
                 continue
             except (OSError, ValueError):
                 return False
+            if got and got[0] != seq & 0xFF:
+                return False  # not the trainer's doorbell: stop; its wait names the server
             return bool(got)  # empty: the trainer closed its end (it left or died)
 
-    def _post_reply(self, end: int) -> None:
+    def _post_reply(self, seq: int, end: int) -> None:
         fd = self.bell_out
         if fd is None:
             return
         try:
-            os.write(fd, b"\1")
+            os.write(fd, bytes([seq & 0xFF]))
         except OSError:
             pass  # the trainer is gone; the heartbeat names it
 

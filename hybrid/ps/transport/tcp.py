@@ -3,11 +3,12 @@
 Over RPC a step message costs, besides its bytes, TensorPipe's pickling, its event-loop threads
 on both ends and a hop to an RPC worker thread; across hosts that made the server's CPU per step
 2.4x what the same messages cost through shared memory on one host (docs/performance.md). A
-:class:`SocketTransport` sends the same frame (:mod:`hybrid.ps.transport.channel`) as one length
-and the frame's bytes on a connection that carries nothing else; the server's thread for this
-trainer reads it into a region of its own, handles it in place and answers the same way (rows
-gathered straight into the reply's region). One message is outstanding at a time, as on the
-shared-memory channel; the rest goes over RPC.
+:class:`SocketTransport` sends the same frame (:mod:`hybrid.ps.transport.channel`) as its length
+and message number, then the frame's bytes, on a connection that carries nothing else; the
+server's thread for this trainer reads it into a slot of its own, handles it in place and
+answers the same way (rows gathered straight into the reply's slot), replies in the order they
+are completed. Up to two messages are unanswered at a time, as on the shared-memory channel; the
+rest goes over RPC.
 
 Set-up is one RPC: the server opens a listener on its ``runtime.address`` (an ephemeral port)
 for this one connection, the trainer connects and first sends a 32-byte token it passed in that
@@ -34,12 +35,13 @@ import torch.distributed.rpc as rpc
 
 from hybrid.ps.transport import Transport
 from hybrid.ps.protocol import Frame
-from hybrid.ps.transport.channel import STEP, ChannelError, ServerEnd, TrainerEnd, frame_pieces, reply_region
+from hybrid.ps.transport.channel import (REPLY_SLOTS, STEP, WINDOW, ChannelError, ServerEnd, TrainerEnd,
+                                         frame_pieces, slot)
 
 DEFAULT_CAPACITY = 16 << 20
-"""Bytes of each direction's region: a bigger message goes over RPC."""
+"""Bytes of each slot (a frame's room at either end): a bigger message goes over RPC."""
 TOKEN_BYTES = 32
-_LENGTH = struct.Struct("<q")
+_PREFIX = struct.Struct("<qq")  # the frame's length, its message's number
 
 
 def _connect_family(address: str) -> int:
@@ -62,21 +64,22 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None) -
     return True
 
 
-def _recv_frame(sock: socket.socket, region: torch.Tensor, deadline: float | None) -> bool:
-    """Read one frame (its length, then its bytes) into ``region``; ``False`` at end-of-file.
-    Raises ``ValueError`` for a length the region cannot hold, ``TimeoutError`` past
-    ``deadline``."""
-    head = bytearray(_LENGTH.size)
+def _recv_frame(sock: socket.socket, region_of, deadline: float | None) -> int | None:  # noqa: ANN001
+    """Read one frame (its length and message number, then its bytes) into ``region_of(number)``;
+    its number, or ``None`` at end-of-file. Raises ``ValueError`` for a number ``region_of``
+    refuses or a length the region cannot hold, ``TimeoutError`` past ``deadline``."""
+    head = bytearray(_PREFIX.size)
     if not _recv_exact(sock, memoryview(head), deadline):
-        return False
-    (n,) = _LENGTH.unpack(head)
+        return None
+    n, seq = _PREFIX.unpack(head)
+    region = region_of(seq)
     if not 0 < n <= region.numel():
         raise ValueError(f"a frame of {n} bytes")
-    return _recv_exact(sock, memoryview(region[:n].numpy()), deadline)
+    return seq if _recv_exact(sock, memoryview(region[:n].numpy()), deadline) else None
 
 
-def _send_frame(sock: socket.socket, region: torch.Tensor, end: int) -> None:
-    _send_pieces(sock, [_LENGTH.pack(end), memoryview(region[:end].numpy())])
+def _send_frame(sock: socket.socket, region: torch.Tensor, seq: int, end: int) -> None:
+    _send_pieces(sock, [_PREFIX.pack(end, seq), memoryview(region[:end].numpy())])
 
 
 def _send_pieces(sock: socket.socket, pieces: list) -> None:
@@ -93,15 +96,15 @@ def _send_pieces(sock: socket.socket, pieces: list) -> None:
 
 
 class SocketTransport(TrainerEnd):
-    """One trainer's step connection to one server: one message at a time."""
+    """One trainer's step connection to one server."""
 
     what = "TCP step connection"
 
     def __init__(self, server: str, sock: socket.socket, capacity: int, *, fallback: Transport,
                  timeout_s: float) -> None:
         # No request region: a frame is sent from its tensors (:meth:`_write`).
-        super().__init__(server, torch.empty(0, dtype=torch.uint8), torch.empty(2 * capacity, dtype=torch.uint8),
-                         fallback=fallback, timeout_s=timeout_s)
+        super().__init__(server, torch.empty(0, dtype=torch.uint8),
+                         torch.empty(REPLY_SLOTS * capacity, dtype=torch.uint8), fallback=fallback, timeout_s=timeout_s)
         self.capacity = capacity
         self.sock: socket.socket | None = sock
         self.pieces: list = []
@@ -133,28 +136,33 @@ class SocketTransport(TrainerEnd):
         self.pieces = pieces
         return end
 
-    def _post(self, end: int) -> bool:
+    def _post(self, seq: int, end: int) -> bool:
         pieces, self.pieces = self.pieces, []
         try:
-            _send_pieces(self.sock, [_LENGTH.pack(end), *pieces])
+            _send_pieces(self.sock, [_PREFIX.pack(end, seq), *pieces])
         except (OSError, AttributeError):
             return False
         return True
 
-    def _receive(self, left_s: float, block: bool) -> bool | None:
+    def _receive(self, left_s: float, block: bool) -> int | bool | None:
         sock = self.sock
         if sock is None:
             return None
         if not select.select([sock], [], [], left_s if block else 0.0)[0]:
             return False
         try:
-            return _recv_frame(sock, reply_region(self.rep, self.seq), time.monotonic() + self.timeout_s) or None
+            return _recv_frame(sock, self._reply_slot, time.monotonic() + self.timeout_s)
         except ValueError as e:
             raise ChannelError(f"parameter server {self.server} sent {e} over the {self.what}") from None
         except TimeoutError:
             return False
         except OSError:
             return None
+
+    def _reply_slot(self, seq: int) -> torch.Tensor:
+        if seq not in self.pending:
+            raise ValueError(f"a reply to message {seq}, which is not unanswered,")
+        return slot(self.rep, seq, REPLY_SLOTS)
 
     def close(self) -> None:
         """Close the connection; the server's thread for it sees end-of-file and stops."""
@@ -169,27 +177,27 @@ class _SocketServerEnd(ServerEnd):
     what = "TCP step connection"
 
     def __init__(self, sock: socket.socket, capacity: int, name: str) -> None:
-        super().__init__(torch.empty(capacity, dtype=torch.uint8), torch.empty(capacity, dtype=torch.uint8), name,
-                         halves=False)
+        super().__init__(torch.empty(WINDOW * capacity, dtype=torch.uint8),
+                         torch.empty(WINDOW * capacity, dtype=torch.uint8), name, reply_slots=WINDOW)
         self.sock: socket.socket | None = sock
         self.thread.start()
 
-    def _next(self) -> bool:
+    def _next(self, seq: int) -> bool:
         sock = self.sock
         if sock is None:
             return False
         try:
-            return _recv_frame(sock, self.req, None)
+            return _recv_frame(sock, lambda _: slot(self.req, seq, WINDOW), None) == seq
         except (OSError, ValueError):  # not a frame this end can hold: the trainer's wait names the server
             return False
 
-    def _post_reply(self, end: int) -> None:
-        with self.lock:
+    def _post_reply(self, seq: int, end: int) -> None:
+        with self.lock:  # replies completed on two threads go one after the other
             sock = self.sock
             if sock is None:
                 return
             try:
-                _send_frame(sock, self.rep, end)
+                _send_frame(sock, self._region(seq), seq, end)
             except OSError:
                 pass  # the trainer is gone; the heartbeat names it
 
