@@ -20,12 +20,15 @@ def train(
     sync: Callable[[], None] | None = None,
     on_start: Callable[[], None] | None = None,
     on_stop: Callable[[], None] | None = None,
+    after: Callable[[], None] | None = None,
 ) -> dict:
     """Run ``step(t, batch)`` (one training step, returns the loss) over every batch.
 
     The first ``w.warmup`` steps are not timed. ``sync`` (a barrier of the trainers) lines the
     trainers up before the timed window, so every trainer's window covers the same steps;
-    ``on_start``/``on_stop`` run at its edges (snapshot server counters, drain pending work).
+    ``on_start`` runs before the window opens (snapshot server counters), ``on_stop`` inside it,
+    at its end (drain the training's pending work: it is part of the steps), ``after`` once it
+    closed (read the counters: the harness's work, not the training's).
     Returns this process's meter report plus ``losses`` (every step) and ``step_s`` (timed steps).
     """
     losses, step_s = [], []
@@ -44,4 +47,6 @@ def train(
     if on_stop is not None:
         on_stop()
     METER.stop()
+    if after is not None:
+        after()
     return {**METER.report(name), "losses": losses, "step_s": step_s}

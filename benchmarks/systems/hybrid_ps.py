@@ -138,10 +138,14 @@ def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hoo
         return loss
 
     # The servers' meters (CPU, bytes on their interface) open before the counters are read and
-    # close after: every byte the counters count falls inside the meters' window.
+    # close after: every byte the counters count falls inside the meters' window. The trainers'
+    # window ends once every push is in (the flush and the barrier), before the counters are read
+    # (about 10 ms of RPC: the harness's, as DMP's window holds none).
     def stop() -> None:
         pipeline.flush()
         dist.barrier()
+
+    def read_counters() -> None:
         if role.index == 0:
             stats["stop"] = ebc.stats()
             mark_servers(ebc.server_names, "stop")
@@ -156,7 +160,7 @@ def _trainer(role, w: Workload, *, dense: str, staleness: int, options, comm_hoo
             stats["start"] = ebc.stats()
         dist.barrier()
 
-    report = train(w, batches, step, name=role.name, sync=sync, on_stop=stop)
+    report = train(w, batches, step, name=role.name, sync=sync, on_stop=stop, after=read_counters)
     pipeline.close()
     report["samples_per_step"] = w.batch
     report["wire_dtype"] = ebc.config.wire_dtype

@@ -97,11 +97,11 @@ def _trainer(rank: int, w: Workload) -> dict:
             mark_servers(servers, "start")
 
     def stop() -> None:
-        dist.barrier()  # both trainers done: the servers' window closes after the last update
-        if rank == 0:
+        if rank == 0:  # after the barrier (on_stop): the servers' window closes after the last update
             mark_servers(servers, "stop")
 
-    report = train(w, batches, step, name=f"trainer{rank}", sync=dist.barrier, on_start=start, on_stop=stop)
+    report = train(w, batches, step, name=f"trainer{rank}", sync=dist.barrier, on_start=start, on_stop=dist.barrier,
+                   after=stop)
     return {**report, "samples_per_step": w.batch}
 
 
