@@ -329,6 +329,20 @@ def test_a_silent_server_is_named_after_the_timeout_and_a_closed_one_at_once(ser
     trainer.close()
 
 
+def test_a_server_that_closes_with_two_messages_unanswered_fails_both_naming_it(server, kind):
+    trainer, end, fallback = _pair(kind)
+    first, second = trainer.send(_lookup(9)), trainer.send(_lookup(8))  # both wait for steps nobody applies
+    assert fallback.sent == [] and not first.done and not second.done
+    end.close()
+    for fut in (second, first):
+        with pytest.raises(ChannelError, match=f"ps0 closed the {trainer.what}: EOF"):
+            fut.wait()
+    msg = _lookup(0)
+    trainer.send(msg)
+    assert fallback.sent == [msg]
+    trainer.close()
+
+
 @pytest.mark.parametrize("address", ["127.0.0.1", "::1"])
 def test_the_step_listener_takes_only_the_connection_with_its_token_then_closes(server, address):
     server.options.address = address  # runtime.address: where the listener goes
