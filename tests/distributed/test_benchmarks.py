@@ -1,6 +1,7 @@
 """The benchmarks run, with a tiny workload, as a user runs them (``python -m benchmarks.run`` and
 ``python -m benchmarks.memory`` in subprocesses). Nothing here is timed: the checks are that every
-system trains the same model on the same data -- the same first loss everywhere, and for the
+system trains the same model on the same data -- the same first loss everywhere (async: within
+what another trainer's first push may change), and for the
 synchronous systems the same final loss as one process -- and that FSDP holds a shard of what
 DDP holds. Speed is the benchmark's business (docs/performance.md)."""
 
@@ -44,7 +45,12 @@ def test_every_system_trains_the_same_model_on_the_same_batches():
         assert l["runs_samples_per_s"] == [l["samples_per_s"]], l
     first = lines["local"]["first_loss"]
     for name, l in lines.items():  # same initial weights, same first batch
-        assert l["first_loss"] == pytest.approx(first, rel=1e-6), (name, l["first_loss"], first)
+        # Async pushes apply on arrival and staleness bounds a lookup's rows from below only: a
+        # trainer whose step 0 starts late may read the other's step-0 push (seen in about one
+        # run in four of this tiny, fast workload, 6e-6 apart; seeds 1 and 2 instead of 0 move
+        # local's first loss by 0.4% and more).
+        rel = 1e-4 if name == "hybrid_async" else 1e-6
+        assert l["first_loss"] == pytest.approx(first, rel=rel), (name, l["first_loss"], first)
     final = lines["local"]["final_loss"]
     for name in ("hybrid_sync", "hybrid_sync_fsdp", "hybrid_sync_dynamic"):  # same updates as one process
         assert lines[name]["final_loss"] == pytest.approx(final, rel=1e-5), (name, lines[name]["final_loss"], final)

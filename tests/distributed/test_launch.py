@@ -160,7 +160,8 @@ def test_batches_drawn_in_groups_train_as_batches_drawn_one_a_step(tmp_path):
     resumed = _train_rows(tmp_path / "resumed")
     assert resumed == {s: runs["one"][s] for s in range(4, 10)}
     # Async mode under DDP prefetches two batches ahead: the same batches and skips step by step
-    # (the first step's loss equal: nothing is stale yet).
+    # (the first step's loss equal, up to what one trainer's first push may change when the
+    # other's first lookup is answered after it: async pushes apply on arrival).
     plan = tmp_path / "async.yaml"
     plan.write_text((REPO / "conf/plans/dlrm.yaml").read_text().replace("staleness: 0", "staleness: 1"))
     res = run_hybrid(["launch", "-n", "3", *[str(plan) if a == "conf/plans/dlrm.yaml" else a for a in common],
@@ -169,7 +170,7 @@ def test_batches_drawn_in_groups_train_as_batches_drawn_one_a_step(tmp_path):
     assert "prefetch depth 2" in res.output, res.output
     two_ahead = _train_rows(tmp_path / "async")
     assert {s: k for s, (_, k) in two_ahead.items()} == {s: k for s, (_, k) in runs["one"].items()}
-    assert two_ahead[1][0] == runs["one"][1][0]
+    assert two_ahead[1][0] == pytest.approx(runs["one"][1][0], rel=1e-4)
 
 
 @pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
