@@ -12,7 +12,7 @@ straight into the reply's region).
 
 Each message ``seq`` has its slots, fixed by its number: its request in slot ``seq %
 WINDOW`` of the request region, its reply in slot ``seq % REPLY_SLOTS`` of the trainer's reply
-region (:func:`slot`). Replies come back in the order the server completes them (a lookup that
+region (:func:`slots`). Replies come back in the order the server completes them (a lookup that
 waits for its step is passed by a later message that need not), each naming its message.
 
 A region's layout::
@@ -130,10 +130,10 @@ def error_frame(err: BaseException | str) -> Frame:
     return Frame([], [torch.frombuffer(bytearray(text), dtype=torch.uint8)])
 
 
-def slot(region: torch.Tensor, seq: int, slots: int) -> torch.Tensor:
-    """Message ``seq``'s part of ``region``, made of ``slots`` equal slots taken in turn."""
-    size = region.numel() // slots
-    return region[(seq % slots) * size : (seq % slots + 1) * size]
+def slots(region: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``region`` cut into ``n`` equal slots; message ``seq`` takes slot ``seq % n``."""
+    size = region.numel() // n
+    return [region[k * size : (k + 1) * size] for k in range(n)]
 
 
 class TrainerEnd(Transport, ABC):
@@ -161,6 +161,7 @@ class TrainerEnd(Transport, ABC):
         self.fallback = fallback
         self.timeout_s = timeout_s
         self.req, self.rep = req, rep
+        self.req_slots, self.rep_slots = slots(req, WINDOW), slots(rep, REPLY_SLOTS)
         self.seq = 0
         self.pending: dict[int, _Reply] = {}
         """The unanswered messages, by number."""
@@ -176,7 +177,7 @@ class TrainerEnd(Transport, ABC):
     def _write(self, seq: int, frame: Frame) -> int:
         """Lay out message ``seq`` for :meth:`_post`: here, in its slot of ``req``; its end, or 0
         if it does not fit."""
-        return write_frame(slot(self.req, seq, WINDOW), seq, STEP, frame)
+        return write_frame(self.req_slots[seq % WINDOW], seq, STEP, frame)
 
     @abstractmethod
     def _receive(self, left_s: float, block: bool) -> int | bool | None:
@@ -228,7 +229,7 @@ class TrainerEnd(Transport, ABC):
                 raise ChannelError(f"parameter server {self.server} did not answer within runtime.rpc_timeout_s: "
                                    f"timeout ({self.timeout_s * 1000:.0f} ms)")
             fut = self.pending[got]
-            kind, frame = read_frame(slot(self.rep, got, REPLY_SLOTS), got)
+            kind, frame = read_frame(self.rep_slots[got % REPLY_SLOTS], got)
             if kind == ERROR:
                 fut.error = RuntimeError(bytes(frame.tensors[0].numpy()).decode("utf-8", "replace"))
             else:
@@ -283,7 +284,8 @@ class ServerEnd(ABC):
     what = "channel"
 
     def __init__(self, req: torch.Tensor, rep: torch.Tensor, name: str, *, reply_slots: int) -> None:
-        self.req, self.rep, self.reply_slots = req, rep, reply_slots
+        self.req, self.rep = req, rep
+        self.req_slots, self.rep_slots = slots(req, WINDOW), slots(rep, reply_slots)
         self.lock = threading.Lock()
         self.seq = 0
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -308,7 +310,7 @@ class ServerEnd(ABC):
             self.seq += 1
             seq = self.seq
             try:
-                _, frame = read_frame(slot(self.req, seq, WINDOW), seq)
+                _, frame = read_frame(self.req_slots[seq % WINDOW], seq)
                 msg = protocol.decode(frame)
                 server().handle_step(msg, lambda rows, err, seq=seq: self.reply(seq, rows, err),
                                      lambda sizes, dtypes, seq=seq: self.buffers(seq, sizes, dtypes), via_channel=True)
@@ -320,7 +322,7 @@ class ServerEnd(ABC):
         self.close()
 
     def _region(self, seq: int) -> torch.Tensor:
-        return slot(self.rep, seq, self.reply_slots)
+        return self.rep_slots[seq % len(self.rep_slots)]
 
     def buffers(self, seq: int, sizes: list[int], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
         """Where each part's rows (``sizes`` elements of ``dtypes``) of the reply to message

@@ -36,7 +36,7 @@ import torch.distributed.rpc as rpc
 from hybrid.ps.transport import Transport
 from hybrid.ps.protocol import Frame
 from hybrid.ps.transport.channel import (REPLY_SLOTS, STEP, WINDOW, ChannelError, ServerEnd, TrainerEnd,
-                                         frame_pieces, slot)
+                                         frame_pieces)
 
 DEFAULT_CAPACITY = 16 << 20
 """Bytes of each slot (a frame's room at either end): a bigger message goes over RPC."""
@@ -162,7 +162,7 @@ class SocketTransport(TrainerEnd):
     def _reply_slot(self, seq: int) -> torch.Tensor:
         if seq not in self.pending:
             raise ValueError(f"a reply to message {seq}, which is not unanswered,")
-        return slot(self.rep, seq, REPLY_SLOTS)
+        return self.rep_slots[seq % REPLY_SLOTS]
 
     def close(self) -> None:
         """Close the connection; the server's thread for it sees end-of-file and stops."""
@@ -187,7 +187,7 @@ class _SocketServerEnd(ServerEnd):
         if sock is None:
             return False
         try:
-            return _recv_frame(sock, lambda _: slot(self.req, seq, WINDOW), None) == seq
+            return _recv_frame(sock, lambda _: self.req_slots[seq % WINDOW], None) == seq
         except (OSError, ValueError):  # not a frame this end can hold: the trainer's wait names the server
             return False
 
