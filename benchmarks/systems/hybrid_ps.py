@@ -5,9 +5,10 @@ The tables go to the parameter servers (``sgd`` with ``sparse_lr``, trainers' gr
 averaged), the bottom and top MLPs under DDP (``hybrid_sync``, ``hybrid_async``) or FSDP2
 (``hybrid_sync_fsdp``); ``hybrid_sync_dynamic`` is ``hybrid_sync`` with ``ids: dynamic`` tables
 (capacity ``rows`` each, ``evict: lru``: the id map, routing by hash and row creation on first
-touch, without evictions at steady state); ``hybrid_async`` runs with staleness 1 and prefetches two batches
-ahead, the second one's lookup sent while DDP's all-reduce runs (``s.prefetch_depth``). Every step is ``with hybrid.step(model, optimizer)``, as
-in the training loop. ``wire_dtype`` (every system) is the tables' ``wire_dtype``: the dtype of
+touch, without evictions at steady state); ``hybrid_async`` runs with staleness 1 and prefetches
+two batches ahead, the second one's lookup sent while DDP's all-reduce runs
+(``s.prefetch_depth``). Every step is ``with hybrid.step(model, optimizer)``, as in the training
+loop. ``wire_dtype`` (every system) is the tables' ``wire_dtype``: the dtype of
 rows and gradients between trainers and servers. Besides the common report, trainer 0 returns the
 per-step breakdown (:class:`hybrid.ps.client.StepTimes`), the servers' counters over the timed
 window and the wire dtype it ran with.

@@ -4,10 +4,10 @@ A :class:`Transport` sends one :class:`hybrid.ps.protocol.StepMessage` to one se
 a future of the reply (one tensor of rows per part). RPC (TensorPipe) is the transport that
 works everywhere and the control plane for everything else (creating tables, checkpoints,
 evaluation reads, counters). The frame channels (:mod:`hybrid.ps.transport.channel`) carry step
-messages without TensorPipe's threads and pickling, two unanswered at a time, and fall back to RPC for what
-they cannot carry: :class:`~hybrid.ps.transport.shm.ShmTransport` through shared memory between
-processes of one host, :class:`~hybrid.ps.transport.tcp.SocketTransport` over a TCP connection
-of their own across hosts.
+messages without TensorPipe's threads and pickling, two unanswered at a time, and fall back to
+RPC for what they cannot carry: :class:`~hybrid.ps.transport.shm.ShmTransport` through shared
+memory between processes of one host, :class:`~hybrid.ps.transport.tcp.SocketTransport` over a
+TCP connection of their own across hosts.
 :func:`connect` picks one per server (``runtime.ps_transport``).
 
 One-process mode (no parameter-server process: ``hybrid train`` without torchrun, ``hybrid

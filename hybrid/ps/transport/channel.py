@@ -160,7 +160,6 @@ class TrainerEnd(Transport, ABC):
         self.server = server
         self.fallback = fallback
         self.timeout_s = timeout_s
-        self.req, self.rep = req, rep
         self.req_slots, self.rep_slots = slots(req, WINDOW), slots(rep, REPLY_SLOTS)
         self.seq = 0
         self.pending: dict[int, _Reply] = {}
@@ -284,7 +283,6 @@ class ServerEnd(ABC):
     what = "channel"
 
     def __init__(self, req: torch.Tensor, rep: torch.Tensor, name: str, *, reply_slots: int) -> None:
-        self.req, self.rep = req, rep
         self.req_slots, self.rep_slots = slots(req, WINDOW), slots(rep, reply_slots)
         self.lock = threading.Lock()
         self.seq = 0

@@ -12,8 +12,10 @@ A :class:`ShmTransport` carries up to two unanswered messages (:data:`channel.WI
 its own slot; a message sent while the window is taken, or too big for a slot, goes over its RPC
 fallback (the server applies what arrives by either way the same: pushes are counted per trainer
 and step, lookups wait for their step). Each doorbell byte is the low byte of the number of the
-message it rings for: requests are handled in order, replies come back as they are completed. Set-up is one RPC: the trainer makes two anonymous shared-memory files (``memfd_create``)
-and two pipes, and the server, if it is on the same host, opens them through
+message it rings for: requests are handled in order, replies come back as they are completed.
+
+Set-up is one RPC: the trainer makes two anonymous shared-memory files (``memfd_create``) and two
+pipes, and the server, if it is on the same host, opens them through
 ``/proc/<trainer pid>/fd/`` (which the kernel allows to a process of the same user only), checks
 that each is the file the trainer made (device and inode), and keeps its ends; the trainer then
 closes the server's ends. Nothing has a name in any file system, so whatever way the processes
