@@ -21,10 +21,10 @@ popularity draw and walks a fixed sparse item-to-item transition matrix: item ``
 taken with probability ``~ 1/(j+1)``; with probability ``NOISE`` the next item is a fresh
 popularity draw instead. So the next item is mostly predictable from the current one (a model
 can reach a recall@10 near ``1 - NOISE``), while a popularity ranking only catches the
-popular starts and fresh draws. Lengths are uniform in ``[2, max_len + 1]``. The global batch of step
-``t`` depends on ``(seed, split, t, global batch size)`` only, and trainer ``r`` yields samples
-``[r*B, (r+1)*B)``, so sync training equals one process on the global batch. Nothing of size
-``rows x rows`` is stored: every successor is a hash.
+popular starts and fresh draws. Lengths are uniform in ``[2, max_len + 1]``. Sample ``i`` of
+step ``t`` is a pure function of ``(seed, split, t, i)`` (every draw a seeded hash of its place),
+so trainer ``r`` draws only its samples ``[r*B, (r+1)*B)``, and sync training equals one process
+on the global batch. Nothing of size ``rows x rows`` is stored: every successor is a hash.
 
 **Files** (:class:`SequenceCsvReader`, :class:`SequenceParquetReader`): one row per user with the
 columns ``data.user_column`` (any value; unused), ``data.items_column`` (ids separated by
@@ -85,10 +85,11 @@ def sequence_batch(schema: Schema, items: Sequence[Sequence[int]], actions: Sequ
     return Batch(torch.zeros(n, 0), sparse, torch.ones(n))
 
 
-def _catalog_bags(n: int, per: int, rows: int) -> list[list[int]]:
-    """Evaluation negatives: the whole catalog in the first bag of every ``per`` samples."""
+def _catalog_bags(lo: int, hi: int, per: int, rows: int) -> list[list[int]]:
+    """Evaluation negatives of samples ``[lo, hi)``: the whole catalog in the bag of every
+    ``per``-th sample (the first of each trainer's batch), the others empty."""
     everything = list(range(rows))
-    return [everything if i % per == 0 else [] for i in range(n)]
+    return [everything if i % per == 0 else [] for i in range(lo, hi)]
 
 
 class SyntheticSequences:
@@ -129,39 +130,55 @@ class SyntheticSequences:
         u = _uniform(items[:, None] * SUCCESSORS + j, self._key)
         return (u * self.rows).long().clamp_(max=self.rows - 1)
 
-    def popularity_draw(self, g: torch.Generator, n: int) -> torch.Tensor:
-        u = torch.rand(n, generator=g, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+    def popularity_draw(self, u: torch.Tensor) -> torch.Tensor:
+        """Items drawn by popularity, from uniforms ``u``."""
         return self._item_of_rank(power_law_rank(u, self.rows, self.cfg.zipf_alpha))
+
+    def _width(self) -> int:
+        """Uniforms a sample draws (:meth:`samples`): its length, its first item, three a later
+        item (successor, fresh draw, which of the two), an action a position, its negatives."""
+        T = self.cfg.max_len + 1
+        return 3 * T - 1 + (T if self.actions else 0) + (self.cfg.num_negatives if self.split == "train" else 0)
 
     def __iter__(self) -> Iterator[Batch]:
         b = self.cfg.batch_size
         lo = self.rank * b
         t = self.start
         while self.steps is None or t < self.start + self.steps:
-            yield self.global_batch(t).slice(lo, lo + b)
+            yield self.samples(t, lo, lo + b)
             t += 1
 
     def global_batch(self, t: int) -> Batch:
         """All ``world_size x batch_size`` sequences of step ``t``."""
-        n, T = self.world_size * self.cfg.batch_size, self.cfg.max_len + 1
-        g = torch.Generator().manual_seed(_seed_of(self.cfg.seed, "sequences", self.split, t))
-        lengths = torch.randint(2, T + 1, (n,), generator=g)
+        return self.samples(t, 0, self.world_size * self.cfg.batch_size)
+
+    def samples(self, t: int, lo: int, hi: int) -> Batch:
+        """Sequences ``[lo, hi)`` of step ``t``'s global batch, drawn alone (the others are not)."""
+        n, T, width = hi - lo, self.cfg.max_len + 1, self._width()
+        i = torch.arange(lo, hi, dtype=torch.int64)
+        wide = self.world_size * self.cfg.batch_size * width > 1 << 32  # fixed by the global batch
+        u = _uniform(i[:, None] * width + torch.arange(width, dtype=torch.int64),
+                     _seed_of(self.cfg.seed, "sequences", self.split, t), wide)
+        lengths = 2 + (u[:, 0] * (T - 1)).long().clamp_(max=T - 2)
         seq = torch.empty(n, T, dtype=torch.int64)
-        seq[:, 0] = self.popularity_draw(g, n)
+        seq[:, 0] = self.popularity_draw(u[:, 1])
         for p in range(1, T):
-            pick = torch.searchsorted(self._choice, torch.rand(n, generator=g, dtype=torch.float64)).clamp_(max=SUCCESSORS - 1)
+            c = 3 * p - 1
+            pick = torch.searchsorted(self._choice, u[:, c].contiguous()).clamp_(max=SUCCESSORS - 1)
             follow = self.successors(seq[:, p - 1]).gather(1, pick[:, None]).squeeze(1)
-            fresh = self.popularity_draw(g, n)
-            seq[:, p] = torch.where(torch.rand(n, generator=g) < NOISE, fresh, follow)
-        items = [seq[i, : int(lengths[i])].tolist() for i in range(n)]
+            seq[:, p] = torch.where(u[:, c + 2] < NOISE, self.popularity_draw(u[:, c + 1]), follow)
+        items = [seq[k, : int(lengths[k])].tolist() for k in range(n)]
+        c = 3 * T - 1
         actions = None
         if self.actions:
-            act = torch.randint(0, self.actions, (n, T), generator=g)
-            actions = [act[i, : int(lengths[i])].tolist() for i in range(n)]
+            act = (u[:, c : c + T] * self.actions).long().clamp_(max=self.actions - 1)
+            actions = [act[k, : int(lengths[k])].tolist() for k in range(n)]
+            c += T
         if self.split == "eval":
-            negatives = _catalog_bags(n, self.cfg.batch_size, self.rows)
+            negatives = _catalog_bags(lo, hi, self.cfg.batch_size, self.rows)
         else:
-            negatives = torch.randint(0, self.rows, (n, self.cfg.num_negatives), generator=g).tolist()
+            k = self.cfg.num_negatives
+            negatives = (u[:, c : c + k] * self.rows).long().clamp_(max=self.rows - 1).tolist()
         return sequence_batch(self.schema, items, actions, negatives)
 
 
@@ -261,7 +278,7 @@ class _SequenceFiles(FileReader):
         items = [r[0] for r in records]
         actions = [r[1] for r in records] if self.num_actions else None
         if self.split == "eval":
-            negatives = _catalog_bags(n, n, self.rows)
+            negatives = _catalog_bags(0, n, n, self.rows)
         else:
             # Drawn for the whole global batch, this trainer's rows taken: a full global batch gets
             # the negatives one process reading it would.

@@ -1,11 +1,11 @@
 """Synthetic, learnable batches: power-law ids, labels from a hidden seeded "teacher".
 
-The global batch of step ``t`` (``world_size x batch_size`` samples) is a pure function of
-``(seed, split, t, world_size x batch_size)``: it is drawn in one go from a generator seeded by
-``(seed, split, t)``, and trainer ``r`` yields its samples ``[r*B, (r+1)*B)``. Generation
-depends on the global batch size only, not on how it is split, so ``world_size=W,
-batch_size=B`` and ``world_size=1, batch_size=W*B`` see the same samples at every step, and sync
-distributed training equals single-process training on the global batch.
+Sample ``i`` of step ``t``'s global batch is a pure function of ``(seed, split, t, i)``: every
+random value is a seeded hash of its place (the sample, the feature, the position in the bag),
+so trainer ``r`` draws only its own samples ``[r*B, (r+1)*B)`` -- a trainer's work does not grow
+with the number of trainers -- and ``world_size=W, batch_size=B`` and ``world_size=1,
+batch_size=W*B`` see the same samples at every step: sync distributed training equals
+single-process training on the global batch.
 
 - **ids**: each feature's ids follow a truncated power law over its rows: the popularity rank is
   ``floor(x) - 1`` for ``x`` drawn from a density ``~ x**-zipf_alpha`` on ``[1, rows + 1)``
@@ -17,14 +17,14 @@ distributed training equals single-process training on the global batch.
   ``dense @ w`` and, for every feature, the mean over the bag of a fixed per-row score (a seeded
   hash of the row, mean 0, variance 1). The teacher depends on ``seed`` only, so train and eval
   share it. The Bayes AUC is about 0.93 (0.81 from the dense part alone); the default DLRM of
-  ``conf/train/dlrm.yaml`` reaches about 0.85 on held-out batches after 300 steps of 256.
+  ``conf/train/dlrm.yaml`` reaches about 0.87 on held-out batches after 300 steps of 256.
 - **retrieval** (``schema.task == "retrieval"``): every sample is a positive (query, item) pair,
   label 1. The first query feature is a power-law user id; the other query features are
   attributes of that user (seeded hashes). The first item feature holds the user's preferred
   items (the ``j``-th id of the bag is the user's ``j``-th preference, drawn once per user from
   the item power law), replaced by a random item with probability ``RETRIEVAL_NOISE``; the
   other item features are attributes of the first item. The default two-tower reaches a
-  recall@10 of about 0.8 among 256 in-batch candidates (chance: 0.04) after 200 steps.
+  recall@10 of about 0.88 among 256 in-batch candidates (chance: 0.04) after 200 steps.
 
 Every per-row quantity is a hash of (seed, feature, row): nothing of size ``rows`` is stored, so
 tables of any size cost nothing here.
@@ -73,6 +73,17 @@ def _hash32(x: torch.Tensor, key: torch.Tensor | int, wide: bool = True) -> torc
 def _uniform(x: torch.Tensor, key: torch.Tensor | int, wide: bool = True) -> torch.Tensor:
     """A float64 in (0, 1) per element, a fixed function of ``(x, key)``."""
     return (_hash32(x, key, wide).double() + 0.5) / 2.0**32
+
+
+def _uniform53(x: torch.Tensor, key: int) -> torch.Tensor:
+    """A float64 in (0, 1) with 53 random bits per element (two 32-bit hashes of ``(x, key)``):
+    a power-law rank over more than ``2**32`` rows reaches every rank, as ``torch.rand`` would."""
+    hi = _hash32(x, key)
+    lo = _hash32(x, key ^ _KEY_LO) >> 11
+    return ((hi << 21 | lo).double() + 0.5) / 2.0**53
+
+
+_KEY_LO = 0x5BD1E9955BD1E995 & ((1 << 63) - 1)
 
 
 class _Features:
@@ -147,6 +158,10 @@ class SyntheticData:
         self.global_batch_size = world_size * cfg.batch_size
         self.alpha = float(cfg.zipf_alpha)
         self.k = cfg.ids_per_feature
+        width = schema.num_dense + len(schema.features) * self.k + 1 + self.k
+        self._wide_places = self.global_batch_size * width > 1 << 32
+        """Whether a sample's places (:meth:`samples`) need two hash rounds: decided by the global
+        batch, so every split of it draws the same values."""
         self._f = _Features(cfg.seed, schema.num_embeddings)
         g = torch.Generator().manual_seed(_seed_of(cfg.seed, "teacher"))
         self._w = torch.randn(schema.num_dense, generator=g, dtype=torch.float64) / math.sqrt(max(1, schema.num_dense))
@@ -161,31 +176,39 @@ class SyntheticData:
         lo = self.rank * self.batch_size
         t = self.start
         while self.steps is None or t < self.start + self.steps:
-            yield self.global_batch(t).slice(lo, lo + self.batch_size)
+            yield self.samples(t, lo, lo + self.batch_size)
             t += 1
 
     def global_batch(self, t: int) -> Batch:
         """All ``world_size x batch_size`` samples of step ``t`` (every trainer's share)."""
-        n, nf = self.global_batch_size, len(self.schema.features)
-        g = torch.Generator().manual_seed(_seed_of(self.cfg.seed, self.split, t))
-        dense = torch.randn(n, self.schema.num_dense, generator=g)
-        ids = self._draw(g, n)  # [F, n, k]
+        return self.samples(t, 0, self.global_batch_size)
+
+    def samples(self, t: int, lo: int, hi: int) -> Batch:
+        """Samples ``[lo, hi)`` of step ``t``'s global batch, drawn alone (the others are not)."""
+        i = torch.arange(lo, hi, dtype=torch.int64)
+        n, nf, nd, k = hi - lo, len(self.schema.features), self.schema.num_dense, self.k
+        key = _seed_of(self.cfg.seed, self.split, t)
+        # One uniform per (sample, slot): the dense columns, then every feature's k ids, the
+        # label, and k retrieval noise draws; one hash call covers them all.
+        width = nd + nf * k + 1 + k
+        place = i[:, None] * width + torch.arange(width, dtype=torch.int64)
+        u = _uniform(place, key, self._wide_places)
+        dense = torch.special.ndtri(u[:, :nd]).float()  # standard normal: the normal quantile
+        ids_at = slice(nd, nd + nf * k)
+        u_ids = _uniform53(place[:, ids_at], key) if self._f.wide else u[:, ids_at]
+        ranks = power_law_rank(u_ids.reshape(n, nf, k).permute(1, 0, 2), self._f.rows, self.alpha)
+        ids = self._f.rows_of_rank(ranks)  # [F, n, k]
         if self.schema.task == "retrieval":
-            self._retrieval_ids(ids, g)
+            self._retrieval_ids(ids, u[:, nd + nf * k + 1:])
             labels = torch.ones(n)
         else:
-            labels = self._ctr_labels(dense, ids, g)
+            labels = self._ctr_labels(dense, ids, u[:, nd + nf * k])
         sparse = KeyedJaggedTensor.from_lengths_sync(
             keys=list(self.schema.features), values=ids.reshape(-1),
             lengths=torch.full((nf * n,), self.k, dtype=torch.int64))
         return Batch(dense, sparse, labels)
 
-    def _draw(self, g: torch.Generator, n: int) -> torch.Tensor:
-        """``[F, n, k]`` power-law ids of every feature."""
-        u = torch.rand(len(self.schema.features), n, self.k, generator=g, dtype=torch.float64)
-        return self._f.rows_of_rank(power_law_rank(u, self._f.rows, self.alpha))
-
-    def _ctr_labels(self, dense: torch.Tensor, ids: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    def _ctr_labels(self, dense: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         parts = []
         if self.schema.num_dense:
             parts.append(dense.double() @ self._w)
@@ -193,10 +216,11 @@ class SyntheticData:
             parts.append(self._f.score(ids).mean(dim=2).sum(dim=0) / math.sqrt(ids.shape[0]))
         z = sum(parts) / math.sqrt(len(parts)) if parts else torch.zeros(dense.shape[0], dtype=torch.float64)
         p = torch.sigmoid(SHARPNESS * z + BIAS)
-        return (torch.rand(dense.shape[0], generator=g, dtype=torch.float64) < p).float()
+        return (u < p).float()
 
-    def _retrieval_ids(self, ids: torch.Tensor, g: torch.Generator) -> None:
-        """Overwrite the power-law ``ids`` of every feature but the user's with the pairs' structure."""
+    def _retrieval_ids(self, ids: torch.Tensor, u_noise: torch.Tensor) -> None:
+        """Overwrite the power-law ``ids`` of every feature but the user's with the pairs' structure
+        (``u_noise``: ``[n, k]`` uniforms, whether each item id is noise)."""
         n, k = ids.shape[1], ids.shape[2]
         uf, itf = self._query[0], self._item[0]
         user = ids[uf, :, 0]
@@ -205,7 +229,7 @@ class SyntheticData:
         j = torch.arange(k, dtype=torch.int64)
         u = _uniform(user[:, None] * 1_000_003 + j, self._f.pref_key[uf])
         preferred = self._f.rows_of_rank(power_law_rank(u, self._f.rows[itf], self.alpha), itf)
-        noise = torch.rand(n, k, generator=g) < RETRIEVAL_NOISE
+        noise = u_noise < RETRIEVAL_NOISE
         ids[itf] = torch.where(noise, ids[itf], preferred)  # the noise is the item's own power-law draw
         item = ids[itf, :, 0]
         for i in self._item[1:]:

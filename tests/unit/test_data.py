@@ -152,6 +152,22 @@ def test_synthetic_trainer_slices_make_the_single_process_batch(task):
             _assert_same(trainers[r][t], whole.slice(r * B, (r + 1) * B))
 
 
+def test_synthetic_trainer_draws_only_its_own_samples():
+    # A trainer's data costs the same however many trainers there are: it draws its own slice of
+    # the global batch and nothing else (here one of 1,000 trainers), and that slice is the one
+    # the whole global batch would have there.
+    schema = _criteo_schema()
+    B, W, rank = 8, 1000, 3
+    data = SyntheticData(schema, DataConfig(batch_size=B, seed=2), rank=rank, world_size=W, steps=2)
+    drawn, draw = [], data.samples
+    data.samples = lambda t, lo, hi: drawn.append((t, lo, hi)) or draw(t, lo, hi)
+    batches = list(data)
+    assert drawn == [(0, rank * B, (rank + 1) * B), (1, rank * B, (rank + 1) * B)]
+    small = SyntheticData(schema, DataConfig(batch_size=W * B, seed=2))  # the same global batch
+    for t, got in enumerate(batches):
+        _assert_same(got, small.samples(t, rank * B, (rank + 1) * B))
+
+
 def test_synthetic_ids_in_range_and_bag_sizes():
     rows = [1, 2, 7, 1000, 2**40]
     schema = Schema(num_dense=2, features=list("abcde"), num_embeddings=rows)

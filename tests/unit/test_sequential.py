@@ -44,6 +44,18 @@ def test_synthetic_sequences_follow_the_transition_matrix():
     follows = sum(b in row for (_, b), row in zip(pairs, succ.tolist())) / len(pairs)
     assert follows > 0.75, follows  # 1 - NOISE, plus fresh draws that land on a successor
     assert succ.shape[1] == SUCCESSORS
+    # A trainer draws only its own sequences: the slice the whole global batch has there.
+    W, B = 16, 4
+    small = DataConfig(batch_size=B, max_len=10, num_negatives=2, seed=5)
+    for split in ("train", "eval"):
+        mine = next(iter(SyntheticSequences(_schema(num_actions=3), small, rank=5, world_size=W, split=split)))
+        whole = SyntheticSequences(_schema(num_actions=3), dataclasses.replace(small, batch_size=W * B),
+                                   split=split).global_batch(0)
+        ours = SyntheticSequences(_schema(num_actions=3), small, world_size=W, split=split).global_batch(0)
+        for f in ("item", "negative", "action"):
+            # Held-out negatives are the catalog in the first bag of each trainer's batch.
+            want = (ours if split == "eval" and f == "negative" else whole)
+            assert _bags(mine, f) == _bags(want, f)[5 * B : 6 * B], (split, f)
     # Evaluation: the whole catalog is the candidate pool of each trainer's batch.
     ev = next(iter(SyntheticSequences(_schema(), cfg, split="eval", rank=1, world_size=2)))
     negs = _bags(ev, "negative")
