@@ -138,7 +138,8 @@ class SyntheticSequences:
         """Uniforms a sample draws (:meth:`samples`): its length, its first item, three a later
         item (successor, fresh draw, which of the two), an action a position, its negatives."""
         T = self.cfg.max_len + 1
-        return 3 * T - 1 + (T if self.actions else 0) + (self.cfg.num_negatives if self.split == "train" else 0)
+        negatives = self.cfg.num_negatives if self.split == "train" else 0
+        return 3 * T - 1 + (T if self.actions else 0) + negatives
 
     def __iter__(self) -> Iterator[Batch]:
         b = self.cfg.batch_size

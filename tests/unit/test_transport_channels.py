@@ -455,3 +455,57 @@ def test_the_server_refuses_channel_files_that_are_not_the_trainer_s():
             os.close(fd)
     finally:
         made.close()
+
+
+def _reserved_bytes(fd: int) -> int:
+    return os.fstat(fd).st_blocks * 512
+
+
+def test_shared_memory_is_reserved_as_messages_need_it(server, monkeypatch):
+    """A channel holds the memory its messages needed, not its slots' whole size: each slot
+    starts with a small reservation that grows (at least doubling) before a bigger message is
+    written into it, in both directions."""
+    monkeypatch.setattr(shm, "RESERVED_FIRST", 4096)
+    capacity = 1 << 20
+    trainer, end, fallback = _pair("shm", capacity)
+    req, rep = trainer.req_fd, end.rep_fd
+    assert _reserved_bytes(req) == 2 * 4096 and _reserved_bytes(rep) == 3 * 4096
+    n = 3000  # 24 KB of ids out, 24 KB of rows back: more than a slot's first reservation
+    ids = torch.arange(n, dtype=torch.int64) % 20
+    msg = StepMessage(trainer=0, parts=[Part(collection_handle("c"), step=0,
+                                             lookup=Rows([0, 1], [n, 0], ids), num_raw=n)])
+    got = trainer.send(msg).wait()[0]
+    assert fallback.sent == [] and torch.equal(got.view(n, 2)[:, 0], (ids * 2).float())
+    grown_req, grown_rep = _reserved_bytes(req), _reserved_bytes(rep)
+    assert 2 * 4096 < grown_req < 2 * 4096 + 64 * 1024 and 3 * 4096 < grown_rep < 3 * 4096 + 64 * 1024
+    assert grown_req + grown_rep < (2 + 3) * capacity // 8
+    trainer.close()
+
+
+def test_a_message_without_memory_to_reserve_goes_over_the_fallback_and_a_reply_fails_naming_why(
+        server, monkeypatch):
+    """Out of memory, a request too big for its slot's reservation goes over RPC (nothing
+    touches an unreserved page, which would kill the process with SIGBUS); a reply the server
+    cannot reserve room for fails its lookup, saying so."""
+    monkeypatch.setattr(shm, "RESERVED_FIRST", 4096)
+    trainer, end, fallback = _pair("shm", 1 << 20)
+    refuse = {trainer.req_fd}
+
+    def fallocate(fd, offset, length):
+        if fd in refuse:
+            raise OSError(28, "No space left on device")
+        return real(fd, offset, length)
+
+    real = os.posix_fallocate
+    monkeypatch.setattr(shm.os, "posix_fallocate", fallocate)
+    n = 3000
+    msg = StepMessage(trainer=0, parts=[Part(collection_handle("c"), step=0,
+                                             lookup=Rows([0, 1], [n, 0], torch.arange(n) % 20), num_raw=n)])
+    assert trainer.send(msg).wait()[0].numel() == 2 * n and fallback.sent == [msg]
+    assert trainer.send(_lookup(0)).wait()[0].numel() == 6  # small ones still take the channel
+    refuse.clear()
+    refuse.add(end.rep_fd)
+    with pytest.raises(RuntimeError, match=r"reply larger than the shared-memory channel \(or no memory left"):
+        trainer.send(msg).wait()
+    assert len(fallback.sent) == 1
+    trainer.close()

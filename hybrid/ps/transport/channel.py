@@ -23,9 +23,11 @@ A region's layout::
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -90,11 +92,13 @@ def frame_pieces(seq: int, kind: int, frame: Frame) -> tuple[list, int]:
     return pieces, end
 
 
-def write_frame(region: torch.Tensor, seq: int, kind: int, frame: Frame) -> int:
-    """Lay out ``frame`` in ``region`` (uint8); its end, or 0 if it does not fit."""
+def write_frame(region: torch.Tensor, seq: int, kind: int, frame: Frame,
+                room: Callable[[int], bool] | None = None) -> int:
+    """Lay out ``frame`` in ``region`` (uint8); its end, or 0 if it does not fit (in the region,
+    or in what ``room(end)`` can make ready: shared memory reserved as it is needed)."""
     tensors = frame.tensors
     head, offsets, end = _head(seq, kind, frame)
-    if end > region.numel():
+    if end > region.numel() or (room is not None and not room(end)):
         return 0
     region[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
     for t, off in zip(tensors, offsets):
@@ -322,6 +326,11 @@ class ServerEnd(ABC):
     def _region(self, seq: int) -> torch.Tensor:
         return self.rep_slots[seq % len(self.rep_slots)]
 
+    def _room(self, seq: int, nbytes: int) -> bool:
+        """Whether the first ``nbytes`` of message ``seq``'s reply slot can be written (here:
+        always; shared memory reserves them first)."""
+        return True
+
     def buffers(self, seq: int, sizes: list[int], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
         """Where each part's rows (``sizes`` elements of ``dtypes``) of the reply to message
         ``seq`` go: in place in the reply's frame, so that they are gathered straight into it
@@ -329,16 +338,17 @@ class ServerEnd(ABC):
         region = self._region(seq)
         nbytes = [n * d.itemsize for n, d in zip(sizes, dtypes)]
         offsets, end = layout(0, nbytes)
-        if end > region.numel():
+        if end > region.numel() or not self._room(seq, end):
             return [torch.empty(n, dtype=d) for n, d in zip(sizes, dtypes)]
         return [region[off : off + b].view(d) for off, b, d in zip(offsets, nbytes, dtypes)]
 
     def reply(self, seq: int, rows: list[torch.Tensor] | None, err: BaseException | None = None) -> None:
         """Answer message ``seq`` (from whichever thread completes it)."""
         region = self._region(seq)
+        room = functools.partial(self._room, seq)
         if err is not None:
-            end = write_frame(region, seq, ERROR, error_frame(err))
+            end = write_frame(region, seq, ERROR, error_frame(err), room)
         else:
-            end = write_frame(region, seq, ROWS, Frame([], rows)) or write_frame(
-                region, seq, ERROR, error_frame(f"reply larger than the {self.what}"))
+            too_big = error_frame(f"reply larger than the {self.what} (or no memory left for it)")
+            end = write_frame(region, seq, ROWS, Frame([], rows), room) or write_frame(region, seq, ERROR, too_big, room)
         self._post_reply(seq, end)

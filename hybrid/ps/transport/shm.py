@@ -31,6 +31,7 @@ the trainer).
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import socket
@@ -40,17 +41,48 @@ from dataclasses import dataclass
 import torch
 import torch.distributed.rpc as rpc
 
+from hybrid.ps.protocol import Frame
 from hybrid.ps.transport import Transport
-from hybrid.ps.transport.channel import REPLY_SLOTS, WINDOW, ChannelError, ServerEnd, TrainerEnd
+from hybrid.ps.transport.channel import (REPLY_SLOTS, STEP, WINDOW, ChannelError, ServerEnd, TrainerEnd,
+                                         write_frame)
 
 __all__ = ["ChannelError", "DEFAULT_CAPACITY", "ShmTransport", "host_id", "rpc_open_channel"]
 
 DEFAULT_CAPACITY = 16 << 20
-"""Bytes of each slot of the mappings (two request slots, three reply slots: 80 MiB per trainer
-and server), reserved up front (``posix_fallocate``): a shared-memory page first touched when
-memory has run out would kill the process with SIGBUS, a failed reservation only sends the
-messages over RPC. The benchmark's step message is about 1.1 MB (8,000 rows of 32 floats, their
-ids and gradients); a bigger one goes over RPC."""
+"""Bytes of each slot of the mappings (two request slots, three reply slots): a bigger message
+goes over RPC. The benchmark's step message is about 1.1 MB (8,000 rows of 32 floats, their ids
+and gradients)."""
+RESERVED_FIRST = 256 << 10
+"""Bytes of each slot reserved when the channel is made (error replies always fit); a slot's
+reservation then grows as its messages need (:class:`_Reserved`)."""
+
+
+class _Reserved:
+    """How much of each slot of a shared-memory file is reserved (``posix_fallocate``): a write
+    into a slot first reserves what it needs, at least doubling the slot's reservation up to the
+    slot, so the pages it touches exist -- a page first touched when memory has run out would
+    kill the process with SIGBUS, where a failed reservation only sends the message over RPC (or
+    fails the reply, naming why) -- and a channel holds the memory its largest messages needed,
+    not every slot's whole size (80 MiB a trainer and server)."""
+
+    def __init__(self, fd: int, slot_bytes: int, n: int) -> None:
+        self.fd, self.slot_bytes = fd, slot_bytes
+        self.reserved = [min(RESERVED_FIRST, slot_bytes)] * n  # the trainer reserved these (_Made)
+
+    def room(self, k: int, nbytes: int) -> bool:
+        """Whether the first ``nbytes`` of slot ``k`` are reserved, reserving more if needed."""
+        have = self.reserved[k]
+        if nbytes <= have:
+            return True
+        if nbytes > self.slot_bytes:
+            return False
+        want = min(self.slot_bytes, max(nbytes, 2 * have))
+        try:
+            os.posix_fallocate(self.fd, k * self.slot_bytes + have, want - have)
+        except OSError:
+            return False
+        self.reserved[k] = want
+        return True
 
 
 def host_id() -> str:
@@ -81,9 +113,11 @@ class _Made:
     def __init__(self, capacity: int) -> None:
         self.fds: dict[str, int] = {}
         try:
-            for name, size in (("req", WINDOW * capacity), ("rep", REPLY_SLOTS * capacity)):
-                self.fds[name] = os.memfd_create(f"hybrid-ps-{name}", os.MFD_CLOEXEC)
-                os.posix_fallocate(self.fds[name], 0, size)  # ENOSPC/ENOMEM now, not SIGBUS later
+            for name, n in (("req", WINDOW), ("rep", REPLY_SLOTS)):
+                self.fds[name] = fd = os.memfd_create(f"hybrid-ps-{name}", os.MFD_CLOEXEC)
+                os.ftruncate(fd, n * capacity)  # the slots' size; memory only as reserved
+                for k in range(n):  # ENOSPC/ENOMEM now, not SIGBUS later
+                    os.posix_fallocate(fd, k * capacity, min(RESERVED_FIRST, capacity))
             self.fds["to_server"], self.fds["bell_out"] = os.pipe()
             self.fds["bell_in"], self.fds["to_trainer"] = os.pipe()
             for name in ("bell_out", "bell_in"):
@@ -121,6 +155,12 @@ class ShmTransport(TrainerEnd):
                          fallback=fallback, timeout_s=timeout_s)
         self.bell_in: int | None = made.take("bell_in")
         self.bell_out: int | None = made.take("bell_out")
+        self.req_fd: int | None = os.dup(made.fds["req"])  # reserves the requests' memory
+        self.req_room = _Reserved(self.req_fd, capacity, WINDOW)
+
+    def _write(self, seq: int, frame: Frame) -> int:
+        return write_frame(self.req_slots[seq % WINDOW], seq, STEP, frame,
+                           functools.partial(self.req_room.room, seq % WINDOW))
 
     @classmethod
     def open(cls, server: str, trainer: int, *, fallback: Transport, timeout_s: float,
@@ -181,7 +221,8 @@ class ShmTransport(TrainerEnd):
     def close(self) -> None:
         """Close this end; the server's thread for it sees end-of-file and stops."""
         self.closed = True
-        fds, self.bell_in, self.bell_out = (self.bell_in, self.bell_out), None, None
+        fds = (self.bell_in, self.bell_out, self.req_fd)
+        self.bell_in = self.bell_out = self.req_fd = None
         _close_fds(fds)
 
 
@@ -196,12 +237,20 @@ class _ServerEnd(ServerEnd):
         try:
             req, rep = (torch.from_file(f"/proc/self/fd/{fds[n]}", shared=True, size=size, dtype=torch.uint8)
                         for n, size in (("req", WINDOW * capacity), ("rep", REPLY_SLOTS * capacity)))
+        except BaseException:
+            _close_fds((fds.pop("rep"),))
+            raise
         finally:
-            _close_fds((fds.pop("req"), fds.pop("rep")))  # the mappings hold the memory
+            _close_fds((fds.pop("req"),))  # the mapping holds the memory
         super().__init__(req, rep, name, reply_slots=REPLY_SLOTS)
+        self.rep_fd: int | None = fds.pop("rep")  # to reserve the replies' memory
+        self.rep_room = _Reserved(self.rep_fd, capacity, REPLY_SLOTS)
         self.bell_in: int | None = fds["to_server"]
         self.bell_out: int | None = fds["to_trainer"]
         self.thread.start()
+
+    def _room(self, seq: int, nbytes: int) -> bool:
+        return self.rep_room.room(seq % REPLY_SLOTS, nbytes)
 
     def _next(self, seq: int) -> bool:
         while True:
@@ -230,7 +279,8 @@ class _ServerEnd(ServerEnd):
 
     def close(self) -> None:
         with self.lock:
-            fds, self.bell_in, self.bell_out = (self.bell_in, self.bell_out), None, None
+            fds = (self.bell_in, self.bell_out, self.rep_fd)
+            self.bell_in = self.bell_out = self.rep_fd = None
         _close_fds(fds)
 
 
