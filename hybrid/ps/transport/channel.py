@@ -350,5 +350,6 @@ class ServerEnd(ABC):
             end = write_frame(region, seq, ERROR, error_frame(err), room)
         else:
             too_big = error_frame(f"reply larger than the {self.what} (or no memory left for it)")
-            end = write_frame(region, seq, ROWS, Frame([], rows), room) or write_frame(region, seq, ERROR, too_big, room)
+            end = (write_frame(region, seq, ROWS, Frame([], rows), room)
+                   or write_frame(region, seq, ERROR, too_big, room))
         self._post_reply(seq, end)
