@@ -56,8 +56,10 @@ def _comm_hook(name: str, device_type: str):
 def _mean_allreduce(group, bucket):  # noqa: ANN001 - DDP refuses a hook whose bucket annotation is not GradBucket
     # What DDP's built-in reduction computes, bit for bit: each gradient times 1 / trainers (the
     # reducer scales as it copies into the bucket when no hook is registered), then a sum.
+    # The process group's own call, as DDP's reducer makes it: ``dist.all_reduce``'s checks and
+    # logging around it cost the calling thread about 20 us more a call (66-70 us against 44-48).
     buffer = bucket.buffer().mul_(1.0 / group.size())
-    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    return group.allreduce([buffer]).get_future().then(lambda fut: fut.value()[0])
 
 
 def _launch_then(hook, on_launch):
