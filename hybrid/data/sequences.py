@@ -157,9 +157,8 @@ class SyntheticSequences:
         """Sequences ``[lo, hi)`` of step ``t``'s global batch, drawn alone (the others are not)."""
         n, T, width = hi - lo, self.cfg.max_len + 1, self._width()
         i = torch.arange(lo, hi, dtype=torch.int64)
-        wide = self.world_size * self.cfg.batch_size * width > 1 << 32  # fixed by the global batch
         u = _uniform(i[:, None] * width + torch.arange(width, dtype=torch.int64),
-                     _seed_of(self.cfg.seed, "sequences", self.split, t), wide)
+                     _seed_of(self.cfg.seed, "sequences", self.split, t))  # every bit of the key counts
         lengths = 2 + (u[:, 0] * (T - 1)).long().clamp_(max=T - 2)
         seq = torch.empty(n, T, dtype=torch.int64)
         seq[:, 0] = self.popularity_draw(u[:, 1])
