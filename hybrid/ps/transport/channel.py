@@ -179,8 +179,13 @@ class TrainerEnd(Transport, ABC):
 
     def _write(self, seq: int, frame: Frame) -> int:
         """Lay out message ``seq`` for :meth:`_post`: here, in its slot of ``req``; its end, or 0
-        if it does not fit."""
-        return write_frame(self.req_slots[seq % WINDOW], seq, STEP, frame)
+        if it does not fit (in the slot, or in what :meth:`_room` can make ready)."""
+        return write_frame(self.req_slots[seq % WINDOW], seq, STEP, frame, functools.partial(self._room, seq))
+
+    def _room(self, seq: int, nbytes: int) -> bool:
+        """Whether the first ``nbytes`` of message ``seq``'s request slot can be written (here:
+        always; shared memory reserves them first)."""
+        return True
 
     @abstractmethod
     def _receive(self, left_s: float, block: bool) -> int | bool | None:

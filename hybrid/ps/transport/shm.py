@@ -31,7 +31,6 @@ the trainer).
 
 from __future__ import annotations
 
-import functools
 import os
 import select
 import socket
@@ -41,10 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed.rpc as rpc
 
-from hybrid.ps.protocol import Frame
 from hybrid.ps.transport import Transport
-from hybrid.ps.transport.channel import (REPLY_SLOTS, STEP, WINDOW, ChannelError, ServerEnd, TrainerEnd,
-                                         write_frame)
+from hybrid.ps.transport.channel import REPLY_SLOTS, WINDOW, ChannelError, ServerEnd, TrainerEnd
 
 __all__ = ["ChannelError", "DEFAULT_CAPACITY", "ShmTransport", "host_id", "rpc_open_channel"]
 
@@ -158,9 +155,8 @@ class ShmTransport(TrainerEnd):
         self.req_fd: int | None = os.dup(made.fds["req"])  # reserves the requests' memory
         self.req_room = _Reserved(self.req_fd, capacity, WINDOW)
 
-    def _write(self, seq: int, frame: Frame) -> int:
-        return write_frame(self.req_slots[seq % WINDOW], seq, STEP, frame,
-                           functools.partial(self.req_room.room, seq % WINDOW))
+    def _room(self, seq: int, nbytes: int) -> bool:
+        return self.req_room.room(seq % WINDOW, nbytes)
 
     @classmethod
     def open(cls, server: str, trainer: int, *, fallback: Transport, timeout_s: float,
