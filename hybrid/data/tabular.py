@@ -297,6 +297,35 @@ def hash_ids(tokens: Any) -> torch.Tensor:
     return torch.from_numpy((h & np.uint64(_MAX_ID)).astype(np.int64))
 
 
+def _plain(column: Any) -> Any:
+    """A pyarrow array with its dictionary encoding, if any, undone."""
+    import pyarrow as pa
+
+    return column.dictionary_decode() if pa.types.is_dictionary(column.type) else column
+
+
+def _is_text(t: Any) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_number(t: Any) -> bool:
+    """An integer, float or boolean pyarrow type (what :func:`_number` takes from a Parquet cell)."""
+    import pyarrow as pa
+
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def _float64(column: Any) -> Any:
+    """A numeric pyarrow array as float64, each value rounded to the nearest double as
+    ``float()`` rounds a Python int (an unchecked cast: a checked one refuses inexact integers)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    return pc.cast(column, pa.float64(), safe=False)
+
+
 class _Block:
     """Parsed rows, by column: labels ``[n]``, dense ``[n, D]`` (as read, before
     ``data.dense_transform``), and per sparse feature the bag lengths ``[n]`` and ids."""
@@ -447,6 +476,94 @@ class _Columns(FileReader):
             bags.append(ids)
         return y, xs, bags
 
+    def _columnar(self, rb: Any, label: str | None, dense: list[str], sparse: list[str]) -> _Block | None:
+        """One pyarrow record batch as a block, converted a column at a time; ``None`` when a
+        cell may not be what :meth:`_parse` makes of it (the row-by-row path then decides and
+        names it). Taken: numeric labels (text ones through ``data.label_map``), numeric dense
+        cells (null: 0), and ids as integers, text (split on ``data.id_separator``) or lists of
+        either (null: an empty bag), hashed by their text under ``data.categorical: hash``."""
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        n = rb.num_rows
+        try:
+            if label is None:
+                labels = torch.ones(n)
+            elif self.label_map:
+                c = _plain(rb.column(label))
+                if not _is_text(c.type):
+                    return None
+                pos = pc.index_in(c, value_set=pa.array(list(self.label_map), c.type))
+                if pos.null_count:
+                    return None
+                table = torch.tensor(list(self.label_map.values()), dtype=torch.float32)
+                labels = table[torch.from_numpy(pos.to_numpy(zero_copy_only=False, writable=True).astype("int64"))]
+            else:
+                c = _plain(rb.column(label))
+                if not _is_number(c.type) or c.null_count:
+                    return None
+                y = torch.from_numpy(_float64(c).to_numpy(zero_copy_only=False, writable=True))
+                if self.cfg.label_threshold is not None:
+                    labels = (y > self.cfg.label_threshold).float()
+                else:
+                    if not bool(((y >= 0) & (y <= 1)).all()):
+                        return None
+                    labels = y.float()
+            cols = []
+            for name in dense:
+                c = _plain(rb.column(name))
+                if not _is_number(c.type):
+                    return None
+                cols.append(pc.fill_null(_float64(c), 0.0).to_numpy(zero_copy_only=False))
+            dense_t = torch.from_numpy(np.stack(cols, 1).astype(np.float32)) if cols else torch.empty(n, 0)
+            lengths, values = [], []
+            for name in sparse:
+                bag = self._bags(_plain(rb.column(name)))
+                if bag is None:
+                    return None
+                lengths.append(bag[0])
+                values.append(bag[1])
+        except pa.ArrowException:
+            return None
+        return _Block(labels.float(), dense_t, lengths, values)
+
+    def _bags(self, c: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Bag lengths and ids of one sparse column (see :meth:`_columnar`), or ``None``."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        t = c.type
+        if _is_text(t):
+            c = pc.if_else(pc.equal(c, ""), pa.scalar(None, t), c)
+            lists = pc.split_pattern(c, self.sep)
+        elif pa.types.is_integer(t):
+            lists = None
+        elif (pa.types.is_list(t) or pa.types.is_large_list(t)) and (
+                _is_text(t.value_type) or pa.types.is_integer(t.value_type)):
+            lists = c
+        else:
+            return None
+        if lists is None:
+            lens = pc.cast(pc.is_valid(c), pa.int64())
+            tokens = c.drop_null()
+        else:
+            lens = pc.fill_null(pc.list_value_length(lists), 0)
+            tokens = pc.list_flatten(lists)
+            if tokens.null_count:
+                return None
+        if self.hashing:
+            if pa.types.is_integer(tokens.type):
+                tokens = pc.cast(tokens, pa.string())
+            elif pc.any(pc.equal(tokens, "")).as_py():
+                return None
+            ids = hash_ids(tokens)
+        else:
+            ids = torch.from_numpy(pc.cast(tokens, pa.int64()).to_numpy(zero_copy_only=False, writable=True))
+            if ids.numel() and int(ids.min()) < 0:
+                return None
+        return torch.from_numpy(lens.to_numpy(zero_copy_only=False, writable=True).astype("int64")), ids
+
     # -- dense transform ------------------------------------------------------------------------
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         how = self.cfg.dense_transform
@@ -591,7 +708,7 @@ class CsvReader(_Columns):
                     if invalid:
                         yield None
                         return
-                    block = self._convert(rb, None if label is None else header[label],
+                    block = self._columnar(rb, None if label is None else header[label],
                                           [header[i] for i in dense], [header[i] for i in sparse])
                     yield block
                     if block is None:
@@ -600,59 +717,6 @@ class CsvReader(_Columns):
                     yield None
             except (pa.ArrowInvalid, UnicodeDecodeError):
                 yield None
-
-    def _convert(self, rb: Any, label: str | None, dense: list[str], sparse: list[str]) -> _Block | None:
-        """One record batch as a block, or ``None`` when any cell is not certainly good (the
-        line-by-line path then decides and names it)."""
-        import numpy as np
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
-        n = rb.num_rows
-        try:
-            if label is None:
-                labels = torch.ones(n)
-            elif self.label_map:
-                keys = pa.array(list(self.label_map))
-                pos = pc.index_in(rb.column(label), value_set=keys)
-                if pos.null_count:
-                    return None
-                table = torch.tensor(list(self.label_map.values()), dtype=torch.float32)
-                labels = table[torch.from_numpy(pos.to_numpy(zero_copy_only=False, writable=True).astype("int64"))]
-            else:
-                if rb.column(label).null_count:
-                    return None
-                y = torch.from_numpy(rb.column(label).to_numpy(zero_copy_only=False, writable=True))
-                if self.cfg.label_threshold is not None:
-                    labels = (y > self.cfg.label_threshold).float()
-                else:
-                    if not bool(((y >= 0) & (y <= 1)).all()):
-                        return None
-                    labels = y.float()
-            cols = []
-            for name in dense:
-                cols.append(pc.fill_null(rb.column(name), 0.0).to_numpy(zero_copy_only=False))
-            dense_t = torch.from_numpy(np.stack(cols, 1).astype(np.float32)) if cols else torch.empty(n, 0)
-            lengths, values = [], []
-            for name in sparse:
-                c = rb.column(name)
-                c = pc.if_else(pc.equal(c, ""), pa.scalar(None, pa.string()), c)
-                lists = pc.split_pattern(c, self.sep)
-                lens = pc.fill_null(pc.list_value_length(lists), 0)
-                tokens = pc.list_flatten(lists)
-                if self.hashing:
-                    if pc.any(pc.equal(tokens, "")).as_py():
-                        return None
-                    ids = hash_ids(tokens)
-                else:
-                    ids = torch.from_numpy(pc.cast(tokens, pa.int64()).to_numpy(zero_copy_only=False, writable=True))
-                    if ids.numel() and int(ids.min()) < 0:
-                        return None
-                lengths.append(torch.from_numpy(lens.to_numpy(zero_copy_only=False, writable=True).astype("int64")))
-                values.append(ids)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            return None
-        return _Block(labels.float(), dense_t, lengths, values)
 
     def _slow(self, path: str, *, skip: int) -> Iterator[_Block]:
         """The line-by-line path from the top of ``path``, yielding what follows its first
@@ -715,23 +779,34 @@ class ParquetReader(_Columns):
             pf = self._pq.ParquetFile(path)
             header = pf.schema_arrow.names
             label, dense, sparse = self._indices(path, header)
-            names = list(dict.fromkeys(header[i] for i in ([] if label is None else [label]) + dense + sparse))
+            label_name = None if label is None else header[label]
+            dense_names, sparse_names = [header[i] for i in dense], [header[i] for i in sparse]
+            names = list(dict.fromkeys(([] if label_name is None else [label_name]) + dense_names + sparse_names))
             row = 0
             for rb in pf.iter_batches(batch_size=_CHUNK_ROWS, columns=names):
-                cols = {name: rb.column(name).to_pylist() for name in names}
-                ys = cols[header[label]] if label is not None else [1.0] * rb.num_rows
-                xs = [cols[header[i]] for i in dense]
-                ss = [cols[header[i]] for i in sparse]
-                chunk = []
-                for j in range(rb.num_rows):
-                    self.counts["lines"] += 1
-                    parsed = self._parse(ys[j], [c[j] for c in xs], [c[j] for c in ss])
-                    if isinstance(parsed, str):
-                        self._malformed(f"{path}: row {row + j + 1}", parsed)
-                    else:
-                        chunk.append(parsed)
+                block = self._columnar(rb, label_name, dense_names, sparse_names)
+                if block is None:
+                    block = self._rows(rb, path, row, label_name, dense_names, sparse_names)
+                else:
+                    self.counts["lines"] += rb.num_rows
                 row += rb.num_rows
-                yield self._block(chunk)
+                yield block
 
+    def _rows(self, rb: Any, path: str, row: int, label: str | None, dense: list[str],
+              sparse: list[str]) -> _Block:
+        """The good rows of a record batch (its first row is ``row + 1`` of ``path``), parsed
+        one at a time by :meth:`_parse`; the others reported."""
+        ys = rb.column(label).to_pylist() if label is not None else [1.0] * rb.num_rows
+        xs = [rb.column(name).to_pylist() for name in dense]
+        ss = [rb.column(name).to_pylist() for name in sparse]
+        chunk = []
+        for j in range(rb.num_rows):
+            self.counts["lines"] += 1
+            parsed = self._parse(ys[j], [c[j] for c in xs], [c[j] for c in ss])
+            if isinstance(parsed, str):
+                self._malformed(f"{path}: row {row + j + 1}", parsed)
+            else:
+                chunk.append(parsed)
+        return self._block(chunk)
 
 __all__ = ["CsvReader", "FileReader", "ParquetReader", "expand_paths", "hash_id", "hash_ids", "open_binary"]
