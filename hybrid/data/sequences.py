@@ -53,7 +53,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from hybrid.data.batch import Batch
 from hybrid.data.config import DataConfig, Schema
 from hybrid.data.synthetic import _seed_of, _uniform, power_law_rank
-from hybrid.data.tabular import FileReader, _id, _number, _pyarrow_parquet, open_binary, show
+from hybrid.data.tabular import FileReader, _id, _is_number, _is_text, _number, _plain, _pyarrow_parquet, open_binary, show
 from hybrid.errors import InputError
 
 ITEM, NEGATIVE, ACTION = "item", "negative", "action"
@@ -339,14 +339,79 @@ class SequenceParquetReader(_SequenceFiles):
             names = [header[i] for i in self._indices(path, header)]
             row = 0
             for rb in pf.iter_batches(batch_size=8192, columns=list(dict.fromkeys(names))):
-                cols = [rb.column(name).to_pylist() for name in names]
-                chunk: list[tuple] = []
-                for j in range(rb.num_rows):
-                    self.counts["lines"] += 1
-                    self._keep(self._parse([c[j] for c in cols]), f"{path}: row {row + j + 1}", chunk)
+                chunk = self._columnar(rb, names)
+                if chunk is None:
+                    cols = [rb.column(name).to_pylist() for name in names]
+                    chunk = []
+                    for j in range(rb.num_rows):
+                        self.counts["lines"] += 1
+                        self._keep(self._parse([c[j] for c in cols]), f"{path}: row {row + j + 1}", chunk)
                 row += rb.num_rows
                 yield chunk
 
+    def _columnar(self, rb: Any, names: list[str]) -> list[tuple] | None:
+        """The records of a record batch as :meth:`_parse` makes them, converted a column at a
+        time; ``None`` when a cell may not be what the row parse takes (it then decides and names
+        it). Taken: item and action ids as lists of integers or text, timestamps as lists of
+        numbers (no NaN), each row's lists of one length. Items are ordered by timestamp (stably,
+        as ``sorted``), the last held out for training, rows left with fewer than 2 items
+        counted as short, and each kept to its last ``data.max_len + 1``."""
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        n = rb.num_rows
+        lens = None
+        flat = []
+        try:
+            for (key, _), name in zip(self._columns(), names, strict=True):
+                c = _plain(rb.column(name))
+                t = c.type
+                if _is_text(t) and key != "data.timestamps_column":
+                    c = pc.split_pattern(pc.if_else(pc.equal(c, ""), pa.scalar(None, t), c), self.cfg.id_separator)
+                elif not ((pa.types.is_list(t) or pa.types.is_large_list(t))
+                          and (_is_number(t.value_type) if key == "data.timestamps_column"
+                               else pa.types.is_integer(t.value_type) or _is_text(t.value_type))):
+                    return None
+                n_of = pc.fill_null(pc.list_value_length(c), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+                if lens is None:
+                    lens = n_of
+                elif not np.array_equal(lens, n_of):
+                    return None
+                values = pc.list_flatten(c)
+                if values.null_count:
+                    return None
+                if key == "data.timestamps_column":
+                    v = pc.cast(values, pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+                    if np.isnan(v).any():
+                        return None
+                else:
+                    v = pc.cast(values, pa.int64()).to_numpy(zero_copy_only=False)
+                    bound = self.rows if key == "data.items_column" else self.num_actions
+                    if v.size and (v.min() < 0 or v.max() >= bound):
+                        return None
+                flat.append((key, v))
+        except pa.ArrowException:
+            return None
+        assert lens is not None
+        stamps = [v for key, v in flat if key == "data.timestamps_column"]
+        items = flat[0][1]
+        acts = next((v for key, v in flat if key == "data.actions_column"), None)
+        if stamps:
+            order = np.lexsort((stamps[0], np.repeat(np.arange(n), lens)))  # stable: ties keep their order
+            items = items[order]
+            acts = None if acts is None else acts[order]
+        ends = np.cumsum(lens)
+        kept = np.maximum(lens - 1, 0) if self.split == "train" else lens
+        ends = ends - (lens - kept)
+        starts = ends - np.minimum(kept, self.cfg.max_len + 1)
+        good = kept >= 2
+        self.counts["lines"] += n
+        self.counts["short"] += int(n - good.sum())
+        items_l = items.tolist()
+        acts_l = None if acts is None else acts.tolist()
+        return [(items_l[a:b], None if acts_l is None else acts_l[a:b])
+                for a, b in zip(starts[good].tolist(), ends[good].tolist())]
 
 def make_sequence_dataset(schema: Schema, cfg: DataConfig, *, split: str, rank: int = 0, world_size: int = 1):
     """The sequence reader for ``cfg.source`` (``synthetic``, ``csv`` or ``parquet``)."""

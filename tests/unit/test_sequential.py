@@ -174,3 +174,72 @@ def test_file_negatives_do_not_depend_on_the_split(tmp_path):
         part = next(iter(make_dataset(_schema(), cfg, split="train", rank=r, world_size=2)))
         assert _bags(part, "negative") == _bags(whole, "negative")[2 * r:2 * r + 2]
         assert _bags(part, "item") == _bags(whole, "item")[2 * r:2 * r + 2]
+
+
+def test_seeded_fuzz_parquet_sequences_bulk_equals_row_parse(tmp_path):
+    """SequenceParquetReader converts a record batch a column at a time when every cell is
+    certainly good, else parses row by row (the reference, which names a bad row): on random
+    tables (list or text columns, nulls, empty and short rows, timestamps with ties, ids out of
+    range, lists of unequal lengths) the bulk records, wherever taken, equal the row parse's,
+    short rows counted alike; clean tables always go in bulk."""
+    import random
+
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from hybrid.data.sequences import SequenceParquetReader
+
+    taken = 0
+    for seed in range(150):
+        rng = random.Random(seed)
+        n, clean = rng.randrange(1, 30), seed % 3 == 0
+        lens = [None if not clean and rng.random() < 0.1 else rng.randrange(0, 9) for _ in range(n)]
+
+        def ids(bound, bad):
+            return [None if k is None else [rng.randrange(bound + (1 if bad and rng.random() < 0.05 else 0))
+                                            for _ in range(k)] for k in lens]
+
+        items, acts = ids(20, not clean), ids(3, not clean)
+        stamps = [None if k is None else [float(rng.randrange(4)) for _ in range(k)] for k in lens]
+        if not clean and rng.random() < 0.3:
+            j = rng.randrange(n)
+            if acts[j]:
+                acts[j] = acts[j][1:]  # one value short
+        text = rng.random() < 0.3
+        cols = {"items": pa.array(["|".join(map(str, x)) if x is not None else None for x in items]) if text
+                else pa.array(items, pa.list_(pa.int64())),
+                "act": pa.array(acts, pa.list_(pa.int32()))}
+        ts_type = rng.choice([pa.float64(), pa.int64()] + ([] if clean else [pa.string()]))
+        if ts_type == pa.string():
+            cols["ts"] = pa.array([None if s is None else [str(int(v)) for v in s] for s in stamps], pa.list_(ts_type))
+        else:
+            cols["ts"] = pa.array([None if s is None else [ts_type.to_pandas_dtype()(v) for v in s] for s in stamps],
+                                  pa.list_(ts_type))
+        path = tmp_path / f"s{seed}.parquet"
+        pq.write_table(pa.table(cols), path)
+        with_ts, with_acts = rng.random() < 0.6, rng.random() < 0.5
+        cfg = DataConfig(source="parquet", train_paths=[str(path)], batch_size=1, malformed="skip",
+                         max_len=rng.choice([2, 3, 50]), timestamps_column="ts" if with_ts else "",
+                         actions_column="act" if with_acts else "")
+        split = rng.choice(["train", "eval"])
+        schema = _schema(num_actions=3) if with_acts else _schema()
+        bulk_reader = SequenceParquetReader(schema, cfg, [str(path)], split=split)
+        row_reader = SequenceParquetReader(schema, cfg, [str(path)], split=split)
+        names = [name for _, name in bulk_reader._columns()]
+        (rb,) = pq.ParquetFile(path).iter_batches(batch_size=64, columns=list(dict.fromkeys(names)))
+        bulk = bulk_reader._columnar(rb, names)
+        if clean:
+            assert bulk is not None, (seed, rb.schema)
+        if bulk is None:
+            continue
+        taken += 1
+        cells = [rb.column(name).to_pylist() for name in names]
+        rows: list = []
+        for j in range(n):
+            parsed = row_reader._parse([c[j] for c in cells])
+            assert not isinstance(parsed, str), (seed, parsed)
+            if parsed is not None:
+                rows.append(parsed)
+        assert bulk == rows, seed
+        assert bulk_reader.counts["short"] == row_reader.counts["short"], seed
+    assert taken >= 50
