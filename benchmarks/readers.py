@@ -1,0 +1,155 @@
+"""``python -m benchmarks.readers``: what a trainer's file reader costs per batch, by format and
+number of trainers.
+
+Every file reader shards by global batch: the good records of the files, in order, form global
+batches of ``trainers x --batch`` and each trainer takes its slice, so every trainer parses every
+record (all agree on the malformed ones) and a trainer's cost per batch grows with the trainers.
+This measures trainer 0's CPU time per batch (``time.process_time`` over a whole pass, the
+reader alone, in this process) for each ``--trainers`` count, on files written once into a
+temporary folder from one seeded stream:
+
+- ``criteo``: Criteo TSV (label, 13 integers, 26 hex categoricals; some blank cells);
+- ``csv`` / ``parquet``: the same records with named columns (13 float, 26 integer-id columns);
+- ``sequence_csv`` / ``sequence_parquet``: one row per user (3-60 item ids, timestamps with ties).
+
+The Parquet readers convert a record batch a column at a time and fall back to parsing its rows
+one at a time; ``parquet_rows`` / ``sequence_parquet_rows`` are the same readers held to the row
+path, measured in the same run (the ratio column is row path / bulk). Each JSON line holds one
+reader at one trainer count (median of ``--repeat`` passes); a table goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from hybrid.data import DataConfig, Schema, make_dataset
+from hybrid.data.sequences import ITEM, NEGATIVE, SequenceParquetReader
+from hybrid.data.tabular import ParquetReader
+
+DENSE, SPARSE = 13, 26
+
+
+class _RowParquet(ParquetReader):
+    """The Parquet reader held to its row-by-row path (the baseline of the bulk one)."""
+
+    def _columnar(self, *args: Any) -> None:
+        return None
+
+
+class _RowSequenceParquet(SequenceParquetReader):
+    def _columnar(self, *args: Any) -> None:
+        return None
+
+
+def write_files(folder: Path, records: int, seed: int) -> dict[str, str]:
+    """The benchmark's files in ``folder``, by reader name."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    rng = random.Random(seed)
+    labels = [rng.randrange(2) for _ in range(records)]
+    ints = [[rng.randrange(1000) if rng.random() > 0.2 else None for _ in range(DENSE)] for _ in range(records)]
+    cats = [[rng.getrandbits(32) if rng.random() > 0.1 else None for _ in range(SPARSE)] for _ in range(records)]
+    paths = {"criteo": str(folder / "day.tsv"), "csv": str(folder / "t.csv"),
+             "parquet": str(folder / "t.parquet"), "sequence_csv": str(folder / "s.csv"),
+             "sequence_parquet": str(folder / "s.parquet")}
+    with open(paths["criteo"], "w") as f:
+        for y, xs, cs in zip(labels, ints, cats):
+            f.write("\t".join([str(y), *("" if x is None else str(x) for x in xs),
+                               *("" if c is None else "%08x" % c for c in cs)]) + "\n")
+    cols: dict[str, Any] = {"label": pa.array(labels, pa.int64())}
+    cols.update({f"I{j + 1}": pa.array([float(x[j] or 0) for x in ints]) for j in range(DENSE)})
+    cols.update({f"C{j + 1}": pa.array([c[j] for c in cats], pa.int64()) for j in range(SPARSE)})
+    table = pa.table(cols)
+    pacsv.write_csv(table, paths["csv"])
+    pq.write_table(table, paths["parquet"])
+    items = [[rng.randrange(100_000) for _ in range(rng.randrange(3, 61))] for _ in range(records)]
+    stamps = [[float(rng.randrange(len(x))) for _ in x] for x in items]
+    with open(paths["sequence_csv"], "w") as f:
+        f.write("items,ts\n")
+        for x, t in zip(items, stamps):
+            f.write("|".join(map(str, x)) + "," + "|".join(map(str, t)) + "\n")
+    pq.write_table(pa.table({"items": pa.array(items, pa.list_(pa.int64())), "ts": pa.array(stamps)}),
+                   paths["sequence_parquet"])
+    return paths
+
+
+def _reader(name: str, path: str, batch: int, rank: int, trainers: int) -> Any:
+    if name.startswith("sequence"):
+        schema = Schema(0, [ITEM, NEGATIVE], [100_000, 100_000], task="sequence")
+        cfg = DataConfig(source=name.split("_")[1], train_paths=[path], batch_size=batch, timestamps_column="ts")
+        if name.endswith("_rows"):
+            return _RowSequenceParquet(schema, cfg, [path], rank=rank, world_size=trainers)
+        return make_dataset(schema, cfg, split="train", rank=rank, world_size=trainers)
+    schema = Schema(DENSE, [f"C{j + 1}" for j in range(SPARSE)], [100_000] * SPARSE)
+    source = name.removesuffix("_rows")
+    cfg = DataConfig(source=source, train_paths=[path], batch_size=batch,
+                     dense_columns=[] if source == "criteo" else [f"I{j + 1}" for j in range(DENSE)])
+    if name.endswith("_rows"):
+        return _RowParquet(schema, cfg, [path], rank=rank, world_size=trainers)
+    return make_dataset(schema, cfg, split="train", rank=rank, world_size=trainers)
+
+
+def measure(name: str, path: str, batch: int, trainers: int) -> tuple[float, int]:
+    """Trainer 0's CPU milliseconds per batch over one pass, and its batches."""
+    reader = _reader(name, path, batch, 0, trainers)
+    t = time.process_time()
+    n = sum(1 for _ in reader)
+    return (time.process_time() - t) * 1e3 / max(n, 1), n
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.readers", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--records", type=int, default=40_000, help="records per file")
+    p.add_argument("--batch", type=int, default=256, help="samples per trainer per batch")
+    p.add_argument("--trainers", default="1,2,8,32", help="comma-separated trainer counts")
+    p.add_argument("--readers", default="criteo,csv,parquet,parquet_rows,sequence_csv,sequence_parquet,"
+                                        "sequence_parquet_rows", help="comma-separated readers")
+    p.add_argument("--repeat", type=int, default=3, help="passes per reader and trainer count (median)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    import pyarrow.compute  # noqa: F401 - imported once here, not inside the first timed pass
+
+    counts = [int(x) for x in args.trainers.split(",")]
+    names = args.readers.split(",")
+    rows: dict[tuple[str, int], float] = {}
+    with tempfile.TemporaryDirectory(prefix="hybrid-readers-") as tmp:
+        paths = write_files(Path(tmp), args.records, args.seed)
+        for name in names:
+            path = paths[name.removesuffix("_rows")]
+            for w in counts:
+                runs = [measure(name, path, args.batch, w) for _ in range(args.repeat)]
+                ms, batches = statistics.median(r[0] for r in runs), runs[0][1]
+                rows[name, w] = ms
+                print(json.dumps({"reader": name, "trainers": w, "batch": args.batch, "batches": batches,
+                                  "cpu_ms_per_batch": round(ms, 4), "records": args.records}), flush=True)
+    width = max(map(len, names))
+    print(f"\ntrainer 0's CPU ms per batch of {args.batch} ({args.records} records a file)", file=sys.stderr)
+    print(f"{'reader':<{width}}  " + "  ".join(f"{f'{w} trainers':>11}" for w in counts), file=sys.stderr)
+    for name in names:
+        print(f"{name:<{width}}  " + "  ".join(f"{rows[name, w]:>11.2f}" for w in counts), file=sys.stderr)
+    for name in names:
+        if name.endswith("_rows") and name.removesuffix("_rows") in names:
+            bulk = name.removesuffix("_rows")
+            ratios = ", ".join(f"{rows[name, w] / rows[bulk, w]:.1f}x" for w in counts)
+            print(f"{bulk}: the row path costs {ratios} the bulk path's ({', '.join(map(str, counts))} trainers)",
+                  file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
