@@ -17,21 +17,22 @@ integer``. Files are read as bytes (``.gz`` decompressed); a line ends at ``\\n`
 ``\\r`` are ignored). Sharding, the malformed policy and ``counts`` are those of
 :class:`~hybrid.data.tabular.FileReader`.
 
-Speed: every trainer checks every line (one regular expression; the few lines it refuses get a
-field-by-field check), so that all trainers agree on the good lines; only this trainer's share
-of each global batch is converted, in bulk (8-digit hex fields by one ``bytes.fromhex``).
+Speed: every trainer parses every line, so that all trainers agree on the good lines: a chunk
+of about 1 MB of whole lines at a time, by the native operator ``criteo_parse`` (one pass over
+the bytes into tensors; :mod:`hybrid.ops`); a malformed line's message comes from a field-by-field
+check in Python.
 """
 
 from __future__ import annotations
 
 import re
-from array import array
 from collections.abc import Iterator, Sequence
-from itertools import chain
+from typing import NamedTuple
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from hybrid import ops
 from hybrid.data.batch import Batch
 from hybrid.data.config import DataConfig, Schema
 from hybrid.data.tabular import FileReader, open_binary, show
@@ -39,12 +40,7 @@ from hybrid.data.tabular import FileReader, open_binary, show
 NUM_DENSE = 13
 NUM_SPARSE = 26
 NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
-_BIG = 1 << 62
 _CHUNK_BYTES = 1 << 20
-
-# The common shape: dense fields below 10**18 (no overflow), hex fields 8 digits (as in the real
-# logs) or blank. _check rewrites other good lines into it (hex values of more digits stay wider).
-_FAST = re.compile(rb"[01](?:\t(?:-?[0-9]{1,18})?){13}(?:\t(?:[0-9a-fA-F]{8})?){26}")
 _INT = re.compile(rb"[+-]?[0-9]+")
 _HEX = re.compile(rb"[0-9a-fA-F]+")
 
@@ -66,30 +62,32 @@ class CriteoReader(FileReader):
         self._rows = torch.tensor(self.rows, dtype=torch.int64).unsqueeze(1)
         self._names = ["label", *(f"I{j}" for j in range(1, NUM_DENSE + 1)), *schema.features]
 
-    def _chunks(self) -> Iterator[list[bytes]]:
-        fast = _FAST.fullmatch
+    def _chunks(self) -> Iterator[_Lines]:
         for path in self.paths:
             with open_binary(path) as f:
                 done = 0
-                while raw := f.readlines(_CHUNK_BYTES):
-                    self.counts["lines"] += len(raw)
-                    lines = [line.rstrip(b"\r\n") for line in raw]
-                    yield lines if all(map(fast, lines)) else self._sift(lines, path, done)
-                    done += len(raw)
+                while text := f.read(_CHUNK_BYTES):
+                    if not text.endswith(b"\n"):
+                        text += f.readline()  # whole lines only
+                    status, labels, dense, ids = ops.criteo_parse(
+                        torch.frombuffer(bytearray(text), dtype=torch.uint8), self.rows)
+                    n = status.numel()
+                    self.counts["lines"] += n
+                    if bool(status.any()):
+                        self._report(text, status, path, done)
+                        good = status == 0
+                        labels, dense, ids = labels[good], dense[good], ids[good]
+                    yield _Lines(labels, dense, ids)
+                    done += n
 
-    def _sift(self, lines: list[bytes], path: str, done: int) -> list[bytes]:
-        """The good lines of a chunk (in the fast shape); the others reported, numbered from ``done + 1``."""
-        good = []
-        for i, line in enumerate(lines):
-            checked = line if _FAST.fullmatch(line) else self._check(line)
-            if isinstance(checked, str):
-                self._malformed(f"{path}:{done + i + 1}", checked)
-            else:
-                good.append(checked)
-        return good
+    def _report(self, text: bytes, status: torch.Tensor, path: str, done: int) -> None:
+        """Report the malformed lines of a chunk (numbered from ``done + 1``), naming the field."""
+        lines = text.split(b"\n")
+        for i in status.nonzero().flatten().tolist():
+            self._malformed(f"{path}:{done + i + 1}", self._check(lines[i].rstrip(b"\r")))
 
-    def _check(self, line: bytes) -> bytes | str:
-        """A line the fast pattern refused: the same line in the fast shape, or what is wrong."""
+    def _check(self, line: bytes) -> str:
+        """What is wrong with a malformed line (the first bad field)."""
         fields = line.split(b"\t")
         if len(fields) != NUM_FIELDS:
             return (f"{len(fields)} fields; a Criteo line has {NUM_FIELDS} "
@@ -97,55 +95,42 @@ class CriteoReader(FileReader):
         if fields[0] not in (b"0", b"1"):
             return f"field 1 (label): {show(fields[0])} is not 0 or 1"
         for j in range(1, 1 + NUM_DENSE):
-            v = fields[j]
-            if v:
-                if not _INT.fullmatch(v):
-                    return f"field {j + 1} ({self._names[j]}): {show(v)} is not an integer"
-                fields[j] = b"%d" % min(max(int(v), 0), _BIG)
+            if fields[j] and not _INT.fullmatch(fields[j]):
+                return f"field {j + 1} ({self._names[j]}): {show(fields[j])} is not an integer"
         for j in range(1 + NUM_DENSE, NUM_FIELDS):
-            v = fields[j]
-            if v:
-                if not _HEX.fullmatch(v):
-                    return f"field {j + 1} ({self._names[j]}): {show(v)} is not hexadecimal"
-                fields[j] = b"%08x" % (int(v, 16) % self.rows[j - 1 - NUM_DENSE])
-        return b"\t".join(fields)
+            if fields[j] and not _HEX.fullmatch(fields[j]):
+                return f"field {j + 1} ({self._names[j]}): {show(fields[j])} is not hexadecimal"
+        raise AssertionError(f"criteo_parse refused a good line: {line!r}")
 
-    def _batch(self, lines: list[bytes]) -> Batch:
+    def _empty(self) -> _Lines:
+        return _Lines(torch.zeros(0), torch.zeros(0, NUM_DENSE, dtype=torch.int64),
+                      torch.zeros(0, NUM_SPARSE, dtype=torch.int64))
+
+    def _cat(self, buf: _Lines, chunk: _Lines) -> _Lines:
+        if not len(buf):
+            return chunk
+        return _Lines(torch.cat([buf.labels, chunk.labels]), torch.cat([buf.dense, chunk.dense]),
+                      torch.cat([buf.ids, chunk.ids]))
+
+    def _take(self, buf: _Lines, lo: int, hi: int) -> _Lines:
+        return _Lines(buf.labels[lo:hi], buf.dense[lo:hi], buf.ids[lo:hi])
+
+    def _batch(self, lines: _Lines) -> Batch:
         n = len(lines)
-        if n == 0:  # an evaluation trainer's empty share of the last global batch
-            return Batch(torch.zeros(0, NUM_DENSE), KeyedJaggedTensor.from_lengths_sync(
-                keys=list(self.schema.features), values=torch.zeros(0, dtype=torch.int64),
-                lengths=torch.zeros(0, dtype=torch.int64)), torch.zeros(0))
-        flat = b"\t".join(lines).split(b"\t")
-        labels = torch.tensor([x == b"1" for x in flat[0::NUM_FIELDS]], dtype=torch.float32)
-        dense = array("q", [int(x or b"0") for x in _columns(flat, 1, 1 + NUM_DENSE)])
-        dense_t = torch.frombuffer(dense, dtype=torch.int64).view(NUM_DENSE, n).t().clamp_min(0)
-        ids = _hex_ids(list(_columns(flat, 1 + NUM_DENSE, NUM_FIELDS))).view(NUM_SPARSE, n) % self._rows
         sparse = KeyedJaggedTensor.from_lengths_sync(
-            keys=list(self.schema.features), values=ids.reshape(-1),
+            keys=list(self.schema.features), values=lines.ids.t().reshape(-1),
             lengths=torch.ones(NUM_SPARSE * n, dtype=torch.int64))
-        return Batch(dense_t.double().log1p().float().contiguous(), sparse, labels)
+        return Batch(lines.dense.double().log1p().float(), sparse, lines.labels.clone())
 
 
-def _columns(flat: list[bytes], first: int, stop: int) -> Iterator[bytes]:
-    """Fields ``first..stop-1`` of every line of ``flat`` (all lines' fields in a row), column by column."""
-    return chain.from_iterable(flat[j::NUM_FIELDS] for j in range(first, stop))
+class _Lines(NamedTuple):
+    """Good lines, parsed: labels ``[n]``, dense values ``[n, 13]`` (int64, before ``log(1 + x)``)
+    and ids ``[n, 26]``."""
 
+    labels: torch.Tensor
+    dense: torch.Tensor
+    ids: torch.Tensor
 
-def _hex_ids(fields: list[bytes]) -> torch.Tensor:
-    """``int(field or "0", 16)`` of every field, as int64.
+    def __len__(self) -> int:  # type: ignore[override]
+        return self.labels.shape[0]
 
-    Fields are blank, 8 hex digits, or (rewritten by ``_check``) more digits for a value that
-    needs them, below ``2**63``. Without the latter (always, for real Criteo data) the whole
-    list decodes with one ``bytes.fromhex`` instead of one ``int()`` per field.
-    """
-    if not fields:
-        return torch.zeros(0, dtype=torch.int64)
-    blank8 = b"\t00000000\t"
-    packed = (b"\t" + b"\t".join(fields) + b"\t").replace(b"\t\t", blank8).replace(b"\t\t", blank8)
-    packed = packed.replace(b"\t", b"")
-    if len(packed) == 8 * len(fields):
-        u = torch.frombuffer(bytearray(bytes.fromhex(packed.decode("ascii"))), dtype=torch.uint8)
-        u = u.view(-1, 4).long()
-        return (u[:, 0] << 24) | (u[:, 1] << 16) | (u[:, 2] << 8) | u[:, 3]
-    return torch.frombuffer(array("q", [int(x or b"0", 16) for x in fields]), dtype=torch.int64)

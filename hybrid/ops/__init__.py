@@ -21,12 +21,12 @@ import torch
 from hybrid.ops.reference import DynamicPlan, ForeignPart, NonFinite, PartFull, Route, RowOutOfRange, _table_views
 
 __all__ = ["AVAILABLE", "DynamicPlan", "ForeignPart", "NonFinite", "PartFull", "Route", "RowOutOfRange",
-           "bag_rows", "die_with_parent", "dynamic_commit_", "dynamic_plan", "dynamic_rows", "gather_rows", "merge_ids", "initial_rows_", "optimizer_rows",
+           "bag_rows", "criteo_parse", "die_with_parent", "dynamic_commit_", "dynamic_plan", "dynamic_rows", "gather_rows", "merge_ids", "initial_rows_", "optimizer_rows",
            "optimizer_step_", "populate_", "route", "route_hashed", "scatter_rows_", "sgd_rows_", "sum_rows", "sum_runs"]
 
 OPS = ("route", "route_hashed", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows", "optimizer_step_",
        "scatter_rows_", "initial_rows_", "merge_ids", "sum_runs", "dynamic_plan", "dynamic_commit_",
-       "dynamic_rows", "populate_", "bag_rows", "die_with_parent")
+       "dynamic_rows", "populate_", "bag_rows", "die_with_parent", "criteo_parse")
 """The operators ``hybrid._C`` registers under ``torch.ops.hybrid``."""
 
 STATE_KEYS = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",),
@@ -319,10 +319,20 @@ def die_with_parent(signal: int) -> bool:
     return bool(torch.ops.hybrid.die_with_parent(int(signal)))
 
 
+def criteo_parse(text: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The lines of Criteo TSV bytes (uint8; each line ends at ``\\n``, the last may not; trailing
+    ``\\r`` ignored): per line a status (int8, 1: malformed), the label (float32), the dense
+    values (int64 ``[n, 13]``: blank and negative 0, at most ``2**62``) and the ids (int64
+    ``[n, 26]``: the hex value modulo ``rows[f]``, blank 0); a malformed line's values are 0.
+    hybrid/data/criteo.py documents the format."""
+    return torch.ops.hybrid.criteo_parse(text, [int(r) for r in rows])
+
+
 # Without the extension every public name is the reference's own function.
 if not AVAILABLE:
     from hybrid.ops.reference import (  # noqa: F811
         bag_rows,
+        criteo_parse,
         die_with_parent,
         dynamic_commit_,
         dynamic_plan,

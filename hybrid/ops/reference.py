@@ -678,3 +678,55 @@ def dynamic_rows(weights, ids, slots, seen, counts, *, admit_after, keys, bounds
         hits.append(int(hit.sum()))
         p, q = p + n, q + n * dim
     return torch.tensor(hits, dtype=torch.int64)
+
+
+_CRITEO_DENSE, _CRITEO_SPARSE, _CRITEO_BIG = 13, 26, 1 << 62
+
+
+def _criteo_line(line: bytes, rows) -> tuple[float, list[int], list[int]] | None:
+    """One Criteo line's (label, dense, ids), or None when it is malformed (hybrid/data/criteo.py)."""
+    fields = line.split(b"\t")
+    if len(fields) != 1 + _CRITEO_DENSE + _CRITEO_SPARSE or fields[0] not in (b"0", b"1"):
+        return None
+    dense = []
+    for v in fields[1:1 + _CRITEO_DENSE]:
+        digits = v[1:] if v[:1] in (b"+", b"-") else v
+        if v and not (digits and digits.isdigit()):
+            return None
+        dense.append(min(max(int(v), 0), _CRITEO_BIG) if v else 0)
+    ids = []
+    for v, m in zip(fields[1 + _CRITEO_DENSE:], rows):
+        if v and not all(c in b"0123456789abcdefABCDEF" for c in v):
+            return None
+        ids.append(int(v, 16) % m if v else 0)
+    return float(fields[0] == b"1"), dense, ids
+
+
+def criteo_parse(text: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The lines of Criteo TSV bytes (uint8; each line ends at ``\\n``, the last may not; trailing
+    ``\\r`` ignored): per line a status (int8, 1: malformed), the label (float32), the dense
+    values (int64 ``[n, 13]``: blank and negative 0, at most ``2**62``) and the ids (int64
+    ``[n, 26]``: the hex value modulo ``rows[f]``, blank 0); a malformed line's values are 0."""
+    if text.dtype != torch.uint8:
+        raise TypeError(f"text must be uint8; got {text.dtype}")
+    rows = [int(r) for r in rows]
+    if len(rows) != _CRITEO_SPARSE or min(rows) <= 0:
+        raise ValueError(f"rows must hold {_CRITEO_SPARSE} positive tables' rows; got {rows}")
+    data = text.numpy().tobytes()
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # the text ended with a newline
+    n = len(lines)
+    status = torch.zeros(n, dtype=torch.int8)
+    labels = torch.zeros(n)
+    dense = torch.zeros(n, _CRITEO_DENSE, dtype=torch.int64)
+    ids = torch.zeros(n, _CRITEO_SPARSE, dtype=torch.int64)
+    for i, line in enumerate(lines):
+        parsed = _criteo_line(line.rstrip(b"\r"), rows)
+        if parsed is None:
+            status[i] = 1
+            continue
+        labels[i] = parsed[0]
+        dense[i] = torch.tensor(parsed[1], dtype=torch.int64)
+        ids[i] = torch.tensor(parsed[2], dtype=torch.int64)
+    return status, labels, dense, ids

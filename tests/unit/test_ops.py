@@ -909,3 +909,61 @@ def test_die_with_parent_sets_the_kernel_s_parent_death_signal():
         with pytest.raises(ValueError, match="signal must be a signal number in 1..64, got 0"):
             impl.die_with_parent(0)
     assert reference.die_with_parent(int(signal.SIGTERM)) is False
+
+
+# -- criteo_parse ---------------------------------------------------------------------------------
+
+def _criteo_text(rng, lines: int) -> bytes:
+    """Criteo lines of every kind the format allows (blanks, signs, values past 2**62, hex of any
+    length and case) and, in about a third, one field it does not; some end in ``\\r``."""
+    def dense():
+        return rng.choice(["", str(rng.randint(-3, 5000)), "+7", "-0", "9" * rng.randint(17, 40)])
+
+    def cat():
+        return rng.choice(["", f"{rng.getrandbits(32):08x}", f"{rng.getrandbits(32):08X}", "0", "f" * rng.randint(9, 40)])
+
+    out = []
+    for _ in range(lines):
+        fields = [rng.choice(["0", "1"]), *(dense() for _ in range(13)), *(cat() for _ in range(26))]
+        if rng.random() < 0.35:
+            j = rng.randrange(40)
+            fields[j] = rng.choice(["2", "", "-"] if j == 0 else ["1a", "-", " 5", "+", "5 "] if j <= 13
+                                   else ["xyz", "0x1f", "1_0", " f", "-1"])
+            if rng.random() < 0.3:
+                fields = fields[:rng.randint(0, 39)] if rng.random() < 0.5 else fields + ["0"]
+        line = "\t".join(fields) + rng.choice(["", "", "", "\r", "\r\r"])
+        out.append(line if rng.random() > 0.02 else "")
+    text = "\n".join(out)
+    return (text + ("\n" if rng.random() < 0.7 else "")).encode()
+
+
+@native
+def test_criteo_parse_matches_reference_on_seeded_fuzz():
+    import random
+
+    good = bad = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        rows = [rng.choice([1, 7, 1000, 2**31 + 11, 2**62 + 3, 2**63 - 1]) for _ in range(26)]
+        text = _criteo_text(rng, rng.randint(0, 60))
+        t = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else torch.zeros(0, dtype=torch.uint8)
+        got, want = ops.criteo_parse(t, rows), ref.criteo_parse(t, rows)
+        for g, w, name in zip(got, want, ("status", "labels", "dense", "ids")):
+            assert g.dtype == w.dtype and torch.equal(g, w), (seed, name)
+        bad += int(got[0].sum())
+        good += len(got[0]) - int(got[0].sum())
+    assert good > 500 and bad > 300, (good, bad)
+
+
+@pytest.mark.parametrize("impl", [ops, ref], ids=["public", "reference"])
+def test_criteo_parse_values_and_refusals(impl):
+    line = "\t".join(["1", "-4", "+12", "", *["9" * 30] * 10, "ff", "", "FFFFFFFFFFFFFFFFFFFF", *["0"] * 23]) + "\r\n"
+    text = (line + "0\tbad\n\n").encode()
+    status, labels, dense, ids = impl.criteo_parse(torch.frombuffer(bytearray(text), dtype=torch.uint8), [10] * 26)
+    assert status.tolist() == [0, 1, 1] and labels.tolist() == [1.0, 0.0, 0.0]
+    assert dense[0].tolist() == [0, 12, 0, *[2**62] * 10]
+    assert ids[0].tolist()[:3] == [255 % 10, 0, (16**20 - 1) % 10] and not dense[1:].any() and not ids[1:].any()
+    with pytest.raises(TypeError, match="text must be uint8"):
+        impl.criteo_parse(torch.zeros(3, dtype=torch.int32), [10] * 26)
+    with pytest.raises(ValueError, match="rows must"):
+        impl.criteo_parse(torch.zeros(3, dtype=torch.uint8), [10] * 25)
