@@ -57,6 +57,8 @@ from hybrid.data.tabular import FileReader, _id, _is_number, _is_text, _number, 
 from hybrid.errors import InputError
 
 ITEM, NEGATIVE, ACTION = "item", "negative", "action"
+_DECIMAL = r"^-?[0-9]+(\.[0-9]+)?$"
+"""Timestamps as text taken in bulk: plain decimals, which ``float()`` and pyarrow read alike."""
 """The features of a sequence batch (``action`` only when the model embeds actions)."""
 SUCCESSORS = 4
 """Synthetic: successors of every item in the transition matrix."""
@@ -291,8 +293,80 @@ class _SequenceFiles(FileReader):
         return sequence_batch(self.schema, items, actions, negatives)
 
 
+    def _columnar(self, rb: Any, names: list[str]) -> list[tuple] | None:
+        """The records of a record batch as :meth:`_parse` makes them, converted a column at a
+        time; ``None`` when a cell may not be what the row parse takes (it then decides and names
+        it). Taken: item and action ids as lists of integers or as text (split on
+        ``data.id_separator``), timestamps as lists of numbers or as text of plain decimals (no
+        NaN), each row's lists of one length. Items are ordered by timestamp (stably,
+        as ``sorted``), the last held out for training, rows left with fewer than 2 items
+        counted as short, and each kept to its last ``data.max_len + 1``."""
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        n = rb.num_rows
+        lens = None
+        flat = []
+        try:
+            for (key, _), name in zip(self._columns(), names, strict=True):
+                c = _plain(rb.column(name))
+                t = c.type
+                if _is_text(t):
+                    c = pc.split_pattern(pc.if_else(pc.equal(c, ""), pa.scalar(None, t), c), self.cfg.id_separator)
+                elif not ((pa.types.is_list(t) or pa.types.is_large_list(t))
+                          and (_is_number(t.value_type) if key == "data.timestamps_column"
+                               else pa.types.is_integer(t.value_type) or _is_text(t.value_type))):
+                    return None
+                n_of = pc.fill_null(pc.list_value_length(c), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+                if lens is None:
+                    lens = n_of
+                elif not np.array_equal(lens, n_of):
+                    return None
+                values = pc.list_flatten(c)
+                if values.null_count:
+                    return None
+                if key == "data.timestamps_column":
+                    if _is_text(values.type) and len(values) and not pc.all(
+                            pc.match_substring_regex(values, _DECIMAL)).as_py():
+                        return None  # text that float() and pyarrow might read differently
+                    v = pc.cast(values, pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+                    if np.isnan(v).any():
+                        return None
+                else:
+                    v = pc.cast(values, pa.int64()).to_numpy(zero_copy_only=False)
+                    bound = self.rows if key == "data.items_column" else self.num_actions
+                    if v.size and (v.min() < 0 or v.max() >= bound):
+                        return None
+                flat.append((key, v))
+        except pa.ArrowException:
+            return None
+        assert lens is not None
+        stamps = [v for key, v in flat if key == "data.timestamps_column"]
+        items = flat[0][1]
+        acts = next((v for key, v in flat if key == "data.actions_column"), None)
+        if stamps:
+            order = np.lexsort((stamps[0], np.repeat(np.arange(n), lens)))  # stable: ties keep their order
+            items = items[order]
+            acts = None if acts is None else acts[order]
+        ends = np.cumsum(lens)
+        kept = np.maximum(lens - 1, 0) if self.split == "train" else lens
+        ends = ends - (lens - kept)
+        starts = ends - np.minimum(kept, self.cfg.max_len + 1)
+        good = kept >= 2
+        self.counts["lines"] += n
+        self.counts["short"] += int(n - good.sum())
+        items_l = items.tolist()
+        acts_l = None if acts is None else acts.tolist()
+        return [(items_l[a:b], None if acts_l is None else acts_l[a:b])
+                for a, b in zip(starts[good].tolist(), ends[good].tolist())]
+
+
 class SequenceCsvReader(_SequenceFiles):
-    """Sequence rows from CSV (first line the header; ``.gz`` decompressed)."""
+    """Sequence rows from CSV (first line the header; ``.gz`` decompressed): parsed by pyarrow and
+    converted a column at a time, a block of the file at a time; from the first block that cannot
+    be (a row pyarrow refuses, a cell the bulk conversion does not take), line by line with the
+    stdlib ``csv`` module, which names a bad line."""
 
     source = "csv"
 
@@ -304,19 +378,80 @@ class SequenceCsvReader(_SequenceFiles):
             self._indices(path, header)
 
     def _chunks(self) -> Iterator[list[tuple]]:
-        chunk: list[tuple] = []
         for path in self.paths:
-            with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
-                reader = csv.reader(f)
-                header = next(reader, None)
-                if header is None:
-                    raise InputError(f"data.csv: {path}: empty file (the first line must be the header)")
-                cols = self._indices(path, header)
-                for row, where in self._csv_rows(path, reader, header):
-                    self._keep(self._parse([row[i] for i in cols]), where, chunk)
-                    if len(chunk) >= 8192:
-                        yield chunk
-                        chunk = []
+            done, fast = 0, self._fast(path)
+            try:
+                for block in fast:
+                    if block is None:
+                        break
+                    chunk, rows = block
+                    done += rows
+                    yield chunk
+                else:
+                    continue
+            finally:
+                fast.close()
+            yield from self._slow(path, skip=done)
+
+    def _fast(self, path: str) -> Iterator[tuple[list[tuple], int] | None]:
+        """The file's records and how many rows they came from, a block at a time, parsed by
+        pyarrow and converted a column at a time (:meth:`_columnar`); ``None`` (then nothing
+        more) at the first block that needs the line-by-line path."""
+        import pyarrow as pa
+        import pyarrow.csv as pacsv
+
+        with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
+            header = next(csv.reader(f), None)
+        if header is None:
+            raise InputError(f"data.csv: {path}: empty file (the first line must be the header)")
+        names = [header[i] for i in self._indices(path, header)]
+        if len(set(header)) != len(header) or any(not h for h in header):
+            yield None  # pyarrow needs unique, named columns
+            return
+        invalid: list[int] = []
+
+        def on_invalid(row) -> str:  # noqa: ANN001 - pyarrow's InvalidRow
+            invalid.append(row.number or 0)
+            return "skip"
+
+        with open_binary(path) as raw:
+            try:
+                reader = pacsv.open_csv(
+                    raw, read_options=pacsv.ReadOptions(use_threads=False, block_size=1 << 20),
+                    parse_options=pacsv.ParseOptions(invalid_row_handler=on_invalid),
+                    convert_options=pacsv.ConvertOptions(
+                        column_types={n: pa.string() for n in names}, include_columns=list(dict.fromkeys(names)),
+                        strings_can_be_null=False, quoted_strings_can_be_null=False))
+                for rb in reader:
+                    chunk = None if invalid else self._columnar(rb, names)
+                    if chunk is None:
+                        yield None
+                        return
+                    yield chunk, rb.num_rows
+                if invalid:
+                    yield None
+            except (pa.ArrowInvalid, UnicodeDecodeError):
+                yield None
+
+    def _slow(self, path: str, *, skip: int) -> Iterator[list[tuple]]:
+        """The file line by line (the stdlib ``csv`` module), after its first ``skip`` records
+        (read by the bulk path, and counted there)."""
+        chunk: list[tuple] = []
+        with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None:
+                raise InputError(f"data.csv: {path}: empty file (the first line must be the header)")
+            cols = self._indices(path, header)
+            for row, where in self._csv_rows(path, reader, header):
+                if skip:
+                    skip -= 1
+                    self.counts["lines"] -= 1  # counted when the bulk path read it
+                    continue
+                self._keep(self._parse([row[i] for i in cols]), where, chunk)
+                if len(chunk) >= 8192:
+                    yield chunk
+                    chunk = []
         yield chunk
 
 
@@ -349,69 +484,6 @@ class SequenceParquetReader(_SequenceFiles):
                 row += rb.num_rows
                 yield chunk
 
-    def _columnar(self, rb: Any, names: list[str]) -> list[tuple] | None:
-        """The records of a record batch as :meth:`_parse` makes them, converted a column at a
-        time; ``None`` when a cell may not be what the row parse takes (it then decides and names
-        it). Taken: item and action ids as lists of integers or text, timestamps as lists of
-        numbers (no NaN), each row's lists of one length. Items are ordered by timestamp (stably,
-        as ``sorted``), the last held out for training, rows left with fewer than 2 items
-        counted as short, and each kept to its last ``data.max_len + 1``."""
-        import numpy as np
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
-        n = rb.num_rows
-        lens = None
-        flat = []
-        try:
-            for (key, _), name in zip(self._columns(), names, strict=True):
-                c = _plain(rb.column(name))
-                t = c.type
-                if _is_text(t) and key != "data.timestamps_column":
-                    c = pc.split_pattern(pc.if_else(pc.equal(c, ""), pa.scalar(None, t), c), self.cfg.id_separator)
-                elif not ((pa.types.is_list(t) or pa.types.is_large_list(t))
-                          and (_is_number(t.value_type) if key == "data.timestamps_column"
-                               else pa.types.is_integer(t.value_type) or _is_text(t.value_type))):
-                    return None
-                n_of = pc.fill_null(pc.list_value_length(c), 0).to_numpy(zero_copy_only=False).astype(np.int64)
-                if lens is None:
-                    lens = n_of
-                elif not np.array_equal(lens, n_of):
-                    return None
-                values = pc.list_flatten(c)
-                if values.null_count:
-                    return None
-                if key == "data.timestamps_column":
-                    v = pc.cast(values, pa.float64(), safe=False).to_numpy(zero_copy_only=False)
-                    if np.isnan(v).any():
-                        return None
-                else:
-                    v = pc.cast(values, pa.int64()).to_numpy(zero_copy_only=False)
-                    bound = self.rows if key == "data.items_column" else self.num_actions
-                    if v.size and (v.min() < 0 or v.max() >= bound):
-                        return None
-                flat.append((key, v))
-        except pa.ArrowException:
-            return None
-        assert lens is not None
-        stamps = [v for key, v in flat if key == "data.timestamps_column"]
-        items = flat[0][1]
-        acts = next((v for key, v in flat if key == "data.actions_column"), None)
-        if stamps:
-            order = np.lexsort((stamps[0], np.repeat(np.arange(n), lens)))  # stable: ties keep their order
-            items = items[order]
-            acts = None if acts is None else acts[order]
-        ends = np.cumsum(lens)
-        kept = np.maximum(lens - 1, 0) if self.split == "train" else lens
-        ends = ends - (lens - kept)
-        starts = ends - np.minimum(kept, self.cfg.max_len + 1)
-        good = kept >= 2
-        self.counts["lines"] += n
-        self.counts["short"] += int(n - good.sum())
-        items_l = items.tolist()
-        acts_l = None if acts is None else acts.tolist()
-        return [(items_l[a:b], None if acts_l is None else acts_l[a:b])
-                for a, b in zip(starts[good].tolist(), ends[good].tolist())]
 
 def make_sequence_dataset(schema: Schema, cfg: DataConfig, *, split: str, rank: int = 0, world_size: int = 1):
     """The sequence reader for ``cfg.source`` (``synthetic``, ``csv`` or ``parquet``)."""
