@@ -716,17 +716,10 @@ def criteo_parse(text: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor, 
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the text ended with a newline
-    n = len(lines)
-    status = torch.zeros(n, dtype=torch.int8)
-    labels = torch.zeros(n)
-    dense = torch.zeros(n, _CRITEO_DENSE, dtype=torch.int64)
-    ids = torch.zeros(n, _CRITEO_SPARSE, dtype=torch.int64)
-    for i, line in enumerate(lines):
-        parsed = _criteo_line(line.rstrip(b"\r"), rows)
-        if parsed is None:
-            status[i] = 1
-            continue
-        labels[i] = parsed[0]
-        dense[i] = torch.tensor(parsed[1], dtype=torch.int64)
-        ids[i] = torch.tensor(parsed[2], dtype=torch.int64)
-    return status, labels, dense, ids
+    bad = (None, [0] * _CRITEO_DENSE, [0] * _CRITEO_SPARSE)
+    parsed = [_criteo_line(line.rstrip(b"\r"), rows) or bad for line in lines]
+    n = len(parsed)
+    return (torch.tensor([p[0] is None for p in parsed], dtype=torch.int8),
+            torch.tensor([p[0] or 0.0 for p in parsed], dtype=torch.float32),
+            torch.tensor([p[1] for p in parsed], dtype=torch.int64).reshape(n, _CRITEO_DENSE),
+            torch.tensor([p[2] for p in parsed], dtype=torch.int64).reshape(n, _CRITEO_SPARSE))
