@@ -12,9 +12,9 @@ temporary folder from one seeded stream:
 - ``csv`` / ``parquet``: the same records with named columns (13 float, 26 integer-id columns);
 - ``sequence_csv`` / ``sequence_parquet``: one row per user (3-60 item ids, timestamps with ties).
 
-The Parquet readers convert a record batch a column at a time and fall back to parsing its rows
-one at a time; ``parquet_rows`` / ``sequence_parquet_rows`` are the same readers held to the row
-path, measured in the same run (the ratio column is row path / bulk). Each JSON line holds one
+The CSV and Parquet readers convert a block of records a column at a time and fall back to
+parsing rows one at a time; ``parquet_rows`` / ``sequence_parquet_rows`` are the Parquet readers
+held to the row path, measured in the same run (the ratio line is row path / bulk). Each JSON line holds one
 reader at one trainer count (median of ``--repeat`` passes); a table goes to stderr.
 """
 
