@@ -45,7 +45,7 @@ import io
 import math
 import random
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -184,6 +184,18 @@ class SyntheticSequences:
         return sequence_batch(self.schema, items, actions, negatives)
 
 
+class _Seqs(NamedTuple):
+    """Parsed sequence rows, by column: each row's item count ``[n]``, the items of every row one
+    after another, and their actions (``None`` without an action feature)."""
+
+    lengths: torch.Tensor
+    items: torch.Tensor
+    actions: torch.Tensor | None
+
+    def __len__(self) -> int:  # type: ignore[override]
+        return self.lengths.shape[0]
+
+
 class _SequenceFiles(FileReader):
     """What the CSV and Parquet sequence readers share: columns, the parse of a row, batches."""
 
@@ -275,12 +287,38 @@ class _SequenceFiles(FileReader):
         elif parsed is not None:
             chunk.append(parsed)
 
-    def _batch(self, records: list[tuple]) -> Batch:
-        n = len(records)
-        items = [r[0] for r in records]
-        actions = [r[1] for r in records] if self.num_actions else None
-        if self.split == "eval":
-            negatives = _catalog_bags(0, n, n, self.rows)
+    # Records are buffered as a columnar block (_Seqs).
+    def _empty(self) -> _Seqs:
+        z = torch.zeros(0, dtype=torch.int64)
+        return _Seqs(z, z, z if self.num_actions else None)
+
+    def _cat(self, buf: _Seqs, chunk: _Seqs) -> _Seqs:
+        if not len(buf):
+            return chunk
+        return _Seqs(torch.cat([buf.lengths, chunk.lengths]), torch.cat([buf.items, chunk.items]),
+                     None if buf.actions is None else torch.cat([buf.actions, chunk.actions]))
+
+    def _take(self, buf: _Seqs, lo: int, hi: int) -> _Seqs:
+        a = int(buf.lengths[:lo].sum())
+        b = a + int(buf.lengths[lo:hi].sum())
+        return _Seqs(buf.lengths[lo:hi], buf.items[a:b], None if buf.actions is None else buf.actions[a:b])
+
+    def _block(self, records: list[tuple]) -> _Seqs:
+        """A block of records of the row parse (``(items, actions)`` lists)."""
+        return _Seqs(torch.tensor([len(r[0]) for r in records], dtype=torch.int64),
+                     torch.tensor([i for r in records for i in r[0]], dtype=torch.int64),
+                     torch.tensor([a for r in records for a in r[1]], dtype=torch.int64)
+                     if self.num_actions else None)
+
+    def _batch(self, block: _Seqs) -> Batch:
+        """The batch of a block: as :func:`sequence_batch` makes it from lists, from the block's
+        tensors."""
+        n = len(block)
+        if self.split == "eval":  # the whole catalog in the first sample's bag (_catalog_bags)
+            neg_lengths = torch.zeros(n, dtype=torch.int64)
+            neg_values = torch.arange(self.rows if n else 0, dtype=torch.int64)
+            if n:
+                neg_lengths[0] = self.rows
         else:
             # Drawn for the whole global batch, this trainer's rows taken: a full global batch gets
             # the negatives one process reading it would.
@@ -288,14 +326,20 @@ class _SequenceFiles(FileReader):
             size = self.world_size * self.batch_size
             drawn = torch.randint(0, self.rows, (size, self.cfg.num_negatives), generator=g)
             lo = min(self.rank * self.batch_size, size - n)
-            negatives = drawn[lo:lo + n].tolist()
+            neg_values = drawn[lo:lo + n].reshape(-1)
+            neg_lengths = torch.full((n,), self.cfg.num_negatives, dtype=torch.int64)
         self._step += 1
-        return sequence_batch(self.schema, items, actions, negatives)
+        lengths, values = [block.lengths, neg_lengths], [block.items, neg_values]
+        if ACTION in self.schema.features:
+            lengths.append(block.lengths)
+            values.append(block.actions)
+        sparse = KeyedJaggedTensor.from_lengths_sync(keys=list(self.schema.features), values=torch.cat(values),
+                                                     lengths=torch.cat(lengths))
+        return Batch(torch.zeros(n, 0), sparse, torch.ones(n))
 
-
-    def _columnar(self, rb: Any, names: list[str]) -> list[tuple] | None:
-        """The records of a record batch as :meth:`_parse` makes them, converted a column at a
-        time; ``None`` when a cell may not be what the row parse takes (it then decides and names
+    def _columnar(self, rb: Any, names: list[str]) -> _Seqs | None:
+        """The records of a record batch as :meth:`_parse` makes them, as a block, converted a
+        column at a time; ``None`` when a cell may not be what the row parse takes (it then decides and names
         it). Taken: item and action ids as lists of integers or as text (split on
         ``data.id_separator``), timestamps as lists of numbers or as text of plain decimals (no
         NaN), each row's lists of one length. Items are ordered by timestamp (stably,
@@ -356,10 +400,13 @@ class _SequenceFiles(FileReader):
         good = kept >= 2
         self.counts["lines"] += n
         self.counts["short"] += int(n - good.sum())
-        items_l = items.tolist()
-        acts_l = None if acts is None else acts.tolist()
-        return [(items_l[a:b], None if acts_l is None else acts_l[a:b])
-                for a, b in zip(starts[good].tolist(), ends[good].tolist())]
+        starts, ends = starts[good], ends[good]
+        kept_lengths = ends - starts
+        # Each kept row's range [start, end) of the flat lists, the ranges one after another.
+        first = np.concatenate([[0], np.cumsum(kept_lengths)[:-1]]).astype(np.int64)
+        index = np.arange(int(kept_lengths.sum()), dtype=np.int64) + np.repeat(starts - first, kept_lengths)
+        return _Seqs(torch.from_numpy(kept_lengths.astype(np.int64)), torch.from_numpy(items[index]),
+                     None if acts is None else torch.from_numpy(acts[index]))
 
 
 class SequenceCsvReader(_SequenceFiles):
@@ -377,7 +424,7 @@ class SequenceCsvReader(_SequenceFiles):
                 raise InputError(f"data.csv: {path}: empty file (the first line must be the header)")
             self._indices(path, header)
 
-    def _chunks(self) -> Iterator[list[tuple]]:
+    def _chunks(self) -> Iterator[_Seqs]:
         for path in self.paths:
             done, fast = 0, self._fast(path)
             try:
@@ -393,7 +440,7 @@ class SequenceCsvReader(_SequenceFiles):
                 fast.close()
             yield from self._slow(path, skip=done)
 
-    def _fast(self, path: str) -> Iterator[tuple[list[tuple], int] | None]:
+    def _fast(self, path: str) -> Iterator[tuple[_Seqs, int] | None]:
         """The file's records and how many rows they came from, a block at a time, parsed by
         pyarrow and converted a column at a time (:meth:`_columnar`); ``None`` (then nothing
         more) at the first block that needs the line-by-line path."""
@@ -433,7 +480,7 @@ class SequenceCsvReader(_SequenceFiles):
             except (pa.ArrowInvalid, UnicodeDecodeError):
                 yield None
 
-    def _slow(self, path: str, *, skip: int) -> Iterator[list[tuple]]:
+    def _slow(self, path: str, *, skip: int) -> Iterator[_Seqs]:
         """The file line by line (the stdlib ``csv`` module), after its first ``skip`` records
         (read by the bulk path, and counted there)."""
         chunk: list[tuple] = []
@@ -450,9 +497,9 @@ class SequenceCsvReader(_SequenceFiles):
                     continue
                 self._keep(self._parse([row[i] for i in cols]), where, chunk)
                 if len(chunk) >= 8192:
-                    yield chunk
+                    yield self._block(chunk)
                     chunk = []
-        yield chunk
+        yield self._block(chunk)
 
 
 class SequenceParquetReader(_SequenceFiles):
@@ -466,7 +513,7 @@ class SequenceParquetReader(_SequenceFiles):
         if pf.metadata.num_rows == 0:
             raise InputError(f"data.parquet: {path}: empty file (no rows)")
 
-    def _chunks(self) -> Iterator[list[tuple]]:
+    def _chunks(self) -> Iterator[_Seqs]:
         pq = _pyarrow_parquet()
         for path in self.paths:
             pf = pq.ParquetFile(path)
@@ -474,15 +521,16 @@ class SequenceParquetReader(_SequenceFiles):
             names = [header[i] for i in self._indices(path, header)]
             row = 0
             for rb in pf.iter_batches(batch_size=8192, columns=list(dict.fromkeys(names))):
-                chunk = self._columnar(rb, names)
-                if chunk is None:
+                block = self._columnar(rb, names)
+                if block is None:
                     cols = [rb.column(name).to_pylist() for name in names]
-                    chunk = []
+                    chunk: list[tuple] = []
                     for j in range(rb.num_rows):
                         self.counts["lines"] += 1
                         self._keep(self._parse([c[j] for c in cols]), f"{path}: row {row + j + 1}", chunk)
+                    block = self._block(chunk)
                 row += rb.num_rows
-                yield chunk
+                yield block
 
 
 def make_sequence_dataset(schema: Schema, cfg: DataConfig, *, split: str, rank: int = 0, world_size: int = 1):

@@ -240,13 +240,21 @@ def test_seeded_fuzz_parquet_sequences_bulk_equals_row_parse(tmp_path):
             assert not isinstance(parsed, str), (seed, parsed)
             if parsed is not None:
                 rows.append(parsed)
-        assert bulk == rows, seed
+        _assert_same_block(bulk, row_reader._block(rows))
         assert bulk_reader.counts["short"] == row_reader.counts["short"], seed
     assert taken >= 50
 
 
-def _flat(chunks):
-    return [r for chunk in chunks for r in chunk]
+def _assert_same_block(a, b):
+    assert torch.equal(a.lengths, b.lengths) and torch.equal(a.items, b.items)
+    assert (a.actions is None) == (b.actions is None) and (a.actions is None or torch.equal(a.actions, b.actions))
+
+
+def _joined(reader, blocks):
+    out = reader._empty()
+    for block in blocks:
+        out = reader._cat(out, block)
+    return out
 
 
 @pytest.mark.parametrize("tail", ["", "u9,1|x|3,1|2|3\n"], ids=["all-bulk", "bad-row-at-the-end"])
@@ -275,10 +283,40 @@ def test_sequence_csv_bulk_equals_line_by_line(tmp_path, tail):
     schema = _schema(num_actions=3)
     bulk = SequenceCsvReader(schema, cfg, [str(path)])
     ref = SequenceCsvReader(schema, cfg, [str(path)])
-    got, want = _flat(bulk._chunks()), _flat(ref._slow(str(path), skip=0))
-    assert got == want and len(got) > 20_000
+    got, want = _joined(bulk, bulk._chunks()), _joined(ref, ref._slow(str(path), skip=0))
+    _assert_same_block(got, want)
+    assert len(got) > 20_000
     assert bulk.counts == ref.counts and bulk.counts["malformed"] == (1 if tail else 0), (bulk.counts, ref.counts)
     assert bulk.counts["lines"] == len(lines) - 1 + (1 if tail else 0)
     blocks = list(SequenceCsvReader(schema, cfg, [str(path)])._fast(str(path)))
     # pyarrow parses a block ahead: the bad row in the third block sends the second one line by line.
     assert [b is None for b in blocks] == ([False, True] if tail else [False, False, False])
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+@pytest.mark.parametrize("with_actions", [False, True], ids=["items", "items+actions"])
+def test_a_file_block_batch_equals_sequence_batch_of_its_records(split, with_actions):
+    """A file reader's batch, made from a columnar block, is the batch sequence_batch makes from
+    the same records as lists (the synthetic stream's form): items, the negatives (drawn for the
+    global batch, this trainer's rows; in evaluation the whole catalog in the first bag) and
+    actions, bag by bag."""
+    from hybrid.data.sequences import SequenceCsvReader, _catalog_bags, _seed_of, sequence_batch
+
+    schema = _schema(num_actions=3) if with_actions else _schema()
+    cfg = DataConfig(source="csv", train_paths=["unused.csv"], batch_size=4, num_negatives=3)
+    reader = SequenceCsvReader(schema, cfg, ["unused.csv"], rank=1, world_size=2, split=split)
+    records = [([1, 2, 3], [0, 1, 2]), ([4, 5], [1, 1]), ([6, 7, 8, 9], [2, 0, 1, 0])]
+    if not with_actions:
+        records = [(items, None) for items, _ in records]
+    got = reader._batch(reader._block(records))
+    n, rows = len(records), schema.num_embeddings[0]
+    if split == "eval":
+        negatives = _catalog_bags(0, n, n, rows)
+    else:
+        g = torch.Generator().manual_seed(_seed_of(cfg.seed, "negatives", 0))
+        negatives = torch.randint(0, rows, (8, 3), generator=g)[4:4 + n].tolist()
+    want = sequence_batch(schema, [r[0] for r in records], [r[1] for r in records] if with_actions else None,
+                          negatives)
+    assert got.sparse.keys() == want.sparse.keys()
+    assert torch.equal(got.sparse.lengths(), want.sparse.lengths()) and torch.equal(got.sparse.values(), want.sparse.values())
+    assert torch.equal(got.labels, want.labels) and got.dense.shape == want.dense.shape
