@@ -53,7 +53,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from hybrid.data.batch import Batch
 from hybrid.data.config import DataConfig, Schema
 from hybrid.data.synthetic import _seed_of, _uniform, power_law_rank
-from hybrid.data.tabular import FileReader, _id, _is_number, _is_text, _number, _plain, _pyarrow_parquet, open_binary, show
+from hybrid.data.tabular import (FileReader, _id, _is_number, _is_text, _number, _plain, _pyarrow_parquet,
+                                 arrow_csv_batches, open_binary, show)
 from hybrid.errors import InputError
 
 ITEM, NEGATIVE, ACTION = "item", "negative", "action"
@@ -445,7 +446,6 @@ class SequenceCsvReader(_SequenceFiles):
         pyarrow and converted a column at a time (:meth:`_columnar`); ``None`` (then nothing
         more) at the first block that needs the line-by-line path."""
         import pyarrow as pa
-        import pyarrow.csv as pacsv
 
         with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
             header = next(csv.reader(f), None)
@@ -455,30 +455,12 @@ class SequenceCsvReader(_SequenceFiles):
         if len(set(header)) != len(header) or any(not h for h in header):
             yield None  # pyarrow needs unique, named columns
             return
-        invalid: list[int] = []
-
-        def on_invalid(row) -> str:  # noqa: ANN001 - pyarrow's InvalidRow
-            invalid.append(row.number or 0)
-            return "skip"
-
-        with open_binary(path) as raw:
-            try:
-                reader = pacsv.open_csv(
-                    raw, read_options=pacsv.ReadOptions(use_threads=False, block_size=1 << 20),
-                    parse_options=pacsv.ParseOptions(invalid_row_handler=on_invalid),
-                    convert_options=pacsv.ConvertOptions(
-                        column_types={n: pa.string() for n in names}, include_columns=list(dict.fromkeys(names)),
-                        strings_can_be_null=False, quoted_strings_can_be_null=False))
-                for rb in reader:
-                    chunk = None if invalid else self._columnar(rb, names)
-                    if chunk is None:
-                        yield None
-                        return
-                    yield chunk, rb.num_rows
-                if invalid:
-                    yield None
-            except (pa.ArrowInvalid, UnicodeDecodeError):
+        for rb in arrow_csv_batches(path, {n: pa.string() for n in names}):
+            block = None if rb is None else self._columnar(rb, names)
+            if block is None:
                 yield None
+                return
+            yield block, rb.num_rows
 
     def _slow(self, path: str, *, skip: int) -> Iterator[_Seqs]:
         """The file line by line (the stdlib ``csv`` module), after its first ``skip`` records

@@ -95,6 +95,40 @@ def open_binary(path: str) -> IO[bytes]:
     return _GzipFile(path, "rb") if gzipped else open(path, "rb")  # type: ignore[return-value]
 
 
+def arrow_csv_batches(path: str, types: dict[str, Any]) -> Iterator[Any]:
+    """The record batches of a CSV file (header first; ``.gz`` decompressed) read by pyarrow, about
+    1 MB of the file at a time, with the columns of ``types`` as those types (a blank cell is
+    null, except in text); ``None``, then nothing more, at the first row pyarrow refuses (another
+    number of cells), text it cannot decode or a cell it cannot convert -- where a reader goes
+    line by line instead."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    invalid: list[int] = []
+
+    def on_invalid(row) -> str:  # noqa: ANN001 - pyarrow's InvalidRow
+        invalid.append(row.number or 0)
+        return "skip"
+
+    with open_binary(path) as raw:
+        try:
+            reader = pacsv.open_csv(
+                raw, read_options=pacsv.ReadOptions(use_threads=False, block_size=1 << 20),
+                parse_options=pacsv.ParseOptions(invalid_row_handler=on_invalid),
+                convert_options=pacsv.ConvertOptions(
+                    column_types=types, include_columns=list(types), null_values=[""],
+                    strings_can_be_null=False, quoted_strings_can_be_null=False))
+            for rb in reader:
+                if invalid:
+                    yield None
+                    return
+                yield rb
+            if invalid:
+                yield None
+        except (pa.ArrowInvalid, UnicodeDecodeError):
+            yield None
+
+
 def show(value: Any, limit: int = 40) -> str:
     """``repr`` of a field for an error message: text (bytes decoded), cut to ``limit`` characters."""
     if isinstance(value, bytes):
@@ -676,7 +710,6 @@ class CsvReader(_Columns):
         """The file's rows in blocks, converted in bulk; ``None`` (then nothing more) at the first
         block that needs the line-by-line path."""
         import pyarrow as pa
-        import pyarrow.csv as pacsv
 
         with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
             header = self._header(path, csv.reader(f))
@@ -690,33 +723,12 @@ class CsvReader(_Columns):
         types.update({header[i]: pa.float64() for i in dense})
         if label is not None and not self.label_map:
             types[header[label]] = pa.float64()
-        invalid: list[int] = []
-
-        def on_invalid(row) -> str:  # noqa: ANN001 - pyarrow's InvalidRow
-            invalid.append(row.number or 0)
-            return "skip"
-
-        with open_binary(path) as raw:
-            try:
-                reader = pacsv.open_csv(
-                    raw, read_options=pacsv.ReadOptions(use_threads=False, block_size=1 << 20),
-                    parse_options=pacsv.ParseOptions(invalid_row_handler=on_invalid),
-                    convert_options=pacsv.ConvertOptions(
-                        column_types=types, include_columns=names, null_values=[""],
-                        strings_can_be_null=False, quoted_strings_can_be_null=False))
-                for rb in reader:
-                    if invalid:
-                        yield None
-                        return
-                    block = self._columnar(rb, None if label is None else header[label],
-                                          [header[i] for i in dense], [header[i] for i in sparse])
-                    yield block
-                    if block is None:
-                        return
-                if invalid:
-                    yield None
-            except (pa.ArrowInvalid, UnicodeDecodeError):
-                yield None
+        for rb in arrow_csv_batches(path, types):
+            block = None if rb is None else self._columnar(
+                rb, None if label is None else header[label], [header[i] for i in dense], [header[i] for i in sparse])
+            yield block
+            if block is None:
+                return
 
     def _slow(self, path: str, *, skip: int) -> Iterator[_Block]:
         """The line-by-line path from the top of ``path``, yielding what follows its first
