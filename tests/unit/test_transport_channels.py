@@ -509,3 +509,33 @@ def test_a_message_without_memory_to_reserve_goes_over_the_fallback_and_a_reply_
         trainer.send(msg).wait()
     assert len(fallback.sent) == 1
     trainer.close()
+
+
+def test_a_large_push_sent_while_a_large_reply_comes_back_does_not_stall_the_connection(server):
+    """Over TCP, a lookup whose reply is larger than the sockets' buffers and, before anyone
+    waits for it, a message with a push as large: the server's thread sends the reply before it
+    reads the next message, so the trainer takes replies in while it sends (else both ends
+    would wait on each other for good). Both are answered, the push applied."""
+    rows, dim, n = 200_000, 32, 100_000
+    tables = (TableSpec("big", rows, dim, ("f",)),)
+    config = CollectionConfig(cid="big", tables=tables, layouts=tuple(shard_tables(list(tables), 1, "table_wise")),
+                              optimizer=OptimizerSpec(name="sgd", lr=1.0), num_trainers=1)
+    server.create(config, start_step=0, init="zeros")
+    trainer, _, fallback = _pair("socket", capacity=32 << 20, timeout_s=20.0)
+    ids = torch.arange(n, dtype=torch.int64) * 2
+
+    def lookup(step, pushes=()):
+        return StepMessage(trainer=0, parts=[Part(collection_handle("big"), step=step, lookup=Rows([0], [n], ids),
+                                                  num_raw=n, pushes=list(pushes))])
+
+    first = trainer.send(lookup(0))  # 12.8 MB of rows come back
+    sent: list = []
+    push = Push(0, Rows([0], [n], ids), torch.ones(n * dim))  # 12.8 MB go out
+    t = threading.Thread(target=lambda: sent.append(trainer.send(lookup(1, [push]))), daemon=True)
+    t.start()
+    t.join(30)
+    assert sent, "the second message's send never returned"
+    assert torch.equal(first.wait()[0], torch.zeros(n * dim))
+    assert torch.equal(sent[0].wait()[0], torch.full((n * dim,), -1.0))  # read after step 0's push (sgd, lr 1)
+    assert fallback.sent == []
+    trainer.close()

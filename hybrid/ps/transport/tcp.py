@@ -137,10 +137,38 @@ class SocketTransport(TrainerEnd):
         return end
 
     def _post(self, seq: int, end: int) -> bool:
+        """Send the frame, taking in the replies that arrive meanwhile: the server's thread for
+        this trainer answers a message before it reads the next one, so a reply larger than the
+        sockets' buffers that nobody read would stop the server's thread, and with it the read
+        of this frame, for good. ``False`` if the server is gone or takes nothing for
+        ``runtime.rpc_timeout_s``."""
         pieces, self.pieces = self.pieces, []
+        sock = self.sock
+        if sock is None:
+            return False
+        views = [memoryview(p).cast("B") for p in [_PREFIX.pack(end, seq), *pieces] if len(p)]
         try:
-            _send_pieces(self.sock, [_PREFIX.pack(end, seq), *pieces])
-        except (OSError, AttributeError):
+            while views:
+                try:
+                    sent = sock.sendmsg(views, [], socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                while views and sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                if sent:
+                    views[0] = views[0][sent:]
+                    continue
+                if not views:
+                    break
+                readable, writable, _ = select.select([sock] if self.pending else [], [sock], [], self.timeout_s)
+                if not readable and not writable:
+                    return False
+                if readable:
+                    self._take(block=False)
+                    if self.closed:
+                        return False
+        except OSError:
             return False
         return True
 
