@@ -482,11 +482,14 @@ def test_shared_memory_is_reserved_as_messages_need_it(server, monkeypatch):
     trainer.close()
 
 
-def test_a_message_without_memory_to_reserve_goes_over_the_fallback_and_a_reply_fails_naming_why(
+def test_a_message_without_memory_to_reserve_goes_over_the_fallback_and_its_reply_is_fetched(
         server, monkeypatch):
     """Out of memory, a request too big for its slot's reservation goes over RPC (nothing
     touches an unreserved page, which would kill the process with SIGBUS); a reply the server
-    cannot reserve room for fails its lookup, saying so."""
+    cannot reserve room for is held by the server and fetched over RPC (here: in this process)."""
+    from hybrid.ps import transport
+
+    monkeypatch.setattr(transport, "_HERE", {"ps0"})
     monkeypatch.setattr(shm, "RESERVED_FIRST", 4096)
     trainer, end, fallback = _pair("shm", 1 << 20)
     refuse = {trainer.req_fd}
@@ -505,9 +508,36 @@ def test_a_message_without_memory_to_reserve_goes_over_the_fallback_and_a_reply_
     assert trainer.send(_lookup(0)).wait()[0].numel() == 6  # small ones still take the channel
     refuse.clear()
     refuse.add(end.rep_fd)
-    with pytest.raises(RuntimeError, match=r"reply larger than the shared-memory channel \(or no memory left"):
-        trainer.send(msg).wait()
-    assert len(fallback.sent) == 1
+    got = trainer.send(msg).wait()[0]
+    assert torch.equal(got, (torch.arange(n) % 20 * 2).repeat_interleave(2) + torch.tensor([0, 1]).repeat(n))
+    assert len(fallback.sent) == 1 and channel._HELD == {}
+    trainer.close()
+
+
+def test_a_reply_larger_than_its_slot_is_held_by_the_server_and_fetched(server, kind, monkeypatch):
+    """A lookup whose request fits its slot but whose rows do not: the server keeps the rows and
+    answers that it holds them; the trainer fetches them over RPC (here: in this process), so
+    the lookup gets every row. The server forgets a held reply once fetched."""
+    from hybrid.ps import transport
+
+    monkeypatch.setattr(transport, "_HERE", {"ps0"})
+    tables = (TableSpec("w", 50, 16, ("f",)),)
+    config = CollectionConfig(cid="wide", tables=tables, layouts=tuple(shard_tables(list(tables), 1, "table_wise")),
+                              optimizer=OptimizerSpec(name="sgd", lr=1.0), num_trainers=1)
+    server.create(config, start_step=0, init="zeros")
+    shard = server.shard("wide")
+    with shard.lock:
+        shard.tables[0].ensure_range(0, 50)
+        shard.tables[0].weight.copy_(torch.arange(50 * 16, dtype=torch.float32).view(50, 16))
+    trainer, _, fallback = _pair(kind, 1 << 14)  # 16 KB slots: the ids (8 KB) fit, their rows (64 KB) do not
+    n = 1000
+    ids = torch.arange(n) % 50
+    msg = StepMessage(trainer=0, parts=[Part(collection_handle("wide"), step=0, lookup=Rows([0], [n], ids),
+                                             num_raw=n)])
+    got = trainer.send(msg).wait()[0]
+    assert torch.equal(got, (ids.unsqueeze(1) * 16 + torch.arange(16)).reshape(-1).float())
+    assert trainer.send(_lookup(0)).wait()[0].tolist() == [2.0, 3.0, 6.0, 7.0, 8.0, 9.0]  # small ones as ever
+    assert fallback.sent == [] and channel._HELD == {}
     trainer.close()
 
 

@@ -17,7 +17,7 @@ waits for its step is passed by a later message that need not), each naming its 
 
 A region's layout::
 
-    header: magic, sequence number, kind (step, rows, error), number of ints, number of tensors
+    header: magic, sequence number, kind (step, rows, error, held), number of ints, number of tensors
     ints, then per tensor: dtype code, elements, offset; then the tensors, each 64-byte aligned
 """
 
@@ -33,10 +33,10 @@ import torch
 
 from hybrid.ps import protocol
 from hybrid.ps.protocol import Frame, StepMessage
-from hybrid.ps.transport import Transport
+from hybrid.ps.transport import Transport, call
 
 MAGIC = 0x48594252  # "HYBR"
-STEP, ROWS, ERROR = 1, 2, 3
+STEP, ROWS, ERROR, HELD = 1, 2, 3, 4
 HEADER = struct.Struct("<qqqqq")  # magic, seq, kind, number of ints, number of tensors
 ENTRY = struct.Struct("<qqq")  # dtype code, elements, offset
 ALIGN = 64
@@ -54,6 +54,22 @@ message :data:`REPLY_SLOTS` later overwrites them."""
 
 class ChannelError(RuntimeError):
     """The server at the other end died, closed the channel, or did not answer in time."""
+
+
+_HELD: dict[tuple[int, int], list[torch.Tensor]] = {}
+"""Replies larger than their channel's reply slot, by (server end, message), until fetched."""
+_HELD_LOCK = threading.Lock()
+_ENDS = iter(range(1 << 62))  # each server end's number in _HELD's keys (next() is atomic under the GIL)
+
+
+def rpc_take_held(end: int, seq: int) -> list[torch.Tensor]:
+    """Server entry point: the rows of a reply that did not fit its channel (a ``held`` frame
+    named it), handed over once."""
+    with _HELD_LOCK:
+        rows = _HELD.pop((end, seq), None)
+    if rows is None:
+        raise KeyError(f"no held reply to message {seq} of channel {end}")
+    return rows
 
 
 def layout(n_ints: int, nbytes: list[int]) -> tuple[list[int], int]:
@@ -240,6 +256,12 @@ class TrainerEnd(Transport, ABC):
             kind, frame = read_frame(self.rep_slots[got % REPLY_SLOTS], got)
             if kind == ERROR:
                 fut.error = RuntimeError(bytes(frame.tensors[0].numpy()).decode("utf-8", "replace"))
+            elif kind == HELD:  # too large for the slot: the server holds the rows for RPC
+                try:
+                    fut.result = call(self.server, rpc_take_held, (frame.ints[0], got), timeout_s=self.timeout_s).wait()
+                except Exception as e:  # noqa: BLE001 - the message's error, naming the server
+                    fut.error = RuntimeError(f"parameter server {self.server}: fetching a reply larger than the "
+                                             f"{self.what} failed: {e}")
             else:
                 fut.result = frame.tensors  # views: valid until message got + REPLY_SLOTS is sent
                 self.in_region[got % REPLY_SLOTS] = fut
@@ -295,6 +317,7 @@ class ServerEnd(ABC):
         self.req_slots, self.rep_slots = slots(req, WINDOW), slots(rep, reply_slots)
         self.lock = threading.Lock()
         self.seq = 0
+        self.number = next(_ENDS)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     @abstractmethod
@@ -327,6 +350,7 @@ class ServerEnd(ABC):
                 except BaseException:  # noqa: BLE001 - keep serving; the trainer's wait times out
                     pass
         self.close()
+        self.drop_held()
 
     def _region(self, seq: int) -> torch.Tensor:
         return self.rep_slots[seq % len(self.rep_slots)]
@@ -354,7 +378,15 @@ class ServerEnd(ABC):
         if err is not None:
             end = write_frame(region, seq, ERROR, error_frame(err), room)
         else:
-            too_big = error_frame(f"reply larger than the {self.what} (or no memory left for it)")
-            end = (write_frame(region, seq, ROWS, Frame([], rows), room)
-                   or write_frame(region, seq, ERROR, too_big, room))
+            end = write_frame(region, seq, ROWS, Frame([], rows), room)
+            if not end:  # larger than the slot (or than the memory it could get): fetched over RPC
+                with _HELD_LOCK:
+                    _HELD[(self.number, seq)] = rows
+                end = write_frame(region, seq, HELD, Frame([self.number], []), room)
         self._post_reply(seq, end)
+
+    def drop_held(self) -> None:
+        """Forget this end's replies nobody fetched (the trainer is gone)."""
+        with _HELD_LOCK:
+            for key in [k for k in _HELD if k[0] == self.number]:
+                del _HELD[key]
