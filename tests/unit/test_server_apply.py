@@ -335,3 +335,14 @@ def test_admit_window_in_async_mode_closes_once_every_trainers_pushes_through_it
     assert len(shard.tables[0].dynamic.seen) == 0 and shard.complete_through == 1
     _push(shard, 1, 2, [_ids_part([4], [])])  # 4's sighting of step 2 was forgotten: one now
     assert _rows_of(shard)[0] == {1} and len(shard.tables[0].dynamic.seen) == 1
+
+
+def test_rows_served_counts_training_lookups_not_evaluation_reads():
+    """The unique ratio a run's summary prints (rows_served / ids_requested) covers training
+    lookups only: an evaluation read (``update=False``) serves rows but counts none."""
+    shard = _shard(OptimizerSpec(name="sgd", lr=0.1))
+    rows, _ = _part(0)
+    shard.gather(rows, step=0)
+    assert shard.counters.rows_served == 12
+    shard.gather(rows, update=False)
+    assert shard.counters.rows_served == 12

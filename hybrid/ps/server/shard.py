@@ -46,8 +46,10 @@ class ServerCounters:
     channel_lookups: int = 0
     """Lookups that came through a same-host shared-memory transport rather than RPC."""
     rows_served: int = 0
+    """Rows read for training lookups (evaluation reads not counted)."""
     ids_requested: int = 0
-    """Ids before the trainers' deduplication; ``rows_served / ids_requested`` is the unique ratio."""
+    """Ids of training lookups before the trainers' deduplication; ``rows_served / ids_requested``
+    is the unique ratio."""
     bytes_in: int = 0
     bytes_out: int = 0
     updates_applied: int = 0
@@ -266,7 +268,8 @@ class CollectionShard:
         read zeros (:func:`~hybrid.ps.server.dynamic.read_rows`)."""
         assert out is None or out.dtype == self.wire_dtype, (out.dtype, self.wire_dtype)
         got = self._read(rows, out, step, self.wire_dtype, update)
-        self.counters.rows_served += int(rows.ids.numel())
+        if update:  # a training lookup's rows (evaluation reads are not in ids_requested either)
+            self.counters.rows_served += int(rows.ids.numel())
         self.counters.bytes_out += got.numel() * got.element_size()
         return got
 
