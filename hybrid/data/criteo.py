@@ -59,7 +59,6 @@ class CriteoReader(FileReader):
                 f"features, task {schema.task!r}")
         super().__init__(schema, cfg, paths, rank=rank, world_size=world_size)
         self.rows = list(schema.num_embeddings)
-        self._rows = torch.tensor(self.rows, dtype=torch.int64).unsqueeze(1)
         self._names = ["label", *(f"I{j}" for j in range(1, NUM_DENSE + 1)), *schema.features]
 
     def _chunks(self) -> Iterator[_Lines]:
