@@ -380,8 +380,10 @@ class ServerEnd(ABC):
         else:
             end = write_frame(region, seq, ROWS, Frame([], rows), room)
             if not end:  # larger than the slot (or than the memory it could get): fetched over RPC
+                lo, hi = region.data_ptr(), region.data_ptr() + region.numel()
+                held = [t.clone() if lo <= t.data_ptr() < hi else t for t in rows]  # the slot is reused
                 with _HELD_LOCK:
-                    _HELD[(self.number, seq)] = rows
+                    _HELD[(self.number, seq)] = held
                 end = write_frame(region, seq, HELD, Frame([self.number], []), room)
         self._post_reply(seq, end)
 
