@@ -338,11 +338,12 @@ def test_admit_window_in_async_mode_closes_once_every_trainers_pushes_through_it
 
 
 def test_rows_served_counts_training_lookups_not_evaluation_reads():
-    """The unique ratio a run's summary prints (rows_served / ids_requested) covers training
-    lookups only: an evaluation read (``update=False``) serves rows but counts none."""
+    """What a run's summary prints per step (the unique ratio rows_served / ids_requested, bytes
+    out) covers training lookups only: an evaluation read (``update=False``) counts nothing."""
     shard = _shard(OptimizerSpec(name="sgd", lr=0.1))
     rows, _ = _part(0)
     shard.gather(rows, step=0)
-    assert shard.counters.rows_served == 12
+    sent = shard.counters.bytes_out
+    assert shard.counters.rows_served == 12 and sent > 0
     shard.gather(rows, update=False)
-    assert shard.counters.rows_served == 12
+    assert shard.counters.rows_served == 12 and shard.counters.bytes_out == sent

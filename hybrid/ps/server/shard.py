@@ -46,7 +46,7 @@ class ServerCounters:
     channel_lookups: int = 0
     """Lookups that came through a same-host shared-memory transport rather than RPC."""
     rows_served: int = 0
-    """Rows read for training lookups (evaluation reads not counted)."""
+    """Rows read for training lookups (evaluation reads are not counted, here or in ``bytes_out``)."""
     ids_requested: int = 0
     """Ids of training lookups before the trainers' deduplication; ``rows_served / ids_requested``
     is the unique ratio."""
@@ -268,9 +268,9 @@ class CollectionShard:
         read zeros (:func:`~hybrid.ps.server.dynamic.read_rows`)."""
         assert out is None or out.dtype == self.wire_dtype, (out.dtype, self.wire_dtype)
         got = self._read(rows, out, step, self.wire_dtype, update)
-        if update:  # a training lookup's rows (evaluation reads are not in ids_requested either)
+        if update:  # a training lookup (the counters describe training steps, not evaluation reads)
             self.counters.rows_served += int(rows.ids.numel())
-        self.counters.bytes_out += got.numel() * got.element_size()
+            self.counters.bytes_out += got.numel() * got.element_size()
         return got
 
     def _read(self, rows: Rows, out: torch.Tensor | None, step: int | None, dtype: torch.dtype,
