@@ -29,6 +29,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed.rpc as rpc
@@ -82,17 +83,27 @@ def _send_frame(sock: socket.socket, region: torch.Tensor, seq: int, end: int) -
     _send_pieces(sock, [_PREFIX.pack(end, seq), memoryview(region[:end].numpy())])
 
 
-def _send_pieces(sock: socket.socket, pieces: list) -> None:
+def _send_pieces(sock: socket.socket, pieces: list, wait: Callable[[], bool] | None = None) -> bool:
     """Send ``pieces`` one after the other, gathered by the kernel (``sendmsg``), however many
-    calls that takes."""
+    calls that takes. With ``wait``, without blocking: whenever the socket takes nothing,
+    ``wait()`` waits for it and says whether to go on; ``False`` if it gave up."""
     views = [memoryview(p).cast("B") for p in pieces if len(p)]
     while views:
-        sent = sock.sendmsg(views)
+        if wait is None:
+            sent = sock.sendmsg(views)
+        else:
+            try:
+                sent = sock.sendmsg(views, [], socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            if not sent and not wait():
+                return False
         while views and sent >= len(views[0]):
             sent -= len(views[0])
             views.pop(0)
         if sent:
             views[0] = views[0][sent:]
+    return True
 
 
 class SocketTransport(TrainerEnd):
@@ -146,31 +157,17 @@ class SocketTransport(TrainerEnd):
         sock = self.sock
         if sock is None:
             return False
-        views = [memoryview(p).cast("B") for p in [_PREFIX.pack(end, seq), *pieces] if len(p)]
+
+        def wait() -> bool:  # until the socket takes more, taking in any reply that comes first
+            readable, writable, _ = select.select([sock] if self.pending else [], [sock], [], self.timeout_s)
+            if readable:
+                self._take(block=False)
+            return bool(readable or writable) and not self.closed
+
         try:
-            while views:
-                try:
-                    sent = sock.sendmsg(views, [], socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    sent = 0
-                while views and sent >= len(views[0]):
-                    sent -= len(views[0])
-                    views.pop(0)
-                if sent:
-                    views[0] = views[0][sent:]
-                    continue
-                if not views:
-                    break
-                readable, writable, _ = select.select([sock] if self.pending else [], [sock], [], self.timeout_s)
-                if not readable and not writable:
-                    return False
-                if readable:
-                    self._take(block=False)
-                    if self.closed:
-                        return False
+            return _send_pieces(sock, [_PREFIX.pack(end, seq), *pieces], wait)
         except OSError:
             return False
-        return True
 
     def _receive(self, left_s: float, block: bool) -> int | bool | None:
         sock = self.sock
