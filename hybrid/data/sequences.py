@@ -54,12 +54,10 @@ from hybrid.data.batch import Batch
 from hybrid.data.config import DataConfig, Schema
 from hybrid.data.synthetic import _seed_of, _uniform, power_law_rank
 from hybrid.data.tabular import (FileReader, _id, _is_number, _is_text, _number, _plain, _pyarrow_parquet,
-                                 arrow_csv_batches, open_binary, show)
+                                 arrow_csv_batches, csv_header, open_binary, show, split_text)
 from hybrid.errors import InputError
 
 ITEM, NEGATIVE, ACTION = "item", "negative", "action"
-_DECIMAL = r"^-?[0-9]+(\.[0-9]+)?$"
-"""Timestamps as text taken in bulk: plain decimals, which ``float()`` and pyarrow read alike."""
 """The features of a sequence batch (``action`` only when the model embeds actions)."""
 SUCCESSORS = 4
 """Synthetic: successors of every item in the transition matrix."""
@@ -80,11 +78,21 @@ def check_sequence_schema(schema: Schema) -> None:
 def sequence_batch(schema: Schema, items: Sequence[Sequence[int]], actions: Sequence[Sequence[int]] | None,
                    negatives: Sequence[Sequence[int]]) -> Batch:
     """The :class:`Batch` of ``len(items)`` sequences (see the module docstring)."""
-    n = len(items)
-    bags = [items, negatives] + ([actions] if ACTION in schema.features else [])
-    lengths = torch.tensor([len(b) for feature in bags for b in feature], dtype=torch.int64)
-    values = torch.tensor([i for feature in bags for b in feature for i in b], dtype=torch.int64)
-    sparse = KeyedJaggedTensor.from_lengths_sync(keys=list(schema.features), values=values, lengths=lengths)
+    def jagged(bags: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.tensor([len(b) for b in bags], dtype=torch.int64),
+                torch.tensor([i for b in bags for i in b], dtype=torch.int64))
+
+    return _batch_of(schema, len(items), jagged(items), jagged(negatives),
+                     jagged(actions) if ACTION in schema.features else None)
+
+
+def _batch_of(schema: Schema, n: int, items: tuple[torch.Tensor, torch.Tensor],
+              negatives: tuple[torch.Tensor, torch.Tensor],
+              actions: tuple[torch.Tensor, torch.Tensor] | None) -> Batch:
+    """The :class:`Batch` of ``n`` sequences from each feature's bag lengths and ids."""
+    bags = [items, negatives] + ([actions] if actions is not None else [])
+    sparse = KeyedJaggedTensor.from_lengths_sync(keys=list(schema.features), values=torch.cat([v for _, v in bags]),
+                                                 lengths=torch.cat([ln for ln, _ in bags]))
     return Batch(torch.zeros(n, 0), sparse, torch.ones(n))
 
 
@@ -183,6 +191,10 @@ class SyntheticSequences:
             k = self.cfg.num_negatives
             negatives = (u[:, c : c + k] * self.rows).long().clamp_(max=self.rows - 1).tolist()
         return sequence_batch(self.schema, items, actions, negatives)
+
+
+_DECIMAL = r"^-?[0-9]+(\.[0-9]+)?$"
+"""Timestamps as text taken in bulk: plain decimals, which ``float()`` and pyarrow read alike."""
 
 
 class _Seqs(NamedTuple):
@@ -330,13 +342,8 @@ class _SequenceFiles(FileReader):
             neg_values = drawn[lo:lo + n].reshape(-1)
             neg_lengths = torch.full((n,), self.cfg.num_negatives, dtype=torch.int64)
         self._step += 1
-        lengths, values = [block.lengths, neg_lengths], [block.items, neg_values]
-        if ACTION in self.schema.features:
-            lengths.append(block.lengths)
-            values.append(block.actions)
-        sparse = KeyedJaggedTensor.from_lengths_sync(keys=list(self.schema.features), values=torch.cat(values),
-                                                     lengths=torch.cat(lengths))
-        return Batch(torch.zeros(n, 0), sparse, torch.ones(n))
+        return _batch_of(self.schema, n, (block.lengths, block.items), (neg_lengths, neg_values),
+                         (block.lengths, block.actions) if ACTION in self.schema.features else None)
 
     def _columnar(self, rb: Any, names: list[str]) -> _Seqs | None:
         """The records of a record batch as :meth:`_parse` makes them, as a block, converted a
@@ -358,7 +365,7 @@ class _SequenceFiles(FileReader):
                 c = _plain(rb.column(name))
                 t = c.type
                 if _is_text(t):
-                    c = pc.split_pattern(pc.if_else(pc.equal(c, ""), pa.scalar(None, t), c), self.cfg.id_separator)
+                    c = split_text(c, self.cfg.id_separator)
                 elif not ((pa.types.is_list(t) or pa.types.is_large_list(t))
                           and (_is_number(t.value_type) if key == "data.timestamps_column"
                                else pa.types.is_integer(t.value_type) or _is_text(t.value_type))):
@@ -420,10 +427,7 @@ class SequenceCsvReader(_SequenceFiles):
 
     def _check_file(self, path: str) -> None:
         with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
-            header = next(csv.reader(f), None)
-            if header is None:
-                raise InputError(f"data.csv: {path}: empty file (the first line must be the header)")
-            self._indices(path, header)
+            self._indices(path, csv_header(path, csv.reader(f)))
 
     def _chunks(self) -> Iterator[_Seqs]:
         for path in self.paths:
@@ -448,9 +452,7 @@ class SequenceCsvReader(_SequenceFiles):
         import pyarrow as pa
 
         with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
-            header = next(csv.reader(f), None)
-        if header is None:
-            raise InputError(f"data.csv: {path}: empty file (the first line must be the header)")
+            header = csv_header(path, csv.reader(f))
         names = [header[i] for i in self._indices(path, header)]
         if len(set(header)) != len(header) or any(not h for h in header):
             yield None  # pyarrow needs unique, named columns
@@ -468,9 +470,7 @@ class SequenceCsvReader(_SequenceFiles):
         chunk: list[tuple] = []
         with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
             reader = csv.reader(f)
-            header = next(reader, None)
-            if header is None:
-                raise InputError(f"data.csv: {path}: empty file (the first line must be the header)")
+            header = csv_header(path, reader)
             cols = self._indices(path, header)
             for row, where in self._csv_rows(path, reader, header):
                 if skip:

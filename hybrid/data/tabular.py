@@ -95,6 +95,14 @@ def open_binary(path: str) -> IO[bytes]:
     return _GzipFile(path, "rb") if gzipped else open(path, "rb")  # type: ignore[return-value]
 
 
+def csv_header(path: str, reader: Iterator[list[str]]) -> list[str]:
+    """The first row of a ``csv.reader`` over ``path``: its header (an empty file is an error)."""
+    header = next(reader, None)
+    if header is None:
+        raise InputError(f"data.csv: {path}: empty file (the first line must be the header)")
+    return header
+
+
 def arrow_csv_batches(path: str, types: dict[str, Any]) -> Iterator[Any]:
     """The record batches of a CSV file (header first; ``.gz`` decompressed) read by pyarrow, about
     1 MB of the file at a time, with the columns of ``types`` as those types (a blank cell is
@@ -351,6 +359,15 @@ def _is_number(t: Any) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
 
 
+def split_text(column: Any, sep: str) -> Any:
+    """A pyarrow text array as lists of its ``sep``-separated tokens, an empty cell a null list (an
+    empty bag, as :meth:`_Columns._parse` reads it)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    return pc.split_pattern(pc.if_else(pc.equal(column, ""), pa.scalar(None, column.type), column), sep)
+
+
 def _float64(column: Any) -> Any:
     """A numeric pyarrow array as float64, each value rounded to the nearest double as
     ``float()`` rounds a Python int (an unchecked cast: a checked one refuses inexact integers)."""
@@ -569,8 +586,7 @@ class _Columns(FileReader):
 
         t = c.type
         if _is_text(t):
-            c = pc.if_else(pc.equal(c, ""), pa.scalar(None, t), c)
-            lists = pc.split_pattern(c, self.sep)
+            lists = split_text(c, self.sep)
         elif pa.types.is_integer(t):
             lists = None
         elif (pa.types.is_list(t) or pa.types.is_large_list(t)) and (
@@ -672,14 +688,8 @@ class CsvReader(_Columns):
 
     def _check_file(self, path: str) -> None:
         with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
-            self._indices(path, self._header(path, csv.reader(f)))
+            self._indices(path, csv_header(path, csv.reader(f)))
 
-    @staticmethod
-    def _header(path: str, reader: Iterator[list[str]]) -> list[str]:
-        header = next(reader, None)
-        if header is None:
-            raise InputError(f"data.csv: {path}: empty file (the first line must be the header)")
-        return header
 
     slow_paths: list[str]
     """Files of the current pass read line by line (diagnostics)."""
@@ -712,7 +722,7 @@ class CsvReader(_Columns):
         import pyarrow as pa
 
         with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
-            header = self._header(path, csv.reader(f))
+            header = csv_header(path, csv.reader(f))
         label, dense, sparse = self._indices(path, header)
         names = list(dict.fromkeys(header[i] for i in ([] if label is None else [label]) + dense + sparse))
         if len(set(header)) != len(header) or any(not h for h in header):
@@ -736,7 +746,7 @@ class CsvReader(_Columns):
         chunk: list[tuple] = []
         with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
             reader = csv.reader(f)
-            header = self._header(path, reader)
+            header = csv_header(path, reader)
             label, dense, sparse = self._indices(path, header)
             for row, where in self._csv_rows(path, reader, header):
                 parsed = self._parse(1.0 if label is None else row[label], [row[i] for i in dense],
