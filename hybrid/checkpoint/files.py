@@ -214,6 +214,10 @@ def _check_sections(doc: dict[str, Any], path: Path) -> None:
     if not (isinstance(data, list) and len(data) == 2 and all(count(v, 0) for v in data)):
         raise CheckpointError(f"{path}: train.data: got {data!r:.80}; expected [epoch, batch] (the manifest was "
                               f"edited: hybrid writes none so)")
+    records = doc.get("train", {}).get("records", 0)
+    if not count(records, 0):
+        raise CheckpointError(f"{path}: train.records: got {records!r:.80}; expected the data's records before the "
+                              f"next batch, >= 0 (the manifest was edited: hybrid writes none so)")
 
 
 def manifest_entry(manifest: dict[str, Any], rel: str) -> FileEntry:

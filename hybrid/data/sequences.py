@@ -226,7 +226,8 @@ class _SequenceFiles(FileReader):
         return {**FileReader._zero_counts(), "short": 0}
 
     def __iter__(self) -> Iterator[Batch]:
-        self._step = 0
+        # The global batch the pass starts at: a run resumed where it stopped draws its negatives.
+        self._step = self.start_record // (self.world_size * self.batch_size)
         return super().__iter__()
 
     def _columns(self) -> list[tuple[str, str]]:

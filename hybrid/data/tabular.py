@@ -170,6 +170,12 @@ class FileReader:
     def _zero_counts() -> dict[str, int]:
         return {"lines": 0, "good": 0, "malformed": 0, "dropped": 0, "batches": 0}
 
+    start_record = 0
+    """Good records each pass passes over before its first batch: a resumed run's data position,
+    counted in the files' good records, so that it is the same place whatever the number of
+    trainers and the batch size that saved it. The records passed over are parsed (every trainer
+    must agree on which lines are good) but not batched."""
+
     keep_tail = False
     """Yield the incomplete last global batch whatever ``data.drop_last`` says, split as evenly as
     possible, even when some trainers get no sample (evaluation: every held-out row is read)."""
@@ -179,8 +185,12 @@ class FileReader:
         w, b = self.world_size, self.batch_size
         size, lo, hi = w * b, self.rank * b, (self.rank + 1) * b
         buf: Any = self._empty()
+        skip = self.start_record
         for chunk in self._chunks():
             counts["good"] += len(chunk)
+            if skip:
+                passed = min(skip, len(chunk))
+                chunk, skip = self._take(chunk, passed, len(chunk)), skip - passed
             buf = self._cat(buf, chunk)
             start = 0
             while len(buf) - start >= size:

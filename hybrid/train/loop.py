@@ -264,12 +264,12 @@ def remote_collections(model: nn.Module) -> list[RemoteCollection]:
 class _Drawn:
     """One training batch as drawn: the batch (on the host as :meth:`Trainer._batches` yields it,
     on the trainer's device once :meth:`Trainer._draw` took it), this trainer's share of the
-    step's loss, its place in the data (epoch, batch) and the batches skipped through it
-    (NaN/inf)."""
+    step's loss, its place in the data (epoch, batch, and the records of the epoch before it) and
+    the batches skipped through it (NaN/inf)."""
 
     batch: Any
     share: float
-    pos: tuple[int, int]
+    pos: tuple[int, int, int]
     skipped: int
 
 
@@ -365,8 +365,11 @@ class Trainer:
             (self.out_dir / "config.json").write_text(json.dumps(
                 {"config": config_dict(cfg), "plan_source": plan.source, "processes": summarize(resolved)},
                 indent=2, default=str))
+        self._global_batch = role.num_trainers * cfg.data.batch_size
         self._data_start: tuple[int, int] = (0, 0)  # (epoch, batch) of the first training batch
-        self._data_pos: tuple[int, int] = (0, -1)  # (epoch, batch) of the last batch handed out
+        self._record_start: int | None = None  # the records of its epoch before it, when a checkpoint says
+        # (epoch, batch, records of the epoch before it) of the last batch handed out
+        self._data_pos: tuple[int, int, int] = (0, -1, -self._global_batch)
         self._coming: collections.deque[_Drawn] = collections.deque()  # drawn for a prefetch, not yet taken
         self._draw_error: Exception | None = None  # what drawing one of them raised, for its step to raise
         self._last_saved: int | None = None
@@ -376,19 +379,32 @@ class Trainer:
     # -- data ------------------------------------------------------------------------------------
     def _passes(self) -> Iterator[tuple[tuple[int, int], Any]]:
         """Every training batch the data gives from the run's start (a resumed run's data
-        position), with its place (epoch, batch): passes over the data until ``train.epochs``."""
+        position), with its place (epoch, batch, records of the epoch before it): passes over the
+        data until ``train.epochs``.
+
+        A resumed run starts file readers (``start_record``) at the record the checkpoint's run
+        stopped at, whatever its number of trainers and batch size; a synthetic stream (``start``)
+        at the same batch number; any other data by passing over as many batches."""
+        data, gb = self.train_data, self._global_batch
         epoch, first = self._data_start
+        records = self._record_start if self._record_start is not None else first * gb
+        by_record = isinstance(getattr(data, "start_record", None), int)
         while True:
             produced = False
             base = 0
-            if first and isinstance(getattr(self.train_data, "start", None), int):
-                self.train_data.start = base = first  # synthetic: the stream starts at any batch
-            for index, batch in enumerate(self.train_data, start=base):
+            if by_record:
+                data.start_record = records
+                base = first = records // gb
+            elif first and isinstance(getattr(data, "start", None), int):
+                data.start = base = first  # synthetic: the stream starts at any batch
+            for index, batch in enumerate(data, start=base):
                 produced = True
                 if index < first:
-                    continue  # file readers: batches a resumed checkpoint already trained on
-                yield (epoch, index), batch
-            epoch, first = epoch + 1, 0
+                    continue  # batches a resumed checkpoint already trained on
+                yield (epoch, index, records + (index - base) * gb), batch
+            # A resumed run that stopped at the end of a pass starts the next one.
+            produced = produced or (by_record and records > 0 and data.counts["good"] > 0)
+            epoch, first, records = epoch + 1, 0, 0
             if not produced:
                 raise InputError(f"{self.role.name}: the training data yielded no batch of data.batch_size="
                                  f"{self.cfg.data.batch_size} samples per trainer (no samples, or fewer than "
@@ -562,12 +578,17 @@ class Trainer:
         ckpt.restore(self.model, self.optimizer)
         state = ckpt.train_state
         self._data_start = tuple(state.get("data", (0, 0)))
+        # The data's records before the next batch (written since checkpoints record it; before,
+        # the position was in batches of the saving run's global batch, taken to be this run's).
+        self._record_start = state.get("records")
         self.skipped = int(state.get("skipped", 0))
         if self.cfg.checkpoint.dir and ckpt.path.parent == Path(self.cfg.checkpoint.dir).resolve():
             self._last_saved = ckpt.step  # it is already there: do not write the same step again
         if self.rank0:
-            logger.info("resuming at step %d from %s (data at epoch %d, batch %d)", ckpt.step, ckpt.path,
-                        *self._data_start)
+            where = (f"record {self._record_start:,}" if isinstance(getattr(self.train_data, "start_record", None), int)
+                     and self._record_start is not None else f"batch {self._data_start[1]}")
+            logger.info("resuming at step %d from %s (data at epoch %d, %s)", ckpt.step, ckpt.path,
+                        self._data_start[0], where)
 
     def _earlier_rows(self) -> list[dict[str, Any]]:
         """Rows of ``metrics.jsonl`` up to the resumed step, when the run writes to the same place."""
@@ -581,11 +602,13 @@ class Trainer:
         """Checkpoint after ``self.step`` steps; ``nxt`` is the batch already drawn for the next one."""
         from hybrid.checkpoint import save
 
-        epoch, index = self._data_pos
-        data = [epoch, index] if nxt is not None else [epoch, index + 1]
+        epoch, index, records = self._data_pos
+        if nxt is None:  # the next batch is the one after the last handed out
+            index, records = index + 1, records + self._global_batch
         ck = self.cfg.checkpoint
         save(ck.dir, self.step, self.model, self.optimizer, keep=ck.keep,
-             train_state={"data": data, "skipped": self.skipped}, key=self._ckpt_key)
+             train_state={"data": [epoch, index], "records": records, "skipped": self.skipped},
+             key=self._ckpt_key)
         self._last_saved = self.step
 
     def _progress(self):

@@ -1,0 +1,139 @@
+"""A file reader started at a record (``FileReader.start_record``, a resumed run's data position).
+
+With the trainers and batch size that saved the position, a reader started at global batch
+``j``'s first record yields exactly the batches a fresh pass yields from batch ``j`` on (the
+sequence readers' drawn negatives included), so a resumed run is the run that did not stop.
+With others, the trainers' batches together hold the good records from that record on, in
+order: the run continues where the saving run stopped instead of at the same batch number.
+Malformed lines among the records passed over are still counted.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hybrid.data import CriteoReader, CsvReader, DataConfig, ParquetReader, Schema
+from hybrid.data.criteo import NUM_SPARSE
+from hybrid.data.sequences import SequenceCsvReader
+
+FEATURES = [f"C{i}" for i in range(1, NUM_SPARSE + 1)]
+RECORDS = 47  # good ones; the files also have a malformed line among the first records
+
+
+def _criteo(tmp_path):
+    rng = random.Random(0)
+    lines = ["\t".join([str(rng.randint(0, 1)), *(str(rng.randint(0, 9)) for _ in range(13)),
+                        *(f"{rng.getrandbits(16):x}" for _ in range(NUM_SPARSE))]) for _ in range(RECORDS)]
+    lines.insert(4, "garbage")
+    path = tmp_path / "day.tsv"
+    path.write_text("\n".join(lines) + "\n")
+    schema = Schema(num_dense=13, features=FEATURES, num_embeddings=[1000] * NUM_SPARSE)
+    return _maker(lambda cfg, shard: CriteoReader(schema, DataConfig(source="criteo", malformed="skip", **cfg),
+                                                  [str(path)], **shard))
+
+
+def _tabular_rows():
+    rows = [f"{i % 2},{i},{i / 4},{i}|{i + 1},{i % 7}" for i in range(RECORDS)]
+    rows.insert(4, "1,-5,0,1,1")  # a negative id: malformed
+    return rows
+
+
+def _csv(tmp_path):
+    path = tmp_path / "a.csv"
+    path.write_text("label,user,price,items,age\n" + "\n".join(_tabular_rows()) + "\n")
+    return _maker(lambda cfg, shard: CsvReader(_tab_schema(), DataConfig(
+        source="csv", malformed="skip", dense_columns=["price", "age"], **cfg), [str(path)], **shard))
+
+
+def _parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cells = [r.split(",") for r in _tabular_rows()]
+    table = pa.table({"label": [int(c[0]) for c in cells], "user": [int(c[1]) for c in cells],
+                      "price": [float(c[2]) for c in cells], "items": [c[3] for c in cells],
+                      "age": [int(c[4]) for c in cells]})
+    path = tmp_path / "a.parquet"
+    pq.write_table(table, path, row_group_size=10)  # several record batches
+    return _maker(lambda cfg, shard: ParquetReader(_tab_schema(), DataConfig(
+        source="parquet", malformed="skip", dense_columns=["price", "age"], **cfg), [str(path)], **shard))
+
+
+def _sequence_csv(tmp_path):
+    from recsys_examples.sequential import build_sequential, sequential
+
+    rng = random.Random(1)
+    lines = [f"u{i},{'|'.join(str(rng.randrange(20)) for _ in range(rng.randrange(2, 8)))}" for i in range(RECORDS)]
+    lines.insert(4, "u,1|x|3")  # not an id: malformed
+    path = tmp_path / "seq.csv"
+    path.write_text("user,items\n" + "\n".join(lines) + "\n")
+    schema = sequential.data_schema(build_sequential(num_items=20, max_len=8, embedding_dim=8, num_blocks=1,
+                                                     num_heads=1, device="meta"))
+    return _maker(lambda cfg, shard: SequenceCsvReader(schema, DataConfig(
+        source="csv", malformed="skip", max_len=8, num_negatives=3, **cfg), [str(path)], **shard))
+
+
+def _tab_schema():
+    return Schema(num_dense=2, features=["user", "items"], num_embeddings=[10, 10])
+
+
+def _maker(make):
+    """``make(config keys, shard)`` called as ``reader(rank=, world_size=, **config keys)``."""
+    def reader(rank=0, world_size=1, **cfg):
+        return make(cfg, {"rank": rank, "world_size": world_size})
+    return reader
+
+
+READERS = {"criteo": _criteo, "csv": _csv, "parquet": _parquet, "sequence_csv": _sequence_csv}
+
+
+def _assert_same(a, b):
+    torch.testing.assert_close(a.dense, b.dense, rtol=0, atol=0)
+    torch.testing.assert_close(a.labels, b.labels, rtol=0, atol=0)
+    assert a.sparse.keys() == b.sparse.keys()
+    assert torch.equal(a.sparse.lengths(), b.sparse.lengths()) and torch.equal(a.sparse.values(), b.sparse.values())
+
+
+def _pass(make, *, start=0, **kw):
+    reader = make(**kw)
+    reader.start_record = start
+    return list(reader), reader.counts
+
+
+@pytest.mark.parametrize("kind", READERS)
+def test_a_reader_started_at_a_global_batch_yields_the_fresh_pass_from_there(tmp_path, kind):
+    make = READERS[kind](tmp_path)
+    W, B = 2, 3
+    fresh, fresh_counts = zip(*(_pass(make, rank=r, world_size=W, batch_size=B) for r in range(W)), strict=True)
+    assert len(fresh[0]) == fresh_counts[0]["good"] // (W * B) >= 6
+    for j in (1, 5):
+        for r in range(W):
+            got, counts = _pass(make, start=j * W * B, rank=r, world_size=W, batch_size=B)
+            assert len(got) == len(fresh[r]) - j, (j, r)
+            for a, b in zip(got, fresh[r][j:], strict=True):
+                _assert_same(a, b)
+            assert counts["malformed"] == 1 and counts == {**fresh_counts[r], "batches": len(got)}
+
+
+@pytest.mark.parametrize("kind", ["criteo", "csv", "parquet"])
+def test_a_reader_started_at_any_record_continues_there_with_other_trainers(tmp_path, kind):
+    make = READERS[kind](tmp_path)
+    records = [b for b in _pass(make, batch_size=1)[0]]  # every good record, in order
+    assert len(records) == RECORDS
+    start, W, B = 2 * 2 * 3 + 1, 3, 2  # saved by 2 trainers of 3 after 2 steps (and one more record)
+    shards = [_pass(make, start=start, rank=r, world_size=W, batch_size=B)[0] for r in range(W)]
+    steps = (RECORDS - start) // (W * B)
+    assert [len(s) for s in shards] == [steps] * W
+    got = [b.slice(i, i + 1) for step in zip(*shards, strict=True) for b in step for i in range(len(b))]
+    assert len(got) == steps * W * B
+    for a, b in zip(got, records[start:], strict=False):
+        _assert_same(a, b)
+
+
+def test_a_start_past_the_last_record_yields_nothing_and_counts_every_record(tmp_path):
+    make = READERS["csv"](tmp_path)
+    got, counts = _pass(make, start=RECORDS + 5, batch_size=2, drop_last=False)
+    assert got == [] and counts["good"] == RECORDS and counts["malformed"] == 1
