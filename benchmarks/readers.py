@@ -16,6 +16,11 @@ The CSV and Parquet readers convert a block of records a column at a time and fa
 parsing rows one at a time; ``parquet_rows`` / ``sequence_parquet_rows`` are the Parquet readers
 held to the row path, measured in the same run (the ratio line is row path / bulk). Each JSON line holds one
 reader at one trainer count (median of ``--repeat`` passes); a table goes to stderr.
+
+A resumed run starts Criteo and Parquet files where the checkpoint says the chunk holding its
+next record starts (``FileReader.seek_point``): the last lines give, for one trainer, the wall
+time to the first batch at ``--resume-at`` of the file's records, reading from the top (every
+record before it parsed) and from the seek point.
 """
 
 from __future__ import annotations
@@ -107,6 +112,26 @@ def measure(name: str, path: str, batch: int, trainers: int) -> tuple[float, int
     return (time.process_time() - t) * 1e3 / max(n, 1), n
 
 
+def measure_resume(name: str, path: str, batch: int, at: float, records: int) -> tuple[int, float, float]:
+    """The record (about ``at`` of the file's ``records``) a resumed pass starts at, and the wall
+    milliseconds to its first batch read from the top and from the seek point a pass gave there."""
+    reader = _reader(name, path, batch, 0, 1)
+    target, point = 0, None
+    for j, _ in enumerate(reader, start=1):
+        target = j * batch
+        point = reader.seek_point(0, target)
+        if target >= min(at * records, records - batch):  # a batch left after it
+            break
+    times = []
+    for resume_at in (None, point):
+        resumed = _reader(name, path, batch, 0, 1)
+        resumed.start_record, resumed.resume_at = target, resume_at
+        t = time.perf_counter()
+        next(iter(resumed))
+        times.append((time.perf_counter() - t) * 1e3)
+    return target, times[0], times[1]
+
+
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.readers", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -117,6 +142,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                                         "sequence_parquet_rows", help="comma-separated readers")
     p.add_argument("--repeat", type=int, default=3, help="passes per reader and trainer count (median)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume-at", type=float, default=0.975,
+                   help="where a resumed pass starts, as a share of the file's records")
     return p.parse_args(argv)
 
 
@@ -137,6 +164,13 @@ def main(argv: list[str] | None = None) -> int:
                 rows[name, w] = ms
                 print(json.dumps({"reader": name, "trainers": w, "batch": args.batch, "batches": batches,
                                   "cpu_ms_per_batch": round(ms, 4), "records": args.records}), flush=True)
+        resumes = []
+        for name in [n for n in ("criteo", "parquet") if n in names]:
+            record, top, seek = measure_resume(name, paths[name], args.batch, args.resume_at, args.records)
+            print(json.dumps({"reader": name, "resume_record": record, "first_batch_ms_from_top": round(top, 2),
+                              "first_batch_ms_from_seek_point": round(seek, 2)}), flush=True)
+            resumes.append(f"{name}: resumed at record {record:,}, the first batch after {top:.1f} ms reading from "
+                           f"the top, {seek:.1f} ms from the seek point")
     width = max(map(len, names))
     print(f"\ntrainer 0's CPU ms per batch of {args.batch} ({args.records} records a file)", file=sys.stderr)
     print(f"{'reader':<{width}}  " + "  ".join(f"{f'{w} trainers':>11}" for w in counts), file=sys.stderr)
@@ -148,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             ratios = ", ".join(f"{rows[name, w] / rows[bulk, w]:.1f}x" for w in counts)
             print(f"{bulk}: the row path costs {ratios} the bulk path's ({', '.join(map(str, counts))} trainers)",
                   file=sys.stderr)
+    for line in resumes:
+        print(line, file=sys.stderr)
     return 0
 
 

@@ -218,6 +218,14 @@ def _check_sections(doc: dict[str, Any], path: Path) -> None:
     if not count(records, 0):
         raise CheckpointError(f"{path}: train.records: got {records!r:.80}; expected the data's records before the "
                               f"next batch, >= 0 (the manifest was edited: hybrid writes none so)")
+    at = doc.get("train", {}).get("data_at", {"file": 0, "path": "", "size": 0, "records": 0})
+    where = [k for k in ("offset", "line", "row") if k in at] if isinstance(at, dict) else []
+    if not (isinstance(at, dict) and count(at.get("file"), 0) and isinstance(at.get("path"), str)
+            and count(at.get("size"), 0) and count(at.get("records"), 0) and all(count(at[k], 0) for k in where)
+            and set(at) <= {"file", "path", "size", "records", "offset", "line", "row"}):
+        raise CheckpointError(f"{path}: train.data_at: got {at!r:.120}; expected where a data file's chunk starts "
+                              f"(file, path, size, records, and offset and line or row; the manifest was edited: "
+                              f"hybrid writes none so)")
 
 
 def manifest_entry(manifest: dict[str, Any], rel: str) -> FileEntry:

@@ -25,6 +25,7 @@ check in Python.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -61,13 +62,24 @@ class CriteoReader(FileReader):
         self.rows = list(schema.num_embeddings)
         self._names = ["label", *(f"I{j}" for j in range(1, NUM_DENSE + 1)), *schema.features]
 
+    can_seek = True
+
     def _chunks(self) -> Iterator[_Lines]:
-        for path in self.paths:
+        at = self._from
+        for i, path in enumerate(self.paths):
+            if at is not None and i < at["file"]:
+                continue
+            size = os.path.getsize(path)
             with open_binary(path) as f:
-                done = 0
+                offset = done = 0
+                if at is not None:  # a resumed pass: from the chunk a checkpoint names
+                    f.seek(at["offset"])
+                    offset, done, at = at["offset"], at["line"], None
                 while text := f.read(_CHUNK_BYTES):
                     if not text.endswith(b"\n"):
                         text += f.readline()  # whole lines only
+                    self._at = {"file": i, "path": path, "size": size, "offset": offset, "line": done}
+                    offset += len(text)
                     status, labels, dense, ids = ops.criteo_parse(
                         torch.frombuffer(bytearray(text), dtype=torch.uint8), self.rows)
                     n = status.numel()

@@ -31,6 +31,7 @@ CSV and Parquet (:class:`CsvReader`, :class:`ParquetReader`):
 
 from __future__ import annotations
 
+import collections
 import csv
 import dataclasses
 import glob
@@ -86,6 +87,9 @@ class _GzipFile(gzip.GzipFile):
 
     def peek(self, n):  # noqa: ANN001, ANN201
         return self._named(super().peek, n)
+
+    def seek(self, offset, whence=io.SEEK_SET):  # noqa: ANN001, ANN201 - forward: decompresses up to there
+        return self._named(super().seek, offset, whence)
 
 
 def open_binary(path: str) -> IO[bytes]:
@@ -165,6 +169,10 @@ class FileReader:
         self.rank, self.world_size = rank, world_size
         self.batch_size = cfg.batch_size
         self.counts = self._zero_counts()
+        self._seen: collections.deque[tuple[int, dict[str, Any]]] = collections.deque()
+        self._seen_epoch = -1
+        self._from: dict[str, Any] | None = None  # where this pass starts reading (_start)
+        self._at: dict[str, Any] | None = None  # where the chunk being yielded starts
 
     @staticmethod
     def _zero_counts() -> dict[str, int]:
@@ -180,13 +188,68 @@ class FileReader:
     """Yield the incomplete last global batch whatever ``data.drop_last`` says, split as evenly as
     possible, even when some trainers get no sample (evaluation: every held-out row is read)."""
 
+    resume_at: dict[str, Any] | None = None
+    """Where a chunk of the pass holding record ``start_record`` starts, as :meth:`seek_point`
+    gave it (a checkpoint's ``train.data_at``): the pass starts reading there, not at the top of
+    the first file -- unless that file is no longer the one read then (its path or size
+    differ; logged), or the reader cannot seek (CSV, sequences)."""
+
+    epoch = 0
+    """The training pass this is (set by the training loop; :meth:`seek_point` asks for one)."""
+
+    def seek_point(self, epoch: int, records: int) -> dict[str, Any] | None:
+        """Where reading must start to reach record ``records`` of pass ``epoch`` without parsing
+        what comes before it: the start of a chunk at or before it that this pass read lately
+        (``None`` if none is known), for :attr:`resume_at`."""
+        if epoch != self._seen_epoch:
+            return None
+        point = None
+        for good, at in self._seen:
+            if good > records:
+                break
+            point = {**at, "records": good}
+        return point
+
+    def _start(self) -> dict[str, Any] | None:
+        """:attr:`resume_at`, if it can be used for this pass's files."""
+        at = self.resume_at
+        if at is None or not self.can_seek:
+            return None
+        i, path = at.get("file"), at.get("path")
+        if not (isinstance(i, int) and 0 <= i < len(self.paths) and self.paths[i] == path):
+            logger.warning("data.%s: the files are not those the checkpoint read (file %s: %s); reading them "
+                           "from the top to find record %d", self.source, i, path, self.start_record)
+            return None
+        size = os.path.getsize(path)
+        if size != at.get("size"):
+            logger.warning("data.%s: %s has %d bytes, %s when the checkpoint was saved; reading the files from "
+                           "the top to find record %d", self.source, path, size, at.get("size"), self.start_record)
+            return None
+        return at
+
+    can_seek = False
+    """Whether :meth:`_chunks` can start where :attr:`resume_at` says (``_from``): it then sets
+    ``_at`` (``file``, ``path``, ``size`` and where in the file) before yielding each chunk."""
+
     def __iter__(self) -> Iterator[Batch]:
         self.counts = counts = self._zero_counts()
         w, b = self.world_size, self.batch_size
         size, lo, hi = w * b, self.rank * b, (self.rank + 1) * b
         buf: Any = self._empty()
-        skip = self.start_record
+        self._from = at = self._start()
+        first = at["records"] if at is not None else 0  # the good records of the pass before the first chunk
+        skip = self.start_record - first
+        # Where recent chunks start, for seek_point: as far back as the training loop's position
+        # may lag the batches drawn (read ahead, prefetched).
+        self._seen = collections.deque()
+        self._seen_epoch = self.epoch
+        keep = (self.cfg.read_ahead + 4) * size
+        self._at: dict[str, Any] | None = None
         for chunk in self._chunks():
+            if self._at is not None:
+                self._seen.append((first + counts["good"], self._at))
+                while len(self._seen) > 1 and self._seen[1][0] <= first + counts["good"] - keep:
+                    self._seen.popleft()
             counts["good"] += len(chunk)
             if skip:
                 passed = min(skip, len(chunk))
@@ -806,16 +869,33 @@ class ParquetReader(_Columns):
         if pf.metadata.num_rows == 0:
             raise InputError(f"data.parquet: {path}: empty file (no rows)")
 
+    can_seek = True
+
     def _chunks(self) -> Iterator[_Block]:
-        for path in self.paths:
+        at = self._from
+        for i, path in enumerate(self.paths):
+            if at is not None and i < at["file"]:
+                continue
             pf = self._pq.ParquetFile(path)
             header = pf.schema_arrow.names
             label, dense, sparse = self._indices(path, header)
             label_name = None if label is None else header[label]
             dense_names, sparse_names = [header[i] for i in dense], [header[i] for i in sparse]
             names = list(dict.fromkeys(([] if label_name is None else [label_name]) + dense_names + sparse_names))
-            row = 0
-            for rb in pf.iter_batches(batch_size=_CHUNK_ROWS, columns=names):
+            row, groups, cut = 0, range(pf.metadata.num_row_groups), 0
+            if at is not None:  # a resumed pass: from the row group holding the row a checkpoint names
+                starts = [0]
+                for g in groups:
+                    starts.append(starts[-1] + pf.metadata.row_group(g).num_rows)
+                first = max(g for g in groups if starts[g] <= at["row"])
+                groups, row, cut, at = range(first, len(groups)), at["row"], at["row"] - starts[first], None
+            size = os.path.getsize(path)
+            for rb in pf.iter_batches(batch_size=_CHUNK_ROWS, columns=names, row_groups=groups):
+                if cut:
+                    rb, cut = rb.slice(min(cut, rb.num_rows)), max(0, cut - rb.num_rows)
+                    if not rb.num_rows:
+                        continue
+                self._at = {"file": i, "path": path, "size": size, "row": row}
                 block = self._columnar(rb, label_name, dense_names, sparse_names)
                 if block is None:
                     block = self._rows(rb, path, row, label_name, dense_names, sparse_names)

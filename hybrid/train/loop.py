@@ -368,6 +368,7 @@ class Trainer:
         self._global_batch = role.num_trainers * cfg.data.batch_size
         self._data_start: tuple[int, int] = (0, 0)  # (epoch, batch) of the first training batch
         self._record_start: int | None = None  # the records of its epoch before it, when a checkpoint says
+        self._resume_at: dict[str, Any] | None = None  # where the files' chunk holding that record starts
         # (epoch, batch, records of the epoch before it) of the last batch handed out
         self._data_pos: tuple[int, int, int] = (0, -1, -self._global_batch)
         self._coming: collections.deque[_Drawn] = collections.deque()  # drawn for a prefetch, not yet taken
@@ -383,17 +384,19 @@ class Trainer:
         data until ``train.epochs``.
 
         A resumed run starts file readers (``start_record``) at the record the checkpoint's run
-        stopped at, whatever its number of trainers and batch size; a synthetic stream (``start``)
-        at the same batch number; any other data by passing over as many batches."""
+        stopped at, whatever its number of trainers and batch size, reading from where the
+        checkpoint says that record's chunk starts (``resume_at``) when it can; a synthetic stream
+        (``start``) at the same batch number; any other data by passing over as many batches."""
         data, gb = self.train_data, self._global_batch
         epoch, first = self._data_start
         records = self._record_start if self._record_start is not None else first * gb
         by_record = isinstance(getattr(data, "start_record", None), int)
+        at = self._resume_at
         while True:
             produced = False
             base = 0
             if by_record:
-                data.start_record = records
+                data.start_record, data.epoch, data.resume_at, at = records, epoch, at, None
                 base = first = records // gb
             elif first and isinstance(getattr(data, "start", None), int):
                 data.start = base = first  # synthetic: the stream starts at any batch
@@ -581,12 +584,16 @@ class Trainer:
         # The data's records before the next batch (written since checkpoints record it; before,
         # the position was in batches of the saving run's global batch, taken to be this run's).
         self._record_start = state.get("records")
+        self._resume_at = state.get("data_at")
         self.skipped = int(state.get("skipped", 0))
         if self.cfg.checkpoint.dir and ckpt.path.parent == Path(self.cfg.checkpoint.dir).resolve():
             self._last_saved = ckpt.step  # it is already there: do not write the same step again
         if self.rank0:
             where = (f"record {self._record_start:,}" if isinstance(getattr(self.train_data, "start_record", None), int)
                      and self._record_start is not None else f"batch {self._data_start[1]}")
+            if (at := self._resume_at) is not None and getattr(self.train_data, "can_seek", False):
+                where += (f", read from {at['path']} " + (f"byte {at['offset']:,}" if "offset" in at else
+                                                          f"row {at['row'] + 1:,}"))
             logger.info("resuming at step %d from %s (data at epoch %d, %s)", ckpt.step, ckpt.path,
                         self._data_start[0], where)
 
@@ -605,10 +612,12 @@ class Trainer:
         epoch, index, records = self._data_pos
         if nxt is None:  # the next batch is the one after the last handed out
             index, records = index + 1, records + self._global_batch
+        state = {"data": [epoch, index], "records": records, "skipped": self.skipped}
+        seek_point = getattr(self.train_data, "seek_point", None)
+        if seek_point is not None and (at := seek_point(epoch, records)) is not None:
+            state["data_at"] = at  # a resumed run reads its files from there
         ck = self.cfg.checkpoint
-        save(ck.dir, self.step, self.model, self.optimizer, keep=ck.keep,
-             train_state={"data": [epoch, index], "records": records, "skipped": self.skipped},
-             key=self._ckpt_key)
+        save(ck.dir, self.step, self.model, self.optimizer, keep=ck.keep, train_state=state, key=self._ckpt_key)
         self._last_saved = self.step
 
     def _progress(self):

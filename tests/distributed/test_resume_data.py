@@ -46,7 +46,10 @@ def test_a_run_resumed_on_other_trainers_continues_at_the_saved_record(tmp_path)
                           "train.steps=4", f"checkpoint.resume={ckpt / 'step_00000002'}",
                           f"train.out_dir={tmp_path / 'resumed'}"], timeout=240)
     assert resumed.returncode == 0, resumed.output
-    assert "(data at epoch 0, record 16)" in resumed.output, resumed.output
+    manifest = json.loads((ckpt / "step_00000002" / "manifest.json").read_text())
+    assert manifest["train"]["data_at"] == {"file": 0, "path": str(data), "size": data.stat().st_size, "offset": 0,
+                                            "line": 0, "records": 0}, manifest["train"]
+    assert f"(data at epoch 0, record 16, read from {data} byte 0)" in resumed.output, resumed.output
     a, b = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
     assert sorted(a) == [1, 2, 3, 4, 5, 6] and sorted(b) == [3, 4], (a, b)
     assert a[1] != pytest.approx(a[3], rel=1e-3)  # the records' losses tell them apart

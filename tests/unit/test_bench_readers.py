@@ -14,9 +14,11 @@ def test_readers_report_every_reader_and_trainer_count():
                      module="benchmarks.readers", timeout=120)
     assert res.returncode == 0, res.output
     lines = [json.loads(l) for l in res.stdout.splitlines() if l.startswith("{")]
-    got = {(l["reader"], l["trainers"]): l for l in lines}
+    got = {(l["reader"], l["trainers"]): l for l in lines if "trainers" in l}
     assert set(got) == {(r, w) for r in READERS for w in (1, 3)}, sorted(got)
     for (reader, w), l in got.items():
         assert l["batches"] == 1200 // (w * 100), l
         assert l["cpu_ms_per_batch"] > 0, l
+    resumes = {l["reader"]: l for l in lines if "resume_record" in l}
+    assert set(resumes) == {"criteo", "parquet"} and all(l["resume_record"] > 0 for l in resumes.values()), resumes
     assert "parquet: the row path costs" in res.stderr and "sequence_parquet: the row path costs" in res.stderr

@@ -137,3 +137,48 @@ def test_a_start_past_the_last_record_yields_nothing_and_counts_every_record(tmp
     make = READERS["csv"](tmp_path)
     got, counts = _pass(make, start=RECORDS + 5, batch_size=2, drop_last=False)
     assert got == [] and counts["good"] == RECORDS and counts["malformed"] == 1
+
+
+@pytest.mark.parametrize("kind", ["criteo", "criteo_gz", "parquet"])
+def test_a_reader_resumed_at_a_seek_point_reads_from_there_and_yields_the_same(tmp_path, monkeypatch, kind):
+    """``seek_point`` (saved in a checkpoint) names where the chunk holding a record starts: a
+    reader given it as ``resume_at`` starts reading there -- it reads fewer lines than the pass
+    before it -- and yields the batches of a fresh pass from that record on. A file that changed
+    since (another size) is read from the top instead, the batches the same."""
+    import gzip
+    import hybrid.data.criteo as criteo
+    import hybrid.data.tabular as tabular
+
+    monkeypatch.setattr(criteo, "_CHUNK_BYTES", 600)  # chunks of a few lines
+    monkeypatch.setattr(tabular, "_CHUNK_ROWS", 5)
+    make = READERS[kind.removesuffix("_gz")](tmp_path)
+    if kind == "criteo_gz":
+        path = tmp_path / "day.tsv"
+        with gzip.open(tmp_path / "day.gz", "wb") as f:
+            f.write(path.read_bytes())
+        path.write_bytes((tmp_path / "day.gz").read_bytes())  # the same name, gzip content
+    W, B = 2, 3
+    size = W * B
+    fresh = [_pass(make, rank=r, world_size=W, batch_size=B)[0] for r in range(W)]
+    reader = make(rank=0, world_size=W, batch_size=B)
+    points = {}
+    for j, _ in enumerate(reader, start=1):
+        points[j] = reader.seek_point(0, j * size)
+    assert reader.seek_point(1, 2 * size) is None  # another pass
+    total_lines = reader.counts["lines"]
+    assert len(points) == 7 and all(points.values()), points
+    assert len({(p.get("offset"), p.get("row")) for p in points.values()}) >= 3  # several chunks apart
+    for j in (2, 5):
+        for r in range(W):
+            resumed = make(rank=r, world_size=W, batch_size=B)
+            resumed.start_record, resumed.resume_at = j * size, points[j]
+            got = list(resumed)
+            assert len(got) == len(fresh[r]) - j and resumed.counts["lines"] < total_lines, (j, r, resumed.counts)
+            for a, b in zip(got, fresh[r][j:], strict=True):
+                _assert_same(a, b)
+    moved = make(rank=0, world_size=W, batch_size=B)
+    moved.start_record, moved.resume_at = 5 * size, {**points[5], "size": points[5]["size"] + 1}
+    got = list(moved)
+    assert moved.counts["lines"] == total_lines  # read from the top
+    for a, b in zip(got, fresh[0][5:], strict=True):
+        _assert_same(a, b)
