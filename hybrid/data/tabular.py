@@ -213,7 +213,7 @@ class FileReader:
     def _start(self) -> dict[str, Any] | None:
         """:attr:`resume_at`, if it can be used for this pass's files."""
         at = self.resume_at
-        if at is None or not self.can_seek:
+        if at is None or not self.can_seek or not 0 <= at.get("records", -1) <= self.start_record:
             return None
         i, path = at.get("file"), at.get("path")
         if not (isinstance(i, int) and 0 <= i < len(self.paths) and self.paths[i] == path):
@@ -244,10 +244,11 @@ class FileReader:
         self._seen = collections.deque()
         self._seen_epoch = self.epoch
         keep = (self.cfg.read_ahead + 4) * size
-        self._at: dict[str, Any] | None = None
+        self._at = None
         for chunk in self._chunks():
-            if self._at is not None:
-                self._seen.append((first + counts["good"], self._at))
+            at_chunk, self._at = self._at, None
+            if at_chunk is not None:
+                self._seen.append((first + counts["good"], at_chunk))
                 while len(self._seen) > 1 and self._seen[1][0] <= first + counts["good"] - keep:
                     self._seen.popleft()
             counts["good"] += len(chunk)
