@@ -378,7 +378,7 @@ class Trainer:
             self._restore(self.resume)
 
     # -- data ------------------------------------------------------------------------------------
-    def _passes(self) -> Iterator[tuple[tuple[int, int], Any]]:
+    def _passes(self) -> Iterator[tuple[tuple[int, int, int], Any]]:
         """Every training batch the data gives from the run's start (a resumed run's data
         position), with its place (epoch, batch, records of the epoch before it): passes over the
         data until ``train.epochs``.
@@ -581,8 +581,8 @@ class Trainer:
         ckpt.restore(self.model, self.optimizer)
         state = ckpt.train_state
         self._data_start = tuple(state.get("data", (0, 0)))
-        # The data's records before the next batch (written since checkpoints record it; before,
-        # the position was in batches of the saving run's global batch, taken to be this run's).
+        # The data's records before the next batch; without them (an older checkpoint) the batch
+        # number times this run's global batch.
         self._record_start = state.get("records")
         self._resume_at = state.get("data_at")
         self.skipped = int(state.get("skipped", 0))
