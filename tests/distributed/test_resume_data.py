@@ -11,11 +11,11 @@ and its step 4 on their steps 5 and 6. Counted in batches, it would have started
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
 from tests.support.cli import run_hybrid
+from tests.support.criteo_data import write_criteo
 
 CONFIG = ["--plan", "conf/plans/dlrm.yaml", "--config", "conf/train/dlrm.yaml"]
 STILL = ["model.num_embeddings=60", "model.embedding_dim=8", "model.bottom_mlp=[8,8]", "model.top_mlp=[8,1]",
@@ -30,12 +30,7 @@ def _losses(out) -> dict[int, float]:
 
 
 def test_a_run_resumed_on_other_trainers_continues_at_the_saved_record(tmp_path):
-    rng = random.Random(0)
-    lines = ["\t".join([str(rng.randint(0, 1)), *(str(rng.randint(0, 50)) for _ in range(13)),
-                        *(f"{rng.getrandbits(12):x}" for _ in range(26))]) for _ in range(80)]
-    lines.insert(6, "not\ta\tcriteo\tline")
-    data = tmp_path / "day.tsv"
-    data.write_text("\n".join(lines) + "\n")
+    data = write_criteo(tmp_path / "day.tsv", 80, bad_at=6, dense_max=50, id_bits=12)
     files = [f"data.train_paths=[{data}]", f"data.eval_paths=[{data}]"]
     ckpt = tmp_path / "ckpt"
     straight = run_hybrid(["launch", "-n", "3", "train", *CONFIG, *STILL, *files, "data.batch_size=4",

@@ -18,18 +18,14 @@ import torch
 from hybrid.data import CriteoReader, CsvReader, DataConfig, ParquetReader, Schema
 from hybrid.data.criteo import NUM_SPARSE
 from hybrid.data.sequences import SequenceCsvReader
+from tests.support.criteo_data import write_criteo
 
 FEATURES = [f"C{i}" for i in range(1, NUM_SPARSE + 1)]
 RECORDS = 47  # good ones; the files also have a malformed line among the first records
 
 
 def _criteo(tmp_path):
-    rng = random.Random(0)
-    lines = ["\t".join([str(rng.randint(0, 1)), *(str(rng.randint(0, 9)) for _ in range(13)),
-                        *(f"{rng.getrandbits(16):x}" for _ in range(NUM_SPARSE))]) for _ in range(RECORDS)]
-    lines.insert(4, "garbage")
-    path = tmp_path / "day.tsv"
-    path.write_text("\n".join(lines) + "\n")
+    path = write_criteo(tmp_path / "day.tsv", RECORDS, bad_at=4)
     schema = Schema(num_dense=13, features=FEATURES, num_embeddings=[1000] * NUM_SPARSE)
     return _maker(lambda cfg, shard: CriteoReader(schema, DataConfig(source="criteo", malformed="skip", **cfg),
                                                   [str(path)], **shard))
