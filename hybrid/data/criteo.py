@@ -65,16 +65,13 @@ class CriteoReader(FileReader):
     can_seek = True
 
     def _chunks(self) -> Iterator[_Lines]:
-        at = self._from
-        for i, path in enumerate(self.paths):
-            if at is not None and i < at["file"]:
-                continue
+        for i, path, at in self._files():
             size = os.path.getsize(path)
             with open_binary(path) as f:
                 offset = done = 0
                 if at is not None:  # a resumed pass: from the chunk a checkpoint names
                     f.seek(at["offset"])
-                    offset, done, at = at["offset"], at["line"], None
+                    offset, done = at["offset"], at["line"]
                 while text := f.read(_CHUNK_BYTES):
                     if not text.endswith(b"\n"):
                         text += f.readline()  # whole lines only

@@ -43,6 +43,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
 import random
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -54,7 +55,7 @@ from hybrid.data.batch import Batch
 from hybrid.data.config import DataConfig, Schema
 from hybrid.data.synthetic import _seed_of, _uniform, power_law_rank
 from hybrid.data.tabular import (FileReader, _id, _is_number, _is_text, _number, _plain, _pyarrow_parquet,
-                                 arrow_csv_batches, csv_header, open_binary, show, split_text)
+                                 arrow_csv_batches, csv_header, open_binary, parquet_batches, show, split_text)
 from hybrid.errors import InputError
 
 ITEM, NEGATIVE, ACTION = "item", "negative", "action"
@@ -496,14 +497,17 @@ class SequenceParquetReader(_SequenceFiles):
         if pf.metadata.num_rows == 0:
             raise InputError(f"data.parquet: {path}: empty file (no rows)")
 
+    can_seek = True
+
     def _chunks(self) -> Iterator[_Seqs]:
         pq = _pyarrow_parquet()
-        for path in self.paths:
+        for i, path, at in self._files():
             pf = pq.ParquetFile(path)
             header = pf.schema_arrow.names
             names = [header[i] for i in self._indices(path, header)]
-            row = 0
-            for rb in pf.iter_batches(batch_size=8192, columns=list(dict.fromkeys(names))):
+            size = os.path.getsize(path)
+            for rb, row in parquet_batches(pf, names, at["row"] if at is not None else 0):
+                self._at = {"file": i, "path": path, "size": size, "row": row}
                 block = self._columnar(rb, names)
                 if block is None:
                     cols = [rb.column(name).to_pylist() for name in names]
@@ -512,7 +516,6 @@ class SequenceParquetReader(_SequenceFiles):
                         self.counts["lines"] += 1
                         self._keep(self._parse([c[j] for c in cols]), f"{path}: row {row + j + 1}", chunk)
                     block = self._block(chunk)
-                row += rb.num_rows
                 yield block
 
 

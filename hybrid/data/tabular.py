@@ -192,7 +192,7 @@ class FileReader:
     """Where a chunk of the pass holding record ``start_record`` starts, as :meth:`seek_point`
     gave it (a checkpoint's ``train.data_at``): the pass starts reading there, not at the top of
     the first file -- unless that file is no longer the one read then (its path or size
-    differ; logged), or the reader cannot seek (CSV, sequences)."""
+    differ; logged), or the reader cannot seek (CSV)."""
 
     epoch = 0
     """The training pass this is (set by the training loop; :meth:`seek_point` asks for one)."""
@@ -228,8 +228,18 @@ class FileReader:
         return at
 
     can_seek = False
-    """Whether :meth:`_chunks` can start where :attr:`resume_at` says (``_from``): it then sets
-    ``_at`` (``file``, ``path``, ``size`` and where in the file) before yielding each chunk."""
+    """Whether :meth:`_chunks` can start where :attr:`resume_at` says (:meth:`_files`): it then
+    sets ``_at`` (``file``, ``path``, ``size`` and where in the file) before yielding each chunk."""
+
+    def _files(self) -> Iterator[tuple[int, str, dict[str, Any] | None]]:
+        """The pass's files, each with its index and, for the one :attr:`resume_at` names (the
+        first then), where to start in it; the files before that one are left out."""
+        at = self._from
+        for i, path in enumerate(self.paths):
+            if at is None or i > at["file"]:
+                yield i, path, None
+            elif i == at["file"]:
+                yield i, path, at
 
     def __iter__(self) -> Iterator[Batch]:
         self.counts = counts = self._zero_counts()
@@ -843,6 +853,27 @@ class _Slow(Exception):
     """A file the bulk CSV path does not read (it goes line by line)."""
 
 
+def parquet_batches(pf: Any, columns: list[str], start_row: int = 0) -> Iterator[tuple[Any, int]]:
+    """The record batches of a ``pyarrow.parquet.ParquetFile`` from row ``start_row`` on, each
+    with the number of its first row in the file (from 0): read from the row group that holds
+    that row, the rows before it in the group decoded and passed over."""
+    groups = range(pf.metadata.num_row_groups)
+    row = cut = 0
+    if start_row:
+        starts = [0]
+        for g in groups:
+            starts.append(starts[-1] + pf.metadata.row_group(g).num_rows)
+        first = max(g for g in groups if starts[g] <= start_row)
+        groups, row, cut = range(first, len(groups)), start_row, start_row - starts[first]
+    for rb in pf.iter_batches(batch_size=_CHUNK_ROWS, columns=list(dict.fromkeys(columns)), row_groups=groups):
+        if cut:
+            rb, cut = rb.slice(min(cut, rb.num_rows)), max(0, cut - rb.num_rows)
+            if not rb.num_rows:
+                continue
+        yield rb, row
+        row += rb.num_rows
+
+
 def _pyarrow_parquet() -> Any:
     try:
         import pyarrow.parquet as pq
@@ -873,36 +904,21 @@ class ParquetReader(_Columns):
     can_seek = True
 
     def _chunks(self) -> Iterator[_Block]:
-        at = self._from
-        for i, path in enumerate(self.paths):
-            if at is not None and i < at["file"]:
-                continue
+        for i, path, at in self._files():
             pf = self._pq.ParquetFile(path)
             header = pf.schema_arrow.names
             label, dense, sparse = self._indices(path, header)
             label_name = None if label is None else header[label]
             dense_names, sparse_names = [header[i] for i in dense], [header[i] for i in sparse]
             names = list(dict.fromkeys(([] if label_name is None else [label_name]) + dense_names + sparse_names))
-            row, groups, cut = 0, range(pf.metadata.num_row_groups), 0
-            if at is not None:  # a resumed pass: from the row group holding the row a checkpoint names
-                starts = [0]
-                for g in groups:
-                    starts.append(starts[-1] + pf.metadata.row_group(g).num_rows)
-                first = max(g for g in groups if starts[g] <= at["row"])
-                groups, row, cut, at = range(first, len(groups)), at["row"], at["row"] - starts[first], None
             size = os.path.getsize(path)
-            for rb in pf.iter_batches(batch_size=_CHUNK_ROWS, columns=names, row_groups=groups):
-                if cut:
-                    rb, cut = rb.slice(min(cut, rb.num_rows)), max(0, cut - rb.num_rows)
-                    if not rb.num_rows:
-                        continue
+            for rb, row in parquet_batches(pf, names, at["row"] if at is not None else 0):
                 self._at = {"file": i, "path": path, "size": size, "row": row}
                 block = self._columnar(rb, label_name, dense_names, sparse_names)
                 if block is None:
                     block = self._rows(rb, path, row, label_name, dense_names, sparse_names)
                 else:
                     self.counts["lines"] += rb.num_rows
-                row += rb.num_rows
                 yield block
 
     def _rows(self, rb: Any, path: str, row: int, label: str | None, dense: list[str],
