@@ -17,8 +17,8 @@ parsing rows one at a time; ``parquet_rows`` / ``sequence_parquet_rows`` are the
 held to the row path, measured in the same run (the ratio line is row path / bulk). Each JSON line holds one
 reader at one trainer count (median of ``--repeat`` passes); a table goes to stderr.
 
-A resumed run starts Criteo and Parquet files where the checkpoint says the chunk holding its
-next record starts (``FileReader.seek_point``): the last lines give, for one trainer, the wall
+A resumed run starts Criteo, CSV and Parquet files where the checkpoint says the block holding
+its next record starts (``FileReader.seek_point``): the last lines give, for one trainer, the wall
 time to the first batch at ``--resume-at`` of the file's records, reading from the top (every
 record before it parsed) and from the seek point.
 """
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({"reader": name, "trainers": w, "batch": args.batch, "batches": batches,
                                   "cpu_ms_per_batch": round(ms, 4), "records": args.records}), flush=True)
         resumes = []
-        for name in [n for n in ("criteo", "parquet") if n in names]:
+        for name in [n for n in ("criteo", "csv", "parquet") if n in names]:
             record, top, seek = measure_resume(name, paths[name], args.batch, args.resume_at, args.records)
             print(json.dumps({"reader": name, "resume_record": record, "first_batch_ms_from_top": round(top, 2),
                               "first_batch_ms_from_seek_point": round(seek, 2)}), flush=True)

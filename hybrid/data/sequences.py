@@ -459,12 +459,12 @@ class SequenceCsvReader(_SequenceFiles):
         if len(set(header)) != len(header) or any(not h for h in header):
             yield None  # pyarrow needs unique, named columns
             return
-        for rb in arrow_csv_batches(path, {n: pa.string() for n in names}):
-            block = None if rb is None else self._columnar(rb, names)
+        for item in arrow_csv_batches(path, {n: pa.string() for n in names}):
+            block = None if item is None else self._columnar(item[0], names)
             if block is None:
                 yield None
                 return
-            yield block, rb.num_rows
+            yield block, item[0].num_rows
 
     def _slow(self, path: str, *, skip: int) -> Iterator[_Seqs]:
         """The file line by line (the stdlib ``csv`` module), after its first ``skip`` records

@@ -55,6 +55,7 @@ logger = logging.getLogger("hybrid.data")
 
 _MAX_ID = (1 << 63) - 1
 _CHUNK_ROWS = 8192
+_CSV_BLOCK_BYTES = 1 << 20
 
 
 def expand_paths(paths: Sequence[str]) -> list[str]:
@@ -107,12 +108,21 @@ def csv_header(path: str, reader: Iterator[list[str]]) -> list[str]:
     return header
 
 
-def arrow_csv_batches(path: str, types: dict[str, Any]) -> Iterator[Any]:
+def arrow_csv_batches(path: str, types: dict[str, Any], start: tuple[int, int] | None = None
+                      ) -> Iterator[tuple[Any, int | None, int | None] | None]:
     """The record batches of a CSV file (header first; ``.gz`` decompressed) read by pyarrow, about
     1 MB of the file at a time, with the columns of ``types`` as those types (a blank cell is
     null, except in text); ``None``, then nothing more, at the first row pyarrow refuses (another
     number of cells), text it cannot decode or a cell it cannot convert -- where a reader goes
-    line by line instead."""
+    line by line instead.
+
+    Each batch comes with the byte offset (in the decompressed file) and the number of lines
+    before its first row, while the file's rows hold no quote character: every line break then
+    ends a record, and pyarrow parses the file's whole lines a block at a time, the header (one
+    line, its names quoted or not) before them.
+    From the first block with a quote (or without a line break) on, pyarrow's streaming reader
+    takes the rest of the file, and both are ``None``. ``start``: the ``(offset, lines)`` of a
+    batch, to read from there."""
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
@@ -122,23 +132,71 @@ def arrow_csv_batches(path: str, types: dict[str, Any]) -> Iterator[Any]:
         invalid.append(row.number or 0)
         return "skip"
 
+    def options(block_size: int, names: list[str] | None = None) -> dict[str, Any]:
+        return {"read_options": pacsv.ReadOptions(use_threads=False, block_size=block_size, column_names=names),
+                "parse_options": pacsv.ParseOptions(invalid_row_handler=on_invalid),
+                "convert_options": pacsv.ConvertOptions(
+                    column_types=types, include_columns=list(types), null_values=[""],
+                    strings_can_be_null=False, quoted_strings_can_be_null=False)}
+
     with open_binary(path) as raw:
         try:
-            reader = pacsv.open_csv(
-                raw, read_options=pacsv.ReadOptions(use_threads=False, block_size=1 << 20),
-                parse_options=pacsv.ParseOptions(invalid_row_handler=on_invalid),
-                convert_options=pacsv.ConvertOptions(
-                    column_types=types, include_columns=list(types), null_values=[""],
-                    strings_can_be_null=False, quoted_strings_can_be_null=False))
+            header = raw.readline()
+            offset, lines = len(header), 1
+            if start is not None:
+                raw.seek(start[0])
+                offset, lines = start
+            pending = b""
+            names = next(csv.reader([header.decode("utf-8", errors="replace")]), [])
+            while header.count(b'"') % 2 == 0:  # the header is its first line (quoted names or not)
+                block = raw.read(_CSV_BLOCK_BYTES)
+                if not block:
+                    return
+                if b"\n" not in block:
+                    pending = block
+                    break
+                if not block.endswith(b"\n"):
+                    block += raw.readline()  # whole lines only
+                if b'"' in block:
+                    pending = block
+                    break
+                table = pacsv.read_csv(pa.BufferReader(block), **options(len(block) + 1, names))
+                if invalid:
+                    yield None
+                    return
+                if table.num_rows:
+                    yield table.combine_chunks().to_batches()[0], offset, lines
+                offset, lines = offset + len(block), lines + block.count(b"\n")
+            reader = pacsv.open_csv(_Joined(header + pending, raw), **options(_CSV_BLOCK_BYTES))
             for rb in reader:
                 if invalid:
                     yield None
                     return
-                yield rb
+                yield rb, None, None
             if invalid:
                 yield None
         except (pa.ArrowInvalid, UnicodeDecodeError):
             yield None
+
+
+class _Joined(io.RawIOBase):
+    """``head``, then the rest of ``tail``: one file to read from."""
+
+    def __init__(self, head: bytes, tail: IO[bytes]) -> None:
+        self.head, self.tail = memoryview(head), tail
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:  # noqa: ANN001 - a writable buffer
+        if self.head.nbytes:
+            n = min(len(b), self.head.nbytes)
+            b[:n] = self.head[:n]
+            self.head = self.head[n:]
+            return n
+        data = self.tail.read(len(b))
+        b[:len(data)] = data
+        return len(data)
 
 
 def show(value: Any, limit: int = 40) -> str:
@@ -192,7 +250,7 @@ class FileReader:
     """Where a chunk of the pass holding record ``start_record`` starts, as :meth:`seek_point`
     gave it (a checkpoint's ``train.data_at``): the pass starts reading there, not at the top of
     the first file -- unless that file is no longer the one read then (its path or size
-    differ; logged), or the reader cannot seek (CSV)."""
+    differ; logged), or the reader cannot seek (sequence CSV)."""
 
     epoch = 0
     """The training pass this is (set by the training loop; :meth:`seek_point` asks for one)."""
@@ -328,24 +386,25 @@ class FileReader:
         if self.counts["malformed"] == 1:
             logger.warning("%s (skipped: data.malformed=skip; later ones are only counted)", text)
 
-    def _csv_rows(self, path: str, reader: Any, header: list[str]) -> Iterator[tuple[list[str], str]]:
+    def _csv_rows(self, path: str, reader: Any, header: list[str], base: int = 0) -> Iterator[tuple[list[str], str]]:
         """The rows of a ``csv.reader`` after its header that have one cell per column, each with
-        where it is (:func:`_record_where`); a line that is not CSV or has another number of cells
-        is malformed, an empty line is skipped. Every line read is counted."""
+        where it is (:func:`_record_where`; ``base``: the file's lines before the reader's first);
+        a line that is not CSV or has another number of cells is malformed, an empty line is
+        skipped. Every line read is counted."""
         while True:
-            start = reader.line_num + 1  # the line the next record starts on
+            start = base + reader.line_num + 1  # the line the next record starts on
             try:
                 row = next(reader)
             except StopIteration:
                 return
             except csv.Error as e:
                 self.counts["lines"] += 1
-                self._malformed(_record_where(path, start, reader.line_num), f"not CSV: {e}")
+                self._malformed(_record_where(path, start, base + reader.line_num), f"not CSV: {e}")
                 continue
             if not row:
                 continue
             self.counts["lines"] += 1
-            where = _record_where(path, start, reader.line_num)
+            where = _record_where(path, start, base + reader.line_num)
             if len(row) != len(header):
                 self._malformed(where, f"{len(row)} cells; the header has {len(header)}")
                 continue
@@ -765,7 +824,9 @@ class CsvReader(_Columns):
     split, cast or hashed in bulk). The first block with anything the bulk path does not take
     as certainly good -- a bad cell, a row of the wrong width, text pyarrow cannot parse --
     sends the file to the line-by-line path (stdlib ``csv``, the reference for every check and
-    message), which re-reads it and goes on after the rows already yielded.
+    message), which re-reads it from where the pass started in it and goes on after the rows
+    already yielded. A resumed pass starts at the block a checkpoint names while the file has no
+    quote character before it (:func:`arrow_csv_batches`).
     """
 
     source = "csv"
@@ -778,15 +839,22 @@ class CsvReader(_Columns):
     slow_paths: list[str]
     """Files of the current pass read line by line (diagnostics)."""
 
+    can_seek = True
+
     def _chunks(self) -> Iterator[_Block]:
         self.slow_paths = []
-        for path in self.paths:
+        for i, path, at in self._files():
+            start = None if at is None else (at["offset"], at["line"])
             lines_before = self.counts["lines"]
-            done, fast = 0, self._fast(path)
+            done, fast = 0, self._fast(path, start)
+            size = os.path.getsize(path)
             try:
-                for block in fast:
-                    if block is None:
+                for item in fast:
+                    if item is None:
                         break
+                    block, offset, lines = item
+                    if offset is not None:
+                        self._at = {"file": i, "path": path, "size": size, "offset": offset, "line": lines}
                     done += len(block)
                     self.counts["lines"] += len(block)
                     yield block
@@ -798,11 +866,12 @@ class CsvReader(_Columns):
                 fast.close()
             self.counts["lines"] = lines_before
             self.slow_paths.append(path)
-            yield from self._slow(path, skip=done)
+            yield from self._slow(path, skip=done, start=start)
 
-    def _fast(self, path: str) -> Iterator[_Block | None]:
-        """The file's rows in blocks, converted in bulk; ``None`` (then nothing more) at the first
-        block that needs the line-by-line path."""
+    def _fast(self, path: str, start: tuple[int, int] | None) -> Iterator[tuple[_Block, int | None, int | None] | None]:
+        """The file's rows in blocks (from ``start``: :func:`arrow_csv_batches`), converted in bulk,
+        each with where it starts; ``None`` (then nothing more) at the first block that needs the
+        line-by-line path."""
         import pyarrow as pa
 
         with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
@@ -817,22 +886,30 @@ class CsvReader(_Columns):
         types.update({header[i]: pa.float64() for i in dense})
         if label is not None and not self.label_map:
             types[header[label]] = pa.float64()
-        for rb in arrow_csv_batches(path, types):
-            block = None if rb is None else self._columnar(
-                rb, None if label is None else header[label], [header[i] for i in dense], [header[i] for i in sparse])
-            yield block
+        for item in arrow_csv_batches(path, types, start):
+            block = None if item is None else self._columnar(
+                item[0], None if label is None else header[label], [header[i] for i in dense],
+                [header[i] for i in sparse])
             if block is None:
+                yield None
                 return
+            yield block, item[1], item[2]
 
-    def _slow(self, path: str, *, skip: int) -> Iterator[_Block]:
-        """The line-by-line path from the top of ``path``, yielding what follows its first
-        ``skip`` good rows."""
+    def _slow(self, path: str, *, skip: int, start: tuple[int, int] | None = None) -> Iterator[_Block]:
+        """The line-by-line path from the top of ``path`` (or from ``start``, the byte offset and
+        lines before it of a line that starts a record), yielding what follows its first ``skip``
+        good rows there."""
         chunk: list[tuple] = []
         with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
             reader = csv.reader(f)
             header = csv_header(path, reader)
             label, dense, sparse = self._indices(path, header)
-            for row, where in self._csv_rows(path, reader, header):
+            base = 0
+            if start is not None:
+                f.seek(0)  # a text file seeks only to 0 or tell()'s cookies: the bytes beneath it
+                f.buffer.seek(start[0])
+                reader, base = csv.reader(f), start[1]
+            for row, where in self._csv_rows(path, reader, header, base):
                 parsed = self._parse(1.0 if label is None else row[label], [row[i] for i in dense],
                                      [row[i] for i in sparse])
                 if isinstance(parsed, str):

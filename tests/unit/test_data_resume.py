@@ -196,3 +196,67 @@ def test_a_reader_resumed_at_a_seek_point_reads_from_there_and_yields_the_same(t
     assert moved.counts["lines"] == total_lines  # read from the top
     for a, b in zip(got, fresh[0][5:], strict=True):
         _assert_same(a, b)
+
+
+@pytest.mark.parametrize("case", ["clean", "gzip", "a quote further down", "a bad row further down"])
+def test_a_csv_reader_resumes_from_a_block_while_the_file_has_no_quote(tmp_path, monkeypatch, case):
+    """CSV blocks have seek points while the file has no quote character (every line break then
+    ends a record). A reader resumed at one yields the fresh pass's batches, having read fewer
+    lines; after a quote pyarrow's streaming reader goes on (no seek points beyond it); a row
+    that sends the file line by line is named at its own line, as a fresh pass names it."""
+    import gzip
+    import hybrid.data.tabular as tabular
+
+    monkeypatch.setattr(tabular, "_CSV_BLOCK_BYTES", 60)  # blocks of a few rows
+    rows = [f"{i % 2},{i % 10},{i / 4},{i % 10}|{(i + 1) % 10},{i % 7}" for i in range(60)]
+    if case == "a quote further down":
+        rows[40] = '1,3,0.5,"4|5",2'
+    if case == "a bad row further down":
+        rows[50] = "1,x,0.5,4,2"
+    path = tmp_path / "a.csv"
+    text = "label,user,price,items,age\n" + "\n".join(rows) + "\n"
+    if case == "gzip":
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
+    malformed = "error" if case == "a bad row further down" else "skip"
+
+    def make(**kw):
+        cfg = DataConfig(source="csv", dense_columns=["price", "age"], malformed=malformed, batch_size=3)
+        return CsvReader(_tab_schema(), cfg, [str(path)], **kw)
+
+    def drain(reader):
+        got = []
+        try:
+            for b in reader:
+                got.append(b)
+        except ValueError as e:
+            return got, str(e)
+        return got, None
+
+    W, size = 2, 6
+    fresh = [drain(make(rank=r, world_size=W)) for r in range(W)]
+    reader = make(rank=0, world_size=W)
+    points = {}
+    for j, _ in enumerate(reader, start=1):
+        points[j] = reader.seek_point(0, j * size)
+        if len(points) == 6:
+            break
+    assert all(points.values()) and points[6]["offset"] > points[2]["offset"] > 0, points
+    for r in range(W):
+        resumed = make(rank=r, world_size=W)
+        resumed.start_record, resumed.resume_at = 6 * size, points[6]
+        got, error = drain(resumed)
+        assert error == fresh[r][1], (error, fresh[r][1])
+        if error is not None:
+            assert "a.csv:52: column 'user': 'x' is not an id" in error, error
+        assert len(got) == len(fresh[r][0]) - 6
+        for a, b in zip(got, fresh[r][0][6:], strict=True):
+            _assert_same(a, b)
+        assert resumed.counts["lines"] < 60 - 30, resumed.counts  # read from record 36 on
+    if case == "a quote further down":  # none after the block with the quote
+        whole = make(rank=0, world_size=W)
+        last = None
+        for j, _ in enumerate(whole, start=1):
+            last = whole.seek_point(0, j * size)
+        assert last["line"] <= 41, last
