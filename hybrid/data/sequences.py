@@ -55,7 +55,8 @@ from hybrid.data.batch import Batch
 from hybrid.data.config import DataConfig, Schema
 from hybrid.data.synthetic import _seed_of, _uniform, power_law_rank
 from hybrid.data.tabular import (FileReader, _id, _is_number, _is_text, _number, _plain, _pyarrow_parquet,
-                                 arrow_csv_batches, csv_header, open_binary, parquet_batches, show, split_text)
+                                 arrow_csv_batches, csv_header, csv_reader_at, open_binary, parquet_batches,
+                                 show, split_text)
 from hybrid.errors import InputError
 
 ITEM, NEGATIVE, ACTION = "item", "negative", "action"
@@ -431,26 +432,34 @@ class SequenceCsvReader(_SequenceFiles):
         with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
             self._indices(path, csv_header(path, csv.reader(f)))
 
+    can_seek = True
+
     def _chunks(self) -> Iterator[_Seqs]:
-        for path in self.paths:
-            done, fast = 0, self._fast(path)
+        for i, path, at in self._files():
+            start = None if at is None else (at["offset"], at["line"])
+            done, fast = 0, self._fast(path, start)
+            size = os.path.getsize(path)
             try:
                 for block in fast:
                     if block is None:
                         break
-                    chunk, rows = block
+                    chunk, rows, offset, lines = block
+                    if offset is not None:
+                        self._at = {"file": i, "path": path, "size": size, "offset": offset, "line": lines}
                     done += rows
                     yield chunk
                 else:
                     continue
             finally:
                 fast.close()
-            yield from self._slow(path, skip=done)
+            yield from self._slow(path, skip=done, start=start)
 
-    def _fast(self, path: str) -> Iterator[tuple[_Seqs, int] | None]:
-        """The file's records and how many rows they came from, a block at a time, parsed by
-        pyarrow and converted a column at a time (:meth:`_columnar`); ``None`` (then nothing
-        more) at the first block that needs the line-by-line path."""
+    def _fast(self, path: str, start: tuple[int, int] | None
+              ) -> Iterator[tuple[_Seqs, int, int | None, int | None] | None]:
+        """The file's records (from ``start``: :func:`~hybrid.data.tabular.arrow_csv_batches`) and
+        how many rows they came from, a block at a time, parsed by pyarrow and converted a column
+        at a time (:meth:`_columnar`), with where the block starts; ``None`` (then nothing more)
+        at the first block that needs the line-by-line path."""
         import pyarrow as pa
 
         with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
@@ -459,22 +468,21 @@ class SequenceCsvReader(_SequenceFiles):
         if len(set(header)) != len(header) or any(not h for h in header):
             yield None  # pyarrow needs unique, named columns
             return
-        for item in arrow_csv_batches(path, {n: pa.string() for n in names}):
+        for item in arrow_csv_batches(path, {n: pa.string() for n in names}, start):
             block = None if item is None else self._columnar(item[0], names)
             if block is None:
                 yield None
                 return
-            yield block, item[0].num_rows
+            yield block, item[0].num_rows, item[1], item[2]
 
-    def _slow(self, path: str, *, skip: int) -> Iterator[_Seqs]:
-        """The file line by line (the stdlib ``csv`` module), after its first ``skip`` records
-        (read by the bulk path, and counted there)."""
+    def _slow(self, path: str, *, skip: int, start: tuple[int, int] | None = None) -> Iterator[_Seqs]:
+        """The file line by line (the stdlib ``csv`` module) from the top or from ``start`` (where
+        the pass started in it), after its first ``skip`` records there (read by the bulk path,
+        and counted there)."""
         chunk: list[tuple] = []
-        with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
-            reader = csv.reader(f)
-            header = csv_header(path, reader)
+        with csv_reader_at(path, start) as (reader, header, base):
             cols = self._indices(path, header)
-            for row, where in self._csv_rows(path, reader, header):
+            for row, where in self._csv_rows(path, reader, header, base):
                 if skip:
                     skip -= 1
                     self.counts["lines"] -= 1  # counted when the bulk path read it

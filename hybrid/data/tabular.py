@@ -32,6 +32,7 @@ CSV and Parquet (:class:`CsvReader`, :class:`ParquetReader`):
 from __future__ import annotations
 
 import collections
+import contextlib
 import csv
 import dataclasses
 import glob
@@ -106,6 +107,22 @@ def csv_header(path: str, reader: Iterator[list[str]]) -> list[str]:
     if header is None:
         raise InputError(f"data.csv: {path}: empty file (the first line must be the header)")
     return header
+
+
+@contextlib.contextmanager
+def csv_reader_at(path: str, start: tuple[int, int] | None) -> Iterator[tuple[Any, list[str], int]]:
+    """A ``csv.reader`` over ``path`` after its header, or from ``start`` (the byte offset and the
+    lines before it of a line that starts a record); with the header and the file's lines before
+    the reader's first."""
+    with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
+        reader = csv.reader(f)
+        header = csv_header(path, reader)
+        base = 0
+        if start is not None:
+            f.seek(0)  # a text file seeks only to 0 or to tell()'s cookies: then the bytes beneath it
+            f.buffer.seek(start[0])
+            reader, base = csv.reader(f), start[1]
+        yield reader, header, base
 
 
 def arrow_csv_batches(path: str, types: dict[str, Any], start: tuple[int, int] | None = None
@@ -250,7 +267,7 @@ class FileReader:
     """Where a chunk of the pass holding record ``start_record`` starts, as :meth:`seek_point`
     gave it (a checkpoint's ``train.data_at``): the pass starts reading there, not at the top of
     the first file -- unless that file is no longer the one read then (its path or size
-    differ; logged), or the reader cannot seek (sequence CSV)."""
+    differ; logged)."""
 
     epoch = 0
     """The training pass this is (set by the training loop; :meth:`seek_point` asks for one)."""
@@ -900,15 +917,8 @@ class CsvReader(_Columns):
         lines before it of a line that starts a record), yielding what follows its first ``skip``
         good rows there."""
         chunk: list[tuple] = []
-        with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
-            reader = csv.reader(f)
-            header = csv_header(path, reader)
+        with csv_reader_at(path, start) as (reader, header, base):
             label, dense, sparse = self._indices(path, header)
-            base = 0
-            if start is not None:
-                f.seek(0)  # a text file seeks only to 0 or tell()'s cookies: the bytes beneath it
-                f.buffer.seek(start[0])
-                reader, base = csv.reader(f), start[1]
             for row, where in self._csv_rows(path, reader, header, base):
                 parsed = self._parse(1.0 if label is None else row[label], [row[i] for i in dense],
                                      [row[i] for i in sparse])

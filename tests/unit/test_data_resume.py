@@ -33,7 +33,7 @@ def _criteo(tmp_path):
 
 def _tabular_rows():
     rows = [f"{i % 2},{i},{i / 4},{i}|{i + 1},{i % 7}" for i in range(RECORDS)]
-    rows.insert(4, "1,-5,0,1,1")  # a negative id: malformed
+    rows.insert(40, "1,-5,0,1,1")  # a negative id: malformed
     return rows
 
 
@@ -63,7 +63,7 @@ def _sequence_csv(tmp_path):
 
     rng = random.Random(1)
     lines = [f"u{i},{'|'.join(str(rng.randrange(20)) for _ in range(rng.randrange(2, 8)))}" for i in range(RECORDS)]
-    lines.insert(4, "u,1|x|3")  # not an id: malformed
+    lines.insert(40, "u,1|x|3")  # not an id: malformed
     path = tmp_path / "seq.csv"
     path.write_text("user,items\n" + "\n".join(lines) + "\n")
     schema = sequential.data_schema(build_sequential(num_items=20, max_len=8, embedding_dim=8, num_blocks=1,
@@ -153,7 +153,7 @@ def test_a_start_past_the_last_record_yields_nothing_and_counts_every_record(tmp
     assert got == [] and counts["good"] == RECORDS and counts["malformed"] == 1
 
 
-@pytest.mark.parametrize("kind", ["criteo", "criteo_gz", "parquet", "sequence_parquet"])
+@pytest.mark.parametrize("kind", ["criteo", "criteo_gz", "csv", "parquet", "sequence_csv", "sequence_parquet"])
 def test_a_reader_resumed_at_a_seek_point_reads_from_there_and_yields_the_same(tmp_path, monkeypatch, kind):
     """``seek_point`` (saved in a checkpoint) names where the chunk holding a record starts: a
     reader given it as ``resume_at`` starts reading there -- it reads fewer lines than the pass
@@ -165,6 +165,7 @@ def test_a_reader_resumed_at_a_seek_point_reads_from_there_and_yields_the_same(t
 
     monkeypatch.setattr(criteo, "_CHUNK_BYTES", 600)  # chunks of a few lines
     monkeypatch.setattr(tabular, "_CHUNK_ROWS", 5)
+    monkeypatch.setattr(tabular, "_CSV_BLOCK_BYTES", 60)
     make = READERS[kind.removesuffix("_gz")](tmp_path)
     if kind == "criteo_gz":
         path = tmp_path / "day.tsv"
