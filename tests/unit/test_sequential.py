@@ -288,7 +288,7 @@ def test_sequence_csv_bulk_equals_line_by_line(tmp_path, tail):
     assert len(got) > 20_000
     assert bulk.counts == ref.counts and bulk.counts["malformed"] == (1 if tail else 0), (bulk.counts, ref.counts)
     assert bulk.counts["lines"] == len(lines) - 1 + (1 if tail else 0)
-    blocks = list(SequenceCsvReader(schema, cfg, [str(path)])._fast(str(path)))
+    blocks = list(SequenceCsvReader(schema, cfg, [str(path)])._fast(str(path), None))
     # The bad row at the end sends its block, the third, line by line.
     assert [b is None for b in blocks] == ([False, False, True] if tail else [False, False, False])
 
