@@ -435,24 +435,7 @@ class SequenceCsvReader(_SequenceFiles):
     can_seek = True
 
     def _chunks(self) -> Iterator[_Seqs]:
-        for i, path, at in self._files():
-            start = None if at is None else (at["offset"], at["line"])
-            done, fast = 0, self._fast(path, start)
-            size = os.path.getsize(path)
-            try:
-                for block in fast:
-                    if block is None:
-                        break
-                    chunk, rows, offset, lines = block
-                    if offset is not None:
-                        self._at = {"file": i, "path": path, "size": size, "offset": offset, "line": lines}
-                    done += rows
-                    yield chunk
-                else:
-                    continue
-            finally:
-                fast.close()
-            yield from self._slow(path, skip=done, start=start)
+        return self._bulk_then_lines(self._fast, self._slow)
 
     def _fast(self, path: str, start: tuple[int, int] | None
               ) -> Iterator[tuple[_Seqs, int, int | None, int | None] | None]:

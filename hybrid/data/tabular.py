@@ -42,7 +42,7 @@ import json
 import logging
 import os
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -305,6 +305,37 @@ class FileReader:
     can_seek = False
     """Whether :meth:`_chunks` can start where :attr:`resume_at` says (:meth:`_files`): it then
     sets ``_at`` (``file``, ``path``, ``size`` and where in the file) before yielding each chunk."""
+
+    slow_paths: list[str]
+    """Files of the current pass read line by line (CSV; diagnostics)."""
+
+    def _bulk_then_lines(self, bulk: Callable[..., Iterator[Any]], lines: Callable[..., Iterator[Any]]
+                         ) -> Iterator[Any]:
+        """The records of CSV files, a block at a time: from ``bulk(path, start)`` -- items
+        ``(block, rows read, offset, lines before)``, ``None`` (then nothing more) where the file
+        needs the line-by-line path -- and from there ``lines(path, skip=rows read in bulk,
+        start=start)``, which reads the file again from where the pass started in it. Blocks with
+        an offset get a seek point (:meth:`seek_point`)."""
+        self.slow_paths = []
+        for i, path, at in self._files():
+            start = None if at is None else (at["offset"], at["line"])
+            done, fast = 0, bulk(path, start)
+            size = os.path.getsize(path)
+            try:
+                for item in fast:
+                    if item is None:
+                        break
+                    block, rows, offset, before = item
+                    if offset is not None:
+                        self._at = {"file": i, "path": path, "size": size, "offset": offset, "line": before}
+                    done += rows
+                    yield block
+                else:
+                    continue
+            finally:
+                fast.close()
+            self.slow_paths.append(path)
+            yield from lines(path, skip=done, start=start)
 
     def _files(self) -> Iterator[tuple[int, str, dict[str, Any] | None]]:
         """The pass's files, each with its index and, for the one :attr:`resume_at` names (the
@@ -852,43 +883,16 @@ class CsvReader(_Columns):
         with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
             self._indices(path, csv_header(path, csv.reader(f)))
 
-
-    slow_paths: list[str]
-    """Files of the current pass read line by line (diagnostics)."""
-
     can_seek = True
 
     def _chunks(self) -> Iterator[_Block]:
-        self.slow_paths = []
-        for i, path, at in self._files():
-            start = None if at is None else (at["offset"], at["line"])
-            lines_before = self.counts["lines"]
-            done, fast = 0, self._fast(path, start)
-            size = os.path.getsize(path)
-            try:
-                for item in fast:
-                    if item is None:
-                        break
-                    block, offset, lines = item
-                    if offset is not None:
-                        self._at = {"file": i, "path": path, "size": size, "offset": offset, "line": lines}
-                    done += len(block)
-                    self.counts["lines"] += len(block)
-                    yield block
-                else:
-                    continue
-            except _Slow:
-                pass
-            finally:
-                fast.close()
-            self.counts["lines"] = lines_before
-            self.slow_paths.append(path)
-            yield from self._slow(path, skip=done, start=start)
+        return self._bulk_then_lines(self._fast, self._slow)
 
-    def _fast(self, path: str, start: tuple[int, int] | None) -> Iterator[tuple[_Block, int | None, int | None] | None]:
+    def _fast(self, path: str, start: tuple[int, int] | None
+              ) -> Iterator[tuple[_Block, int, int | None, int | None] | None]:
         """The file's rows in blocks (from ``start``: :func:`arrow_csv_batches`), converted in bulk,
-        each with where it starts; ``None`` (then nothing more) at the first block that needs the
-        line-by-line path."""
+        each with its rows (counted as lines read) and where it starts; ``None`` (then nothing
+        more) at the first block that needs the line-by-line path."""
         import pyarrow as pa
 
         with io.TextIOWrapper(open_binary(path), encoding="utf-8", errors="replace", newline="") as f:
@@ -896,7 +900,8 @@ class CsvReader(_Columns):
         label, dense, sparse = self._indices(path, header)
         names = list(dict.fromkeys(header[i] for i in ([] if label is None else [label]) + dense + sparse))
         if len(set(header)) != len(header) or any(not h for h in header):
-            raise _Slow  # pyarrow needs unique, named columns
+            yield None  # pyarrow needs unique, named columns
+            return
         # Numbers parsed by pyarrow (a blank is null: 0 for a dense cell), ids and labels of a
         # label_map as text; a cell pyarrow cannot parse makes the block fail -> line by line.
         types = {n: pa.string() for n in names}
@@ -910,12 +915,13 @@ class CsvReader(_Columns):
             if block is None:
                 yield None
                 return
-            yield block, item[1], item[2]
+            self.counts["lines"] += len(block)
+            yield block, len(block), item[1], item[2]
 
     def _slow(self, path: str, *, skip: int, start: tuple[int, int] | None = None) -> Iterator[_Block]:
         """The line-by-line path from the top of ``path`` (or from ``start``, the byte offset and
         lines before it of a line that starts a record), yielding what follows its first ``skip``
-        good rows there."""
+        good rows there (read by the bulk path, and counted there)."""
         chunk: list[tuple] = []
         with csv_reader_at(path, start) as (reader, header, base):
             label, dense, sparse = self._indices(path, header)
@@ -927,6 +933,7 @@ class CsvReader(_Columns):
                     continue
                 if skip:
                     skip -= 1
+                    self.counts["lines"] -= 1  # counted when the bulk path read it
                     continue
                 chunk.append(parsed)
                 if len(chunk) == _CHUNK_ROWS:
@@ -934,10 +941,6 @@ class CsvReader(_Columns):
                     chunk = []
         if chunk:
             yield self._block(chunk)
-
-
-class _Slow(Exception):
-    """A file the bulk CSV path does not read (it goes line by line)."""
 
 
 def parquet_batches(pf: Any, columns: list[str], start_row: int = 0) -> Iterator[tuple[Any, int]]:
