@@ -6,14 +6,16 @@ hybrid's shared-memory channel) carry what crosses a network between real hosts.
 :class:`EmulatedNetwork` each process runs as a host of its own:
 
 - its own network namespace, with one interface ``eth0`` at ``192.0.2.<host + 1>/24`` (TEST-NET-1,
-  a documentation range) and no route anywhere else;
+  a documentation range), MAC address :func:`host_mac`, every other host's address resolved
+  statically (no ARP, no IPv6) and no route anywhere else;
 - its own hostname (UTS namespace), System V IPC (IPC namespace), an empty private ``/dev/shm``
   and its own ``/proc/sys/kernel/random/boot_id`` (mount namespace): hybrid's same-host test
   (hostname and boot id) and TensorPipe's (boot id) see different hosts, as between machines;
-- ``eth0`` is one end of a veth pair whose other end is a port of a bridge in a namespace of its
-  own (the switch); every link is shaped by ``tc`` in both directions to ``rate`` (``tbf``), and
-  a host's outgoing packets wait ``delay`` (``netem``), so one way between two hosts takes
-  ``delay`` plus the bytes at ``rate``.
+- ``eth0`` is one end of a veth pair whose other end is port ``h<host>`` of the switch, in a
+  namespace of its own; every link is shaped by ``tc`` in both directions to ``rate`` (``tbf``).
+  Without a delay the switch is the kernel's bridge. With one it is a delay line
+  (:mod:`benchmarks.delayline`): a process that sends each frame on to its host ``delay`` after
+  it arrived, so one way between two hosts takes ``delay`` plus the bytes at ``rate``.
 
 A process learns its address from ``BENCH_HOST_ADDRESS``; ``GLOO_SOCKET_IFNAME`` and
 ``TP_SOCKET_IFNAME`` name ``eth0`` for gloo and TensorPipe. The job's rendezvous (file stores)
@@ -22,14 +24,16 @@ training step crosses the emulated links.
 
 Everything is created inside namespaces named ``hbnet<pid>-*`` (the benchmark's process id) and
 removed by :meth:`EmulatedNetwork.close` (the namespaces take their links with them); a later
-run removes what a killed one (its process gone) left behind. Needs root, ``ip``, ``tc``,
-``unshare``, ``mount`` and ``hostname``; a delay needs the kernel's ``netem`` qdisc.
+run removes what a killed one (its process gone) left behind, processes included. Needs root,
+``ip``, ``tc``, ``unshare``, ``mount`` and ``hostname``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import select
 import shlex
 import shutil
 import subprocess
@@ -53,8 +57,17 @@ ADDRESS_ENV = "BENCH_HOST_ADDRESS"
 """Set in every process of an emulated host: its address (``runtime.address`` for hybrid)."""
 TOOLS = ("ip", "tc", "unshare", "mount", "hostname")
 
+START_TIMEOUT_S = 30.0
+"""How long the delay line may take to open its ports."""
+
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def host_mac(i: int, *, raw: bool = False) -> str | bytes:
+    """Host ``i``'s MAC address (locally administered ``02:00:00:00:HH:LL``), as text or 6 bytes."""
+    b = bytes([2, 0, 0, 0, (i + 1) >> 8, (i + 1) & 0xFF])
+    return b if raw else ":".join(f"{x:02x}" for x in b)
 
 
 class NetworkError(RuntimeError):
@@ -68,10 +81,10 @@ class NetworkSpec:
     rate_bit_s: int = 10 * 10**9
     """Bits per second each way on every host's link (``rate=10gbit``)."""
     delay_s: float = 50e-6
-    """One-way delay added to every packet a host sends (``delay=50us``; 0: none)."""
+    """One-way delay added to every frame between two hosts (``delay=50us``; 0: none)."""
 
     def describe(self) -> dict:
-        return {"kind": "emulated", "rate_bit_s": self.rate_bit_s, "delay_us": self.delay_s * 1e6}
+        return {"kind": "emulated", "rate_bit_s": self.rate_bit_s, "delay_us": round(self.delay_s * 1e6, 3)}
 
 
 def parse_network(text: str) -> NetworkSpec | None:
@@ -129,6 +142,9 @@ class EmulatedNetwork:
         self.namespaces: list[str] = []
         self.workdir: Path | None = None
         self.servers: dict[int, HostServer] = {}
+        self.delay_line: subprocess.Popen | None = None
+        self._delay_line_pipe: int | None = None
+        self.delay_line_stats: dict | None = None
 
     def host_namespace(self, i: int) -> str:
         return f"{self.name}-h{i}"
@@ -137,7 +153,12 @@ class EmulatedNetwork:
         return f"{SUBNET}.{i + 1}"
 
     def describe(self) -> dict:
-        return {**self.spec.describe(), "hosts": self.hosts}
+        """The network as asked for, and once closed, what the delay line saw (``delay_line``:
+        frames forwarded, dropped, how late they left, its CPU seconds)."""
+        d = {**self.spec.describe(), "hosts": self.hosts}
+        if self.delay_line_stats is not None:
+            d["delay_line"] = self.delay_line_stats
+        return d
 
     def __enter__(self) -> EmulatedNetwork:
         self.start()
@@ -154,10 +175,18 @@ class EmulatedNetwork:
         try:
             self.workdir = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
             self._add_namespace(self.switch)
-            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-            _ip("-n", self.switch, "link", "set", "br0", "up")
+            if self.spec.delay_s == 0:
+                _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+                _ip("-n", self.switch, "link", "set", "br0", "up")
             for i in range(self.hosts):
                 self._add_host(i)
+            for i in range(self.hosts):
+                for j in range(self.hosts):
+                    if i != j:
+                        _ip("-n", self.host_namespace(i), "neigh", "add", self.address(j), "lladdr", host_mac(j),
+                            "dev", IFNAME, "nud", "permanent")
+            if self.spec.delay_s > 0:
+                self._start_delay_line()
         except BaseException:
             self.close()
             raise
@@ -171,26 +200,67 @@ class EmulatedNetwork:
         ns, port = self.host_namespace(i), f"h{i}"
         self._add_namespace(ns)
         _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", ns)
-        _ip("-n", self.switch, "link", "set", port, "master", "br0")
+        if self.spec.delay_s == 0:
+            _ip("-n", self.switch, "link", "set", port, "master", "br0")
         _ip("-n", self.switch, "link", "set", port, "up")
+        # Only IPv4 crosses the links: no IPv6 neighbour discovery or multicast to flood.
+        for dev_ns, dev in ((ns, IFNAME), (self.switch, port)):
+            _ip("netns", "exec", dev_ns, "sysctl", "-qw", f"net.ipv6.conf.{dev}.disable_ipv6=1")
+        _ip("-n", ns, "link", "set", IFNAME, "address", host_mac(i))
         _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFNAME)
         _ip("-n", ns, "link", "set", IFNAME, "up")
-        self._shape(ns, IFNAME, delay=True)  # what the host sends
-        self._shape(self.switch, port, delay=False)  # what the host receives
+        self._shape(ns, IFNAME)  # what the host sends
+        self._shape(self.switch, port)  # what the host receives
         (self.workdir / f"h{i}.boot_id").write_text(f"{uuid.uuid4()}\n")
 
-    def _shape(self, ns: str, dev: str, *, delay: bool) -> None:
+    def _shape(self, ns: str, dev: str) -> None:
+        # tbf: a bucket of 100 us at the rate (at least 16 KiB), a queue of 10 ms.
         rate = self.spec.rate_bit_s
-        if delay and self.spec.delay_s > 0:
-            # netem both delays and paces; its queue holds a few milliseconds at the rate.
-            limit = max(1000, int(rate / 8 * 5e-3 / 1500))
-            _tc(ns, "qdisc", "add", "dev", dev, "root", "netem", "delay", f"{self.spec.delay_s * 1e6:.0f}us",
-                "rate", f"{rate}bit", "limit", str(limit), what="netem")
-        else:
-            # tbf: a bucket of 100 us at the rate (at least 16 KiB), a queue of 10 ms.
-            burst = max(16384, int(rate / 8 * 1e-4))
-            _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit", "burst", str(burst),
-                "latency", "10ms", what="tbf")
+        burst = max(16384, int(rate / 8 * 1e-4))
+        _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit", "burst", str(burst),
+            "latency", "10ms", what="tbf")
+
+    def _start_delay_line(self) -> None:
+        """Start :mod:`benchmarks.delayline` in the switch's namespace on every port and wait until
+        it has opened them. It holds the read end of a pipe whose write end only this process
+        has, so it ends with this process, however that ends."""
+        read_end, self._delay_line_pipe = os.pipe()
+        os.set_inheritable(read_end, True)
+        repo = str(Path(__file__).resolve().parent.parent)
+        cmd = ["ip", "netns", "exec", self.switch, sys.executable, "-m", "benchmarks.delayline",
+               "--ports", ",".join(f"h{i}" for i in range(self.hosts)), "--delay-us", repr(self.spec.delay_s * 1e6),
+               "--parent-fd", str(read_end), "--stats", str(self.workdir / "delay_line.json")]
+        try:
+            self.delay_line = subprocess.Popen(cmd, cwd=repo, pass_fds=(read_end,), stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE, text=True,
+                                               env={**os.environ, "PYTHONPATH": repo})
+        finally:
+            os.close(read_end)
+        ready, _, _ = select.select([self.delay_line.stdout], [], [], START_TIMEOUT_S)
+        line = self.delay_line.stdout.readline() if ready else ""
+        if line.strip() != "ready":
+            self.delay_line.kill()
+            err = self.delay_line.communicate()[1].strip().splitlines()
+            raise NetworkError(f"the delay line did not start within {START_TIMEOUT_S:.0f}s"
+                               + (f": {err[-1]}" if err else ""))
+
+    def _stop_delay_line(self) -> None:
+        """End the delay line (closing its pipe) and keep what it saw in :attr:`delay_line_stats`."""
+        if self._delay_line_pipe is not None:
+            os.close(self._delay_line_pipe)
+            self._delay_line_pipe = None
+        if self.delay_line is None:
+            return
+        try:
+            self.delay_line.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.delay_line.kill()
+            self.delay_line.communicate()
+        self.delay_line = None
+        try:
+            self.delay_line_stats = json.loads((self.workdir / "delay_line.json").read_text())
+        except (OSError, ValueError):
+            pass
 
     def executable(self, i: int) -> str:
         """A script that runs its arguments with this Python on host ``i`` (a fresh UTS, IPC and
@@ -223,6 +293,7 @@ class EmulatedNetwork:
         for server in self.servers.values():
             server.stop()
         self.servers = {}
+        self._stop_delay_line()
         for ns in reversed(self.namespaces):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.namespaces = []
@@ -267,9 +338,15 @@ def _left_behind(name: str) -> bool:
 
 
 def remove_stale() -> None:
-    """Remove the namespaces of emulated networks whose benchmark process is gone, and their
-    hosts' script folders in the temp folder."""
+    """Remove the namespaces of emulated networks whose benchmark process is gone (killing what
+    still runs in them), and their hosts' script folders in the temp folder."""
     for ns in stale():
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), 9)
+            except (ProcessLookupError, ValueError):
+                pass
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
         if folder.is_dir() and _left_behind(folder.name):
@@ -297,7 +374,6 @@ def _tc(ns: str, *args: str, what: str) -> None:
     if res.returncode == 0:
         return
     if "unknown" in res.stderr.lower() and "qdisc" in res.stderr.lower():
-        hint = ("use --network emulated:delay=0 (rate only, tbf) or a kernel with CONFIG_NET_SCH_NETEM"
-                if what == "netem" else f"use a kernel with the {what} qdisc")
-        raise NetworkError(f"this kernel has no {what} qdisc, so the emulated links cannot be shaped as asked; {hint}")
+        raise NetworkError(f"this kernel has no {what} qdisc, so the emulated links cannot be shaped to the rate; "
+                           f"use a kernel with CONFIG_NET_SCH_TBF or --network loopback")
     raise NetworkError(f"`tc -n {ns} {' '.join(args)}` failed: {res.stderr.strip()}")

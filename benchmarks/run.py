@@ -346,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         if network is not None:
             network.close()
     for line in lines:
+        if network is not None:
+            line["network"] = network.describe()  # with what the delay line saw, once it has ended
         print(json.dumps(line), flush=True)
     print(ratio_table(lines), file=sys.stderr, flush=True)
     bad = [l["system"] for l in lines if "error" in l or not all(

@@ -159,7 +159,7 @@ def _new_networks(before: set[str]) -> list[str]:
 def test_on_the_emulated_network_every_system_crosses_the_links_from_the_same_loss():
     before, links = set(namespaces()), root_links()
     systems = ["local", "rpc_tutorial", "torchrec_dmp", "hybrid_sync"]  # one of each way to talk
-    res = run_hybrid([*TINY, "--network", "emulated:rate=1gbit,delay=0", "--systems", ",".join(systems)],
+    res = run_hybrid([*TINY, "--network", "emulated:rate=1gbit,delay=100us", "--systems", ",".join(systems)],
                      module="benchmarks.run", timeout=400)
     assert res.returncode == 0, res.output
     lines = {l["system"]: l for l in _lines(res.stdout)}
@@ -167,7 +167,9 @@ def test_on_the_emulated_network_every_system_crosses_the_links_from_the_same_lo
     first, final = lines["local"]["first_loss"], lines["local"]["final_loss"]
     for name, l in lines.items():
         assert "error" not in l, l
-        assert l["network"] == {"kind": "emulated", "rate_bit_s": 10**9, "delay_us": 0.0, "hosts": 3}, l
+        stats = l["network"].pop("delay_line")  # one delay line for the whole run
+        assert l["network"] == {"kind": "emulated", "rate_bit_s": 10**9, "delay_us": 100.0, "hosts": 3}, l
+        assert stats["frames"] > 0 and stats["dropped"] == 0 and stats["held_us"]["p10"] >= 100, stats
         assert l["first_loss"] == pytest.approx(first, rel=1e-6), (name, l["first_loss"], first)
         for proc, p in l["processes"].items():  # one host per process: only others' traffic crosses eth0
             crossed = p["wire_bytes_sent_per_step"] > 0 and p["wire_bytes_recv_per_step"] > 0
@@ -199,7 +201,7 @@ def test_a_failed_system_and_an_interrupted_run_leave_no_network_and_no_process(
     err_path = tmp_path / "stderr"
     with open(err_path, "w") as err_file:
         proc = subprocess.Popen([sys.executable, "-m", "benchmarks.run", *TINY, "--steps", "100000", "--network",
-                                 "emulated:delay=0", "--systems", "hybrid_sync,hybrid_async", "--timeout", "4"],
+                                 "emulated", "--systems", "hybrid_sync,hybrid_async", "--timeout", "4"],
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=err_file, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120

@@ -1,6 +1,6 @@
 """The emulated network of ``benchmarks.run --network emulated`` (benchmarks/network.py): hosts that
 are apart in every way a same-host shortcut checks, links shaped to the rate, and nothing left
-behind. Needs root and iproute2 (skipped otherwise)."""
+behind, with and without a delay line. Needs root and iproute2 (skipped otherwise)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+from pathlib import Path
 
-from benchmarks.network import EmulatedNetwork, NetworkError, NetworkSpec, namespaces, of_process
+from benchmarks.network import EmulatedNetwork, NetworkSpec, namespaces, of_process, remove_stale, stale
 from tests.support.network import needs_root, root_links
 
 pytestmark = needs_root
+REPO = Path(__file__).resolve().parents[2]
 
 # Host 0 receives N bytes from host 1 over TCP and reports how long they took; each host also
 # reports what it sees of itself.
@@ -79,19 +82,83 @@ def test_every_host_is_apart_and_its_link_is_shaped_to_the_rate():
     assert root_links() == before_links
 
 
-def test_a_delay_is_netem_and_a_kernel_without_it_is_refused_leaving_nothing():
-    net = EmulatedNetwork(NetworkSpec(rate_bit_s=10**9, delay_s=50e-6), hosts=2)
-    try:
-        net.start()
-    except NetworkError as e:  # this kernel has no sch_netem
-        assert "no netem qdisc" in str(e) and "emulated:delay=0" in str(e), e
-    else:
-        tc = subprocess.run(["tc", "-n", net.host_namespace(0), "qdisc", "show", "dev", "eth0"],
-                            capture_output=True, text=True).stdout
-        assert "netem" in tc and "delay 50us" in tc and "rate 1Gbit" in tc, tc
-    finally:
-        net.close()
+# Host 0 answers every byte host 1 sends with one byte; host 1 times 20 such round trips, then
+# sends 1 MB of random bytes that host 0 hashes.
+_ECHO = """
+import hashlib, socket
+s = socket.create_server(("192.0.2.1", 5002)); print("ready", flush=True)
+c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+for _ in range(20):
+    c.sendall(c.recv(1))
+h, n = hashlib.sha256(), 0
+while chunk := c.recv(1 << 20):
+    h.update(chunk); n += len(chunk)
+print(n, h.hexdigest(), flush=True)
+"""
+_PING = """
+import hashlib, json, os, socket, time
+c = socket.create_connection(("192.0.2.1", 5002)); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(20):
+    t = time.perf_counter(); c.sendall(b"x"); c.recv(1); rtts.append(time.perf_counter() - t)
+data = os.urandom(1 << 20)
+c.sendall(data); c.close()
+print(json.dumps({"rtts": rtts, "sha": hashlib.sha256(data).hexdigest()}), flush=True)
+"""
+
+
+def test_a_delay_holds_every_frame_in_the_delay_line_which_ends_with_the_network():
+    before_links = root_links()
+    net = EmulatedNetwork(NetworkSpec(rate_bit_s=10**9, delay_s=2e-3), hosts=2)
+    with net:
+        line = net.delay_line
+        switch_links = subprocess.run(["ip", "-n", net.switch, "-o", "link"], capture_output=True, text=True).stdout
+        echo = _on(net, 0, _ECHO)
+        try:
+            assert echo.stdout.readline().strip() == "ready"
+            ping = json.loads(_on(net, 1, _PING).communicate(timeout=60)[0])
+            got, digest = echo.communicate(timeout=60)[0].split()
+        finally:
+            echo.kill()
+    assert line.poll() is not None  # the delay line ended with the network
+    # Two ports and no bridge: every frame goes through the delay line.
+    assert "br0" not in switch_links and "h0@" in switch_links and "h1@" in switch_links, switch_links
+    # A round trip crosses the switch twice; a lost frame would cost TCP's 200 ms retransmission.
+    assert 4e-3 <= min(ping["rtts"]) <= 0.1, ping["rtts"]
+    assert (int(got), digest) == (1 << 20, ping["sha"])  # offload frames arrive whole
+    stats = net.describe()["delay_line"]
+    assert stats["dropped"] == 0 and stats["frames"] > 40 and stats["bytes"] > 1 << 20, stats
+    assert 2000 <= stats["held_us"]["p10"] <= stats["held_us"]["p50"] <= stats["held_us"]["p90"], stats
     assert of_process(os.getpid()) == []
+    assert root_links() == before_links
+
+
+_HOLD_A_NETWORK = """
+import sys, time
+from benchmarks.network import EmulatedNetwork, NetworkSpec
+net = EmulatedNetwork(NetworkSpec(delay_s=50e-6), hosts=2); net.start()
+print(net.delay_line.pid, flush=True); time.sleep(600)
+"""
+
+
+def test_the_delay_line_ends_when_its_benchmark_is_killed_and_the_next_run_removes_the_rest():
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_A_NETWORK], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        line_pid = int(holder.stdout.readline())
+        assert len(of_process(holder.pid)) == 3  # the switch and two hosts
+        holder.kill()
+        holder.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{line_pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{line_pid}")
+        assert sorted(of_process(holder.pid)) == sorted(n for n in stale() if n.startswith(f"hbnet{holder.pid}-"))
+        remove_stale()
+        assert of_process(holder.pid) == []
+    finally:
+        holder.kill()
+        for ns in of_process(holder.pid):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def test_a_killed_runs_namespaces_and_folder_are_removed_by_the_next_run(tmp_path, monkeypatch):
