@@ -1,8 +1,8 @@
 """The emulated network's switch when its links have a delay: one process that holds every frame.
 
-``python -m benchmarks.delayline --ports h0,h1,... --delay-us 50 --parent-fd N --stats PATH`` runs
-inside the switch's network namespace (:class:`benchmarks.network.EmulatedNetwork` starts it). Port
-``hI`` is the switch's end of host ``I``'s link; a frame for the MAC address
+``python -m benchmarks.delayline --ports h0,h1,... --delay-us 50 --control-fd N`` runs inside the
+switch's network namespace (:class:`benchmarks.network.EmulatedNetwork` starts it). Port ``hI`` is
+the switch's end of host ``I``'s link; a frame for the MAC address
 :func:`benchmarks.network.host_mac` ``(I)`` leaves through it. Every frame leaves ``delay`` after
 the kernel received it on its way in (the receive timestamp, ``SO_TIMESTAMPNS``), so the switch's
 own time to wake up and read a frame is part of the delay rather than added to it.
@@ -14,12 +14,13 @@ up to 64 KiB of TCP payload a frame), so its cost grows with the messages, not w
 1,500-byte packets. Rate shaping stays in the kernel (``tbf`` on both ends of every link).
 
 The process runs at real-time priority where it may (``SCHED_FIFO``), as a switch's hardware runs
-beside the hosts' CPUs rather than after them; it wakes up ahead of the next frame's time by its
-measured lateness at waking and polls the rest of the way. It ends when ``--parent-fd`` (the read end of a pipe whose write end
-only the benchmark holds) reaches end of file, on SIGTERM or SIGINT; it then writes ``--stats``:
-frames and bytes forwarded, frames with no port (dropped), how long frames stayed from their
-arrival until their send returned (``held_us`` percentiles: the delay the links really had) and
-its CPU seconds.
+beside the hosts' CPUs rather than after them; it asks to wake ahead of the next frame's time by
+its measured lateness at waking. ``--control-fd`` is the read end of a pipe whose write end only
+the benchmark holds: each byte written asks for a snapshot, one JSON line on stdout of what
+happened since the last (frames and bytes forwarded, frames with no port, CPU seconds, and
+``held_us``: percentiles of how long frames stayed between their arrival and their send, the
+delay the links really had); end of file (the benchmark gone, however it ended), SIGTERM or
+SIGINT end the process.
 """
 
 from __future__ import annotations
@@ -45,29 +46,32 @@ ETH_P_ALL = 0x0003
 VNET_HDR = 10
 FRAME_MAX = VNET_HDR + 14 + 65535 + 64  # the largest offload frame (an IP datagram of 64 KiB)
 BUFFER = 64 << 20  # each port's socket buffers: 50 ms at 10 Gbit/s, so a frame is never dropped for room
-_HELD_MAX_US = 1_000_000
+_HELD_MAX_US = 100_000
 
 
-class _Held:
-    """How long frames stayed in the switch: counts by microsecond up to a second."""
+class _Period:
+    """What the delay line did since the last snapshot: frames, bytes, drops, CPU, and how long
+    frames stayed (counts by microsecond up to 100 ms)."""
 
     def __init__(self) -> None:
-        self.counts = [0] * (_HELD_MAX_US + 1)
-        self.n = 0
-
-    def add(self, seconds: float) -> None:
-        self.counts[min(_HELD_MAX_US, max(0, round(seconds * 1e6)))] += 1
-        self.n += 1
+        self.held = [0] * (_HELD_MAX_US + 1)
+        self.frames = self.bytes = self.dropped = 0
+        self.cpu0 = time.process_time()
 
     def percentile(self, q: float) -> int | None:
-        if not self.n:
-            return None
-        want, seen = q * self.n, 0
-        for us, c in enumerate(self.counts):
+        want, seen = q * self.frames, 0
+        for us, c in enumerate(self.held):
             seen += c
-            if seen >= want:
+            if seen >= want and seen:
                 return us
-        return _HELD_MAX_US
+        return None
+
+    def summary(self, lead_s: float) -> dict:
+        return {"frames": self.frames, "bytes": self.bytes, "dropped": self.dropped,
+                "cpu_s": round(time.process_time() - self.cpu0, 3),
+                "held_us": {q: self.percentile(v) for q, v in (("p10", 0.1), ("p50", 0.5), ("p90", 0.9),
+                                                               ("p99", 0.99))},
+                "lead_us": round(lead_s * 1e6, 1)}
 
 
 def open_port(name: str) -> socket.socket:
@@ -83,28 +87,21 @@ def open_port(name: str) -> socket.socket:
     return s
 
 
-def _received_at(ancillary: list, default: float) -> float:
-    for level, kind, data in ancillary:
-        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
-            sec, nsec = struct.unpack("qq", data[:16])
-            return sec + nsec * 1e-9
-    return default
-
-
-def run(ports: list[str], delay_s: float, parent_fd: int, ready=None) -> dict:
+def run(ports: list[str], delay_s: float, control_fd: int, report) -> None:
     """Forward frames between ``ports`` (port ``i`` for :func:`host_mac` ``(i)``), each ``delay_s``
-    after it arrived, until ``parent_fd`` reaches end of file or SIGTERM/SIGINT; returns the
-    statistics. ``ready()`` is called once every port is open."""
+    after it arrived, until ``control_fd`` reaches end of file or SIGTERM/SIGINT. Every byte read
+    from ``control_fd`` asks for a snapshot: ``report(dict)`` gets what happened since the last
+    one (:class:`_Period`). ``report("ready")`` comes once every port is open."""
     socks = [open_port(p) for p in ports]
     by_mac = {host_mac(i, raw=True): s for i, s in enumerate(socks)}
     by_fd = {s.fileno(): s for s in socks}
-    watch = [parent_fd, *by_fd]
+    watch = [control_fd, *by_fd]
     queue: collections.deque = collections.deque()  # (time to leave, received, socket, frame), in order
-    held = _Held()
-    frames = nbytes = dropped = 0
+    period = _Period()
+    timestamp = struct.Struct("qq").unpack_from
     # Waking up takes time (tens of microseconds in a virtual machine): the loop asks to wake
-    # `lead` (the measured lateness of waking, a moving average) before the next frame's time;
-    # woken before it, it polls (at most about `lead`) until the frame is due.
+    # `lead` (the measured lateness of waking, a moving average) before the next frame's time
+    # and sends what is due within half of it, so that frames leave about on time.
     lead = 0.0
     stop = False
 
@@ -114,25 +111,24 @@ def run(ports: list[str], delay_s: float, parent_fd: int, ready=None) -> dict:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    cpu0 = time.process_time()
-    if ready is not None:
-        ready()
+    report("ready")
     while not stop:
         timeout = None
         if queue:
             timeout = max(0.0, queue[0][0] - time.time() - lead)
         asked = time.time() + (timeout or 0.0)
-        try:
-            readable, _, _ = select.select(watch, [], [], timeout)
-        except InterruptedError:
-            continue
+        readable, _, _ = select.select(watch, [], [], timeout)
         now = time.time()
         if not readable and timeout:
             lead += (min(now - asked, 1e-3) - lead) * 0.05
         for fd in readable:
-            if fd == parent_fd:
-                if not os.read(parent_fd, 4096):
+            if fd == control_fd:
+                asks = os.read(control_fd, 4096)
+                if not asks:
                     stop = True
+                for _ in asks:
+                    report(period.summary(lead))
+                    period = _Period()
                 continue
             s = by_fd[fd]
             for _ in range(64):
@@ -141,21 +137,23 @@ def run(ports: list[str], delay_s: float, parent_fd: int, ready=None) -> dict:
                 except BlockingIOError:
                     break
                 out = by_mac.get(frame[VNET_HDR:VNET_HDR + 6])
-                if out is None or flags & socket.MSG_TRUNC:
-                    dropped += 1
+                if out is None or flags & socket.MSG_TRUNC or not ancillary:
+                    period.dropped += 1
                     continue
-                received = _received_at(ancillary, now)
+                sec, nsec = timestamp(ancillary[0][2])  # the only control message: SO_TIMESTAMPNS
+                received = sec + nsec * 1e-9
                 queue.append((received + delay_s, received, out, frame))
-        now = time.time() + 1e-6
-        while queue and queue[0][0] <= now:
-            _, received, out, frame = queue.popleft()
-            out.send(frame)
-            held.add(time.time() - received)
-            frames += 1
-            nbytes += len(frame) - VNET_HDR
-    return {"frames": frames, "bytes": nbytes, "dropped": dropped, "cpu_s": round(time.process_time() - cpu0, 3),
-            "held_us": {q: held.percentile(v) for q, v in (("p10", 0.1), ("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
-            "lead_us": round(lead * 1e6, 1)}
+        if queue:
+            now = time.time()
+            due = now + lead / 2
+            held, nbytes = period.held, 0
+            while queue and queue[0][0] <= due:
+                _, received, out, frame = queue.popleft()
+                out.send(frame)
+                held[min(_HELD_MAX_US, int((now - received) * 1e6))] += 1
+                period.frames += 1
+                nbytes += len(frame) - VNET_HDR
+            period.bytes += nbytes
 
 
 def _realtime() -> None:
@@ -175,14 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.delayline", description=__doc__.split("\n")[0])
     p.add_argument("--ports", required=True, help="the switch's ports, host 0's first: h0,h1,...")
     p.add_argument("--delay-us", type=float, required=True)
-    p.add_argument("--parent-fd", type=int, required=True)
-    p.add_argument("--stats", required=True, help="where to write the statistics (JSON) at the end")
+    p.add_argument("--control-fd", type=int, required=True,
+                   help="a pipe's read end: each byte asks for a snapshot, end of file ends the delay line")
     args = p.parse_args(argv)
     _realtime()
-    stats = run(args.ports.split(","), args.delay_us * 1e-6, args.parent_fd,
-                ready=lambda: print("ready", flush=True))
-    with open(args.stats, "w") as f:
-        json.dump(stats, f)
+
+    def report(what) -> None:
+        print(what if isinstance(what, str) else json.dumps(what), flush=True)
+
+    run(args.ports.split(","), args.delay_us * 1e-6, args.control_fd, report)
     return 0
 
 

@@ -143,8 +143,7 @@ class EmulatedNetwork:
         self.workdir: Path | None = None
         self.servers: dict[int, HostServer] = {}
         self.delay_line: subprocess.Popen | None = None
-        self._delay_line_pipe: int | None = None
-        self.delay_line_stats: dict | None = None
+        self._delay_line_control: int | None = None
 
     def host_namespace(self, i: int) -> str:
         return f"{self.name}-h{i}"
@@ -153,12 +152,7 @@ class EmulatedNetwork:
         return f"{SUBNET}.{i + 1}"
 
     def describe(self) -> dict:
-        """The network as asked for, and once closed, what the delay line saw (``delay_line``:
-        frames forwarded, dropped, how late they left, its CPU seconds)."""
-        d = {**self.spec.describe(), "hosts": self.hosts}
-        if self.delay_line_stats is not None:
-            d["delay_line"] = self.delay_line_stats
-        return d
+        return {**self.spec.describe(), "hosts": self.hosts}
 
     def __enter__(self) -> EmulatedNetwork:
         self.start()
@@ -222,33 +216,45 @@ class EmulatedNetwork:
 
     def _start_delay_line(self) -> None:
         """Start :mod:`benchmarks.delayline` in the switch's namespace on every port and wait until
-        it has opened them. It holds the read end of a pipe whose write end only this process
-        has, so it ends with this process, however that ends."""
-        read_end, self._delay_line_pipe = os.pipe()
-        os.set_inheritable(read_end, True)
+        it has opened them. Its control pipe's write end is this process's alone, so the delay
+        line ends with this process, however that ends."""
+        read_end, self._delay_line_control = os.pipe()
         repo = str(Path(__file__).resolve().parent.parent)
         cmd = ["ip", "netns", "exec", self.switch, sys.executable, "-m", "benchmarks.delayline",
-               "--ports", ",".join(f"h{i}" for i in range(self.hosts)), "--delay-us", repr(self.spec.delay_s * 1e6),
-               "--parent-fd", str(read_end), "--stats", str(self.workdir / "delay_line.json")]
+               "--ports", ",".join(f"h{i}" for i in range(self.hosts)), "--delay-us", f"{self.spec.delay_s * 1e6:g}",
+               "--control-fd", str(read_end)]
         try:
             self.delay_line = subprocess.Popen(cmd, cwd=repo, pass_fds=(read_end,), stdout=subprocess.PIPE,
                                                stderr=subprocess.PIPE, text=True,
                                                env={**os.environ, "PYTHONPATH": repo})
         finally:
             os.close(read_end)
-        ready, _, _ = select.select([self.delay_line.stdout], [], [], START_TIMEOUT_S)
-        line = self.delay_line.stdout.readline() if ready else ""
-        if line.strip() != "ready":
+        if self._delay_line_says() != "ready":
             self.delay_line.kill()
             err = self.delay_line.communicate()[1].strip().splitlines()
             raise NetworkError(f"the delay line did not start within {START_TIMEOUT_S:.0f}s"
                                + (f": {err[-1]}" if err else ""))
 
+    def _delay_line_says(self) -> str:
+        """The delay line's next line on stdout ("" if none within START_TIMEOUT_S)."""
+        ready, _, _ = select.select([self.delay_line.stdout], [], [], START_TIMEOUT_S)
+        return self.delay_line.stdout.readline().strip() if ready else ""
+
+    def delay_line_snapshot(self) -> dict | None:
+        """What the delay line did since the last snapshot (or its start): ``frames`` and ``bytes``
+        forwarded, ``dropped``, its ``cpu_s``, and ``held_us`` percentiles (p10, p50, p90, p99) of
+        how long frames stayed in it; None without a delay line."""
+        if self.delay_line is None or self.delay_line.poll() is not None:
+            return None
+        os.write(self._delay_line_control, b"s")
+        line = self._delay_line_says()
+        return json.loads(line) if line else None
+
     def _stop_delay_line(self) -> None:
-        """End the delay line (closing its pipe) and keep what it saw in :attr:`delay_line_stats`."""
-        if self._delay_line_pipe is not None:
-            os.close(self._delay_line_pipe)
-            self._delay_line_pipe = None
+        """End the delay line (closing its control pipe)."""
+        if self._delay_line_control is not None:
+            os.close(self._delay_line_control)
+            self._delay_line_control = None
         if self.delay_line is None:
             return
         try:
@@ -257,10 +263,6 @@ class EmulatedNetwork:
             self.delay_line.kill()
             self.delay_line.communicate()
         self.delay_line = None
-        try:
-            self.delay_line_stats = json.loads((self.workdir / "delay_line.json").read_text())
-        except (OSError, ValueError):
-            pass
 
     def executable(self, i: int) -> str:
         """A script that runs its arguments with this Python on host ``i`` (a fresh UTS, IPC and

@@ -176,12 +176,16 @@ def run_systems(w: Workload, systems: list[str], *, timeout_s: float, dmp_shardi
             if runtime:
                 kwargs["runtime"] = runtime
         t0 = time.perf_counter()
+        if hosts is not None:
+            hosts.delay_line_snapshot()  # from here on, what this system sends
         try:
             line = summarize(name, w, SYSTEMS[name](w, **kwargs))
         except BenchmarkError as e:
             line = {"system": name, "error": str(e)}
         line["wall_s"] = time.perf_counter() - t0
         line["network"] = hosts.describe() if hosts is not None else {"kind": "loopback"}
+        if hosts is not None and (held := hosts.delay_line_snapshot()) is not None:
+            line["network"]["delay_line"] = held
         lines.append(line)
     return lines
 
@@ -231,6 +235,14 @@ def ratio_table(lines: list[dict]) -> str:
             rows.append(f"  {system} {name} ({dtype}): {s['wire_bytes_sent_over_min']:.2f}x / {s['wire_bytes_recv_over_min']:.2f}x "
                         f"({s['wire_bytes_sent_per_step'] / 1e3:.0f} / {s['wire_bytes_recv_per_step'] / 1e3:.0f} kB; "
                         f"minimum {s['min_bytes_per_step'] / 1e3:.0f} kB)")
+    held = [(l["system"], l["network"]["delay_line"]) for l in lines if "delay_line" in l.get("network", {})]
+    if held:
+        rows.append("")
+        rows.append("delay line (the median run's): frames, how long they stayed, its CPU:")
+        for system, d in held:
+            h = d["held_us"]
+            rows.append(f"  {system}: {d['frames']} frames, {d['dropped']} dropped; held p10 {h['p10']} / p50 {h['p50']} / "
+                        f"p90 {h['p90']} / p99 {h['p99']} us; {d['cpu_s']:.2f} s CPU")
     kind = next((l.get("network", {}).get("kind") for l in lines), None) or "loopback"
     checks = [(s, b, m) for s, b, m in TARGETS[kind] if s in ok and b in ok]
     if checks:
@@ -346,8 +358,6 @@ def main(argv: list[str] | None = None) -> int:
         if network is not None:
             network.close()
     for line in lines:
-        if network is not None:
-            line["network"] = network.describe()  # with what the delay line saw, once it has ended
         print(json.dumps(line), flush=True)
     print(ratio_table(lines), file=sys.stderr, flush=True)
     bad = [l["system"] for l in lines if "error" in l or not all(

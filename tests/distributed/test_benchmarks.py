@@ -167,9 +167,11 @@ def test_on_the_emulated_network_every_system_crosses_the_links_from_the_same_lo
     first, final = lines["local"]["first_loss"], lines["local"]["final_loss"]
     for name, l in lines.items():
         assert "error" not in l, l
-        stats = l["network"].pop("delay_line")  # one delay line for the whole run
+        held = l["network"].pop("delay_line")  # what this system's run sent through the delay line
         assert l["network"] == {"kind": "emulated", "rate_bit_s": 10**9, "delay_us": 100.0, "hosts": 3}, l
-        assert stats["frames"] > 0 and stats["dropped"] == 0 and stats["held_us"]["p10"] >= 100, stats
+        assert held["dropped"] == 0 and (held["frames"] > 0) == (name != "local"), (name, held)
+        if name != "local":  # frames may leave up to half the delay line's lateness at waking early
+            assert held["held_us"]["p10"] >= 80, (name, held)
         assert l["first_loss"] == pytest.approx(first, rel=1e-6), (name, l["first_loss"], first)
         for proc, p in l["processes"].items():  # one host per process: only others' traffic crosses eth0
             crossed = p["wire_bytes_sent_per_step"] > 0 and p["wire_bytes_recv_per_step"] > 0

@@ -120,15 +120,17 @@ def test_a_delay_holds_every_frame_in_the_delay_line_which_ends_with_the_network
             got, digest = echo.communicate(timeout=60)[0].split()
         finally:
             echo.kill()
+        stats = net.delay_line_snapshot()
+        assert net.delay_line_snapshot()["frames"] == 0  # a snapshot covers what came since the last
     assert line.poll() is not None  # the delay line ended with the network
     # Two ports and no bridge: every frame goes through the delay line.
     assert "br0" not in switch_links and "h0@" in switch_links and "h1@" in switch_links, switch_links
     # A round trip crosses the switch twice; a lost frame would cost TCP's 200 ms retransmission.
-    assert 4e-3 <= min(ping["rtts"]) <= 0.1, ping["rtts"]
+    # (A frame may leave up to half the delay line's lateness at waking early, tens of us.)
+    assert 3.9e-3 <= min(ping["rtts"]) <= 0.1, ping["rtts"]
     assert (int(got), digest) == (1 << 20, ping["sha"])  # offload frames arrive whole
-    stats = net.describe()["delay_line"]
     assert stats["dropped"] == 0 and stats["frames"] > 40 and stats["bytes"] > 1 << 20, stats
-    assert 2000 <= stats["held_us"]["p10"] <= stats["held_us"]["p50"] <= stats["held_us"]["p90"], stats
+    assert 1900 <= stats["held_us"]["p10"] <= stats["held_us"]["p50"] <= stats["held_us"]["p90"], stats
     assert of_process(os.getpid()) == []
     assert root_links() == before_links
 
