@@ -10,6 +10,7 @@ temporary folder from one seeded stream:
 
 - ``criteo``: Criteo TSV (label, 13 integers, 26 hex categoricals; some blank cells);
 - ``csv`` / ``parquet``: the same records with named columns (13 float, 26 integer-id columns);
+- ``csv_quoted``: the CSV file with every value in quotes (pyarrow's ``quoting_style="all_valid"``);
 - ``sequence_csv`` / ``sequence_parquet``: one row per user (3-60 item ids, timestamps with ties).
 
 The CSV and Parquet readers convert a block of records a column at a time and fall back to
@@ -17,7 +18,7 @@ parsing rows one at a time; ``parquet_rows`` / ``sequence_parquet_rows`` are the
 held to the row path, measured in the same run (the ratio line is row path / bulk). Each JSON line holds one
 reader at one trainer count (median of ``--repeat`` passes); a table goes to stderr.
 
-A resumed run starts Criteo, CSV and Parquet files where the checkpoint says the block holding
+A resumed run starts Criteo, CSV (quoted or not) and Parquet files where the checkpoint says the block holding
 its next record starts (``FileReader.seek_point``): the last lines give, for one trainer, the wall
 time to the first batch at ``--resume-at`` of the file's records, reading from the top (every
 record before it parsed) and from the seek point.
@@ -65,7 +66,8 @@ def write_files(folder: Path, records: int, seed: int) -> dict[str, str]:
     ints = [[rng.randrange(1000) if rng.random() > 0.2 else None for _ in range(DENSE)] for _ in range(records)]
     cats = [[rng.getrandbits(32) if rng.random() > 0.1 else None for _ in range(SPARSE)] for _ in range(records)]
     paths = {"criteo": str(folder / "day.tsv"), "csv": str(folder / "t.csv"),
-             "parquet": str(folder / "t.parquet"), "sequence_csv": str(folder / "s.csv"),
+             "csv_quoted": str(folder / "tq.csv"), "parquet": str(folder / "t.parquet"),
+             "sequence_csv": str(folder / "s.csv"),
              "sequence_parquet": str(folder / "s.parquet")}
     with open(paths["criteo"], "w") as f:
         for y, xs, cs in zip(labels, ints, cats):
@@ -76,6 +78,7 @@ def write_files(folder: Path, records: int, seed: int) -> dict[str, str]:
     cols.update({f"C{j + 1}": pa.array([c[j] for c in cats], pa.int64()) for j in range(SPARSE)})
     table = pa.table(cols)
     pacsv.write_csv(table, paths["csv"])
+    pacsv.write_csv(table, paths["csv_quoted"], write_options=pacsv.WriteOptions(quoting_style="all_valid"))
     pq.write_table(table, paths["parquet"])
     items = [[rng.randrange(100_000) for _ in range(rng.randrange(3, 61))] for _ in range(records)]
     stamps = [[float(rng.randrange(len(x))) for _ in x] for x in items]
@@ -96,7 +99,7 @@ def _reader(name: str, path: str, batch: int, rank: int, trainers: int) -> Any:
             return _RowSequenceParquet(schema, cfg, [path], rank=rank, world_size=trainers)
         return make_dataset(schema, cfg, split="train", rank=rank, world_size=trainers)
     schema = Schema(DENSE, [f"C{j + 1}" for j in range(SPARSE)], [100_000] * SPARSE)
-    source = name.removesuffix("_rows")
+    source = name.removesuffix("_rows").removesuffix("_quoted")
     cfg = DataConfig(source=source, train_paths=[path], batch_size=batch,
                      dense_columns=[] if source == "criteo" else [f"I{j + 1}" for j in range(DENSE)])
     if name.endswith("_rows"):
@@ -138,7 +141,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--records", type=int, default=40_000, help="records per file")
     p.add_argument("--batch", type=int, default=256, help="samples per trainer per batch")
     p.add_argument("--trainers", default="1,2,8,32", help="comma-separated trainer counts")
-    p.add_argument("--readers", default="criteo,csv,parquet,parquet_rows,sequence_csv,sequence_parquet,"
+    p.add_argument("--readers", default="criteo,csv,csv_quoted,parquet,parquet_rows,sequence_csv,sequence_parquet,"
                                         "sequence_parquet_rows", help="comma-separated readers")
     p.add_argument("--repeat", type=int, default=3, help="passes per reader and trainer count (median)")
     p.add_argument("--seed", type=int, default=0)
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({"reader": name, "trainers": w, "batch": args.batch, "batches": batches,
                                   "cpu_ms_per_batch": round(ms, 4), "records": args.records}), flush=True)
         resumes = []
-        for name in [n for n in ("criteo", "csv", "parquet") if n in names]:
+        for name in [n for n in ("criteo", "csv", "csv_quoted", "parquet") if n in names]:
             record, top, seek = measure_resume(name, paths[name], args.batch, args.resume_at, args.records)
             print(json.dumps({"reader": name, "resume_record": record, "first_batch_ms_from_top": round(top, 2),
                               "first_batch_ms_from_seek_point": round(seek, 2)}), flush=True)

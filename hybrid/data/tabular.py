@@ -57,6 +57,8 @@ logger = logging.getLogger("hybrid.data")
 _MAX_ID = (1 << 63) - 1
 _CHUNK_ROWS = 8192
 _CSV_BLOCK_BYTES = 1 << 20
+_CSV_RECORD_BYTES = 64 << 20
+"""A CSV record longer than this hands the rest of its file to pyarrow's streaming reader."""
 
 
 def expand_paths(paths: Sequence[str]) -> list[str]:
@@ -133,13 +135,13 @@ def arrow_csv_batches(path: str, types: dict[str, Any], start: tuple[int, int] |
     number of cells), text it cannot decode or a cell it cannot convert -- where a reader goes
     line by line instead.
 
-    Each batch comes with the byte offset (in the decompressed file) and the number of lines
-    before its first row, while the file's rows hold no quote character: every line break then
-    ends a record, and pyarrow parses the file's whole lines a block at a time, the header (one
-    line, its names quoted or not) before them.
-    From the first block with a quote (or without a line break) on, pyarrow's streaming reader
-    takes the rest of the file, and both are ``None``. ``start``: the ``(offset, lines)`` of a
-    batch, to read from there."""
+    pyarrow parses the file's whole records a block at a time (:func:`_records_end` finds where
+    the last record of a block ends, line breaks in quoted fields included), the header (one
+    line, its names quoted or not) before them, and each batch comes with the byte offset (in the
+    decompressed file) and the number of lines before its first row. A record longer than a
+    block makes the block longer; from a record longer than ``_CSV_RECORD_BYTES`` on, pyarrow's
+    streaming reader takes the rest of the file, and both are ``None``. ``start``: the ``(offset, lines)`` of a batch,
+    to read from there."""
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
@@ -163,20 +165,19 @@ def arrow_csv_batches(path: str, types: dict[str, Any], start: tuple[int, int] |
             if start is not None:
                 raw.seek(start[0])
                 offset, lines = start
-            pending = b""
+            pending = bytearray()  # read, not yet parsed (a bytearray: the operator reads it in place)
             names = next(csv.reader([header.decode("utf-8", errors="replace")]), [])
             while header.count(b'"') % 2 == 0:  # the header is its first line (quoted names or not)
-                block = raw.read(_CSV_BLOCK_BYTES)
-                if not block:
+                chunk = raw.read(_CSV_BLOCK_BYTES)
+                pending += chunk
+                if not pending:
                     return
-                if b"\n" not in block:
-                    pending = block
+                end = _records_end(pending) if chunk else len(pending)  # at the end: whatever is left
+                if end is None and len(pending) < _CSV_RECORD_BYTES:
+                    continue  # a record longer than a block: read on
+                if end is None or (not chunk and pending.count(b'"') % 2):
                     break
-                if not block.endswith(b"\n"):
-                    block += raw.readline()  # whole lines only
-                if b'"' in block:
-                    pending = block
-                    break
+                block, pending = pending[:end], pending[end:]
                 table = pacsv.read_csv(pa.BufferReader(block), **options(len(block) + 1, names))
                 if invalid:
                     yield None
@@ -184,7 +185,7 @@ def arrow_csv_batches(path: str, types: dict[str, Any], start: tuple[int, int] |
                 if table.num_rows:
                     yield table.combine_chunks().to_batches()[0], offset, lines
                 offset, lines = offset + len(block), lines + block.count(b"\n")
-            reader = pacsv.open_csv(_Joined(header + pending, raw), **options(_CSV_BLOCK_BYTES))
+            reader = pacsv.open_csv(_Joined(header + bytes(pending), raw), **options(_CSV_BLOCK_BYTES))
             for rb in reader:
                 if invalid:
                     yield None
@@ -194,6 +195,19 @@ def arrow_csv_batches(path: str, types: dict[str, Any], start: tuple[int, int] |
                 yield None
         except (pa.ArrowInvalid, UnicodeDecodeError):
             yield None
+
+
+def _records_end(block: bytearray) -> int | None:
+    """Where the last record that ends in ``block`` (which starts a record) ends, just past its
+    line break, as pyarrow reads the quotes (:func:`hybrid.ops.csv_records_end`); ``None`` when
+    no record ends in it."""
+    at = block.rfind(b"\n")
+    if at < 0 or b'"' not in block:  # without quotes every line break ends a record
+        return at + 1 if at >= 0 else None
+    from hybrid import ops
+
+    end = ops.csv_records_end(torch.frombuffer(block, dtype=torch.uint8))
+    return end if end > 0 else None
 
 
 class _Joined(io.RawIOBase):
@@ -873,8 +887,7 @@ class CsvReader(_Columns):
     as certainly good -- a bad cell, a row of the wrong width, text pyarrow cannot parse --
     sends the file to the line-by-line path (stdlib ``csv``, the reference for every check and
     message), which re-reads it from where the pass started in it and goes on after the rows
-    already yielded. A resumed pass starts at the block a checkpoint names while the file has no
-    quote character before it (:func:`arrow_csv_batches`).
+    already yielded. A resumed pass starts at the block a checkpoint names (:func:`arrow_csv_batches`).
     """
 
     source = "csv"

@@ -21,12 +21,12 @@ import torch
 from hybrid.ops.reference import DynamicPlan, ForeignPart, NonFinite, PartFull, Route, RowOutOfRange, _table_views
 
 __all__ = ["AVAILABLE", "DynamicPlan", "ForeignPart", "NonFinite", "PartFull", "Route", "RowOutOfRange",
-           "bag_rows", "criteo_parse", "die_with_parent", "dynamic_commit_", "dynamic_plan", "dynamic_rows", "gather_rows", "merge_ids", "initial_rows_", "optimizer_rows",
+           "bag_rows", "criteo_parse", "csv_records_end", "die_with_parent", "dynamic_commit_", "dynamic_plan", "dynamic_rows", "gather_rows", "merge_ids", "initial_rows_", "optimizer_rows",
            "optimizer_step_", "populate_", "route", "route_hashed", "scatter_rows_", "sgd_rows_", "sum_rows", "sum_runs"]
 
 OPS = ("route", "route_hashed", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows", "optimizer_step_",
        "scatter_rows_", "initial_rows_", "merge_ids", "sum_runs", "dynamic_plan", "dynamic_commit_",
-       "dynamic_rows", "populate_", "bag_rows", "die_with_parent", "criteo_parse")
+       "dynamic_rows", "populate_", "bag_rows", "die_with_parent", "criteo_parse", "csv_records_end")
 """The operators ``hybrid._C`` registers under ``torch.ops.hybrid``."""
 
 STATE_KEYS = {"sgd": (), "adagrad": ("sum",), "rowwise_adagrad": ("sum",),
@@ -328,11 +328,19 @@ def criteo_parse(text: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor, 
     return torch.ops.hybrid.criteo_parse(text, [int(r) for r in rows])
 
 
+def csv_records_end(text: torch.Tensor) -> int:
+    """The offset just past the last ``\\n`` of CSV bytes (uint8, starting where a record starts)
+    that ends a record as pyarrow's parser reads them (a line break inside a quoted field does
+    not), or -1 when no record ends in ``text``."""
+    return int(torch.ops.hybrid.csv_records_end(text))
+
+
 # Without the extension every public name is the reference's own function.
 if not AVAILABLE:
     from hybrid.ops.reference import (  # noqa: F811
         bag_rows,
         criteo_parse,
+        csv_records_end,
         die_with_parent,
         dynamic_commit_,
         dynamic_plan,

@@ -723,3 +723,41 @@ def criteo_parse(text: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor, 
             torch.tensor([p[0] or 0.0 for p in parsed], dtype=torch.float32),
             torch.tensor([p[1] for p in parsed], dtype=torch.int64).reshape(n, _CRITEO_DENSE),
             torch.tensor([p[2] for p in parsed], dtype=torch.int64).reshape(n, _CRITEO_SPARSE))
+
+
+def csv_records_end(text: torch.Tensor) -> int:
+    """The offset just past the last ``\\n`` of CSV bytes (uint8, starting where a record starts)
+    that ends a record as pyarrow's parser reads them -- a quote opens a field only at its start,
+    ``""`` is a quote inside a quoted field, a line break inside one does not end the record,
+    what follows a closing quote belongs to the field up to a comma or a line break, ``\\r`` ends
+    a line -- or -1 when no record ends in ``text``."""
+    if text.dtype != torch.uint8:
+        raise TypeError(f"text must be uint8; got {text.dtype}")
+    if text.dim() != 1:
+        raise ValueError("text must be a contiguous 1-D CPU tensor")
+    data = text.numpy().tobytes()
+    state, end, i = "start", -1, 0
+    while i < len(data):
+        c = data[i]
+        if state == "quoted":
+            i = data.find(b'"', i)
+            if i < 0:
+                return end
+            state = "after_quote"
+        elif state == "after_quote" and c == 0x22:
+            state = "quoted"
+        elif state in ("unquoted", "after_quote"):
+            if c in (0x2C, 0x0D):
+                state = "start"
+            elif c == 0x0A:
+                state, end = "start", i + 1
+            else:
+                state = "unquoted"
+        elif c == 0x22:
+            state = "quoted"
+        elif c == 0x0A:
+            end = i + 1
+        elif c not in (0x2C, 0x0D):
+            state = "unquoted"
+        i += 1
+    return end

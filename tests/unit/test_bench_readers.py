@@ -6,7 +6,7 @@ import json
 
 from tests.support.cli import run_hybrid
 
-READERS = {"criteo", "csv", "parquet", "parquet_rows", "sequence_csv", "sequence_parquet", "sequence_parquet_rows"}
+READERS = {"criteo", "csv", "csv_quoted", "parquet", "parquet_rows", "sequence_csv", "sequence_parquet", "sequence_parquet_rows"}
 
 
 def test_readers_report_every_reader_and_trainer_count():
@@ -20,5 +20,5 @@ def test_readers_report_every_reader_and_trainer_count():
         assert l["batches"] == 1200 // (w * 100), l
         assert l["cpu_ms_per_batch"] > 0, l
     resumes = {l["reader"]: l for l in lines if "resume_record" in l}
-    assert set(resumes) == {"criteo", "csv", "parquet"} and all(l["resume_record"] > 0 for l in resumes.values()), resumes
+    assert set(resumes) == {"criteo", "csv", "csv_quoted", "parquet"} and all(l["resume_record"] > 0 for l in resumes.values()), resumes
     assert "parquet: the row path costs" in res.stderr and "sequence_parquet: the row path costs" in res.stderr

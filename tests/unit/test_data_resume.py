@@ -199,23 +199,35 @@ def test_a_reader_resumed_at_a_seek_point_reads_from_there_and_yields_the_same(t
         _assert_same(a, b)
 
 
-@pytest.mark.parametrize("case", ["clean", "gzip", "a quote further down", "a bad row further down"])
-def test_a_csv_reader_resumes_from_a_block_while_the_file_has_no_quote(tmp_path, monkeypatch, case):
-    """CSV blocks have seek points while the file has no quote character (every line break then
-    ends a record). A reader resumed at one yields the fresh pass's batches, having read fewer
-    lines; after a quote pyarrow's streaming reader goes on (no seek points beyond it); a row
-    that sends the file line by line is named at its own line, as a fresh pass names it."""
+@pytest.mark.parametrize("case", ["clean", "gzip", "quoted fields further down", "stray quotes further down",
+                                  "a record longer than a block further down", "a record too long further down",
+                                  "a bad row further down"])
+def test_a_csv_reader_resumes_from_a_block(tmp_path, monkeypatch, case):
+    """Every CSV block ends where a record ends, as pyarrow reads the quotes, so each has a seek
+    point. A reader resumed at one yields the fresh pass's batches, having read fewer lines;
+    from a block in which no record ends pyarrow's streaming reader goes on (no seek points
+    beyond it); a row that sends the file line by line is named at its own line, as a fresh pass
+    names it."""
     import gzip
     import hybrid.data.tabular as tabular
 
     monkeypatch.setattr(tabular, "_CSV_BLOCK_BYTES", 60)  # blocks of a few rows
-    rows = [f"{i % 2},{i % 10},{i / 4},{i % 10}|{(i + 1) % 10},{i % 7}" for i in range(60)]
-    if case == "a quote further down":
-        rows[40] = '1,3,0.5,"4|5",2'
+    rows = [f"{i % 2},{i % 10},{i / 4},{i % 10}|{(i + 1) % 10},{i % 7},n{i}" for i in range(60)]
+    if case == "quoted fields further down":  # a comma, a doubled quote and a line break in quotes
+        rows[40] = '1,3,0.5,"4|5",2,"a, ""b"""'
+        rows[44] = '0,"1",1.5,2|3,"4","two\nlines"'
+    if case == "stray quotes further down":  # a quote inside an unquoted field, text after a closing one
+        rows[40] = '1,3,0.5,4|5,2,a"b'
+        rows[43] = '1,3,0.5,4|5,2,"a"b'
+    if case == "a record longer than a block further down":
+        rows[40] = '1,3,0.5,4|5,2,"' + "x" * 200 + '\n"'
+    if case == "a record too long further down":  # longer than _CSV_RECORD_BYTES
+        monkeypatch.setattr(tabular, "_CSV_RECORD_BYTES", 1000)
+        rows[40] = '1,3,0.5,4|5,2,"' + "x" * 1000 + '\n"'
     if case == "a bad row further down":
-        rows[50] = "1,x,0.5,4,2"
+        rows[50] = "1,x,0.5,4,2,n"
     path = tmp_path / "a.csv"
-    text = "label,user,price,items,age\n" + "\n".join(rows) + "\n"
+    text = "label,user,price,items,age,note\n" + "\n".join(rows) + "\n"
     if case == "gzip":
         path.write_bytes(gzip.compress(text.encode()))
     else:
@@ -255,9 +267,13 @@ def test_a_csv_reader_resumes_from_a_block_while_the_file_has_no_quote(tmp_path,
         for a, b in zip(got, fresh[r][0][6:], strict=True):
             _assert_same(a, b)
         assert resumed.counts["lines"] < 60 - 30, resumed.counts  # read from record 36 on
-    if case == "a quote further down":  # none after the block with the quote
-        whole = make(rank=0, world_size=W)
-        last = None
-        for j, _ in enumerate(whole, start=1):
-            last = whole.seek_point(0, j * size)
+    if case == "a bad row further down":
+        return
+    whole = make(rank=0, world_size=W)
+    last = None
+    for j, _ in enumerate(whole, start=1):
+        last = whole.seek_point(0, j * size) or last
+    if case == "a record too long further down":  # none after the block before it
         assert last["line"] <= 41, last
+    else:  # to the file's last blocks
+        assert last["line"] >= 50, last

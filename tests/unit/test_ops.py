@@ -967,3 +967,63 @@ def test_criteo_parse_values_and_refusals(impl):
         impl.criteo_parse(torch.zeros(3, dtype=torch.int32), [10] * 26)
     with pytest.raises(ValueError, match="rows must"):
         impl.criteo_parse(torch.zeros(3, dtype=torch.uint8), [10] * 25)
+
+
+# -- csv_records_end ------------------------------------------------------------------------------
+
+def _csv_text(rng) -> bytes:
+    """A few CSV lines of fields quoted every way pyarrow reads: plain, quoted with commas,
+    doubled quotes and line breaks inside, a quote inside an unquoted field, text after a
+    closing quote, an unclosed quote; CRLF or LF, empty lines, the last line ending or not."""
+    fields = ["1", "abc", '"q"', '"a,b"', '"x""y"', '"l1\nl2"', 'a"b', '"c"d', '""', "", '"', 'e"', '"\r\n"', " "]
+    lines = [",".join(rng.choice(fields) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(0, 8))]
+    text = rng.choice(["\n", "\r\n"]).join(lines)
+    return (text + ("\n" if rng.random() < 0.5 else "")).encode()
+
+
+def _csv_parse(text: bytes) -> list:
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    if not text:
+        return []
+    return pacsv.read_csv(
+        pa.BufferReader(text),
+        read_options=pacsv.ReadOptions(column_names=["a", "b", "c", "d"], block_size=len(text) + 1, use_threads=False),
+        parse_options=pacsv.ParseOptions(invalid_row_handler=lambda row: "skip"),
+        convert_options=pacsv.ConvertOptions(column_types={k: pa.string() for k in "abcd"}, strings_can_be_null=False,
+                                             quoted_strings_can_be_null=False)).to_pylist()
+
+
+@native
+def test_csv_records_end_matches_reference_and_cuts_where_pyarrow_ends_a_record():
+    """Native and reference agree on seeded fuzz; and pyarrow reads the text cut there as it
+    reads it whole, so the cut is where pyarrow ends a record."""
+    import random
+
+    cuts = 0
+    for seed in range(1500):
+        text = _csv_text(random.Random(seed))
+        t = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else torch.zeros(0, dtype=torch.uint8)
+        end = ops.csv_records_end(t)
+        assert end == ref.csv_records_end(t), (seed, text)
+        if end > 0:
+            assert text[end - 1:end] == b"\n", (seed, text, end)
+            assert _csv_parse(text) == _csv_parse(text[:end]) + _csv_parse(text[end:]), (seed, text, end)
+            cuts += 1
+    assert cuts > 800, cuts
+
+
+@pytest.mark.parametrize("impl", [ops, ref], ids=["public", "reference"])
+def test_csv_records_end_values_and_refusals(impl):
+    def end(text: bytes) -> int:
+        return impl.csv_records_end(torch.frombuffer(bytearray(text), dtype=torch.uint8))
+
+    assert end(b"a,b\n1,2\n") == 8 and end(b"a,b\n1,2") == 4 and end(b"1,2") == -1
+    assert end(b'1,"a\nb",3\n2,') == 10  # the first line break is inside quotes
+    assert end(b'1,"a""\nb",3\n') == 12  # "" is a quote inside the field
+    assert end(b'1,a"b\n"c\nd",e\n') == 14  # a quote inside an unquoted field is text
+    assert end(b'1,"a"b\nc\n') == 9  # after a closing quote the field goes on unquoted
+    assert end(b'1,"a\nb') == -1 and end(b'"\r\n') == -1
+    with pytest.raises(TypeError, match="text must be uint8"):
+        impl.csv_records_end(torch.zeros(3, dtype=torch.int32))
