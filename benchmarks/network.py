@@ -197,9 +197,11 @@ class EmulatedNetwork:
         if self.spec.delay_s == 0:
             _ip("-n", self.switch, "link", "set", port, "master", "br0")
         _ip("-n", self.switch, "link", "set", port, "up")
-        # Only IPv4 crosses the links: no IPv6 neighbour discovery or multicast to flood.
+        # Only IPv4 crosses the links: no IPv6 neighbour discovery or multicast to flood (a
+        # kernel without IPv6 has none to turn off).
         for dev_ns, dev in ((ns, IFNAME), (self.switch, port)):
-            _ip("netns", "exec", dev_ns, "sysctl", "-qw", f"net.ipv6.conf.{dev}.disable_ipv6=1")
+            subprocess.run(["ip", "netns", "exec", dev_ns, "sh", "-c",
+                            f"echo 1 > /proc/sys/net/ipv6/conf/{dev}/disable_ipv6"], capture_output=True)
         _ip("-n", ns, "link", "set", IFNAME, "address", host_mac(i))
         _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFNAME)
         _ip("-n", ns, "link", "set", IFNAME, "up")
