@@ -175,7 +175,7 @@ def arrow_csv_batches(path: str, types: dict[str, Any], start: tuple[int, int] |
                 end = _records_end(pending) if chunk else len(pending)  # at the end: whatever is left
                 if end is None and len(pending) < _CSV_RECORD_BYTES:
                     continue  # a record longer than a block: read on
-                if end is None or (not chunk and pending.count(b'"') % 2):
+                if end is None:
                     break
                 block, pending = pending[:end], pending[end:]
                 table = pacsv.read_csv(pa.BufferReader(block), **options(len(block) + 1, names))
