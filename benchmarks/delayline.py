@@ -136,6 +136,9 @@ def run(ports: list[str], delay_s: float, control_fd: int, report) -> None:
                     frame, ancillary, flags, _ = s.recvmsg(FRAME_MAX, 64, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     break
+                except OSError:  # the port went down (a fault a test injects): nothing to read
+                    period.dropped += 1
+                    break
                 out = by_mac.get(frame[VNET_HDR:VNET_HDR + 6])
                 if out is None or flags & socket.MSG_TRUNC or not ancillary:
                     period.dropped += 1
@@ -149,7 +152,11 @@ def run(ports: list[str], delay_s: float, control_fd: int, report) -> None:
             held, nbytes = period.held, 0
             while queue and queue[0][0] <= due:
                 _, received, out, frame = queue.popleft()
-                out.send(frame)
+                try:
+                    out.send(frame)
+                except OSError:  # the port is down or its queue full: the frame is lost, as on a wire
+                    period.dropped += 1
+                    continue
                 held[min(_HELD_MAX_US, int((now - received) * 1e6))] += 1
                 period.frames += 1
                 nbytes += len(frame) - VNET_HDR
