@@ -17,7 +17,8 @@ The process runs at real-time priority where it may (``SCHED_FIFO``), as a switc
 beside the hosts' CPUs rather than after them; it asks to wake ahead of the next frame's time by
 its measured lateness at waking. ``--control-fd`` is the read end of a pipe whose write end only
 the benchmark holds: each byte written asks for a snapshot, one JSON line on stdout of what
-happened since the last (frames and bytes forwarded, frames with no port, CPU seconds, and
+happened since the last (frames and bytes forwarded, frames lost -- no port for them, or a port
+down --, CPU seconds, and
 ``held_us``: percentiles of how long frames stayed between their arrival and their send, the
 delay the links really had); end of file (the benchmark gone, however it ended), SIGTERM or
 SIGINT end the process.
@@ -47,6 +48,10 @@ VNET_HDR = 10
 FRAME_MAX = VNET_HDR + 14 + 65535 + 64  # the largest offload frame (an IP datagram of 64 KiB)
 BUFFER = 64 << 20  # each port's socket buffers: 50 ms at 10 Gbit/s, so a frame is never dropped for room
 _HELD_MAX_US = 100_000
+
+
+class _Stopped(Exception):
+    """SIGTERM or SIGINT: the delay line ends."""
 
 
 class _Period:
@@ -96,71 +101,72 @@ def run(ports: list[str], delay_s: float, control_fd: int, report) -> None:
     by_mac = {host_mac(i, raw=True): s for i, s in enumerate(socks)}
     by_fd = {s.fileno(): s for s in socks}
     watch = [control_fd, *by_fd]
-    queue: collections.deque = collections.deque()  # (time to leave, received, socket, frame), in order
+    queue: collections.deque = collections.deque()  # (time to leave, received, socket, frame), as read
     period = _Period()
     timestamp = struct.Struct("qq").unpack_from
     # Waking up takes time (tens of microseconds in a virtual machine): the loop asks to wake
     # `lead` (the measured lateness of waking, a moving average) before the next frame's time
     # and sends what is due within half of it, so that frames leave about on time.
     lead = 0.0
-    stop = False
 
     def _stop(*_):
-        nonlocal stop
-        stop = True
+        raise _Stopped  # out of select() at once (a handler that returns would let it wait on)
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     report("ready")
-    while not stop:
-        timeout = None
-        if queue:
-            timeout = max(0.0, queue[0][0] - time.time() - lead)
-        asked = time.time() + (timeout or 0.0)
-        readable, _, _ = select.select(watch, [], [], timeout)
-        now = time.time()
-        if not readable and timeout:
-            lead += (min(now - asked, 1e-3) - lead) * 0.05
-        for fd in readable:
-            if fd == control_fd:
-                asks = os.read(control_fd, 4096)
-                if not asks:
-                    stop = True
-                for _ in asks:
-                    report(period.summary(lead))
-                    period = _Period()
-                continue
-            s = by_fd[fd]
-            for _ in range(64):
-                try:
-                    frame, ancillary, flags, _ = s.recvmsg(FRAME_MAX, 64, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    break
-                except OSError:  # the port went down (a fault a test injects): nothing to read
-                    period.dropped += 1
-                    break
-                out = by_mac.get(frame[VNET_HDR:VNET_HDR + 6])
-                if out is None or flags & socket.MSG_TRUNC or not ancillary:
-                    period.dropped += 1
-                    continue
-                sec, nsec = timestamp(ancillary[0][2])  # the only control message: SO_TIMESTAMPNS
-                received = sec + nsec * 1e-9
-                queue.append((received + delay_s, received, out, frame))
-        if queue:
+    try:
+        while True:
+            timeout = None
+            if queue:
+                timeout = max(0.0, queue[0][0] - time.time() - lead)
+            asked = time.time() + (timeout or 0.0)
+            readable, _, _ = select.select(watch, [], [], timeout)
             now = time.time()
-            due = now + lead / 2
-            held, nbytes = period.held, 0
-            while queue and queue[0][0] <= due:
-                _, received, out, frame = queue.popleft()
-                try:
-                    out.send(frame)
-                except OSError:  # the port is down or its queue full: the frame is lost, as on a wire
-                    period.dropped += 1
+            if not readable and timeout:
+                lead += (min(now - asked, 1e-3) - lead) * 0.05
+            for fd in readable:
+                if fd == control_fd:
+                    asks = os.read(control_fd, 4096)
+                    if not asks:
+                        return
+                    for _ in asks:
+                        report(period.summary(lead))
+                        period = _Period()
                     continue
-                held[min(_HELD_MAX_US, int((now - received) * 1e6))] += 1
-                period.frames += 1
-                nbytes += len(frame) - VNET_HDR
-            period.bytes += nbytes
+                s = by_fd[fd]
+                for _ in range(64):
+                    try:
+                        frame, ancillary, flags, _ = s.recvmsg(FRAME_MAX, 64, socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        break
+                    except OSError:  # the port went down (a fault a test injects): nothing to read
+                        period.dropped += 1
+                        break
+                    out = by_mac.get(frame[VNET_HDR:VNET_HDR + 6])
+                    if out is None or flags & socket.MSG_TRUNC or not ancillary:
+                        period.dropped += 1
+                        continue
+                    sec, nsec = timestamp(ancillary[0][2])  # the only control message: SO_TIMESTAMPNS
+                    received = sec + nsec * 1e-9
+                    queue.append((received + delay_s, received, out, frame))
+            if queue:
+                now = time.time()
+                due = now + lead / 2
+                held, nbytes = period.held, 0
+                while queue and queue[0][0] <= due:
+                    _, received, out, frame = queue.popleft()
+                    try:
+                        out.send(frame)
+                    except OSError:  # the port is down or its queue full: the frame is lost, as on a wire
+                        period.dropped += 1
+                        continue
+                    held[min(_HELD_MAX_US, int((now - received) * 1e6))] += 1
+                    period.frames += 1
+                    nbytes += len(frame) - VNET_HDR
+                period.bytes += nbytes
+    except _Stopped:
+        return
 
 
 def _realtime() -> None:

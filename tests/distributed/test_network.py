@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -122,6 +123,8 @@ def test_a_delay_holds_every_frame_in_the_delay_line_which_ends_with_the_network
             echo.kill()
         stats = net.delay_line_snapshot()
         assert net.delay_line_snapshot()["frames"] == 0  # a snapshot covers what came since the last
+        line.send_signal(signal.SIGTERM)  # idle, waiting for frames: it ends at once all the same
+        assert line.wait(timeout=5) == 0
     assert line.poll() is not None  # the delay line ended with the network
     # Two ports and no bridge: every frame goes through the delay line.
     assert "br0" not in switch_links and "h0@" in switch_links and "h1@" in switch_links, switch_links
