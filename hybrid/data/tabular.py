@@ -48,6 +48,7 @@ from typing import IO, Any
 
 import torch
 
+from hybrid import ops
 from hybrid.data.batch import Batch, kjt_from_ids
 from hybrid.data.config import DataConfig, Schema
 from hybrid.errors import InputError
@@ -140,8 +141,8 @@ def arrow_csv_batches(path: str, types: dict[str, Any], start: tuple[int, int] |
     line, its names quoted or not) before them, and each batch comes with the byte offset (in the
     decompressed file) and the number of lines before its first row. A record longer than a
     block makes the block longer; from a record longer than ``_CSV_RECORD_BYTES`` on, pyarrow's
-    streaming reader takes the rest of the file, and both are ``None``. ``start``: the ``(offset, lines)`` of a batch,
-    to read from there."""
+    streaming reader takes the rest of the file, and both are ``None``. ``start``: the
+    ``(offset, lines)`` of a batch, to read from there."""
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
@@ -204,8 +205,6 @@ def _records_end(block: bytearray) -> int | None:
     at = block.rfind(b"\n")
     if at < 0 or b'"' not in block:  # without quotes every line break ends a record
         return at + 1 if at >= 0 else None
-    from hybrid import ops
-
     end = ops.csv_records_end(torch.frombuffer(block, dtype=torch.uint8))
     return end if end > 0 else None
 
