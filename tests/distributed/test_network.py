@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import benchmarks.network as network
 from benchmarks.network import EmulatedNetwork, NetworkSpec, namespaces, of_process, remove_stale, stale
 from tests.support.network import needs_root, root_links
 
@@ -138,15 +139,23 @@ def test_a_delay_holds_every_frame_in_the_delay_line_which_ends_with_the_network
     assert root_links() == before_links
 
 
-_HOLD_A_NETWORK = """
+# Networks these tests leave behind on purpose are named apart (TEST_PREFIX), so that a test
+# running meanwhile in another worker, which checks that its benchmark left no stale network,
+# neither sees nor removes them.
+TEST_PREFIX = "hbtest"
+
+_HOLD_A_NETWORK = f"""
 import sys, time
+import benchmarks.network as network
 from benchmarks.network import EmulatedNetwork, NetworkSpec
+network.PREFIX = {TEST_PREFIX!r}
 net = EmulatedNetwork(NetworkSpec(delay_s=50e-6), hosts=2); net.start()
 print(net.delay_line.pid, flush=True); time.sleep(600)
 """
 
 
-def test_the_delay_line_ends_when_its_benchmark_is_killed_and_the_next_run_removes_the_rest():
+def test_the_delay_line_ends_when_its_benchmark_is_killed_and_the_next_run_removes_the_rest(monkeypatch):
+    monkeypatch.setattr(network, "PREFIX", TEST_PREFIX)
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_A_NETWORK], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         line_pid = int(holder.stdout.readline())
@@ -157,7 +166,7 @@ def test_the_delay_line_ends_when_its_benchmark_is_killed_and_the_next_run_remov
         while os.path.exists(f"/proc/{line_pid}") and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not os.path.exists(f"/proc/{line_pid}")
-        assert sorted(of_process(holder.pid)) == sorted(n for n in stale() if n.startswith(f"hbnet{holder.pid}-"))
+        assert sorted(of_process(holder.pid)) == sorted(n for n in stale() if n.startswith(f"{TEST_PREFIX}{holder.pid}-"))
         remove_stale()
         assert of_process(holder.pid) == []
     finally:
@@ -170,10 +179,11 @@ def test_a_killed_runs_namespaces_and_folder_are_removed_by_the_next_run(tmp_pat
     """What a run killed outright left (its namespaces, its hosts' script folder in the temp
     folder) goes when the next network starts; another live run's folder stays."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(network, "PREFIX", TEST_PREFIX)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
-    stale = f"hbnet{dead}-sw"
-    folder, live = tmp_path / f"hbnet{dead}-x1y2", tmp_path / f"hbnet{os.getppid()}-a3b4"
+    stale = f"{TEST_PREFIX}{dead}-sw"
+    folder, live = tmp_path / f"{TEST_PREFIX}{dead}-x1y2", tmp_path / f"{TEST_PREFIX}{os.getppid()}-a3b4"
     for f in (folder, live):
         f.mkdir()
         (f / "h0.sh").write_text("")
