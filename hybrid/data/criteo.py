@@ -25,7 +25,6 @@ check in Python.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -65,8 +64,7 @@ class CriteoReader(FileReader):
     can_seek = True
 
     def _chunks(self) -> Iterator[_Lines]:
-        for i, path, at in self._files():
-            size = os.path.getsize(path)
+        for path, where, at in self._files():
             with open_binary(path) as f:
                 offset = done = 0
                 if at is not None:  # a resumed pass: from the chunk a checkpoint names
@@ -75,7 +73,7 @@ class CriteoReader(FileReader):
                 while text := f.read(_CHUNK_BYTES):
                     if not text.endswith(b"\n"):
                         text += f.readline()  # whole lines only
-                    self._at = {"file": i, "path": path, "size": size, "offset": offset, "line": done}
+                    self._at = {**where, "offset": offset, "line": done}
                     offset += len(text)
                     status, labels, dense, ids = ops.criteo_parse(
                         torch.frombuffer(bytearray(text), dtype=torch.uint8), self.rows)

@@ -43,7 +43,6 @@ from __future__ import annotations
 import csv
 import io
 import math
-import os
 import random
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -492,13 +491,12 @@ class SequenceParquetReader(_SequenceFiles):
 
     def _chunks(self) -> Iterator[_Seqs]:
         pq = _pyarrow_parquet()
-        for i, path, at in self._files():
+        for path, where, at in self._files():
             pf = pq.ParquetFile(path)
             header = pf.schema_arrow.names
             names = [header[i] for i in self._indices(path, header)]
-            size = os.path.getsize(path)
             for rb, row in parquet_batches(pf, names, at["row"] if at is not None else 0):
-                self._at = {"file": i, "path": path, "size": size, "row": row}
+                self._at = {**where, "row": row}
                 block = self._columnar(rb, names)
                 if block is None:
                     cols = [rb.column(name).to_pylist() for name in names]

@@ -330,17 +330,16 @@ class FileReader:
         start=start)``, which reads the file again from where the pass started in it. Blocks with
         an offset get a seek point (:meth:`seek_point`)."""
         self.slow_paths = []
-        for i, path, at in self._files():
+        for path, where, at in self._files():
             start = None if at is None else (at["offset"], at["line"])
             done, fast = 0, bulk(path, start)
-            size = os.path.getsize(path)
             try:
                 for item in fast:
                     if item is None:
                         break
                     block, rows, offset, before = item
                     if offset is not None:
-                        self._at = {"file": i, "path": path, "size": size, "offset": offset, "line": before}
+                        self._at = {**where, "offset": offset, "line": before}
                     done += rows
                     yield block
                 else:
@@ -350,15 +349,14 @@ class FileReader:
             self.slow_paths.append(path)
             yield from lines(path, skip=done, start=start)
 
-    def _files(self) -> Iterator[tuple[int, str, dict[str, Any] | None]]:
-        """The pass's files, each with its index and, for the one :attr:`resume_at` names (the
-        first then), where to start in it; the files before that one are left out."""
-        at = self._from
-        for i, path in enumerate(self.paths):
-            if at is None or i > at["file"]:
-                yield i, path, None
-            elif i == at["file"]:
-                yield i, path, at
+    def _files(self) -> Iterator[tuple[str, dict[str, Any], dict[str, Any] | None]]:
+        """The pass's files, each with what a seek point in it names of it (its index, path and
+        size) and, for the one :attr:`resume_at` names (the first then), where to start in it;
+        the files before that one are left out."""
+        first = 0 if self._from is None else self._from["file"]
+        for i, path in enumerate(self.paths[first:], start=first):
+            where = {"file": i, "path": path, "size": os.path.getsize(path)}
+            yield path, where, self._from if self._from is not None and i == first else None
 
     def __iter__(self) -> Iterator[Batch]:
         self.counts = counts = self._zero_counts()
@@ -1006,16 +1004,15 @@ class ParquetReader(_Columns):
     can_seek = True
 
     def _chunks(self) -> Iterator[_Block]:
-        for i, path, at in self._files():
+        for path, where, at in self._files():
             pf = self._pq.ParquetFile(path)
             header = pf.schema_arrow.names
             label, dense, sparse = self._indices(path, header)
             label_name = None if label is None else header[label]
             dense_names, sparse_names = [header[i] for i in dense], [header[i] for i in sparse]
             names = list(dict.fromkeys(([] if label_name is None else [label_name]) + dense_names + sparse_names))
-            size = os.path.getsize(path)
             for rb, row in parquet_batches(pf, names, at["row"] if at is not None else 0):
-                self._at = {"file": i, "path": path, "size": size, "row": row}
+                self._at = {**where, "row": row}
                 block = self._columnar(rb, label_name, dense_names, sparse_names)
                 if block is None:
                     block = self._rows(rb, path, row, label_name, dense_names, sparse_names)
