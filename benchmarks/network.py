@@ -214,7 +214,7 @@ class EmulatedNetwork:
         rate = self.spec.rate_bit_s
         burst = max(16384, int(rate / 8 * 1e-4))
         _tc(ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit", "burst", str(burst),
-            "latency", "10ms", what="tbf")
+            "latency", "10ms")
 
     def _start_delay_line(self) -> None:
         """Start :mod:`benchmarks.delayline` in the switch's namespace on every port and wait until
@@ -373,11 +373,11 @@ def _ip(*args: str) -> None:
         raise NetworkError(f"`ip {' '.join(args)}` failed: {res.stderr.strip()}")
 
 
-def _tc(ns: str, *args: str, what: str) -> None:
+def _tc(ns: str, *args: str) -> None:
     res = subprocess.run(["tc", "-n", ns, *args], capture_output=True, text=True)
     if res.returncode == 0:
         return
     if "unknown" in res.stderr.lower() and "qdisc" in res.stderr.lower():
-        raise NetworkError(f"this kernel has no {what} qdisc, so the emulated links cannot be shaped to the rate; "
+        raise NetworkError(f"this kernel has no tbf qdisc, so the emulated links cannot be shaped to the rate; "
                            f"use a kernel with CONFIG_NET_SCH_TBF or --network loopback")
     raise NetworkError(f"`tc -n {ns} {' '.join(args)}` failed: {res.stderr.strip()}")
