@@ -463,13 +463,16 @@ def test_optimizer_rows_of_16_bit_rows_and_no_rows_equal_the_reference(kind, wei
 
 @native
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dim", [3, 32, 64])
+@pytest.mark.parametrize("dim", [3, 16, 32, 64, 128])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_optimizer_step_in_place_equals_the_reference(kind, dim, threads):
     """Ascending rows (a server's pushes) take the in-place path: chunks of rows (row-wise
-    Adagrad: one pass over them, its row length a compile-time constant for 32 and 64, read at
-    run time for 3), state and weights read ahead, an undo log. Several chunks and tasks, a 16-bit table beside float32
-    ones, weight decay; then a non-finite new weight in the last table restores every table."""
+    Adagrad: one pass over them, its row length a compile-time constant for 16, 32, 64 and 128
+    floats, its float32 rows in vectors of 8, read at run time for 3), state and weights read
+    ahead, an undo log. Several chunks and tasks, a 16-bit table beside float32 ones, weight
+    decay; then a non-finite new weight in the last table restores every table."""
+    if kind in ("sgd", "rowwise_adagrad"):  # the others' in place needs MKL's square root
+        assert torch.ops.hybrid.in_place_lanes(kind, dim) in (8, 16)
     g = torch.Generator().manual_seed(31 + dim)
     sizes, counts = (3000, 700, 50), (1300, 513, 0)
     weights = [torch.randn(n, dim, generator=g) for n in sizes]

@@ -824,6 +824,14 @@ std::tuple<Tensor, Tensor, Tensor> bag_rows(const Tensor& idx, const Tensor& off
 
 std::string isa() { return k::dispatch().isa; }
 
+// The lanes of torch's row sum with which optimizer_step_ updates rows of this width in place
+// (one pass, an undo log); 0 where its in-place kernel would not reproduce torch, so it takes
+// two passes.
+int64_t in_place_lanes(std::string_view kind, int64_t dim) {
+  TORCH_CHECK_VALUE(dim > 0, "dim must be positive, got ", dim);
+  return inplace_lanes(optim_kind(kind), dim);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hybrid, m) {
@@ -856,6 +864,7 @@ TORCH_LIBRARY(hybrid, m) {
       "bag_rows(Tensor idx, Tensor offsets, int rows, int features, Tensor? weights, bool mean) -> "
       "(Tensor, Tensor, Tensor)");
   m.def("isa() -> str", isa);
+  m.def("in_place_lanes(str kind, int dim) -> int", in_place_lanes);
 }
 
 TORCH_LIBRARY_IMPL(hybrid, CompositeExplicitAutograd, m) {
