@@ -846,6 +846,10 @@ def test_a_wrong_shape_or_layout_raises_value_error_naming_the_argument():
                            weight_decay=0.0, beta1=0.9, beta2=0.999)
     with pytest.raises(ValueError, match="optimizer kind must be one of sgd, adagrad, rowwise_adagrad, adam"):
         torch.ops.hybrid.optimizer_rows("lamb", ids, torch.ones(2, 4), 1.0, t[0], [], 0.1, 1e-8, 0.0, 0.9, 0.999)
+    with pytest.raises(ValueError, match="optimizer kind must be one of sgd, adagrad, rowwise_adagrad, adam"):
+        torch.ops.hybrid.in_place_lanes("lamb", 4)
+    with pytest.raises(ValueError, match="dim must be positive, got 0"):
+        torch.ops.hybrid.in_place_lanes("sgd", 0)
     with pytest.raises(ValueError, match=r"src must be \[len\(rows\), dim\] = \[2, 4\]"):
         ops.scatter_rows_(t[0], ids, torch.ones(2, 3))
     with pytest.raises(ValueError, match="lengths sum to 3 but ids holds 2"):
