@@ -175,15 +175,25 @@ def _child(fn, rank, world_size, store, threads, quiet, env, kwargs) -> None:
 
 
 def kill_all(procs: list) -> None:
-    """SIGKILL every live process of ``procs`` and reap them (also used by the test harness)."""
+    """SIGKILL every live process of ``procs`` and reap them (also used by the test harness).
+    Never raises: it runs on the way out of an interrupted run, whose KeyboardInterrupt must
+    reach the caller. A rank whose emulated host's server no longer answers is killed by its pid
+    (the server reaps its ranks only when asked, so until then the pid is still the rank's)."""
     for p in procs:
-        if p.is_alive():
+        try:
+            alive = p.is_alive()
+        except BenchmarkError:
+            alive = True
+        if alive:
             try:
                 os.kill(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
     for p in procs:
-        p.join(timeout=5)
+        try:
+            p.join(timeout=5)
+        except BenchmarkError:
+            pass
 
 
 class HostServer:
@@ -195,12 +205,14 @@ class HostServer:
     of a second rather than importing torch and torchrec again, and every system's rank ``r`` runs
     on the same host ``r``. The rank's function and arguments are unpickled in the rank, so the
     server itself imports no system's code. When this end closes (:meth:`stop`, or the benchmark
-    dies), the server kills what it forked and exits.
+    dies), the server kills what it forked and exits; a rank the server forked also dies with
+    the server however that ends (:func:`_die_with`).
     """
 
-    def __init__(self, executable: str) -> None:
+    def __init__(self, executable: str | None) -> None:
         ctx = mp.get_context("spawn")
         self._conn, theirs = ctx.Pipe()
+        self._in_step = True  # False once a request went unanswered (see _ask)
         self._process = ctx.Process(target=_serve_host, args=(theirs,), name="hybrid-bench-host", daemon=True)
         with _executable(ctx, executable):
             self._process.start()
@@ -215,18 +227,26 @@ class HostServer:
         return self._ask(("poll", pid))
 
     def _ask(self, request: tuple) -> Any:
-        try:
-            self._conn.send(request)
-            if self._conn.poll(300):  # a fork waits for the server's imports, on busy cores too
-                return self._conn.recv()
-        except (OSError, EOFError):
-            pass
+        """The server's answer to ``request``. Anything that stops this between the request and
+        its answer (a signal's KeyboardInterrupt in the middle of a send or a receive) leaves the
+        pipe out of step, so every later request fails at once rather than read a stale or
+        partial answer."""
+        if self._in_step:
+            self._in_step = False
+            try:
+                self._conn.send(request)
+                if self._conn.poll(300):  # a fork waits for the server's imports, on busy cores too
+                    answer = self._conn.recv()
+                    self._in_step = True
+                    return answer
+            except (OSError, EOFError):
+                pass
         raise BenchmarkError(f"the server of an emulated host (pid {self._process.pid}) stopped answering "
                              f"(exit code {self._process.exitcode})")
 
     def stop(self) -> None:
-        """End the server; :func:`spawn` has killed the ranks it forked already (the server,
-        seeing this end close, would kill them too, but it may still be importing)."""
+        """End the server, and with it (:func:`_die_with`) any rank it forked that :func:`spawn`
+        has not killed already."""
         self._conn.close()
         self._process.kill()
         self._process.join()
@@ -271,11 +291,18 @@ def _serve_host(conn) -> None:  # noqa: ANN001 - a Connection
             except (EOFError, OSError):
                 return
             if op == "fork":
+                server = os.getpid()
                 pid = os.fork()
-                if pid == 0:
-                    conn.close()
-                    signal.signal(signal.SIGINT, signal.default_int_handler)
-                    _child(*pickle.loads(arg))  # never returns: os._exit
+                if pid == 0:  # the rank: it never returns into this loop (whose finally kills its siblings)
+                    try:
+                        conn.close()
+                        _die_with(server)
+                        signal.signal(signal.SIGINT, signal.default_int_handler)
+                        args = pickle.loads(arg)
+                    except BaseException:  # noqa: BLE001 - the parent sees exit code 1
+                        traceback.print_exc()
+                        os._exit(1)
+                    _child(*args)  # never returns: os._exit
                 codes[pid] = None
                 conn.send(pid)
             elif op == "poll":
@@ -293,6 +320,20 @@ def _serve_host(conn) -> None:  # noqa: ANN001 - a Connection
                 except (ProcessLookupError, ChildProcessError):
                     pass
         os._exit(0)
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel SIGKILL this process when ``parent``, the host's server that forked it,
+    dies (Linux ``PR_SET_PDEATHSIG``): :meth:`HostServer.stop` kills the server outright, and
+    its ranks must not outlive it (they hold the benchmark's stdout, and a core). Through ctypes:
+    the baselines' ranks do not load hybrid's native library."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the server died before the request took effect
+        os._exit(1)
 
 
 @contextmanager

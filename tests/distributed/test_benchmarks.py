@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import time
 
 import pytest
 
+from benchmarks.launch import BenchmarkError, HostServer, kill_all
 from benchmarks.network import namespaces, of_process, stale
 from benchmarks.systems import SYSTEMS
 from tests.support.cli import REPO, kill_tree, run_hybrid
@@ -250,3 +252,49 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+def _sleep_rank(rank: int, world_size: int, store: str) -> None:
+    time.sleep(120)
+
+
+def _wait_stopped(pid: int, timeout_s: float = 20.0) -> bool:
+    """Whether ``pid`` ended (gone, or a zombie its parent has not reaped) within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while _state(pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _state(pid) == "Z"
+
+
+def test_an_emulated_hosts_server_out_of_step_or_gone_leaves_no_rank_running():
+    """The server that forks an emulated host's ranks (run here on this host): a request
+    interrupted between its sending and its answer (a signal's KeyboardInterrupt) leaves the pipe
+    out of step, so the next request fails at once rather than read the stale answer;
+    ``kill_all`` then still kills the rank, by its pid, and raises nothing (an interrupted run's
+    KeyboardInterrupt must reach the caller); and a rank dies with its server."""
+    server = HostServer(None)
+    try:
+        args = pickle.dumps((_sleep_rank, 0, 1, "/nonexistent", 1, True, {}, {}))
+        a, b = server.fork(args), server.fork(args)
+        assert a.is_alive() and b.is_alive()
+        real = server._conn
+
+        class Interrupted:
+            def send(self, obj: object) -> None:
+                real.send(obj)
+
+            def poll(self, timeout: float) -> bool:
+                raise KeyboardInterrupt
+
+        server._conn = Interrupted()
+        with pytest.raises(KeyboardInterrupt):
+            a.is_alive()
+        server._conn = real
+        with pytest.raises(BenchmarkError, match="stopped answering"):
+            b.is_alive()
+        kill_all([a])
+        assert _wait_stopped(a.pid), a.pid
+        assert _state(b.pid) != "Z"
+    finally:
+        server.stop()
+    assert _wait_stopped(b.pid), b.pid
