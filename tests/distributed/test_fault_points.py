@@ -270,7 +270,10 @@ def test_a_trainer_killed_while_the_store_host_hangs_ends_the_others_within_seco
     """The job's store lives in torchrun's agent (on another machine: node 0's). With the agent
     stopped (SIGSTOP: as a lost machine, it neither answers nor closes its connections), trainer1
     is killed: trainer0 and the server end by themselves within the timeouts plus a few seconds,
-    rather than wait in a read of the store (whose own timeout is minutes)."""
+    rather than wait in a read of the store (whose own timeout is minutes). Every process of the
+    job but the workers is stopped -- the launcher, its workers' server and the agent forked from
+    it -- so no agent stops the workers itself (with a live agent, its SIGTERM may end them
+    before they say why)."""
     from tests.distributed.test_stops import DLRM
     from tests.distributed.test_stops import TINY as LAUNCH_TINY
     from tests.support.job import Job
@@ -281,7 +284,10 @@ def test_a_trainer_killed_while_the_store_host_hangs_ends_the_others_within_seco
     with Job(args) as job:
         job.wait_training(out)
         workers = {name: job.pid_of_role(name) for name in ("trainer0", "trainer1", "ps0")}
-        os.kill(job.proc.pid, signal.SIGSTOP)
+        stopped = [pid for pid in job.pids() if pid not in workers.values()]
+        assert job.proc.pid in stopped and len(stopped) >= 3, stopped  # the launcher, the server, the agent
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
         try:
             t0 = time.monotonic()
             os.kill(workers["trainer1"], signal.SIGKILL)
@@ -295,7 +301,8 @@ def test_a_trainer_killed_while_the_store_host_hangs_ends_the_others_within_seco
             for pid in workers.values():
                 if _running(pid):
                     os.kill(pid, signal.SIGKILL)
-            os.kill(job.proc.pid, signal.SIGCONT)
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
     print(f"with the store host stopped, after trainer1's death: {ended}")
     assert set(ended) == {"trainer0", "ps0"}, f"still running {TIMEOUT + 30:.0f}s after: {set(workers) - set(ended)}"
     assert max(ended.values()) < TIMEOUT + 10, ended
