@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.launch import kill_all
+from tests.support.sockets import state_of
 
 
 class DistributedTestError(AssertionError):
@@ -126,10 +127,7 @@ def _context(start: str) -> mp.context.BaseContext:
 
 def _stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped (SIGSTOP; state ``T`` in /proc)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except OSError:
-        return False
+    return state_of(pid) in ("T", "t")
 
 
 def run_distributed(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pickle
 import signal
 import subprocess
@@ -19,11 +18,11 @@ import time
 import pytest
 
 from benchmarks.launch import BenchmarkError, HostServer, kill_all
-from benchmarks.network import namespaces, of_process, stale
+from benchmarks.network import namespaces, stale
 from benchmarks.systems import SYSTEMS
 from tests.support.cli import REPO, kill_tree, run_hybrid
 from tests.support.network import needs_root, root_links
-from tests.support.sockets import descendants
+from tests.support.sockets import descendants, state_of
 
 TINY = ["--tables", "2", "--rows", "200", "--dim", "8", "--bottom-mlp", "16,8", "--top-mlp", "16,1",
         "--batch", "16", "--warmup", "1", "--steps", "3", "--repeat", "1"]
@@ -228,7 +227,7 @@ def test_a_failed_system_and_an_interrupted_run_leave_no_network_and_no_process(
     assert proc.returncode == 130, err
     assert "passed the 4s timeout" in err, err
     assert err.strip().splitlines()[-1] == "benchmarks.run: interrupted; its processes were killed and its network removed"
-    assert not [p for p in seen | running if os.path.exists(f"/proc/{p}") and _state(p) != "Z"], (seen, running)
+    assert not [p for p in seen | running if state_of(p) != "Z"], (seen, running)
     assert _new_networks(before) == [] and root_links() == links
 
 
@@ -246,14 +245,6 @@ def _ranks(pid: int) -> list[int]:
     return out
 
 
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "Z"
-
-
 def _sleep_rank(rank: int, world_size: int, store: str) -> None:
     time.sleep(120)
 
@@ -261,9 +252,9 @@ def _sleep_rank(rank: int, world_size: int, store: str) -> None:
 def _wait_stopped(pid: int, timeout_s: float = 20.0) -> bool:
     """Whether ``pid`` ended (gone, or a zombie its parent has not reaped) within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while _state(pid) != "Z" and time.monotonic() < deadline:
+    while state_of(pid) != "Z" and time.monotonic() < deadline:
         time.sleep(0.05)
-    return _state(pid) == "Z"
+    return state_of(pid) == "Z"
 
 
 def test_an_emulated_hosts_server_out_of_step_or_gone_leaves_no_rank_running():
@@ -294,7 +285,7 @@ def test_an_emulated_hosts_server_out_of_step_or_gone_leaves_no_rank_running():
             b.is_alive()
         kill_all([a])
         assert _wait_stopped(a.pid), a.pid
-        assert _state(b.pid) != "Z"
+        assert state_of(b.pid) != "Z"
     finally:
         server.stop()
     assert _wait_stopped(b.pid), b.pid

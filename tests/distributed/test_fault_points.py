@@ -24,6 +24,7 @@ import pytest
 from tests.distributed.test_faults import TINY, _time_to_end
 from tests.harness import DistributedTestError, run_distributed
 from tests.support.cli import REPO
+from tests.support.sockets import state_of
 
 TIMEOUT = 6.0  # runtime.rpc_timeout_s, and the others below it
 MARGIN = 25.0  # start-up on 2 busy cores and the loop's own teardown
@@ -204,10 +205,7 @@ def test_the_workers_end_with_a_launcher_or_agent_killed_outright(tmp_path, kill
 
 
 def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return state_of(pid) != "Z"
 
 
 @pytest.mark.serial  # bounds how long it takes: runs after the others (make test)

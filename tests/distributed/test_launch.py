@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from tests.support.cli import REPO, kill_tree, run_hybrid
+from tests.support.sockets import parent_of
 
 TINY = ["model.num_embeddings=200", "model.bottom_mlp=[8,16]", "model.top_mlp=[8,1]", "train.steps=4",
         "train.eval_every=0", "data.batch_size=8", "data.eval_batches=1", "train.plot=false", "train.progress=false"]
@@ -256,10 +257,6 @@ def test_tables_that_do_not_fit_are_refused_by_launch_and_by_the_server():
     assert "Traceback" not in res.stderr
 
 
-def _parent(pid: int) -> int:
-    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-
-
 def _cmdline(pid: int) -> str:
     return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
 
@@ -305,7 +302,7 @@ def test_workers_are_forked_from_one_server_each_in_a_session_of_its_own(tmp_pat
         workers = {name: job.pid_of_role(name) for name in ("trainer0", "trainer1", "ps0")}
         for name, pid in workers.items():
             assert f"TMPDIR={deep}\0" in open(f"/proc/{pid}/environ").read(), name
-        parents = {name: _parent(pid) for name, pid in workers.items()}
+        parents = {name: parent_of(pid) for name, pid in workers.items()}
         for name, pid in workers.items():
             assert os.getsid(pid) == pid, (name, pid, os.getsid(pid))
             # multiprocessing as in a new interpreter: its locks (trainer0's progress bar makes
@@ -320,7 +317,7 @@ def test_workers_are_forked_from_one_server_each_in_a_session_of_its_own(tmp_pat
             (server,) = set(parents.values())
             assert "multiprocessing.forkserver" in _cmdline(server), _cmdline(server)
             assert "'torchrec'" in _cmdline(server), _cmdline(server)  # imported before any fork
-            assert _parent(server) == job.proc.pid and os.getsid(server) == server, (server, _parent(server))
+            assert parent_of(server) == job.proc.pid and os.getsid(server) == server, (server, parent_of(server))
             # the plan was checked in a process forked from the server: the launcher never loaded
             # torchrec (nor fbgemm_gpu's library, which torchrec loads), the server did
             assert "fbgemm_gpu" in open(f"/proc/{server}/maps").read()

@@ -15,6 +15,7 @@ import pytest
 from tests.support.cli import run_hybrid
 from tests.support.csv_data import COLUMNS, GOOD, good_with, write_csv
 from tests.support.job import Job
+from tests.support.sockets import state_of
 
 TINY = ["model.num_embeddings=200", "model.bottom_mlp=[8,16]", "model.top_mlp=[8,1]", "train.eval_every=0",
         "data.batch_size=8", "train.progress=false", "train.plot=false", "train.tensorboard=false",
@@ -31,7 +32,7 @@ def _fresh_tmp(tmp_path: Path) -> Path:
 
 def _assert_nothing_left(pids: list[int], tmp: Path) -> None:
     time.sleep(0.2)  # a process the kernel is still reaping
-    alive = [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in _state(p)]
+    alive = [p for p in pids if state_of(p) != "Z"]
     assert not alive, f"left running: {alive}"
     assert not list(tmp.glob("torchelastic_*")), sorted(p.name for p in tmp.iterdir())
 
@@ -68,13 +69,6 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_text()
     except OSError:
         return ""
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "Z"
 
 
 @pytest.mark.serial  # bounds how long it takes: runs after the others (make test)

@@ -7,13 +7,27 @@ import os
 from pathlib import Path
 
 
-def parent_of(pid: int) -> int:
-    """The parent of process ``pid``; -1 where it is gone."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, parent, ...); None where
+    the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return -1
-    return int(stat[stat.rindex(")") + 2:].split()[1])
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def parent_of(pid: int) -> int:
+    """The parent of process ``pid``; -1 where it is gone."""
+    fields = _stat(pid)
+    return -1 if fields is None else int(fields[1])
+
+
+def state_of(pid: int) -> str:
+    """Process ``pid``'s state letter (``R``, ``S``, ``T`` stopped, ``Z`` a zombie, ...); ``Z``
+    where it is gone too: either way it runs no more."""
+    fields = _stat(pid)
+    return "Z" if fields is None else fields[0]
 
 
 def descendants(root: int) -> list[int]:
