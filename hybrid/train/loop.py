@@ -42,7 +42,7 @@ from hybrid.plan import Plan, PlanError, ResolvedPlan, load_plan, resolve, summa
 from hybrid.ps.client import RemoteCollection, RemoteTable, pipeline_of
 from hybrid.train import metrics as M
 from hybrid.train.config import RunConfig, config_dict, load_config
-from hybrid.train.report import MetricsWriter, fmt, plot_curves, table
+from hybrid.train.report import MetricsWriter, fmt, table
 from hybrid.train.spec import meta_model
 from hybrid.train.tasks import Task
 
@@ -349,16 +349,16 @@ class Trainer:
         self.staleness = plan.sync.staleness
         self.train_data, self.eval_data = train_data, eval_data
         self.out_dir = cfg.out_dir
-        earlier = self._earlier_rows() if self.rank0 and self.resume is not None else []
         if self.rank0:
             check_out_dir(cfg)
         try:
-            self.writer = MetricsWriter(self.out_dir, tensorboard=self.t.tensorboard) if self.rank0 else None
+            # A resumed run continues the metrics of the run it resumes, when it writes to the same place.
+            self.writer = (MetricsWriter(self.out_dir, tensorboard=self.t.tensorboard,
+                                         resume_step=self.start_step if self.resume is not None else None)
+                           if self.rank0 else None)
         except OSError as e:
             raise InputError(f"train.out_dir {self.out_dir}: cannot write {e.filename or 'there'} "
                              f"({e.strerror or e})") from None
-        for row in earlier:  # a resumed run continues the metrics of the run it resumes
-            self.writer.write(row)
         self.skipped = 0
         self.evals: list[dict[str, Any]] = []
         if self.rank0:
@@ -597,14 +597,6 @@ class Trainer:
             logger.info("resuming at step %d from %s (data at epoch %d, %s)", ckpt.step, ckpt.path,
                         self._data_start[0], where)
 
-    def _earlier_rows(self) -> list[dict[str, Any]]:
-        """Rows of ``metrics.jsonl`` up to the resumed step, when the run writes to the same place."""
-        path = self.out_dir / "metrics.jsonl"
-        if not path.is_file():
-            return []
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        return [r for r in rows if r.get("step", 0) <= self.start_step]
-
     def _save(self, nxt) -> None:
         """Checkpoint after ``self.step`` steps; ``nxt`` is the batch already drawn for the next one."""
         from hybrid.checkpoint import save
@@ -699,20 +691,19 @@ class Trainer:
         if self.writer is None:
             return
         self.writer.close()
-        rows = self.writer.rows
         last = {k: v for k, v in self.evals[-1].items() if k not in ("kind", "step")} if self.evals else {}
         quality = M.headline(last) or "loss"
-        png = plot_curves(rows, self.out_dir / "curves.png", quality=quality) if self.t.plot else None
-        summary = self._summary(rows, train_time, total, last_loss, stats, png)
+        png = self.writer.plot(self.out_dir / "curves.png", quality=quality) if self.t.plot else None
+        summary = self._summary(train_time, total, last_loss, stats, png)
         (self.out_dir / "summary.txt").write_text(summary + "\n")
         print(summary, flush=True)
 
-    def _summary(self, rows, train_time, total, last_loss, stats, png) -> str:
-        train_rows = [r for r in rows if r["kind"] == "train"]
+    def _summary(self, train_time, total, last_loss, stats, png) -> str:
         run = self.step - self.start_step  # the steps this run trained: a resumed run starts at its checkpoint's
         samples = run * self.cfg.data.batch_size * self.role.num_trainers
-        own = [r for r in train_rows if r["step"] > self.start_step]  # the rows of this run's steps
-        mean = lambda k: sum(r[k] for r in own) / len(own) if own else float("nan")  # noqa: E731
+        own = self.writer.own_rows  # the rows of this run's steps
+        mean = self.writer.mean
+        first_loss = self.writer.first_loss
         first_eval = self.evals[0] if self.evals else {}
         last_eval = self.evals[-1] if self.evals else {}
         lines = [
@@ -728,7 +719,7 @@ class Trainer:
             ("step time", f"{mean('step_ms'):.1f} ms = data {mean('data_ms'):.1f} + lookup {mean('lookup_ms'):.1f} "
                           f"+ dense fwd/bwd {mean('dense_ms'):.1f} + push {mean('push_ms'):.1f} "
                           f"+ optimizer {mean('optimizer_ms'):.1f} (+ rest)" if own else "n/a"),
-            ("train loss", f"{fmt(train_rows[0]['loss']) if train_rows else 'n/a'} -> {fmt(last_loss)}"),
+            ("train loss", f"{fmt(first_loss) if first_loss is not None else 'n/a'} -> {fmt(last_loss)}"),
         ]
         for k, v in last_eval.items():
             if k in ("kind", "step", "candidates") or (isinstance(v, float) and math.isnan(v)):
