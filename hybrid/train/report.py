@@ -68,7 +68,8 @@ class MetricsWriter:
                     row = json.loads(line)
                 except ValueError:
                     break
-                if not isinstance(row, dict) or row.get("step", 0) > resume_step:
+                step = row.get("step", 0) if isinstance(row, dict) else None
+                if not isinstance(step, int) or step > resume_step:
                     break
                 self._note(row)
                 kept += len(line)

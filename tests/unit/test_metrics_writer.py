@@ -77,6 +77,13 @@ def test_a_resumed_run_with_no_earlier_file_or_a_fresh_run_starts_an_empty_one(t
     _run(tmp_path / "b", range(1, 3)).close()  # not a resume: the folder's old rows go
     assert [r["step"] for r in _rows(tmp_path / "b" / "metrics.jsonl")] == [1, 2]
     assert math.isnan(MetricsWriter(tmp_path / "c", tensorboard=False).mean("step_ms"))
+    # A line that is not a row of a step (edited by hand, say) ends what is kept.
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 1.0}\n'
+                                                  '{"kind": "train", "step": "two", "loss": 1.0}\n'
+                                                  '{"kind": "train", "step": 3, "loss": 1.0}\n')
+    _run(tmp_path / "d", range(4, 5), resume_step=3).close()
+    assert [r["step"] for r in _rows(tmp_path / "d" / "metrics.jsonl")] == [1, 4]
 
 
 def test_the_writer_keeps_a_few_floats_a_row_not_the_rows(tmp_path):
