@@ -2,40 +2,22 @@ import os
 
 import pytest
 
+from tests.support.sockets import cmdline_of, descendants, state_of
+
 # Spawned test processes each get one intra-op thread: 2 cores, several processes.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _children(pid: int) -> list[int]:
-    """Live (non-zombie) descendants of ``pid``, from /proc."""
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            kids.setdefault(int(fields[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
+    """Live (non-zombie) descendants of ``pid``."""
+    return [p for p in descendants(pid)[1:] if state_of(p) != "Z"]
 
 
 def _is_mp_helper(pid: int) -> bool:
     """multiprocessing's resource tracker and the test ranks' fork server (tests/harness.py) live
     for the whole session by design."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read()
-        return b"resource_tracker" in cmd or b"forkserver" in cmd
-    except OSError:
-        return True
+    cmd = cmdline_of(pid)
+    return cmd is None or "resource_tracker" in cmd or "forkserver" in cmd
 
 
 @pytest.fixture(autouse=True)

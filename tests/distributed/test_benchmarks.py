@@ -22,7 +22,7 @@ from benchmarks.network import namespaces, stale
 from benchmarks.systems import SYSTEMS
 from tests.support.cli import REPO, kill_tree, run_hybrid
 from tests.support.network import needs_root, root_links
-from tests.support.sockets import descendants, state_of
+from tests.support.sockets import cmdline_of, descendants, state_of
 
 TINY = ["--tables", "2", "--rows", "200", "--dim", "8", "--bottom-mlp", "16,8", "--top-mlp", "16,1",
         "--batch", "16", "--warmup", "1", "--steps", "3", "--repeat", "1"]
@@ -234,15 +234,7 @@ def test_a_failed_system_and_an_interrupted_run_leave_no_network_and_no_process(
 def _ranks(pid: int) -> list[int]:
     """The processes below ``pid`` that multiprocessing spawned (not its resource tracker): the
     emulated hosts' servers, and the ranks they forked."""
-    out = []
-    for p in descendants(pid)[1:]:
-        try:
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    out.append(p)
-        except OSError:
-            pass
-    return out
+    return [p for p in descendants(pid)[1:] if "spawn_main" in (cmdline_of(p) or "")]
 
 
 def _sleep_rank(rank: int, world_size: int, store: str) -> None:

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tests.support.cli import REPO, kill_tree, run_hybrid
-from tests.support.sockets import parent_of
+from tests.support.sockets import cmdline_of, parent_of
 
 TINY = ["model.num_embeddings=200", "model.bottom_mlp=[8,16]", "model.top_mlp=[8,1]", "train.steps=4",
         "train.eval_every=0", "data.batch_size=8", "data.eval_batches=1", "train.plot=false", "train.progress=false"]
@@ -257,10 +257,6 @@ def test_tables_that_do_not_fit_are_refused_by_launch_and_by_the_server():
     assert "Traceback" not in res.stderr
 
 
-def _cmdline(pid: int) -> str:
-    return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
-
-
 def _named_semaphores(pid: int) -> list[str]:
     """The POSIX semaphores process ``pid`` has mapped that still have a name in /dev/shm."""
     mapped = set()
@@ -312,11 +308,11 @@ def test_workers_are_forked_from_one_server_each_in_a_session_of_its_own(tmp_pat
         if start == "exec":
             assert set(parents.values()) == {job.proc.pid}, parents
             for name, pid in workers.items():
-                assert " -m hybrid.cli train " in _cmdline(pid), (name, _cmdline(pid))
+                assert " -m hybrid.cli train " in cmdline_of(pid), (name, cmdline_of(pid))
         else:
             (server,) = set(parents.values())
-            assert "multiprocessing.forkserver" in _cmdline(server), _cmdline(server)
-            assert "'torchrec'" in _cmdline(server), _cmdline(server)  # imported before any fork
+            assert "multiprocessing.forkserver" in cmdline_of(server), cmdline_of(server)
+            assert "'torchrec'" in cmdline_of(server), cmdline_of(server)  # imported before any fork
             assert parent_of(server) == job.proc.pid and os.getsid(server) == server, (server, parent_of(server))
             # the plan was checked in a process forked from the server: the launcher never loaded
             # torchrec (nor fbgemm_gpu's library, which torchrec loads), the server did

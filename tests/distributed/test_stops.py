@@ -15,7 +15,7 @@ import pytest
 from tests.support.cli import run_hybrid
 from tests.support.csv_data import COLUMNS, GOOD, good_with, write_csv
 from tests.support.job import Job
-from tests.support.sockets import state_of
+from tests.support.sockets import cmdline_of, state_of
 
 TINY = ["model.num_embeddings=200", "model.bottom_mlp=[8,16]", "model.top_mlp=[8,1]", "train.eval_every=0",
         "data.batch_size=8", "train.progress=false", "train.plot=false", "train.tensorboard=false",
@@ -47,7 +47,7 @@ def test_ctrl_c_while_the_plan_is_checked_ends_the_launch_with_one_line(tmp_path
     with Job(["launch", "-n", "3", *DLRM, *TINY, "train.steps=5", f"train.out_dir={tmp_path / 'out'}"],
              env={"TMPDIR": str(tmp)}) as job:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any("forkserver" in _cmdline(p) for p in job.pids()):
+        while time.monotonic() < deadline and not any("forkserver" in (cmdline_of(p) or "") for p in job.pids()):
             time.sleep(0.05)
         time.sleep(0.3)  # the server is importing torch
         pids = job.pids()
@@ -62,13 +62,6 @@ def test_ctrl_c_while_the_plan_is_checked_ends_the_launch_with_one_line(tmp_path
     assert "serving" not in job.output, job.output[-4000:]  # no worker started
     assert took < 5.0, f"{took:.2f}s"
     _assert_nothing_left(pids, tmp)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text()
-    except OSError:
-        return ""
 
 
 @pytest.mark.serial  # bounds how long it takes: runs after the others (make test)

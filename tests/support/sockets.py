@@ -1,4 +1,5 @@
-"""Listening TCP sockets of a set of processes, from /proc (no tools needed)."""
+"""Processes from /proc (no tools needed): their state, parent, command line and descendants,
+and the TCP sockets they listen on."""
 
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def state_of(pid: int) -> str:
     where it is gone too: either way it runs no more."""
     fields = _stat(pid)
     return "Z" if fields is None else fields[0]
+
+
+def cmdline_of(pid: int) -> str | None:
+    """Process ``pid``'s command line, its arguments joined by spaces; None where it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
 
 
 def descendants(root: int) -> list[int]:
