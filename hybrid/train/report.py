@@ -39,7 +39,8 @@ class MetricsWriter:
         self.evals: list[dict[str, Any]] = []
         self.first_loss: float | None = None
         self._sums: dict[str, float] = {}
-        self._own_rows = 0
+        self.own_rows = 0
+        """Train rows this run wrote (a resumed run's rows of the run it continues not counted)."""
         path = out_dir / "metrics.jsonl"
         kept = self._keep(path, resume_step) if resume_step is not None and path.is_file() else 0
         self._jsonl = path.open("r+b" if kept else "wb")
@@ -88,7 +89,7 @@ class MetricsWriter:
     def write(self, row: dict[str, Any]) -> None:
         self._note(row)
         if row.get("kind") == "train":
-            self._own_rows += 1
+            self.own_rows += 1
             for k, v in row.items():
                 if k not in ("kind", "step") and isinstance(v, (int, float)):
                     self._sums[k] = self._sums.get(k, 0.0) + v
@@ -101,12 +102,7 @@ class MetricsWriter:
 
     def mean(self, key: str) -> float:
         """Mean of ``key`` over the train rows this run wrote (NaN without any)."""
-        return self._sums.get(key, float("nan")) / self._own_rows if self._own_rows else float("nan")
-
-    @property
-    def own_rows(self) -> int:
-        """Train rows this run wrote (a resumed run's rows of the run it continues not counted)."""
-        return self._own_rows
+        return self._sums.get(key, float("nan")) / self.own_rows if self.own_rows else float("nan")
 
     def close(self) -> None:
         """Close the files, then write ``metrics.csv`` from ``metrics.jsonl``, a row at a time."""
