@@ -15,6 +15,10 @@ for about ``--seconds`` of timed calls:
 - ``server_update``: what a server runs for one trainer's gradient push of those rows,
   ``CollectionShard.push`` (sync, one trainer): one optimizer step in place (``optimizer_step_``,
   all or nothing); plain SGD adds in place (``sgd_rows_``);
+- ``server_message``: a whole step message as a transport hands it to the server, with an SGD
+  push and a lookup of as many rows (``ParameterServer.handle_step`` from the decoded frame, rows
+  gathered into a reply buffer); ``over_shard_calls`` is its time over ``server_lookup``'s plus
+  ``server_update``'s (sgd): what decoding, ordering and answering the message add in Python;
 - ``fbgemm_lookup`` / ``fbgemm_update``: ``SplitTableBatchedEmbeddingBagsCodegen`` on CPU (bags of
   one id, sum pooling: the forward reads the rows, the backward applies the fused optimizer to
   them), for the optimizers its CPU path has (``EXACT_SGD``, ``EXACT_ADAGRAD``,
@@ -176,6 +180,50 @@ def server_update(s: Setup, data: Data, optimizer: str) -> Rate:
     return timed_rate(lambda ids: lambda: shard.push(0, next(step), [(_rows(ids), grad)]), data.batches, s.seconds)
 
 
+def server_message(s: Setup, data: Data) -> Rate:
+    """A whole step message as a server's transport hands it over: the frame decoded, then
+    :meth:`ParameterServer.handle_step` applies its SGD push and gathers its lookup's rows into a
+    reply buffer (as a channel's slot). The push is for rows of a batch half the cycle away, as
+    cold as ``server_update``'s, so that the message's time compares with the shard's own lookup
+    and update (``over_shard_calls``). Rows: the lookup's (the push has as many)."""
+    from hybrid.ps import protocol
+    from hybrid.ps.config import collection_handle
+    from hybrid.ps.server.service import ParameterServer, ServerOptions
+
+    shard = server_shard(s, data, "sgd")
+    server = ParameterServer(0, ServerOptions(huge_pages=s.memory == "huge_pages"))
+    handle = collection_handle(shard.cid)
+    server.collections[handle] = shard
+    grad = data.grad.reshape(-1)
+    out = [torch.empty(s.ids * s.dim), torch.empty(1, dtype=torch.int64)]
+    state = {"step": 0, "error": None}
+    far = len(data.batches) // 2
+
+    def reply(rows, err) -> None:  # noqa: ANN001
+        state["error"], state["answered"] = err, rows is not None
+
+    def prepare(ids: torch.Tensor) -> Callable[[], object]:
+        step = state["step"]
+        state["step"] = step + 1
+        pushed = data.batches[(step + far) % len(data.batches)]
+        msg = protocol.StepMessage(trainer=0, parts=[protocol.Part(
+            collection=handle, step=step + 1, lookup=_rows(ids), num_raw=ids.numel(),
+            pushes=[protocol.Push(step, _rows(pushed), grad)])])
+        frame = protocol.encode(msg)
+
+        def call() -> None:
+            state["answered"] = False
+            server.handle_step(protocol.decode(frame), reply, lambda sizes, dtypes: out)
+            if state["error"] is not None:
+                raise state["error"]
+            if not state["answered"]:  # a lookup left waiting would time nothing
+                raise RuntimeError(f"server_message: the lookup of step {step + 1} was not answered at once")
+
+        return call
+
+    return timed_rate(prepare, data.batches, s.seconds)
+
+
 def fbgemm_tbe(s: Setup, data: Data, optimizer: str):
     """FBGEMM's CPU TBE of one table holding ``data.weight``, in the setup's kind of memory."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -253,6 +301,7 @@ def kernels() -> list[tuple[str, str | None, Callable[[Setup, Data], Rate]]]:
     out: list = [(f"gather_{how}", None, lambda s, d, how=how: gather(s, d, how)) for how in GATHERS]
     out += [("server_lookup", None, server_lookup), ("fbgemm_lookup", None, fbgemm_lookup)]
     out += [("server_update", o, lambda s, d, o=o: server_update(s, d, o)) for o in OPTIMIZERS]
+    out.append(("server_message", "sgd", server_message))
     out += [("fbgemm_update", o, lambda s, d, o=o: fbgemm_update(s, d, o)) for o in FBGEMM_OPTIMIZERS]
     out.append(("fbgemm_update_warm", "rowwise_adagrad", lambda s, d: fbgemm_update(s, d, "rowwise_adagrad", warm=True)))
     return out
@@ -284,6 +333,10 @@ def measurements(s: Setup, data: Data) -> list[dict]:
         theirs = index.get((kernel.replace("server_", "fbgemm_"), optimizer))
         if kernel.startswith("server_") and theirs is not None:
             line["vs_fbgemm"] = statistics.median(x / y for x, y in zip(runs[k], runs[theirs]))
+        if kernel == "server_message":  # its time over the shard's own lookup and SGD update's
+            parts = (runs[index[("server_lookup", None)]], runs[index[("server_update", "sgd")]])
+            line["over_shard_calls"] = statistics.median(
+                (1 / x) / (1 / a + 1 / b) for x, a, b in zip(runs[k], *parts))
         line.update(memory=s.memory, huge_page_mb=held[k], rows=s.rows, dim=s.dim, ids_per_call=s.ids)
         lines.append(line)
     return lines
@@ -296,6 +349,8 @@ def table(lines: list[dict]) -> str:
         vs = f"{l['vs_fbgemm']:.2f}x" if "vs_fbgemm" in l else ""
         rows.append(f"{l['kernel']:<21}{l['optimizer'] or '':<17}{l['rows_per_s'] / 1e6:>9.2f}"
                     f"{l['ns_per_row']:>8.1f}{l['of_ceiling']:>10.0%} {vs:>8}")
+    rows += [f"server_message: {l['over_shard_calls']:.2f}x the time of server_lookup + server_update (sgd)"
+             for l in lines if "over_shard_calls" in l]
     return "\n".join(rows)
 
 

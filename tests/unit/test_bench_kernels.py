@@ -18,7 +18,8 @@ def test_kernels_report_every_kernel_and_the_server_updates_as_fbgemm_does():
     assert all(d <= 1e-6 for d in checks.values()), checks  # float32 rounding apart
     got = {(l["kernel"], l["optimizer"]): l for l in lines if "kernel" in l}
     expected = {("gather_index_select", None), ("gather_embedding", None), ("gather_hybrid_op", None),
-                ("server_lookup", None), ("fbgemm_lookup", None), ("fbgemm_update_warm", "rowwise_adagrad")}
+                ("server_lookup", None), ("fbgemm_lookup", None), ("fbgemm_update_warm", "rowwise_adagrad"),
+                ("server_message", "sgd")}
     expected |= {("server_update", o) for o in OPTIMIZERS} | {("fbgemm_update", o) for o in FBGEMM_OPTIMIZERS}
     assert set(got) == expected, sorted(got)
     for l in got.values():
@@ -28,4 +29,6 @@ def test_kernels_report_every_kernel_and_the_server_updates_as_fbgemm_does():
     assert max(l["of_ceiling"] for k, l in got.items() if k[0].startswith("gather_")) <= 1.0
     assert {k for k, l in got.items() if "vs_fbgemm" in l} == {("server_lookup", None)} | {
         ("server_update", o) for o in FBGEMM_OPTIMIZERS}
-    assert "of ceiling" in res.stderr
+    # A step message costs at least its lookup and its push (apart from timing noise: the calls differ).
+    assert got[("server_message", "sgd")]["over_shard_calls"] > 0.5
+    assert "of ceiling" in res.stderr and "the time of server_lookup + server_update" in res.stderr
