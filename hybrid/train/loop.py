@@ -510,6 +510,7 @@ class Trainer:
         if t.eval_every and self.resume is None:
             self._evaluate()  # the untrained model's numbers, for comparison
         bar = self._progress()
+        servers_before = self._server_stats(), time.perf_counter()
         started = time.perf_counter()
         train_time = 0.0
         last_loss = float("nan")
@@ -563,11 +564,14 @@ class Trainer:
         pipeline = pipeline_of(self.model)
         if pipeline is not None:
             pipeline.flush()
+        # Read once every push is in (the counters cover every step), before the last evaluation
+        # and checkpoint (the servers' CPU covers the steps, and what ran between them).
+        stats = self._server_stats()
+        _cpu_per_step(stats, *servers_before, time.perf_counter())
         self._evaluate()
         if self.cfg.checkpoint.dir and self._last_saved != self.step:
             self._save(nxt)  # nxt: None, or the first batch when a resumed run had no step left
         total = time.perf_counter() - started
-        stats = self._server_stats()
         self.finish(train_time=train_time, total=total, last_loss=last_loss, stats=stats)
 
     # -- checkpoints (hybrid.checkpoint) ---------------------------------------------------------
@@ -665,19 +669,8 @@ class Trainer:
             logger.info("eval at step %d: %s", self.step, shown)
 
     def _server_stats(self) -> dict[str, dict]:
-        if not self.rank0:
-            return {}
-        out: dict[str, dict] = {}
-        for r in self.remotes:
-            for server, d in r.stats().items():
-                agg = out.setdefault(server, {})
-                for k, v in d.items():
-                    if isinstance(v, (int, float)):
-                        agg[k] = agg.get(k, 0) + v
-                for table in (d.get("dynamic") or {}).values():  # ids: dynamic tables, summed
-                    for k in ("rows", "sightings", "admitted", "evicted", "hits", "looked_up"):
-                        agg[f"dynamic_{k}"] = agg.get(f"dynamic_{k}", 0) + table[k]
-        return out
+        """Each server's counters, summed over the collections (trainer 0; empty elsewhere)."""
+        return merge_server_stats([r.stats() for r in self.remotes]) if self.rank0 else {}
 
     def finish(self, *, train_time: float, total: float, last_loss: float, stats: dict[str, dict]) -> None:
         """Close the step pipeline, barrier, release the servers (trainer 0), then the summary and
@@ -730,10 +723,12 @@ class Trainer:
         for server, d in sorted(stats.items()):
             steps = max(run, 1)  # the servers' counters cover this run's steps
             uniq = d.get("rows_served", 0) / d["ids_requested"] if d.get("ids_requested") else float("nan")
+            cpu = (f", CPU {1e3 * d['train_cpu_s'] / steps:.1f} ms/step ({d['train_cpu_share']:.0%} of a core)"
+                   if "train_cpu_s" in d else "")
             lines.append((server, f"{d.get('lookups', 0) / steps / self.role.num_trainers:.1f} lookups/step/trainer, "
                                   f"{d.get('bytes_in', 0) / steps / 1024:.1f} KiB in + {d.get('bytes_out', 0) / steps / 1024:.1f} "
                                   f"KiB out per step, unique ids {fmt(uniq) if math.isnan(uniq) else f'{uniq:.2f}'}"
-                                  + _dynamic_counters(d)))
+                                  + cpu + _dynamic_counters(d)))
         for r in self.remotes:
             if r.hot_rows is not None:  # this trainer's cache (trainer 0 writes the summary)
                 c = r.hot_rows.counters
@@ -742,6 +737,41 @@ class Trainer:
         outputs = ["metrics.jsonl", "metrics.csv", "summary.txt"] + (["curves.png"] if png else [])
         lines.append(("output", f"{self.out_dir}/ ({', '.join(outputs)})"))
         return "== hybrid run summary ==\n" + table(lines)
+
+
+_PROCESS_WIDE = ("cpu_s", "huge_page_bytes")
+"""Server statistics of the whole process, not of one collection."""
+
+
+def merge_server_stats(collections: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each server's statistics from every collection's (``RemoteCollection.stats``): counters
+    summed, ``ids: dynamic`` tables' summed as ``dynamic_*``, the process's own
+    (:data:`_PROCESS_WIDE`) taken once."""
+    out: dict[str, dict] = {}
+    for stats in collections:
+        for server, d in stats.items():
+            agg = out.setdefault(server, {})
+            for k, v in d.items():
+                if k in _PROCESS_WIDE:  # the server process's, reported by each collection alike
+                    agg[k] = v
+                elif isinstance(v, (int, float)):
+                    agg[k] = agg.get(k, 0) + v
+            for table in (d.get("dynamic") or {}).values():  # ids: dynamic tables, summed
+                for k in ("rows", "sightings", "admitted", "evicted", "hits", "looked_up"):
+                    agg[f"dynamic_{k}"] = agg.get(f"dynamic_{k}", 0) + table[k]
+    return out
+
+
+def _cpu_per_step(stats: dict[str, dict], before: dict[str, dict], since: float, now: float) -> None:
+    """Add to each server's ``stats`` the CPU its process spent while the trainers trained
+    (``train_cpu_s``, from ``before``'s reading at ``since`` to ``stats``' at ``now``) and that
+    time's share of one core (``train_cpu_share``)."""
+    for server, d in stats.items():
+        start = before.get(server, {}).get("cpu_s")
+        if start is None or "cpu_s" not in d:
+            continue
+        d["train_cpu_s"] = d["cpu_s"] - start
+        d["train_cpu_share"] = d["train_cpu_s"] / (now - since) if now > since else 0.0
 
 
 def _dynamic_counters(d: dict) -> str:

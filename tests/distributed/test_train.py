@@ -10,6 +10,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -127,6 +129,14 @@ def test_demo_config_learns_held_out_auc_well_above_chance(tmp_path):
     for line in ("throughput", "step time", "eval auc", "ps0", "output"):
         assert line in summary, summary
     assert (out / "curves.png").stat().st_size > 10_000
+    # The server's CPU while the trainers trained: its window (CPU over share) lies within the run.
+    cpu = re.search(r"ps0 .*CPU ([0-9.]+) ms/step \(([0-9]+)% of a core\)", summary)
+    times = re.search(r"time +([0-9.]+)s training, ([0-9.]+)s with evaluation", summary)
+    assert cpu and times, summary
+    ms, share = float(cpu[1]), int(cpu[2]) / 100
+    assert ms > 0 and 0 < share <= (os.cpu_count() or 1), summary
+    window = ms * 120 / 1e3 / share
+    assert 0.5 * float(times[1]) < window < 1.5 * float(times[2]) + 1.0, (window, summary)
 
 
 def test_async_demo_with_hot_rows_reports_its_cache(tmp_path):

@@ -535,6 +535,8 @@ def _read_when_ready(handle: int, table: str, after_step: int, read) -> torch.fu
 
 
 def rpc_stats(handle: int) -> dict:
+    """The counters of collection ``handle`` here, and two of the whole process (the same whatever
+    the collection): ``cpu_s``, its CPU seconds so far, and ``huge_page_bytes``."""
     shard = server().shard(handle)
     d = shard.counters.as_dict()
     d["complete_through"] = shard.complete_through
@@ -544,6 +546,7 @@ def rpc_stats(handle: int) -> dict:
                             for t in shard.tables}
     with shard.lock:
         d["rows_to_fill"] = shard.rows_to_fill()
+    d["cpu_s"] = time.process_time()
     held = huge_page_bytes()  # the whole process's, every collection's tables together
     if held is not None:
         d["huge_page_bytes"] = held
