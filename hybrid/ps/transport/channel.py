@@ -116,32 +116,36 @@ def write_frame(region: torch.Tensor, seq: int, kind: int, frame: Frame,
     head, offsets, end = _head(seq, kind, frame)
     if end > region.numel() or (room is not None and not room(end)):
         return 0
-    region[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    # Through the region's buffer and pointers rather than a tensor view per piece: this runs
+    # once per message on both ends, and each view costs more than the header's bytes.
+    memoryview(region.numpy())[: len(head)] = head
+    base = region.data_ptr()
     for t, off in zip(tensors, offsets):
-        dst = region[off : off + t.numel() * t.element_size()].view(t.dtype)
-        if dst.data_ptr() != t.data_ptr():  # rows gathered in place need no copy
-            dst.copy_(t.reshape(-1))
+        if t.data_ptr() != base + off:  # rows gathered in place need no copy
+            region[off : off + t.numel() * t.element_size()].view(t.dtype).copy_(t.reshape(-1))
     return end
 
 
 def read_frame(region: torch.Tensor, seq: int) -> tuple[int, Frame]:
     """The message in ``region``: its kind and frame (tensors are views into ``region``)."""
-    magic, got_seq, kind, n_ints, n_tensors = HEADER.unpack(bytes(region[: HEADER.size].numpy()))
-    if magic != MAGIC or got_seq != seq or not 0 <= n_ints < region.numel() or not 0 <= n_tensors < region.numel():
+    buf = memoryview(region.numpy())  # read in place: no copy, no tensor per header field
+    size = len(buf)
+    magic, got_seq, kind, n_ints, n_tensors = HEADER.unpack_from(buf)
+    if magic != MAGIC or got_seq != seq or not 0 <= n_ints < size or not 0 <= n_tensors < size:
         raise ChannelError(f"corrupt message in the channel (magic {magic:#x}, sequence {got_seq} where {seq} "
                            f"was due)")
     end = HEADER.size + 8 * n_ints + ENTRY.size * n_tensors
-    if end > region.numel():
+    if end > size:
         raise ChannelError("corrupt message in the channel (header larger than the region)")
-    meta = bytes(region[HEADER.size : end].numpy())
-    ints = list(struct.unpack_from(f"<{n_ints}q", meta))
+    ints = list(struct.unpack_from(f"<{n_ints}q", buf, HEADER.size))
     tensors = []
     for k in range(n_tensors):
-        code, n, off = ENTRY.unpack_from(meta, 8 * n_ints + ENTRY.size * k)
+        code, n, off = ENTRY.unpack_from(buf, HEADER.size + 8 * n_ints + ENTRY.size * k)
         dtype = DTYPES.get(code)
-        if dtype is None or n < 0 or off < end or off + n * dtype.itemsize > region.numel():
+        if dtype is None or n < 0 or off < end or off + n * dtype.itemsize > size:
             raise ChannelError("corrupt message in the channel (a tensor outside the region)")
-        tensors.append(region[off : off + n * dtype.itemsize].view(dtype))
+        # a view of the region's memory (frombuffer refuses an empty one)
+        tensors.append(torch.frombuffer(buf, dtype=dtype, count=n, offset=off) if n else torch.empty(0, dtype=dtype))
     return kind, Frame(ints, tensors)
 
 
