@@ -8,13 +8,16 @@ the benchmark DLRM's dense parameters) ``--calls`` times back to back, after a w
 JSON line reports the wall time of a call (percentiles and mean) and each process's CPU per call
 (its threads' included: gloo's worker and event-loop threads do the work).
 
-On this project's 2-core virtual machine the median call takes about 0.3 ms, but one in ten or
-more takes 3.5-7 ms: about one tick of its kernel's scheduler (250 Hz, no preemption of kernel
-code). gloo's TCP event loop skips a connection whose lock another thread of the process holds
-and polls again at once; when that thread is waiting for the same core, the loop spins until the
-tick preempts it (``perf stat -e syscalls:sys_enter_epoll_wait -- .venv/bin/python -m
-benchmarks.allreduce`` counts hundreds of ``epoll_wait`` calls per all-reduce, against about 16
-with ``--floats 1``). See docs/performance.md.
+It runs the processes twice, in alternating rounds (``--rounds``): with gloo's event-loop thread
+as gloo leaves it (``stock``) and under ``SCHED_BATCH`` (``batch``), as hybrid's trainers run it
+(``runtime.gloo_loop_batch``, :func:`hybrid.launch.init.batch_gloo_loops`); one JSON line each,
+from all its rounds' calls. On this project's 2-core virtual machine a stock call takes about
+0.3 ms at the median, but one in ten or more takes 3.5-7 ms: about one tick of its kernel's
+scheduler (250 Hz). The loop thread, woken by the peer's data, preempts the gloo worker holding
+the connection's lock, finds it taken and polls again at once until the tick preempts it
+(``perf stat -e syscalls:sys_enter_epoll_wait`` counts hundreds of ``epoll_wait`` calls per
+all-reduce, against about 16 with ``--floats 1``). Under ``SCHED_BATCH`` its wake-up waits for the
+worker instead. See docs/performance.md.
 """
 
 from __future__ import annotations
@@ -34,13 +37,21 @@ bucket."""
 PERCENTILES = (10, 50, 75, 90, 99)
 
 
-def _rank(rank: int, world_size: int, store: str, *, floats: int, calls: int, warmup: int) -> dict:
+LOOPS = ("stock", "batch")
+"""How a run leaves gloo's event-loop thread: as gloo starts it, or under ``SCHED_BATCH``."""
+
+
+def _rank(rank: int, world_size: int, store: str, *, floats: int, calls: int, warmup: int, loop: str) -> dict:
     import torch
     import torch.distributed as dist
+
+    from hybrid.launch.init import batch_gloo_loops
 
     dist.init_process_group("gloo", init_method=f"file://{store}/pg", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=60))
     try:
+        if loop == "batch" and not batch_gloo_loops():
+            raise RuntimeError("no gloo event-loop thread found to put under SCHED_BATCH")
         x = torch.zeros(floats)  # a sum that stays put, call after call
         for _ in range(warmup):
             dist.all_reduce(x)
@@ -60,22 +71,33 @@ def _rank(rank: int, world_size: int, store: str, *, floats: int, calls: int, wa
     return {"walls": walls, "cpu_s": cpu, "summed": summed}
 
 
-def measure(floats: int = DLRM_DENSE, calls: int = 2000, warmup: int = 50, timeout_s: float = 300.0) -> dict:
-    """Run the all-reduces; the report (milliseconds)."""
-    if floats < 1 or calls < 1:
-        raise BenchmarkError(f"--floats and --calls: got {floats} and {calls}; expected integers >= 1")
-    reports = spawn(_rank, 2, timeout_s=timeout_s, floats=floats, calls=calls, warmup=warmup)
-    if not all(r["summed"] for r in reports):
-        raise BenchmarkError("the all-reduce's check (1 + 2 in every element) came out wrong")
-    walls = sorted(reports[0]["walls"])
-    at = lambda q: 1e3 * walls[min(len(walls) - 1, int(q / 100 * len(walls)))]  # noqa: E731
-    return {
-        "floats": floats,
-        "calls": calls,
-        "wall_ms": {f"p{q}": at(q) for q in PERCENTILES},
-        "mean_wall_ms": 1e3 * sum(walls) / len(walls),
-        "cpu_ms_per_call": [1e3 * r["cpu_s"] for r in reports],
-    }
+def measure(floats: int = DLRM_DENSE, calls: int = 2000, warmup: int = 50, timeout_s: float = 300.0,
+            rounds: int = 2) -> list[dict]:
+    """Run the all-reduces, ``calls`` per round and loop policy, the policies alternating round
+    by round; one report (milliseconds) per policy, from all its rounds' calls."""
+    if floats < 1 or calls < 1 or rounds < 1:
+        raise BenchmarkError(f"--floats, --calls and --rounds: got {floats}, {calls} and {rounds}; "
+                             f"expected integers >= 1")
+    runs: dict[str, list[list[dict]]] = {loop: [] for loop in LOOPS}
+    for _ in range(rounds):
+        for loop in LOOPS:
+            reports = spawn(_rank, 2, timeout_s=timeout_s, floats=floats, calls=calls, warmup=warmup, loop=loop)
+            if not all(r["summed"] for r in reports):
+                raise BenchmarkError("the all-reduce's check (1 + 2 in every element) came out wrong")
+            runs[loop].append(reports)
+    out = []
+    for loop in LOOPS:
+        walls = sorted(w for reports in runs[loop] for w in reports[0]["walls"])
+        at = lambda q: 1e3 * walls[min(len(walls) - 1, int(q / 100 * len(walls)))]  # noqa: E731
+        out.append({
+            "loop": loop,
+            "floats": floats,
+            "calls": calls * rounds,
+            "wall_ms": {f"p{q}": at(q) for q in PERCENTILES},
+            "mean_wall_ms": 1e3 * sum(walls) / len(walls),
+            "cpu_ms_per_call": [1e3 * sum(reports[r]["cpu_s"] for reports in runs[loop]) / rounds for r in range(2)],
+        })
+    return out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     p.add_argument("--floats", type=int, default=DLRM_DENSE, help="elements of the float32 tensor all-reduced")
     p.add_argument("--calls", type=int, default=2000, help="timed all-reduces")
+    p.add_argument("--rounds", type=int, default=2, help="rounds, each running both loop policies")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the processes are stopped")
     return p
 
@@ -90,16 +113,20 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        report = measure(args.floats, args.calls, timeout_s=args.timeout)
+        reports = measure(args.floats, args.calls, timeout_s=args.timeout, rounds=args.rounds)
     except BenchmarkError as e:
         print(f"benchmarks.allreduce: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(report))
-    w = report["wall_ms"]
-    print(f"all-reduce of {args.floats} floats between 2 processes, {args.calls} calls: "
-          + ", ".join(f"{k} {v:.2f} ms" for k, v in w.items())
-          + f"; mean {report['mean_wall_ms']:.2f} ms; CPU a call "
-          + " + ".join(f"{c:.2f}" for c in report["cpu_ms_per_call"]) + " ms", file=sys.stderr)
+    for report in reports:
+        print(json.dumps(report))
+        w = report["wall_ms"]
+        print(f"{report['loop']:>5}: all-reduce of {args.floats} floats between 2 processes, {report['calls']} calls: "
+              + ", ".join(f"{k} {v:.2f} ms" for k, v in w.items())
+              + f"; mean {report['mean_wall_ms']:.2f} ms; CPU a call "
+              + " + ".join(f"{c:.2f}" for c in report["cpu_ms_per_call"]) + " ms", file=sys.stderr)
+    stock, batch = reports
+    print(f"batch / stock: mean call {batch['mean_wall_ms'] / stock['mean_wall_ms']:.2f}x, CPU a call "
+          f"{sum(batch['cpu_ms_per_call']) / sum(stock['cpu_ms_per_call']):.2f}x", file=sys.stderr)
     return 0
 
 

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 
 from benchmarks.launch import BenchmarkError
 from benchmarks.network import EmulatedNetwork, NetworkError, parse_network
-from benchmarks.systems import SYSTEMS
+from benchmarks.systems import DEFAULT_SYSTEMS, SYSTEMS
 from benchmarks.systems.torchrec_dmp import SHARDINGS
 from benchmarks.workload import HelpFormatter, Workload
 from hybrid.ps.config import PS_TRANSPORTS, WIRE_BYTES, WIRE_DTYPES
@@ -169,7 +169,7 @@ def run_systems(w: Workload, systems: list[str], *, timeout_s: float, dmp_shardi
     lines = []
     for name in systems:
         kwargs: dict = {"timeout_s": timeout_s, "hosts": hosts}
-        if name == "torchrec_dmp":
+        if name.startswith("torchrec_dmp"):
             kwargs["sharding"] = dmp_sharding
         if name.startswith("hybrid"):
             kwargs["wire_dtype"] = wire_dtype
@@ -212,9 +212,10 @@ def ratio_table(lines: list[dict]) -> str:
     """Samples/s of every system (its median run), its ratio to each baseline present (the median
     of the rounds' ratios, :func:`paired_ratio`), and the targets."""
     ok = {l["system"]: l for l in lines if "error" not in l}
-    bases = [b for b in ("local", "rpc_tutorial", "torchrec_dmp") if b in ok]
+    bases = [b for b in ("local", "rpc_tutorial", "torchrec_dmp", "torchrec_dmp_batch") if b in ok]
+    widths = [max(15, len(b) + 3) for b in bases]
     head = f"{'system':<18}{'samples/s':>11}{'step ms':>9}{'first loss':>12}{'final loss':>12}" + "".join(
-        f"{'/' + b:>15}" for b in bases
+        f"{'/' + b:>{n}}" for b, n in zip(bases, widths)
     )
     rows = [head, "-" * len(head)]
     for l in lines:
@@ -223,7 +224,7 @@ def ratio_table(lines: list[dict]) -> str:
             continue
         r = f"{l['system']:<18}{l['samples_per_s']:>11.0f}{l['median_step_s'] * 1e3:>9.1f}"
         r += f"{l['first_loss']:>12.6f}{l['final_loss']:>12.6f}"
-        r += "".join(f"{paired_ratio(l, ok[b]):>14.2f}x" for b in bases)
+        r += "".join(f"{paired_ratio(l, ok[b]):>{n - 1}.2f}x" for b, n in zip(bases, widths))
         rows.append(r)
     wire = [(l["system"], l["wire_dtype"], name, s) for l in lines if "error" not in l
             for name, s in l.get("servers", {}).items() if "wire_bytes_sent_over_min" in s]
@@ -261,8 +262,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0],
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma-separated systems to run, in order; known: {', '.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"comma-separated systems to run, in order; known: {', '.join(SYSTEMS)} "
+                        f"(torchrec_dmp_batch: DMP with gloo's event-loop thread as hybrid runs it)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one system may take before it is killed")
     p.add_argument("--repeat", type=int, default=3,
                    help="runs per system, round-robin over the systems; each reports its median run "
@@ -276,6 +278,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hybrid's RPC worker threads per process (default: RuntimeOptions')")
     p.add_argument("--huge-pages", choices=("on", "off"), default=None,
                    help="hybrid's servers keep tables in transparent huge pages (default: RuntimeOptions', on)")
+    p.add_argument("--gloo-loop", choices=("batch", "stock"), default=None,
+                   help="hybrid's trainers run gloo's event-loop thread under SCHED_BATCH (batch) or as gloo "
+                        "starts it (stock) (runtime.gloo_loop_batch; default: RuntimeOptions', batch)")
     p.add_argument("--network", default="loopback", metavar="loopback|emulated[:rate=R,delay=D]",
                    help="loopback: every process on this host; emulated: every process a host of its own on an "
                         "emulated network, links shaped to rate R (default 10gbit) and one-way delay D (default "
@@ -325,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         runtime["channels"] = args.channels.split(",")
     if args.huge_pages is not None:
         runtime["huge_pages"] = args.huge_pages == "on"
+    if args.gloo_loop is not None:
+        runtime["gloo_loop_batch"] = args.gloo_loop == "batch"
     if args.ps_transport is not None:
         runtime["ps_transport"] = args.ps_transport
     if args.rpc_threads:

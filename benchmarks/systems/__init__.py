@@ -16,7 +16,7 @@ from benchmarks.systems.hybrid_ps import (
 )
 from benchmarks.systems.local import run_local
 from benchmarks.systems.rpc_tutorial import run_rpc_tutorial
-from benchmarks.systems.torchrec_dmp import run_torchrec_dmp
+from benchmarks.systems.torchrec_dmp import run_torchrec_dmp, run_torchrec_dmp_batch
 
 SYSTEMS: dict[str, Callable[..., list[dict]]] = {
     "local": run_local,
@@ -26,7 +26,11 @@ SYSTEMS: dict[str, Callable[..., list[dict]]] = {
     "hybrid_async": run_hybrid_async,
     "hybrid_sync_fsdp": run_hybrid_sync_fsdp,
     "hybrid_sync_dynamic": run_hybrid_sync_dynamic,
+    "torchrec_dmp_batch": run_torchrec_dmp_batch,
 }
-"""System name (``--systems``) -> its run function, in the default order."""
+"""System name (``--systems``) -> its run function, in the order they run."""
 
-__all__ = ["SYSTEMS"]
+DEFAULT_SYSTEMS = [name for name in SYSTEMS if name != "torchrec_dmp_batch"]
+"""What ``benchmarks.run`` runs without ``--systems``."""
+
+__all__ = ["DEFAULT_SYSTEMS", "SYSTEMS"]

@@ -56,7 +56,7 @@ def _load_tables(model, weights: list[torch.Tensor]) -> None:
                 shard.tensor.copy_(full[r : r + nr, c : c + nc])
 
 
-def _trainer(rank: int, world_size: int, store: str, *, w: Workload, sharding: str) -> dict:
+def _trainer(rank: int, world_size: int, store: str, *, w: Workload, sharding: str, gloo_loop_batch: bool) -> dict:
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan
@@ -67,6 +67,11 @@ def _trainer(rank: int, world_size: int, store: str, *, w: Workload, sharding: s
 
     dist.init_process_group("gloo", init_method=f"file://{store}/pg", rank=rank, world_size=world_size)
     try:
+        if gloo_loop_batch:
+            from hybrid.launch.init import batch_gloo_loops
+
+            if not batch_gloo_loops():
+                raise RuntimeError("no gloo event-loop thread found to put under SCHED_BATCH")
         dlrm = build_dlrm(w)
         initial = [t.clone() for t in table_weights(dlrm)]
         ebc = dlrm.sparse_arch.embedding_bag_collection
@@ -102,10 +107,17 @@ def _trainer(rank: int, world_size: int, store: str, *, w: Workload, sharding: s
 
 
 def run_torchrec_dmp(w: Workload, *, timeout_s: float, sharding: str = "table_wise",
-                     hosts: EmulatedNetwork | None = None) -> list[dict]:
+                     hosts: EmulatedNetwork | None = None, gloo_loop_batch: bool = False) -> list[dict]:
     """Train ``w`` on ``trainers`` fresh processes under DMP (each on its emulated host with
-    ``hosts``); returns every process's report."""
+    ``hosts``); returns every process's report. ``gloo_loop_batch``: gloo's event-loop thread
+    under ``SCHED_BATCH``, as hybrid's trainers run it (``runtime.gloo_loop_batch``)."""
     if sharding not in SHARDINGS:
         raise ValueError(f"torchrec_dmp sharding: got {sharding!r}; expected one of {', '.join(SHARDINGS)}")
     return spawn(_trainer, w.trainers, timeout_s=timeout_s, threads=w.threads, hosts=hosts, w=w,
-                 sharding=sharding)
+                 sharding=sharding, gloo_loop_batch=gloo_loop_batch)
+
+
+def run_torchrec_dmp_batch(w: Workload, **kwargs) -> list[dict]:
+    """DMP with gloo's event-loop thread as hybrid's trainers run it: the baseline without that
+    difference between the two (not in the default systems)."""
+    return run_torchrec_dmp(w, gloo_loop_batch=True, **kwargs)

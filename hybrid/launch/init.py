@@ -84,6 +84,14 @@ class RuntimeOptions:
     kill_grace_s: float = 5.0
     """Once one process of a ``hybrid launch`` job fails, the others get this long after SIGTERM
     before SIGKILL (torchrun's ``--shutdown-timeout``): a hung process ends too."""
+    gloo_loop_batch: bool = True
+    """Trainers run gloo's event-loop thread (the one that reads and writes its TCP connections)
+    under Linux's ``SCHED_BATCH`` policy, so that its wake-ups do not preempt the thread running
+    on the core it wakes on (:func:`batch_gloo_loops`). Otherwise, when that thread is a gloo worker
+    holding the connection's lock, the loop finds the lock taken and polls again at once until
+    the scheduler's next tick: on a machine with more runnable threads than cores, a 226 KB
+    all-reduce between two trainers took 0.33 ms on average instead of 1.3, and 0.25 ms of CPU
+    a process instead of 0.85 (``benchmarks.allreduce``). The numbers trained are the same."""
     server_memory_fraction: float = 0.8
     """Share of a machine's available memory (``MemAvailable``, or the cgroup's limit) that a
     parameter server's tables and optimizer state may take: a server refuses a collection that
@@ -102,6 +110,9 @@ class RuntimeOptions:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise PlanError(f"got {value!r}; expected a number of seconds above 0", category="bad_value",
                                 key=name)
+        if not isinstance(self.gloo_loop_batch, bool):
+            raise PlanError(f"got {self.gloo_loop_batch!r}; expected true or false", category="bad_value",
+                            key="gloo_loop_batch")
         if not (isinstance(self.num_worker_threads, int) and self.num_worker_threads >= 1):
             raise PlanError(f"got {self.num_worker_threads!r}; expected at least 1", category="bad_value",
                             key="num_worker_threads")
@@ -111,6 +122,33 @@ class RuntimeOptions:
             if bad or not values:
                 raise PlanError(f"got {values!r}; expected a non-empty list of {', '.join(map(repr, known))}",
                                 category="bad_value", key=name)
+
+
+GLOO_LOOP_THREAD = "gloo_tcp_loop"
+"""The name gloo's TCP transport gives its event-loop thread."""
+
+
+def batch_gloo_loops() -> int:
+    """Put this process's gloo event-loop threads (:data:`GLOO_LOOP_THREAD`) under ``SCHED_BATCH``
+    (see :attr:`RuntimeOptions.gloo_loop_batch`); how many there were. Where the policy or the
+    threads' names cannot be read or set (not Linux), nothing changes."""
+    if not hasattr(os, "sched_setscheduler"):
+        return 0
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    done = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != GLOO_LOOP_THREAD:
+                    continue
+            os.sched_setscheduler(int(tid), os.SCHED_BATCH, os.sched_param(0))
+            done += 1
+        except OSError:  # the thread ended meanwhile
+            continue
+    return done
 
 
 def device_type() -> str:
@@ -344,6 +382,8 @@ def init_hybrid(
                 world_size=role.num_trainers,
                 timeout=datetime.timedelta(seconds=options.pg_timeout_s),
             )
+        if backend == "gloo" and options.gloo_loop_batch:
+            logger.debug("gloo event-loop threads under SCHED_BATCH: %d", batch_gloo_loops())
     from torch.distributed.rpc import constants as rpc_constants
 
     # init_rpc connects the processes through a gloo group of its own (device maps, a last

@@ -19,7 +19,7 @@ import pytest
 
 from benchmarks.launch import BenchmarkError, HostServer, kill_all
 from benchmarks.network import namespaces, stale
-from benchmarks.systems import SYSTEMS
+from benchmarks.systems import DEFAULT_SYSTEMS, SYSTEMS
 from tests.support.cli import REPO, kill_tree, run_hybrid
 from tests.support.network import needs_root, root_links
 from tests.support.sockets import cmdline_of, descendants, state_of
@@ -37,7 +37,7 @@ def test_every_system_trains_the_same_model_on_the_same_batches():
     res = run_hybrid(TINY, module="benchmarks.run", timeout=400)
     assert res.returncode == 0, res.output
     lines = {l["system"]: l for l in _lines(res.stdout)}
-    assert list(lines) == list(SYSTEMS), res.output
+    assert list(lines) == DEFAULT_SYSTEMS, res.output
     for name, l in lines.items():
         assert "error" not in l, l
         assert math.isfinite(l["first_loss"]) and math.isfinite(l["final_loss"]), l
@@ -84,6 +84,20 @@ def test_every_system_trains_the_same_model_on_the_same_batches():
         assert 0 < s["unique_id_ratio"] <= 1, s
         assert set(lines[name]["breakdown_s"]) >= {"lookup", "dense", "optimizer"}, lines[name]["breakdown_s"]
     assert "hybrid_sync >= 1.4x torchrec_dmp" in res.stderr  # the ratio table
+
+
+def test_dmp_with_gloos_event_loop_as_hybrid_runs_it_trains_the_same():
+    """``torchrec_dmp_batch`` (not a default system): DMP with its gloo event-loop thread under
+    SCHED_BATCH (its run fails where no such thread is found) trains exactly as DMP does, and the
+    ratio table gets a column for it."""
+    res = run_hybrid([*TINY, "--systems", "torchrec_dmp,torchrec_dmp_batch"], module="benchmarks.run", timeout=200)
+    assert res.returncode == 0, res.output
+    lines = {l["system"]: l for l in _lines(res.stdout)}
+    assert list(lines) == ["torchrec_dmp", "torchrec_dmp_batch"] and "torchrec_dmp_batch" in SYSTEMS
+    assert all("error" not in l for l in lines.values()), lines
+    for key in ("first_loss", "final_loss"):
+        assert lines["torchrec_dmp_batch"][key] == lines["torchrec_dmp"][key], (key, lines)
+    assert "/torchrec_dmp_batch" in res.stderr, res.stderr
 
 
 def test_a_run_longer_than_the_shutdown_timeout_keeps_its_server():
