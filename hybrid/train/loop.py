@@ -510,8 +510,8 @@ class Trainer:
         if t.eval_every and self.resume is None:
             self._evaluate()  # the untrained model's numbers, for comparison
         bar = self._progress()
-        servers_before = self._server_stats(), time.perf_counter()
         started = time.perf_counter()
+        servers_before = self._server_stats()
         train_time = 0.0
         last_loss = float("nan")
         prev_times = None
@@ -567,7 +567,7 @@ class Trainer:
         # Read once every push is in (the counters cover every step), before the last evaluation
         # and checkpoint (the servers' CPU covers the steps, and what ran between them).
         stats = self._server_stats()
-        _cpu_per_step(stats, *servers_before, time.perf_counter())
+        _cpu_per_step(stats, servers_before, started, time.perf_counter())
         self._evaluate()
         if self.cfg.checkpoint.dir and self._last_saved != self.step:
             self._save(nxt)  # nxt: None, or the first batch when a resumed run had no step left
