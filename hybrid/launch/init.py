@@ -91,7 +91,9 @@ class RuntimeOptions:
     holding the connection's lock, the loop finds the lock taken and polls again at once until
     the scheduler's next tick: on a machine with more runnable threads than cores, a 226 KB
     all-reduce between two trainers took 0.33 ms on average instead of 1.3, and 0.25 ms of CPU
-    a process instead of 0.85 (``benchmarks.allreduce``). The numbers trained are the same."""
+    a process instead of 0.85 (``benchmarks.allreduce``). The numbers trained are the same. It
+    applies to the trainers' group that :func:`init_hybrid` starts (the one DDP, FSDP2's mesh and
+    the training loop use); a group a program makes later keeps gloo's default."""
     server_memory_fraction: float = 0.8
     """Share of a machine's available memory (``MemAvailable``, or the cgroup's limit) that a
     parameter server's tables and optimizer state may take: a server refuses a collection that
