@@ -117,6 +117,16 @@ def wire_bytes() -> tuple[int, int] | None:
     return None
 
 
+def batch_gloo_loops() -> None:
+    """Put this process's gloo event-loop thread under ``SCHED_BATCH`` as hybrid's trainers run it
+    (:func:`hybrid.launch.init.batch_gloo_loops`); a benchmark that asked for it fails where there
+    is none to set, rather than measure the stock policy under the other's name."""
+    from hybrid.launch.init import batch_gloo_loops as batch
+
+    if not batch():
+        raise RuntimeError("no gloo event-loop thread found to put under SCHED_BATCH")
+
+
 def _process_name() -> str:
     """``trainer0``, ``ps0``, ... (the RPC name, else the trainer rank), or ``local``."""
     import torch.distributed as dist

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from benchmarks.launch import spawn
+from benchmarks.launch import batch_gloo_loops, spawn
 from benchmarks.network import EmulatedNetwork
 from benchmarks.systems.common import train
 from benchmarks.workload import Data, Workload, build_dlrm, loss_fn, table_weights
@@ -68,10 +68,7 @@ def _trainer(rank: int, world_size: int, store: str, *, w: Workload, sharding: s
     dist.init_process_group("gloo", init_method=f"file://{store}/pg", rank=rank, world_size=world_size)
     try:
         if gloo_loop_batch:
-            from hybrid.launch.init import batch_gloo_loops
-
-            if not batch_gloo_loops():
-                raise RuntimeError("no gloo event-loop thread found to put under SCHED_BATCH")
+            batch_gloo_loops()
         dlrm = build_dlrm(w)
         initial = [t.clone() for t in table_weights(dlrm)]
         ebc = dlrm.sparse_arch.embedding_bag_collection
