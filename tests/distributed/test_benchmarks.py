@@ -264,8 +264,8 @@ def _wait_stopped(pid: int, timeout_s: float = 20.0) -> bool:
 
 
 def test_an_emulated_hosts_server_out_of_step_or_gone_leaves_no_rank_running():
-    """The server that forks an emulated host's ranks (run here on this host): a request
-    interrupted between its sending and its answer (a signal's KeyboardInterrupt) leaves the pipe
+    """The server that forks an emulated host's ranks (run here on this host): a running rank's
+    liveness asks the server nothing; a request interrupted between its sending and its answer (a signal's KeyboardInterrupt) leaves the pipe
     out of step, so the next request fails at once rather than read the stale answer;
     ``kill_all`` then still kills the rank, by its pid, and raises nothing (an interrupted run's
     KeyboardInterrupt must reach the caller); and a rank dies with its server."""
@@ -284,11 +284,14 @@ def test_an_emulated_hosts_server_out_of_step_or_gone_leaves_no_rank_running():
                 raise KeyboardInterrupt
 
         server._conn = Interrupted()
+        # A running rank's liveness is its pidfd's: no request goes to the server (a run's wait
+        # takes no CPU from the ranks it measures).
+        assert a.is_alive() and b.is_alive()
         with pytest.raises(KeyboardInterrupt):
-            a.is_alive()
+            server.exitcode(a.pid)
         server._conn = real
         with pytest.raises(BenchmarkError, match="stopped answering"):
-            b.is_alive()
+            server.exitcode(b.pid)
         kill_all([a])
         assert _wait_stopped(a.pid), a.pid
         assert state_of(b.pid) != "Z"
