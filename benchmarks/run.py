@@ -281,6 +281,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gloo-loop", choices=("batch", "stock"), default=None,
                    help="hybrid's trainers run gloo's event-loop thread under SCHED_BATCH (batch) or as gloo "
                         "starts it (stock) (runtime.gloo_loop_batch; default: RuntimeOptions', batch)")
+    p.add_argument("--server-policy", choices=("batch", "stock"), default=None,
+                   help="hybrid's servers run under SCHED_BATCH (batch) or as started (stock) "
+                        "(runtime.server_batch; default: RuntimeOptions', batch)")
     p.add_argument("--network", default="loopback", metavar="loopback|emulated[:rate=R,delay=D]",
                    help="loopback: every process on this host; emulated: every process a host of its own on an "
                         "emulated network, links shaped to rate R (default 10gbit) and one-way delay D (default "
@@ -332,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         runtime["huge_pages"] = args.huge_pages == "on"
     if args.gloo_loop is not None:
         runtime["gloo_loop_batch"] = args.gloo_loop == "batch"
+    if args.server_policy is not None:
+        runtime["server_batch"] = args.server_policy == "batch"
     if args.ps_transport is not None:
         runtime["ps_transport"] = args.ps_transport
     if args.rpc_threads:
