@@ -100,9 +100,9 @@ class RuntimeOptions:
     server's thread wakes on. On a server's own host, with idle cores, nothing changes; on cores
     shared with trainers, their forward and backward are not cut into by each message, and the
     server's thread, run a little later, finds more of the message arrived and reads it in fewer
-    calls. Under ``benchmarks.run --network emulated`` (3 processes on 2 cores) it took
-    hybrid_async's CPU a step from 7.1-7.6 ms to 6.1-6.7 per trainer and from 4.5-4.6 ms to
-    3.4-3.8 on the server (docs/performance.md). The numbers trained are the same."""
+    calls. Under ``benchmarks.run --network emulated`` (3 processes on 2 cores) it cut
+    hybrid_async's CPU a step by about 1 ms per process in a slow hour and changed nothing
+    measurable in a fast one (docs/performance.md). The numbers trained are the same."""
     server_memory_fraction: float = 0.8
     """Share of a machine's available memory (``MemAvailable``, or the cgroup's limit) that a
     parameter server's tables and optimizer state may take: a server refuses a collection that
