@@ -11,7 +11,9 @@
 
 Under torchrun the agent sends SIGTERM to the other processes the moment one exits; a process
 that is reporting ignores it until its message is out (the agent's SIGKILL, ``runtime.kill_grace_s``
-later, still ends it).
+later, still ends it). When a signal stops the whole job (Ctrl-C, a scheduler's SIGTERM, a closed
+terminal) the launcher says so in one line; a process that fails on a peer the agent stopped
+before it exits quietly (:func:`hybrid.launch.torchrun.job_stopping`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from hybrid.launch.address import link_down
 from hybrid.launch.init import failed_peers, record_failure, within
 from hybrid.launch.roles import Role
 from hybrid.launch.serve import PeerFailure, unreachable_peers
+from hybrid.launch.torchrun import job_stopping
 from hybrid.log import logger
 
 _REPORTED = "hybrid/user_error_reported"
@@ -34,6 +37,8 @@ _REPORTED = "hybrid/user_error_reported"
 
 def fail(role: Role, e: BaseException, *, user_error: bool) -> NoReturn:
     """Report ``e`` as described in the module docstring and end this process."""
+    if job_stopping():  # a peer ended because the job is being stopped: the launcher says so
+        _exit(EXIT_FAILED)
     try:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except ValueError:  # not the main thread: report without the shield

@@ -13,6 +13,7 @@ command names one. Workers connect as clients and listen only on their own RPC a
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     install(address)
     argv = _honour_shutdown_timeout(argv)
     _bound_exit_barrier(exit_barrier_s)
+    _name_stopping_mark()
     _quiet_stops()
     _name_restarts(names)
     from hybrid.launch import workers
@@ -230,6 +232,45 @@ class _QuietAboutStops(logging.Filter):
         return record.msg not in (self.SENDING, self.FORCED, self.FAILED)
 
 
+STOPPING_ENV = "HYBRID_JOB_STOPPING"
+"""A file torchrun's agent creates once a signal stops the job, before it stops the workers
+(:func:`_quiet_stops`); the workers' environment names it, and a worker that fails on a
+peer stopped before it exits quietly (:func:`hybrid.launch.failure.fail`): the launcher says what
+happened."""
+
+
+def job_stopping() -> bool:
+    """Whether a signal is stopping this job (its agent created the :data:`STOPPING_ENV` file)."""
+    path = os.environ.get(STOPPING_ENV)
+    return bool(path) and os.path.exists(path)
+
+
+def mark_stopping() -> None:
+    """In the agent: a signal stops the job (see :func:`job_stopping`)."""
+    path = os.environ.get(STOPPING_ENV)
+    if path:
+        try:
+            open(path, "a").close()
+        except OSError:  # the workers report their peers' ends as they would otherwise
+            pass
+
+
+def _name_stopping_mark() -> None:
+    """Name, in the environment the workers inherit, the file :func:`_quiet_stops` creates when
+    a signal stops the job (:data:`STOPPING_ENV`), in a folder of this process's own, removed
+    when it exits."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from hybrid.errors import remove_at_exit
+
+    folder = tempfile.mkdtemp(prefix="hybrid-agent-")
+    remove_at_exit(folder)
+    atexit.register(shutil.rmtree, folder, True)
+    os.environ[STOPPING_ENV] = os.path.join(folder, "stopping")
+
+
 def _quiet_stops() -> None:
     """Torchrun's lines about stopping workers go (:class:`_QuietAboutStops`). On a signal to stop
     (SIGINT: Ctrl-C; SIGTERM, SIGHUP, SIGQUIT: a scheduler, a closed terminal) it logs each step
@@ -242,6 +283,7 @@ def _quiet_stops() -> None:
 
     def quiet_on_stop(signum: int, frame) -> None:  # noqa: ANN001 - a signal handler's signature
         logging.disable(logging.WARNING)
+        mark_stopping()  # before any worker is stopped: the others need not report it
         handler(signum, frame)
 
     mp_api._terminate_process_handler = quiet_on_stop

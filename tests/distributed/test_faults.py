@@ -333,6 +333,45 @@ def test_a_hung_server_ends_the_whole_launch_within_the_timeout_and_the_kill_gra
     assert not list(tmpdir.glob("torchelastic_*")), list(tmpdir.iterdir())
 
 
+def _trainers_die(rank, world_size, *, num_servers, log_path):
+    from hybrid.launch.failure import fail
+    from hybrid.launch.roles import role_of
+    from hybrid.launch.serve import PeerFailure, serve
+
+    role = role_of(rank, world_size, num_servers)
+    if role.is_trainer:
+        os.kill(os.getpid(), signal.SIGKILL)
+    said = logging.FileHandler(log_path)
+    said.setLevel(logging.WARNING)  # what the process reports, not its progress
+    logging.getLogger("hybrid").addHandler(said)
+    try:
+        serve(role, heartbeat_s=0.1, timeout_s=2.0)
+    except PeerFailure as e:
+        fail(role, e, user_error=False)
+
+
+@pytest.mark.parametrize("stopping", [True, False], ids=["job stopping", "job running"])
+def test_a_process_that_loses_its_peers_while_a_signal_stops_the_job_says_nothing(tmp_path, stopping):
+    """The trainers die. Once a signal stops the job (Ctrl-C, a scheduler's SIGTERM), torchrun's
+    agent creates the file ``HYBRID_JOB_STOPPING`` names before it stops the workers, and the
+    launcher alone says what happened: the server, failing on its trainers' end, exits 1 without a
+    word. While the job runs, it names them."""
+    from hybrid.launch.torchrun import STOPPING_ENV
+
+    mark, log = tmp_path / "stopping", tmp_path / "ps0.log"
+    if stopping:
+        mark.touch()
+    with pytest.raises(DistributedTestError) as raised:
+        run_distributed(_trainers_die, 3, setup="hybrid", num_servers=1, timeout=60, env={STOPPING_ENV: str(mark)},
+                        log_path=str(log))
+    assert "(ps0) was killed or exited with code 1 " in str(raised.value), raised.value
+    said = log.read_text()
+    if stopping:
+        assert said == "", said
+    else:
+        assert "ps0: peers not answering: trainer0, trainer1 (died or hung)" in said, said
+
+
 def _trainers_leave_for_a_user_error(rank, world_size, *, num_servers):
     from hybrid.errors import InputError
     from hybrid.launch.failure import fail
