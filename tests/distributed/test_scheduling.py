@@ -38,13 +38,19 @@ def _loop_policies(rank, world_size, num_servers):
     return policies, bool((x == 3).all())
 
 
-@pytest.mark.parametrize("batch", [True, False], ids=["batch", "stock"])
-def test_trainers_gloo_event_loop_runs_under_the_policy_runtime_asks_for(batch):
-    got = run_distributed(_loop_policies, 3, setup="hybrid", num_servers=1, timeout=60,
-                          _runtime=RuntimeOptions(rpc_timeout_s=30, gloo_loop_batch=batch))
+def _on_trainers(fn, option: str, batch: bool) -> tuple[list, int]:
+    """``fn``'s results on the 2 trainers of a job with 1 server and ``runtime.<option>`` set to
+    ``batch``; the policy that asks for."""
+    got = run_distributed(fn, 3, setup="hybrid", num_servers=1, timeout=90,
+                          _runtime=RuntimeOptions(rpc_timeout_s=30, **{option: batch}))
     trainers = [g for g in got if g is not None]
     assert len(trainers) == 2
-    want = os.SCHED_BATCH if batch else os.SCHED_OTHER
+    return trainers, os.SCHED_BATCH if batch else os.SCHED_OTHER
+
+
+@pytest.mark.parametrize("batch", [True, False], ids=["batch", "stock"])
+def test_trainers_gloo_event_loop_runs_under_the_policy_runtime_asks_for(batch):
+    trainers, want = _on_trainers(_loop_policies, "gloo_loop_batch", batch)
     for policies, summed in trainers:
         assert policies and all(p == want for p in policies), (policies, want)
         assert summed
@@ -86,11 +92,7 @@ def _server_policies(rank, world_size, num_servers):
 
 @pytest.mark.parametrize("batch", [True, False], ids=["batch", "stock"])
 def test_every_thread_of_a_server_runs_under_the_policy_runtime_asks_for(batch):
-    got = run_distributed(_server_policies, 3, setup="hybrid", num_servers=1, timeout=90,
-                          _runtime=RuntimeOptions(rpc_timeout_s=30, server_batch=batch))
-    trainers = [g for g in got if g is not None]
-    assert len(trainers) == 2
-    want = os.SCHED_BATCH if batch else os.SCHED_OTHER
+    trainers, want = _on_trainers(_server_policies, "server_batch", batch)
     for before, after, stats in trainers:
         assert stats["ps0"]["channel_lookups"] >= 1, stats  # the step went over the step connection
         started = set(after) - set(before)
