@@ -265,7 +265,10 @@ def _name_stopping_mark() -> None:
 
     from hybrid.errors import remove_at_exit
 
-    folder = tempfile.mkdtemp(prefix="hybrid-agent-")
+    try:
+        folder = tempfile.mkdtemp(prefix="hybrid-agent-")
+    except OSError:  # no writable temp folder: the workers report their peers' ends as they would otherwise
+        return
     remove_at_exit(folder)
     atexit.register(shutil.rmtree, folder, True)
     os.environ[STOPPING_ENV] = os.path.join(folder, "stopping")
