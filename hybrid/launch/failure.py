@@ -13,7 +13,7 @@ Under torchrun the agent sends SIGTERM to the other processes the moment one exi
 that is reporting ignores it until its message is out (the agent's SIGKILL, ``runtime.kill_grace_s``
 later, still ends it). When a signal stops the whole job (Ctrl-C, a scheduler's SIGTERM, a closed
 terminal) the launcher says so in one line; a process that fails on a peer the agent stopped
-before it exits quietly (:func:`hybrid.launch.torchrun.job_stopping`).
+before it exits quietly (:mod:`hybrid.launch.stopping`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from hybrid.launch.address import link_down
 from hybrid.launch.init import failed_peers, record_failure, within
 from hybrid.launch.roles import Role
 from hybrid.launch.serve import PeerFailure, unreachable_peers
-from hybrid.launch.torchrun import job_stopping
+from hybrid.launch.stopping import job_stopping
 from hybrid.log import logger
 
 _REPORTED = "hybrid/user_error_reported"

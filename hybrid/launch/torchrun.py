@@ -22,6 +22,8 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
+from hybrid.launch.stopping import mark_stopping, name_mark
+
 _Real = dist.TCPStore
 _SOCKETS: list[socket.socket] = []  # kept open for the life of the stores
 
@@ -232,46 +234,19 @@ class _QuietAboutStops(logging.Filter):
         return record.msg not in (self.SENDING, self.FORCED, self.FAILED)
 
 
-STOPPING_ENV = "HYBRID_JOB_STOPPING"
-"""A file torchrun's agent creates once a signal stops the job, before it stops the workers
-(:func:`_quiet_stops`); the workers' environment names it, and a worker that fails on a
-peer stopped before it exits quietly (:func:`hybrid.launch.failure.fail`): the launcher says what
-happened."""
-
-
-def job_stopping() -> bool:
-    """Whether a signal is stopping this job (its agent created the :data:`STOPPING_ENV` file)."""
-    path = os.environ.get(STOPPING_ENV)
-    return bool(path) and os.path.exists(path)
-
-
-def mark_stopping() -> None:
-    """In the agent: a signal stops the job (see :func:`job_stopping`)."""
-    path = os.environ.get(STOPPING_ENV)
-    if path:
-        try:
-            open(path, "a").close()
-        except OSError:  # the workers report their peers' ends as they would otherwise
-            pass
-
-
 def _name_stopping_mark() -> None:
-    """Name, in the environment the workers inherit, the file :func:`_quiet_stops` creates when
-    a signal stops the job (:data:`STOPPING_ENV`), in a folder of this process's own, removed
-    when it exits."""
+    """Name the file :func:`_quiet_stops` creates when a signal stops the job
+    (:mod:`hybrid.launch.stopping`), unless the launcher did: its folder goes when this process
+    exits."""
     import atexit
     import shutil
-    import tempfile
 
     from hybrid.errors import remove_at_exit
 
-    try:
-        folder = tempfile.mkdtemp(prefix="hybrid-agent-")
-    except OSError:  # no writable temp folder: the workers report their peers' ends as they would otherwise
-        return
-    remove_at_exit(folder)
-    atexit.register(shutil.rmtree, folder, True)
-    os.environ[STOPPING_ENV] = os.path.join(folder, "stopping")
+    folder = name_mark()
+    if folder is not None:
+        remove_at_exit(folder)
+        atexit.register(shutil.rmtree, folder, True)
 
 
 def _quiet_stops() -> None:

@@ -18,9 +18,12 @@ how it watches, stops (by process group) and restarts workers, and how it report
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from typing import Any
+
+from hybrid.launch.stopping import name_mark
 
 ENV = "HYBRID_WORKER_START"
 
@@ -171,6 +174,7 @@ def run_agent(argv: list[str]) -> int:
 
     start_server()
     ctx = multiprocessing.get_context("forkserver")
+    folder = name_mark()  # in the environment the agent gets (hybrid.launch.stopping)
     agent = ctx.Process(target=_agent, args=(argv, dict(os.environ), forkserver._forkserver._forkserver_address),
                         name="hybrid-agent")
 
@@ -190,10 +194,14 @@ def run_agent(argv: list[str]) -> int:
 
     for name in AGENT_SIGNALS:
         signal.signal(getattr(signal, name), forward)
-    agent.start()
-    for signum in early:
-        os.kill(agent.pid, signum)
-    agent.join()
+    try:
+        agent.start()
+        for signum in early:
+            os.kill(agent.pid, signum)
+        agent.join()
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
     if agent.exitcode >= 0:
         return agent.exitcode
     if -agent.exitcode not in passed:  # killed outright (the OOM killer, kill -9): it could not say so

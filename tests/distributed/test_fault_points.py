@@ -172,14 +172,15 @@ def test_the_workers_end_with_a_launcher_or_agent_killed_outright(tmp_path, kill
 
     import shutil
 
-    from tests.support.cli import fork_server_folders
+    from tests.support.cli import fork_server_folders, stopping_mark_folders
     from tests.support.sockets import parent_of
 
     out = tmp_path / "out"
     with Job(["launch", "-n", "3", *DLRM, *LAUNCH_TINY, "train.steps=100000", f"train.out_dir={out}"]) as job:
         job.wait_training(out)
         workers = [job.pid_of_role(name) for name in ("trainer0", "trainer1", "ps0")]
-        left = fork_server_folders(job.pids())  # what a launcher killed outright leaves (docs/training.md)
+        # what a launcher killed outright leaves (docs/training.md)
+        left = fork_server_folders(job.pids()) | stopping_mark_folders(job.pids())
         # the launcher's children: the fork server and multiprocessing's resource tracker
         below = [p for p in job.pids() if parent_of(p) == job.proc.pid]
         agent = [p for p in job.pids() if parent_of(p) in below and p not in workers]

@@ -330,7 +330,7 @@ def test_a_hung_server_ends_the_whole_launch_within_the_timeout_and_the_kill_gra
     # margin 5 s: the trainers' 1 s ping naming the peers that do not answer, torchrun's polling,
     # start-up of the failure path on 2 busy cores (measured: 12.4 to 13.9 s in all)
     assert took <= timeout_s + grace_s + 5.0, f"{took:.1f}s from the stop to the end of the launch\n{res.output}"
-    assert not list(tmpdir.glob("torchelastic_*")), list(tmpdir.iterdir())
+    assert not list(tmpdir.glob("torchelastic_*")) and not list(tmpdir.glob("hybrid-job-*")), list(tmpdir.iterdir())
 
 
 def _trainers_die(rank, world_size, *, num_servers, log_path):
@@ -356,7 +356,7 @@ def test_a_process_that_loses_its_peers_while_a_signal_stops_the_job_says_nothin
     agent creates the file ``HYBRID_JOB_STOPPING`` names before it stops the workers, and the
     launcher alone says what happened: the server, failing on its trainers' end, exits 1 without a
     word. While the job runs, it names them."""
-    from hybrid.launch.torchrun import STOPPING_ENV
+    from hybrid.launch.stopping import STOPPING_ENV
 
     mark, log = tmp_path / "stopping", tmp_path / "ps0.log"
     if stopping:

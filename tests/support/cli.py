@@ -60,13 +60,14 @@ def run_hybrid(args: list[str], *, timeout: float, cwd: Path | None = None, env:
 def kill_tree(root: int) -> None:
     """SIGKILL ``root`` and every process below it (torchrun puts its workers in new sessions),
     and remove the socket folder of a fork server among them (``multiprocessing`` removes it when
-    the process that started the server exits, not when that process is killed)."""
+    the process that started the server exits, not when that process is killed) and the folder of
+    the job's stopping mark."""
     import shutil
 
     from tests.support.sockets import descendants
 
     pids = descendants(root)
-    folders = fork_server_folders(pids)
+    folders = fork_server_folders(pids) | stopping_mark_folders(pids)
     for pid in pids[::-1]:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -74,6 +75,15 @@ def kill_tree(root: int) -> None:
             pass
     for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def stopping_mark_folders(pids: list[int]) -> set[str]:
+    """The folders of the stopping marks (``hybrid.launch.stopping``) that ``pids`` made in the
+    temp folder: the launcher removes its own, unless it is killed outright."""
+    import glob
+    import tempfile
+
+    return {f for pid in pids for f in glob.glob(os.path.join(tempfile.gettempdir(), f"hybrid-job-{pid}-*"))}
 
 
 def fork_server_folders(pids: list[int]) -> set[str]:
