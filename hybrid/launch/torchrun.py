@@ -13,7 +13,6 @@ command names one. Workers connect as clients and listen only on their own RPC a
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import sys
