@@ -144,31 +144,32 @@ def batch_gloo_loops() -> int:
     """Put this process's gloo event-loop threads (:data:`GLOO_LOOP_THREAD`) under ``SCHED_BATCH``
     (see :attr:`RuntimeOptions.gloo_loop_batch`); how many there were. Where the policy or the
     threads' names cannot be read or set (not Linux), nothing changes."""
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return 0
     done = 0
-    for tid in tids:
+    for tid in _thread_ids():
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 if f.read().strip() != GLOO_LOOP_THREAD:
                     continue
         except OSError:  # the thread ended meanwhile
             continue
-        done += batch_thread(int(tid))
+        done += batch_thread(tid)
     return done
 
 
 def batch_process() -> None:
     """Put every thread of this process under ``SCHED_BATCH`` (:func:`batch_thread`); the
-    threads they start later inherit it (see :attr:`RuntimeOptions.server_batch`)."""
+    threads they start later inherit it (see :attr:`RuntimeOptions.server_batch`). Where the
+    threads cannot be listed, the calling one."""
+    for tid in _thread_ids() or [0]:
+        batch_thread(tid)
+
+
+def _thread_ids() -> list[int]:
+    """This process's threads (Linux's ``/proc/self/task``); none where they cannot be listed."""
     try:
-        tids = os.listdir("/proc/self/task")
+        return [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
-        tids = ["0"]
-    for tid in tids:
-        batch_thread(int(tid))
+        return []
 
 
 def batch_thread(tid: int = 0) -> bool:

@@ -265,8 +265,9 @@ def _wait_stopped(pid: int, timeout_s: float = 20.0) -> bool:
 
 def test_an_emulated_hosts_server_out_of_step_or_gone_leaves_no_rank_running():
     """The server that forks an emulated host's ranks (run here on this host): a running rank's
-    liveness asks the server nothing; a request interrupted between its sending and its answer (a signal's KeyboardInterrupt) leaves the pipe
-    out of step, so the next request fails at once rather than read the stale answer;
+    liveness asks the server nothing; a request interrupted between its sending and its answer (a
+    signal's KeyboardInterrupt) leaves the pipe out of step, so the next request fails at once
+    rather than read the stale answer;
     ``kill_all`` then still kills the rank, by its pid, and raises nothing (an interrupted run's
     KeyboardInterrupt must reach the caller); and a rank dies with its server."""
     server = HostServer(None)
