@@ -1,5 +1,6 @@
 """Builds hybrid's native code (``hybrid._C``, a torch C++ extension) at install time: the operators
-and the RPC transport that listens on ``runtime.address``.
+and the RPC transport that listens on ``runtime.address``; and the benchmarks' (``benchmarks._C``:
+the emulated network's delay line).
 
 The package metadata lives in pyproject.toml; this file only adds the extension. It needs torch
 at build time (``pip install --no-build-isolation``, as ``make env`` does). Without torch there
@@ -41,8 +42,11 @@ def extensions():
     # error message crashes the process.
     link = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
     ext = CppExtension("hybrid._C", sources, depends=headers, extra_compile_args=CXX_FLAGS, extra_link_args=link)
+    # The benchmarks' own native code: the emulated network's delay line (benchmarks/csrc).
+    bench = CppExtension("benchmarks._C", sorted(glob.glob(os.path.join("benchmarks", "csrc", "*.cpp"), root_dir=here)),
+                         extra_compile_args=["-O2"], extra_link_args=link)
     # ninja, where installed, compiles the sources in parallel (MAX_JOBS, default every core).
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=is_ninja_available())}
+    return [ext, bench], {"build_ext": BuildExtension.with_options(use_ninja=is_ninja_available())}
 
 
 ext_modules, cmdclass = extensions()

@@ -13,6 +13,12 @@ this process instead. It reads and writes whole segmentation-offload frames (``P
 up to 64 KiB of TCP payload a frame), so its cost grows with the messages, not with the bytes'
 1,500-byte packets. Rate shaping stays in the kernel (``tbf`` on both ends of every link).
 
+Its CPU comes out of the cores the emulated hosts share, which a real switch's does not, so the
+frames pass through native code (``torch.classes.hybrid_bench.DelayLine``,
+``benchmarks/csrc/delayline.cpp``, built at install as ``benchmarks._C``): one ``recvmsg`` and one
+``send`` a frame, waits in ``ppoll``. This module opens the ports, takes the signals and writes the
+snapshots.
+
 The process runs at real-time priority where it may (``SCHED_FIFO``), as a switch's hardware runs
 beside the hosts' CPUs rather than after them; it asks to wake ahead of the next frame's time by
 its measured lateness at waking. ``--control-fd`` is the read end of a pipe whose write end only
@@ -27,13 +33,10 @@ SIGINT end the process.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
-import select
 import signal
 import socket
-import struct
 import sys
 import time
 
@@ -44,10 +47,7 @@ PACKET_VNET_HDR = 15  # frames carry a virtio_net_hdr: whole offload segments, c
 PACKET_IGNORE_OUTGOING = 23  # a port's socket does not see the frames this process sends through it
 SO_RCVBUFFORCE, SO_SNDBUFFORCE, SO_TIMESTAMPNS = 33, 32, 35
 ETH_P_ALL = 0x0003
-VNET_HDR = 10
-FRAME_MAX = VNET_HDR + 14 + 65535 + 64  # the largest offload frame (an IP datagram of 64 KiB)
 BUFFER = 64 << 20  # each port's socket buffers: 50 ms at 10 Gbit/s, so a frame is never dropped for room
-_HELD_MAX_US = 100_000
 
 
 class _Stopped(Exception):
@@ -55,33 +55,36 @@ class _Stopped(Exception):
 
 
 class _Period:
-    """What the delay line did since the last snapshot: frames, bytes, drops, CPU, and how long
-    frames stayed (counts by microsecond up to 100 ms)."""
+    """What the delay line did since the last snapshot: its CPU here, the rest from the native
+    line's counters (:meth:`summary`)."""
 
     def __init__(self) -> None:
-        self.held = [0] * (_HELD_MAX_US + 1)
-        self.frames = self.bytes = self.dropped = 0
         self.cpu0 = time.process_time()
 
-    def percentiles(self, qs: dict[str, float]) -> dict[str, int | None]:
-        """Each named quantile of how long frames stayed (microseconds), in one walk over the
-        counts; None without frames."""
-        out: dict[str, int | None] = {name: None for name in qs}
-        todo = sorted(qs.items(), key=lambda item: item[1])
-        seen = 0
-        for us, c in enumerate(self.held):
-            seen += c
-            while todo and seen and seen >= todo[0][1] * self.frames:
-                out[todo.pop(0)[0]] = us
-            if not todo:
-                break
-        return out
-
-    def summary(self, lead_s: float) -> dict:
-        return {"frames": self.frames, "bytes": self.bytes, "dropped": self.dropped,
+    def summary(self, counters) -> dict:
+        """``counters``: ``DelayLine.take()`` (frames, bytes, dropped, lead in ns, then how many
+        frames stayed each whole microsecond, up to 100 ms)."""
+        c = counters.tolist()
+        frames, held = c[0], c[4:]
+        return {"frames": frames, "bytes": c[1], "dropped": c[2],
                 "cpu_s": round(time.process_time() - self.cpu0, 3),
-                "held_us": self.percentiles({"p10": 0.1, "p50": 0.5, "p90": 0.9, "p99": 0.99}),
-                "lead_us": round(lead_s * 1e6, 1)}
+                "held_us": percentiles(held, frames, {"p10": 0.1, "p50": 0.5, "p90": 0.9, "p99": 0.99}),
+                "lead_us": round(c[3] / 1e3, 1)}
+
+
+def percentiles(held: list[int], frames: int, qs: dict[str, float]) -> dict[str, int | None]:
+    """Each named quantile of how long frames stayed (``held[us]``: frames that stayed ``us``
+    microseconds), in one walk over the counts; None without frames."""
+    out: dict[str, int | None] = {name: None for name in qs}
+    todo = sorted(qs.items(), key=lambda item: item[1])
+    seen = 0
+    for us, c in enumerate(held):
+        seen += c
+        while todo and seen and seen >= todo[0][1] * frames:
+            out[todo.pop(0)[0]] = us
+        if not todo:
+            break
+    return out
 
 
 def open_port(name: str) -> socket.socket:
@@ -101,77 +104,44 @@ def run(ports: list[str], delay_s: float, control_fd: int, report) -> None:
     """Forward frames between ``ports`` (port ``i`` for :func:`host_mac` ``(i)``), each ``delay_s``
     after it arrived, until ``control_fd`` reaches end of file or SIGTERM/SIGINT. Every byte read
     from ``control_fd`` asks for a snapshot: ``report(dict)`` gets what happened since the last
-    one (:class:`_Period`). ``report("ready")`` comes once every port is open."""
+    one (:class:`_Period`). ``report("ready")`` comes once every port is open. The frames pass
+    through ``torch.classes.hybrid_bench.DelayLine`` (``benchmarks/csrc/delayline.cpp``)."""
     socks = [open_port(p) for p in ports]
-    by_mac = {host_mac(i, raw=True): s for i, s in enumerate(socks)}
-    by_fd = {s.fileno(): s for s in socks}
-    watch = [control_fd, *by_fd]
-    queue: collections.deque = collections.deque()  # (time to leave, received, socket, frame), as read
+    macs = [int.from_bytes(host_mac(i, raw=True), "big") for i in range(len(socks))]
+    line = _native().DelayLine([s.fileno() for s in socks], macs, delay_s)
     period = _Period()
-    timestamp = struct.Struct("qq").unpack_from
-    # Waking up takes time (tens of microseconds in a virtual machine): the loop asks to wake
-    # `lead` (the measured lateness of waking, a moving average) before the next frame's time
-    # and sends what is due within half of it, so that frames leave about on time.
-    lead = 0.0
 
     def _stop(*_):
-        raise _Stopped  # out of select() at once (a handler that returns would let it wait on)
+        raise _Stopped
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     report("ready")
     try:
         while True:
-            timeout = None
-            if queue:
-                timeout = max(0.0, queue[0][0] - time.time() - lead)
-            asked = time.time() + (timeout or 0.0)
-            readable, _, _ = select.select(watch, [], [], timeout)
-            now = time.time()
-            if not readable and timeout:
-                lead += (min(now - asked, 1e-3) - lead) * 0.05
-            for fd in readable:
-                if fd == control_fd:
-                    asks = os.read(control_fd, 4096)
-                    if not asks:
-                        return
-                    for _ in asks:
-                        report(period.summary(lead))
-                        period = _Period()
-                    continue
-                s = by_fd[fd]
-                for _ in range(64):
-                    try:
-                        frame, ancillary, flags, _ = s.recvmsg(FRAME_MAX, 64, socket.MSG_DONTWAIT)
-                    except BlockingIOError:
-                        break
-                    except OSError:  # the port went down (a fault a test injects): nothing to read
-                        period.dropped += 1
-                        break
-                    out = by_mac.get(frame[VNET_HDR:VNET_HDR + 6])
-                    if out is None or flags & socket.MSG_TRUNC or not ancillary:
-                        period.dropped += 1
-                        continue
-                    sec, nsec = timestamp(ancillary[0][2])  # the only control message: SO_TIMESTAMPNS
-                    received = sec + nsec * 1e-9
-                    queue.append((received + delay_s, received, out, frame))
-            if queue:
-                now = time.time()
-                due = now + lead / 2
-                held, nbytes = period.held, 0
-                while queue and queue[0][0] <= due:
-                    _, received, out, frame = queue.popleft()
-                    try:
-                        out.send(frame)
-                    except OSError:  # the port is down or its queue full: the frame is lost, as on a wire
-                        period.dropped += 1
-                        continue
-                    held[min(_HELD_MAX_US, int((now - received) * 1e6))] += 1
-                    period.frames += 1
-                    nbytes += len(frame) - VNET_HDR
-                period.bytes += nbytes
+            if line.run(control_fd) != 1:
+                continue  # a signal: its handler has run (and raised, for SIGTERM and SIGINT)
+            asks = os.read(control_fd, 4096)
+            if not asks:
+                return
+            for _ in asks:
+                report(period.summary(line.take()))
+                period = _Period()
     except _Stopped:
         return
+
+
+def _native():
+    """``torch.classes.hybrid_bench``, which ``benchmarks._C`` registers (built at install, as
+    ``hybrid._C``)."""
+    import torch
+
+    try:
+        import benchmarks._C  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"benchmarks._C does not load ({e}): build it with `make env` "
+                         f"(or `python setup.py build_ext --inplace`)") from e
+    return torch.classes.hybrid_bench
 
 
 def _realtime() -> None:

@@ -220,6 +220,13 @@ class EmulatedNetwork:
         """Start :mod:`benchmarks.delayline` in the switch's namespace on every port and wait until
         it has opened them. Its control pipe's write end is this process's alone, so the delay
         line ends with this process, however that ends."""
+        try:
+            import torch  # noqa: F401  (first: it loads the libraries the extension links to)
+
+            import benchmarks._C  # noqa: F401  (the delay line's native loop)
+        except ImportError as e:
+            raise NetworkError(f"a delay needs benchmarks._C, which does not load ({e}): build it with `make env` "
+                               f"(or `python setup.py build_ext --inplace`), or run with delay=0") from e
         read_end, self._delay_line_control = os.pipe()
         repo = str(Path(__file__).resolve().parent.parent)
         cmd = ["ip", "netns", "exec", self.switch, sys.executable, "-m", "benchmarks.delayline",
