@@ -144,6 +144,41 @@ def test_a_delay_holds_every_frame_in_the_delay_line_which_ends_with_the_network
 # neither sees nor removes them.
 TEST_PREFIX = "hbtest"
 
+_FRAMES = """
+import socket, sys
+from benchmarks.network import host_mac
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(("eth0", 0))
+src = host_mac(0, raw=True)
+for dst in (host_mac(1, raw=True), bytes.fromhex("02000000ffff"), host_mac(1, raw=True)):
+    s.send(dst + src + bytes.fromhex("88b5") + b"hybrid" * 20)  # the local experimental EtherType
+"""
+
+
+def test_the_delay_line_forwards_frames_by_their_mac_and_counts_one_for_no_port_as_dropped():
+    """Raw frames from host 0: two for host 1's MAC address arrive there, whole and held for the
+    delay; one for a MAC no port has is dropped and counted."""
+    with EmulatedNetwork(NetworkSpec(delay_s=1e-3), hosts=2) as net:
+        net.delay_line_snapshot()
+        sniff = _on(net, 1, """
+import socket, sys
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x88b5))
+s.bind(("eth0", 0)); s.settimeout(20)
+print("ready", flush=True)
+print(" ".join(str(len(s.recv(4096))) for _ in range(2)), flush=True)
+""")
+        try:
+            assert sniff.stdout.readline().strip() == "ready"
+            _on(net, 0, _FRAMES).communicate(timeout=30)
+            got = sniff.communicate(timeout=30)[0].split()
+        finally:
+            sniff.kill()
+        stats = net.delay_line_snapshot()
+    assert got == ["134", "134"]  # 14 bytes of header and 120 of payload, each
+    assert (stats["frames"], stats["dropped"], stats["bytes"]) == (2, 1, 2 * 134), stats
+    assert 900 <= stats["held_us"]["p10"] <= stats["held_us"]["p99"] < 100_000, stats
+
+
 _HOLD_A_NETWORK = f"""
 import sys, time
 import benchmarks.network as network
