@@ -30,6 +30,8 @@
 #include <deque>
 #include <memory>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unordered_map>
@@ -57,6 +59,19 @@ int64_t mac_of(const uint8_t* p) {
 
 using Buffer = std::unique_ptr<uint8_t[]>;  // kFrameMax bytes
 
+// SIGTERM and SIGINT blocked for the object's life; `outside` is the mask as it was.
+struct SignalsHeld {
+  sigset_t outside;
+  SignalsHeld() {
+    sigset_t block;
+    sigemptyset(&block);
+    sigaddset(&block, SIGTERM);
+    sigaddset(&block, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &block, &outside);
+  }
+  ~SignalsHeld() { pthread_sigmask(SIG_SETMASK, &outside, nullptr); }
+};
+
 struct Held {
   int64_t due_ns, received_ns;
   int out_fd;
@@ -78,6 +93,10 @@ class DelayLine : public torch::CustomClassHolder {
   }
 
   int64_t run(int64_t control_fd) {
+    // SIGTERM and SIGINT are blocked but while ppoll waits: one that comes while frames are
+    // read or sent waits for the next ppoll, which it ends at once, rather than being missed by
+    // a wait that starts after its handler's flag was set.
+    SignalsHeld signals;
     std::vector<pollfd> fds(ports_.size() + 1);
     fds[0] = {static_cast<int>(control_fd), POLLIN, 0};
     for (size_t i = 0; i < ports_.size(); i++) fds[i + 1] = {ports_[i], POLLIN, 0};
@@ -92,7 +111,7 @@ class DelayLine : public torch::CustomClassHolder {
         timeout.tv_nsec = ahead % 1000000000;
         wait = &timeout;
       }
-      const int ready = ppoll(fds.data(), fds.size(), wait, nullptr);
+      const int ready = ppoll(fds.data(), fds.size(), wait, &signals.outside);
       if (ready < 0) {
         if (errno == EINTR) return 2;
         TORCH_CHECK(false, "the delay line's ppoll failed: ", std::strerror(errno));
