@@ -42,8 +42,8 @@ namespace {
 constexpr int64_t kVnetHdr = 10;                               // virtio_net_hdr before the Ethernet header
 constexpr size_t kFrameMax = kVnetHdr + 14 + 65535 + 64;       // the largest offload frame
 constexpr int64_t kHeldMaxUs = 100000;
-constexpr int kReadsPerWake = 64;
-constexpr int64_t kLateMaxNs = 100000;                              // frames read from one port before the others
+constexpr int kReadsPerWake = 64;                              // frames read from one port before the others
+constexpr int64_t kLateMaxNs = 100000;                         // the most one late wait counts in the lead
 
 int64_t now_ns() {
   timespec ts;
