@@ -54,22 +54,15 @@ class _Stopped(Exception):
     """SIGTERM or SIGINT: the delay line ends."""
 
 
-class _Period:
-    """What the delay line did since the last snapshot: its CPU here, the rest from the native
-    line's counters (:meth:`summary`)."""
-
-    def __init__(self) -> None:
-        self.cpu0 = time.process_time()
-
-    def summary(self, counters) -> dict:
-        """``counters``: ``DelayLine.take()`` (frames, bytes, dropped, lead in ns, then how many
-        frames stayed each whole microsecond, up to 100 ms)."""
-        c = counters.tolist()
-        frames, held = c[0], c[4:]
-        return {"frames": frames, "bytes": c[1], "dropped": c[2],
-                "cpu_s": round(time.process_time() - self.cpu0, 3),
-                "held_us": percentiles(held, frames, {"p10": 0.1, "p50": 0.5, "p90": 0.9, "p99": 0.99}),
-                "lead_us": round(c[3] / 1e3, 1)}
+def summary(counters, cpu_s: float) -> dict:
+    """A snapshot's JSON: ``counters`` from ``DelayLine.take()`` (frames, bytes, dropped, lead in
+    ns, then how many frames stayed each whole microsecond, up to 100 ms) and this process's CPU
+    seconds since the last snapshot."""
+    c = counters.tolist()
+    frames, held = c[0], c[4:]
+    return {"frames": frames, "bytes": c[1], "dropped": c[2], "cpu_s": round(cpu_s, 3),
+            "held_us": percentiles(held, frames, {"p10": 0.1, "p50": 0.5, "p90": 0.9, "p99": 0.99}),
+            "lead_us": round(c[3] / 1e3, 1)}
 
 
 def percentiles(held: list[int], frames: int, qs: dict[str, float]) -> dict[str, int | None]:
@@ -104,12 +97,12 @@ def run(ports: list[str], delay_s: float, control_fd: int, report) -> None:
     """Forward frames between ``ports`` (port ``i`` for :func:`host_mac` ``(i)``), each ``delay_s``
     after it arrived, until ``control_fd`` reaches end of file or SIGTERM/SIGINT. Every byte read
     from ``control_fd`` asks for a snapshot: ``report(dict)`` gets what happened since the last
-    one (:class:`_Period`). ``report("ready")`` comes once every port is open. The frames pass
+    one (:func:`summary`). ``report("ready")`` comes once every port is open. The frames pass
     through ``torch.classes.hybrid_bench.DelayLine`` (``benchmarks/csrc/delayline.cpp``)."""
     socks = [open_port(p) for p in ports]
     macs = [int.from_bytes(host_mac(i, raw=True), "big") for i in range(len(socks))]
     line = _native().DelayLine([s.fileno() for s in socks], macs, delay_s)
-    period = _Period()
+    cpu0 = time.process_time()
 
     def _stop(*_):
         raise _Stopped
@@ -125,22 +118,20 @@ def run(ports: list[str], delay_s: float, control_fd: int, report) -> None:
             if not asks:
                 return
             for _ in asks:
-                report(period.summary(line.take()))
-                period = _Period()
+                cpu = time.process_time()
+                report(summary(line.take(), cpu - cpu0))
+                cpu0 = cpu
     except _Stopped:
         return
 
 
 def _native():
     """``torch.classes.hybrid_bench``, which ``benchmarks._C`` registers (built at install, as
-    ``hybrid._C``)."""
+    ``hybrid._C``; :class:`benchmarks.network.EmulatedNetwork` checks it loads before it starts
+    this process)."""
     import torch
 
-    try:
-        import benchmarks._C  # noqa: F401
-    except ImportError as e:
-        raise SystemExit(f"benchmarks._C does not load ({e}): build it with `make env` "
-                         f"(or `python setup.py build_ext --inplace`)") from e
+    import benchmarks._C  # noqa: F401
     return torch.classes.hybrid_bench
 
 
