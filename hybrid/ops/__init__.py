@@ -119,6 +119,22 @@ def gather_rows(tables, ids, counts, *, out=None, dtype=torch.float32) -> torch.
     return out[:numel]
 
 
+def pool_rows(tables, ids, counts, idx, offsets, *, weights=None, mean=False, out) -> torch.Tensor:
+    """Bags pooled straight from the tables (``pool_on: server``): the rows ``ids`` of the tables
+    (split by ``counts`` as in :func:`gather_rows`, every table of one dim and dtype) numbered in
+    that order, bag ``b`` pooling rows ``idx[offsets[b]:offsets[b + 1]]`` (int32) -- summed, each
+    times its per-sample weight where ``weights`` is given, or their mean -- into row ``b`` of
+    ``out`` (``bags x dim`` elements, converted to its dtype). Equal bit for bit to
+    ``embedding_bag`` over :func:`gather_rows`' rows, without gathering them first. Raises
+    :class:`RowOutOfRange`."""
+    ids = _index(ids)
+    status = torch.ops.hybrid.pool_rows(tables, ids, counts, idx.contiguous(), offsets.contiguous(),
+                                        None if weights is None else weights.contiguous(), bool(mean), out)
+    if status[0] != _OK:
+        raise _out_of_range(status, ids, lambda t: tables[t].shape[0])
+    return out
+
+
 def sgd_rows_(tables, ids, counts, grad, *, alpha) -> None:
     """``tables[t][id] += alpha * grad_row`` for each id in order (``ids`` and the flat ``grad``
     split by ``counts`` as in :func:`gather_rows`); a repeated id adds each of its rows, and a
@@ -351,6 +367,7 @@ if not AVAILABLE:
         optimizer_rows,
         optimizer_step_,
         populate_,
+        pool_rows,
         route,
         route_hashed,
         scatter_rows_,

@@ -161,6 +161,13 @@ def gather_rows(tables, ids, counts, *, out=None, dtype=torch.float32) -> torch.
     return out
 
 
+def pool_rows(tables, ids, counts, idx, offsets, *, weights=None, mean=False, out) -> torch.Tensor:
+    rows = gather_rows(tables, ids, counts).view(-1, tables[0].shape[1]) if tables else torch.empty(0, 0)
+    out.view(offsets.numel() - 1, -1).copy_(torch.nn.functional.embedding_bag(
+        idx, rows, offsets, mode="mean" if mean else "sum", per_sample_weights=weights, include_last_offset=True))
+    return out
+
+
 def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 

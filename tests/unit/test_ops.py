@@ -381,6 +381,61 @@ def test_gather_rows_equals_the_reference(table_dtype, out_dtype):
 
 @native
 @pytest.mark.parametrize("table_dtype", ROW_DTYPES)
+@pytest.mark.parametrize("out_dtype", ROW_DTYPES)
+@pytest.mark.parametrize("pooling", ["sum", "mean", "weighted"])
+def test_pool_rows_equals_the_reference(table_dtype, out_dtype, pooling):
+    """Bags pooled straight from the tables equal embedding_bag over the gathered rows, bit for
+    bit: every row width the kernel specializes and others, empty bags, rows repeated in a bag,
+    a -0.0 (a bag of it alone pools to +0.0, as embedding_bag's sum from zero), on one thread
+    and split over two."""
+    g = torch.Generator().manual_seed(12)
+    for dim in (1, 3, 16, 32, 64, 100, 128):
+        tables = [torch.randn(int(torch.randint(1, 40, (1,), generator=g)), dim, generator=g).to(table_dtype)
+                  for _ in range(3)]
+        tables[0][0, 0] = -0.0
+        ids, counts = _counts(g, tables, 30)
+        ids[0], counts = 0, counts if counts[0] else [1, *counts[1:]]
+        ids = ids if sum(counts) == ids.numel() else torch.cat([torch.zeros(1, dtype=torch.int64), ids])
+        nrows = ids.numel()
+        lengths = torch.randint(0, 7, (300,), generator=g)
+        lengths[:2] = torch.tensor([1, 0])  # the -0.0 row alone, then an empty bag
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+        idx = torch.randint(0, nrows, (int(offsets[-1]),), generator=g, dtype=torch.int32)
+        idx[0] = 0
+        weights = torch.randn(idx.numel(), generator=g) if pooling == "weighted" else None
+        want = torch.full((300 * dim,), 7.0).to(out_dtype)
+        ref.pool_rows(tables, ids, counts, idx, offsets, weights=weights, mean=pooling == "mean", out=want)
+        previous = torch.get_num_threads()
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            try:
+                got = torch.full((300 * dim,), 7.0).to(out_dtype)
+                ops.pool_rows(tables, ids, counts, idx, offsets, weights=weights, mean=pooling == "mean", out=got)
+            finally:
+                torch.set_num_threads(previous)
+            assert _equal(got, want), (dim, threads)
+
+
+@native
+def test_pool_rows_names_a_row_outside_its_table_and_refuses_a_bad_index():
+    g = torch.Generator().manual_seed(13)
+    tables = [torch.randn(5, 4, generator=g), torch.randn(6, 4, generator=g)]
+    offsets = torch.tensor([0, 2, 3], dtype=torch.int32)
+    idx = torch.tensor([0, 2, 1], dtype=torch.int32)
+    out = torch.empty(8)
+    with pytest.raises(ops.RowOutOfRange) as e:
+        ops.pool_rows(tables, torch.tensor([1, 4, 6]), [2, 1], idx, offsets, out=out)
+    assert (e.value.table, e.value.row) == (1, 6)
+    with pytest.raises(ValueError, match=r"idx\[1\] = 3 is not one of the 3 rows"):
+        ops.pool_rows(tables, torch.tensor([1, 4, 5]), [2, 1], torch.tensor([0, 3, 1], dtype=torch.int32), offsets,
+                      out=out)
+    with pytest.raises(ValueError, match="mean"):
+        ops.pool_rows(tables, torch.tensor([1, 4, 5]), [2, 1], idx, offsets, weights=torch.ones(3), mean=True,
+                      out=out)
+
+
+@native
+@pytest.mark.parametrize("table_dtype", ROW_DTYPES)
 @pytest.mark.parametrize("grad_dtype", ROW_DTYPES)
 def test_sgd_rows_equals_the_reference(table_dtype, grad_dtype):
     g = torch.Generator().manual_seed(11)

@@ -95,6 +95,15 @@ struct RowKernels {
   // once. Ids and gradients already checked.
   void (*sgd)(const Table& t, const int64_t* ids, int64_t n, const void* grad, DType grad_dtype,
               float alpha);
+  // Bags of rows pooled where the rows are (pool_on: server): bag b is rows[idx[p]] for p in
+  // [offsets[b], offsets[b + 1]), each row dim elements of dtype, summed in order in float32
+  // (weights: each row times weights[p], one fused multiply-add an element; mean: the sum
+  // divided by the bag's length, an empty bag 0), rounded once into out (nbags x dim of
+  // out_dtype). That is torch's embedding_bag over the gathered rows, bit for bit, without
+  // the gathered copy. Indices already checked.
+  void (*pool)(const void* const* rows, DType dtype, int64_t dim, const int32_t* idx,
+               const int32_t* offsets, int64_t nbags, const float* weights, bool mean, void* out,
+               DType out_dtype);
   // Distinct rows of n checked ids (ascending) and their gradients summed in arrival order,
   // times scale: rows_out, sum_out (n rows of d at most). Returns the number of rows.
   int64_t (*sum_rows)(int64_t n, const int64_t* ids, const void* grads, DType grad_dtype,

@@ -110,6 +110,78 @@ void gather(const Table& t, const int64_t* ids, int64_t n, void* out, DType out_
   });
 }
 
+// Calls f with the row length as a compile-time constant for the common embedding widths
+// (row-wise Adagrad, rows of 32 and 64 floats: 14.6 and 24 ns a row against 31 and 51 with the
+// length read at run time, whose row loops check trip count and aliasing on every row; float32
+// rows of any of these widths run their row loops in explicit vectors of 8), else with 0.
+template <typename F>
+inline auto with_dim(int64_t d, F&& f) {
+  switch (d) {
+    case 32:
+      return f(std::integral_constant<int64_t, 32>{});
+    case 64:
+      return f(std::integral_constant<int64_t, 64>{});
+    case 16:
+      return f(std::integral_constant<int64_t, 16>{});
+    case 128:
+      return f(std::integral_constant<int64_t, 128>{});
+    default:
+      return f(std::integral_constant<int64_t, 0>{});
+  }
+}
+
+// -- bags pooled from the rows where they are ---------------------------------------------------
+
+// One bag at a time into a float32 accumulator of the row's length (kD: known at compile time,
+// 0: dim, in per-thread scratch). Each id's row is requested rows_ahead ids before its turn.
+template <typename S, typename O, int64_t kD>
+void pool_t(const void* const* rows, int64_t dim, const int32_t* idx, const int32_t* offsets,
+            int64_t nbags, const float* weights, bool mean, typename O::T* out) {
+  using T = typename S::T;
+  const int64_t d = kD > 0 ? kD : dim;
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
+  float fixed[kD > 0 ? kD : 1];
+  float* acc = kD > 0 ? fixed : scratch<float>(d);
+  const int64_t n = offsets[nbags] - offsets[0];
+  const int32_t* ids = idx + offsets[0];
+  const int64_t ahead = rows_ahead(bytes);
+  for (int64_t p = 0; p < n && p < ahead; p++) prefetch_row(rows[ids[p]], bytes);
+  for (int64_t b = 0; b < nbags; b++) {
+    for (int64_t j = 0; j < d; j++) acc[j] = 0.0f;
+    const int64_t lo = offsets[b] - offsets[0], hi = offsets[b + 1] - offsets[0];
+    for (int64_t p = lo; p < hi; p++) {
+      if (p + ahead < n) prefetch_row(rows[ids[p + ahead]], bytes);
+      const T* r = static_cast<const T*>(rows[ids[p]]);
+      if (weights != nullptr) {
+        const float w = weights[offsets[0] + p];
+        for (int64_t j = 0; j < d; j++) acc[j] = __builtin_fmaf(w, S::load(r[j]), acc[j]);
+      } else {
+        for (int64_t j = 0; j < d; j++) acc[j] += S::load(r[j]);
+      }
+    }
+    if (mean && hi > lo) {
+      const float len = static_cast<float>(hi - lo);
+      for (int64_t j = 0; j < d; j++) acc[j] /= len;
+    }
+    for (int64_t j = 0; j < d; j++) out[j] = O::store(acc[j]);
+    out += d;
+  }
+}
+
+void pool(const void* const* rows, DType dtype, int64_t dim, const int32_t* idx, const int32_t* offsets,
+          int64_t nbags, const float* weights, bool mean, void* out, DType out_dtype) {
+  with_dtype(dtype, [&](auto s) {
+    using S = decltype(s);
+    with_dtype(out_dtype, [&](auto od) {
+      using O = decltype(od);
+      with_dim(dim, [&](auto kd) {
+        pool_t<S, O, decltype(kd)::value>(rows, dim, idx, offsets, nbags, weights, mean,
+                                          static_cast<typename O::T*>(out));
+      });
+    });
+  });
+}
+
 // -- plain SGD, straight into the table -------------------------------------------------------
 
 template <typename G>
@@ -615,26 +687,6 @@ StepResult step_inplace_t(Optim kind, const Table& weight, const State& st, int6
   return res;
 }
 
-// Calls f with the row length as a compile-time constant for the common embedding widths
-// (row-wise Adagrad, rows of 32 and 64 floats: 14.6 and 24 ns a row against 31 and 51 with the
-// length read at run time, whose row loops check trip count and aliasing on every row; float32
-// rows of any of these widths run their row loops in explicit vectors of 8), else with 0.
-template <typename F>
-inline auto with_dim(int64_t d, F&& f) {
-  switch (d) {
-    case 32:
-      return f(std::integral_constant<int64_t, 32>{});
-    case 64:
-      return f(std::integral_constant<int64_t, 64>{});
-    case 16:
-      return f(std::integral_constant<int64_t, 16>{});
-    case 128:
-      return f(std::integral_constant<int64_t, 128>{});
-    default:
-      return f(std::integral_constant<int64_t, 0>{});
-  }
-}
-
 // Rows row-wise Adagrad writes before it checks that their new weights were finite.
 constexpr int64_t kRowwiseCheckRows = 16;
 
@@ -860,7 +912,7 @@ int64_t nonfinite_rows(const void* x, DType dtype, int64_t nrows, int64_t d, int
 }  // namespace HY_ISA
 
 const RowKernels HY_KERNELS = {
-    HY_ISA_NAME,         HY_ISA::gather,      HY_ISA::sgd,          HY_ISA::sum_rows,
+    HY_ISA_NAME,         HY_ISA::gather,      HY_ISA::sgd,          HY_ISA::pool,         HY_ISA::sum_rows,
     HY_ISA::state_step, HY_ISA::weight_step, HY_ISA::step_inplace, HY_ISA::scatter,
     HY_ISA::initial_rows, HY_ISA::nonfinite_rows,
 };

@@ -252,6 +252,78 @@ StatusTuple gather_rows(TensorList tables, const Tensor& ids, IntArrayRef counts
   return as_tuple(st);
 }
 
+// Bags pooled from the tables' rows as they are (pool_on: server): the rows are `ids` of the
+// tables (split by counts, as gather_rows), numbered in that order; bag b pools rows idx[p] for
+// p in [offsets[b], offsets[b + 1]) into out[b]. Every table shares one dim and dtype.
+StatusTuple pool_rows(TensorList tables, const Tensor& ids, IntArrayRef counts, const Tensor& idx,
+                      const Tensor& offsets, const std::optional<Tensor>& weights, bool mean,
+                      const Tensor& out) {
+  const auto views = table_views(tables, "tables");
+  check_int64_1d(ids, "ids");
+  check_counts(counts, views, ids.numel());
+  const int64_t nrows = ids.numel();
+  int64_t dim = 0;
+  k::DType dtype = k::DType::f32;
+  for (size_t t = 0; t < views.size(); t++) {
+    if (t == 0) {
+      dim = views[t].dim;
+      dtype = views[t].dtype;
+    }
+    TORCH_CHECK_VALUE(views[t].dim == dim && views[t].dtype == dtype, "tables[", t,
+                      "] differs from tables[0] in dim or dtype: one call pools one group");
+  }
+  check_cpu_contiguous(idx, "idx");
+  check_cpu_contiguous(offsets, "offsets");
+  TORCH_CHECK_TYPE(idx.scalar_type() == at::kInt && offsets.scalar_type() == at::kInt,
+                   "idx and offsets must be int32, got ", idx.scalar_type(), " and ", offsets.scalar_type());
+  TORCH_CHECK_VALUE(idx.dim() == 1 && offsets.dim() == 1 && offsets.numel() >= 1,
+                    "idx and offsets must be 1-D, offsets with at least one entry");
+  const int64_t n = idx.numel(), nbags = offsets.numel() - 1;
+  const int32_t* ip = idx.data_ptr<int32_t>();
+  const int32_t* op = offsets.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(op[0] == 0 && op[nbags] == n, "offsets must run from 0 to ", n, " (the ids), got ", op[0],
+                    " to ", op[nbags]);
+  for (int64_t b = 0; b < nbags; b++)
+    TORCH_CHECK_VALUE(op[b] <= op[b + 1], "offsets must not decrease (bag ", b, ")");
+  int32_t bad = 0;  // branch-free scan; the rare bad index is searched again
+  for (int64_t p = 0; p < n; p++) bad |= static_cast<int32_t>(static_cast<uint32_t>(ip[p]) >= nrows);
+  if (bad) {
+    for (int64_t p = 0; p < n; p++)
+      TORCH_CHECK_VALUE(ip[p] >= 0 && ip[p] < nrows, "idx[", p, "] = ", ip[p], " is not one of the ", nrows,
+                        " rows");
+  }
+  const float* wp = nullptr;
+  if (weights.has_value()) {
+    check_float32(*weights, "weights");
+    TORCH_CHECK_VALUE(weights->numel() == n, n, " ids but ", weights->numel(), " weights");
+    TORCH_CHECK_VALUE(!mean, "per-sample weights pool by sum only (as embedding_bag), not mean");
+    wp = weights->data_ptr<float>();
+  }
+  check_cpu_contiguous(out, "out");
+  const k::DType odt = float_dtype(out, "out");
+  TORCH_CHECK_VALUE(out.numel() == nbags * dim, "out holds ", out.numel(), " elements; ", nbags, " bags of ", dim,
+                    " need ", nbags * dim);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const k::Status st = k::first_bad_id(views.data(), static_cast<int64_t>(views.size()), counts.data(), id);
+  if (st.code != k::kOk) return as_tuple(st);
+  // Each row's address in its table: the kernel reads the rows where they are.
+  std::vector<const void*> rows(static_cast<size_t>(nrows));
+  const int64_t rbytes = dim * static_cast<int64_t>(at::elementSize(tables[0].scalar_type()));
+  for (int64_t t = 0, p = 0; t < static_cast<int64_t>(views.size()); t++) {
+    const char* base = static_cast<const char*>(views[t].data);
+    for (int64_t e = p + counts[t]; p < e; p++) rows[p] = base + id[p] * rbytes;
+  }
+  const k::RowKernels& kern = k::dispatch();
+  char* o = static_cast<char*>(out.data_ptr());
+  const int64_t obytes = dim * out.element_size();
+  // Bags split over threads, each task at least row_grain rows' worth of ids.
+  const int64_t per_bag = std::max<int64_t>(1, nbags ? n / nbags : 1);
+  at::parallel_for(0, nbags, std::max<int64_t>(1, row_grain(dim) / per_bag), [&](int64_t lo, int64_t hi) {
+    kern.pool(rows.data(), dtype, dim, ip, op + lo, hi - lo, wp, mean, o + lo * obytes, odt);
+  });
+  return as_tuple(st);
+}
+
 // grads: the gradient rows of every table in order, in one or more tensors (say one per
 // contribution), each holding whole tables' rows: no copy to join a step's contributions.
 StatusTuple sgd_rows_(TensorList tables, const Tensor& ids, IntArrayRef counts, TensorList grads,
@@ -846,6 +918,9 @@ TORCH_LIBRARY(hybrid, m) {
       "(int, int, int, int, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("gather_rows(Tensor[] tables, Tensor ids, int[] counts, Tensor(a!) out) -> (int, int, int, int)");
   m.def(
+      "pool_rows(Tensor[] tables, Tensor ids, int[] counts, Tensor idx, Tensor offsets, Tensor? weights, "
+      "bool mean, Tensor(a!) out) -> (int, int, int, int)");
+  m.def(
       "sgd_rows_(Tensor(a!)[] tables, Tensor ids, int[] counts, Tensor[] grads, float alpha) -> "
       "(int, int, int, int)");
   m.def(
@@ -871,6 +946,7 @@ TORCH_LIBRARY_IMPL(hybrid, CompositeExplicitAutograd, m) {
   m.impl("route", route);
   m.impl("route_hashed", route_hashed);
   m.impl("gather_rows", gather_rows);
+  m.impl("pool_rows", pool_rows);
   m.impl("sgd_rows_", sgd_rows_);
   m.impl("sum_rows", sum_rows);
   m.impl("optimizer_rows", optimizer_rows);

@@ -290,10 +290,41 @@ class CollectionShard:
         """``pool_on: server``: the rows asked for, pooled into the lookup's bags (float32, as the
         trainer would pool them), written into ``out`` in :attr:`wire_dtype`, group after group;
         the backward's index (:func:`hybrid.ops.bag_rows`) is kept for the trainer's push
-        (:meth:`unpool`)."""
+        (:meth:`unpool`). Range tables pool straight from their rows (:func:`hybrid.ops.pool_rows`);
+        dynamic ones, whose ids may have no row yet, from the rows :meth:`_read` makes."""
+        shards = self.shards_of(rows)
+        spans = _group_spans(rows.counts, bags.groups)
+        if spans is None or self.config.dynamic is not None:
+            self._pool_read(rows, bags, out, step)
+        else:
+            o = 0
+            with self.lock:
+                self._ensure(shards, rows)
+                for g, (t0, t1, i0, i1) in zip(bags.groups, spans):
+                    if t0 == t1 and g.idx.numel() == 0:  # no rows here: every bag is empty
+                        out[o : o + g.bags * g.dim].zero_()
+                        o += g.bags * g.dim
+                        continue
+                    try:
+                        ops.pool_rows([t.weight for t in shards[t0:t1]], rows.ids[i0:i1], rows.counts[t0:t1], g.idx,
+                                      g.offsets, weights=g.weights, mean=g.mean, out=out[o : o + g.bags * g.dim])
+                    except ops.RowOutOfRange as e:
+                        raise self._outside(shards[t0 + e.table], e.row, "lookup") from None
+                    o += g.bags * g.dim
+            if o != out.numel():
+                raise ValueError(f"{self.cid} on ps{self.server}: the lookup's bag groups cover {o} of its "
+                                 f"{out.numel()} pooled elements")
+        kept = [(g.bags, g.dim, *ops.bag_rows(g.idx, g.offsets, rows=g.rows, features=g.features, weights=g.weights,
+                                              mean=g.mean)) for g in bags.groups]
+        with self.lock:
+            self.pooled[trainer][bags.tag] = PooledLookup(rows.owned(), kept, step)
+        self.counters.rows_served += int(rows.ids.numel())
+        self.counters.bytes_out += out.numel() * out.element_size()
+
+    def _pool_read(self, rows: Rows, bags: Bags, out: torch.Tensor, step: int) -> None:
+        """:meth:`gather_pooled`'s pooling over the rows :meth:`_read` gathers (float32)."""
         flat = self._read(rows, _scratch(self.numel(rows)), step, torch.float32)
         pos = o = 0
-        kept = []
         for g in bags.groups:
             table = flat[pos : pos + g.rows * g.dim].view(g.rows, g.dim)
             pos += g.rows * g.dim
@@ -301,15 +332,9 @@ class CollectionShard:
                 g.idx, table, g.offsets, mode="mean" if g.mean else "sum", per_sample_weights=g.weights,
                 include_last_offset=True))
             o += g.bags * g.dim
-            kept.append((g.bags, g.dim, *ops.bag_rows(g.idx, g.offsets, rows=g.rows, features=g.features,
-                                                      weights=g.weights, mean=g.mean)))
         if pos != flat.numel() or o != out.numel():
             raise ValueError(f"{self.cid} on ps{self.server}: the lookup's bag groups cover {pos} of its "
                              f"{flat.numel()} row elements and {o} of {out.numel()} pooled ones")
-        with self.lock:
-            self.pooled[trainer][bags.tag] = PooledLookup(rows.owned(), kept, step)
-        self.counters.rows_served += int(rows.ids.numel())
-        self.counters.bytes_out += out.numel() * out.element_size()
 
     def unpool(self, trainer: int, tag: int, grad: torch.Tensor, *, step: int) -> Contribution:
         """The row gradients of ``trainer``'s pooled lookup ``tag`` from its bags' gradients
@@ -823,6 +848,27 @@ def _scratch(numel: int) -> torch.Tensor:
     if buf is None or buf.numel() < numel:
         buf = _SCRATCH.buf = torch.empty(max(numel, 1 << 16))
     return buf[:numel]
+
+
+def _group_spans(counts: list[int], groups: list) -> list[tuple[int, int, int, int]] | None:
+    """Per bag group, its tables ``[t0, t1)`` in the lookup and their ids ``[i0, i1)``: the
+    groups' rows, in order, are whole tables' rows. ``None`` where a group's rows end inside a
+    table, or the groups do not cover the lookup's rows."""
+    spans, t, i = [], 0, 0
+    for g in groups:
+        t0, i0, left = t, i, g.rows
+        while left > 0 and t < len(counts):
+            if counts[t] > left:
+                return None
+            left -= counts[t]
+            i += counts[t]
+            t += 1
+        if left:
+            return None
+        spans.append((t0, t, i0, i))
+    if i != sum(counts):
+        return None
+    return spans
 
 
 def _copied(part: Contribution) -> Contribution:
