@@ -70,28 +70,37 @@ def _out_of_range(status, ids: torch.Tensor, rows_of) -> RowOutOfRange:
 
 
 def route(ids, lengths, feature_table, row_base, shards, server_rank, *, num_servers, batch_size,
-          weights=None, mean=False, sample_major=True) -> Route:
+          weights=None, mean=False, sample_major=True, backward=True) -> Route:
     """How one batch's ids split over servers and how to pool the replies: see
     :class:`hybrid.ops.reference.Route` for every field. ``ids`` and ``lengths`` are
     feature-major; ``feature_table[f]`` is feature ``f``'s table, ``row_base`` each table's first
     row in one row space (tables + 1 entries), ``shards[t]`` table ``t``'s shards and
     ``server_rank[t, s]`` the server of its shard ``s`` (row ``r`` is in shard ``r % shards``).
-    Raises :class:`RowOutOfRange` (nothing routed) when an id is outside its table."""
+    ``backward`` false: no backward's index (``grad_*`` None; bags the servers pool, whose index
+    they work out themselves). Raises :class:`RowOutOfRange` (nothing routed) when an id is
+    outside its table."""
     ids, lengths = _index(ids), _index(lengths)
     w = weights.contiguous() if weights is not None else None
     (*status, requests_ids, per, raw, idx, offsets, out_weights, grad_bags, grad_offsets,
      grad_scale) = torch.ops.hybrid.route(ids, lengths, feature_table, row_base, shards, server_rank,
-                                          num_servers, batch_size, w, mean, sample_major)
+                                          num_servers, batch_size, w, mean, sample_major, backward)
     if status[0] != _OK:
         raise _out_of_range(status, ids, lambda t: int(row_base[t + 1] - row_base[t]))
-    return Route(requests_ids=requests_ids, per=per, raw=raw, idx=idx, offsets=offsets,
-                 weights=out_weights if weights is not None else None, grad_bags=grad_bags,
-                 grad_offsets=grad_offsets, grad_scale=grad_scale if mean or weights is not None else None,
+    return _route_of(requests_ids, per, raw, idx, offsets, out_weights if weights is not None else None,
+                     grad_bags, grad_offsets, grad_scale if mean or weights is not None else None, backward)
+
+
+def _route_of(requests_ids, per, raw, idx, offsets, weights, grad_bags, grad_offsets, grad_scale,
+              backward: bool) -> Route:
+    if not backward:
+        grad_bags = grad_offsets = grad_scale = None
+    return Route(requests_ids=requests_ids, per=per, raw=raw, idx=idx, offsets=offsets, weights=weights,
+                 grad_bags=grad_bags, grad_offsets=grad_offsets, grad_scale=grad_scale,
                  num_unique=requests_ids.numel())
 
 
 def route_hashed(ids, lengths, feature_table, shards, server_rank, *, partitions, num_servers, batch_size,
-                 weights=None, mean=False, sample_major=True) -> Route:
+                 weights=None, mean=False, sample_major=True, backward=True) -> Route:
     """:func:`route` for raw int64 ids (``ids: dynamic``): deduplicated by (table, id), each
     distinct id sent as itself (ascending within its table) to the server of its part
     (``fmix64(id) mod partitions``; part ``p`` on the table's shard ``p % shards[t]``)."""
@@ -99,11 +108,9 @@ def route_hashed(ids, lengths, feature_table, shards, server_rank, *, partitions
     w = weights.contiguous() if weights is not None else None
     (_, _, _, _, requests_ids, per, raw, idx, offsets, out_weights, grad_bags, grad_offsets,
      grad_scale) = torch.ops.hybrid.route_hashed(ids, lengths, feature_table, shards, server_rank, partitions,
-                                                 num_servers, batch_size, w, mean, sample_major)
-    return Route(requests_ids=requests_ids, per=per, raw=raw, idx=idx, offsets=offsets,
-                 weights=out_weights if weights is not None else None, grad_bags=grad_bags,
-                 grad_offsets=grad_offsets, grad_scale=grad_scale if mean or weights is not None else None,
-                 num_unique=requests_ids.numel())
+                                                 num_servers, batch_size, w, mean, sample_major, backward)
+    return _route_of(requests_ids, per, raw, idx, offsets, out_weights if weights is not None else None,
+                     grad_bags, grad_offsets, grad_scale if mean or weights is not None else None, backward)
 
 
 def gather_rows(tables, ids, counts, *, out=None, dtype=torch.float32) -> torch.Tensor:

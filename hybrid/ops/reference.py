@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +45,10 @@ class Route(BagLayout):
     """[num_servers, num_tables] ids of each table in each server's request."""
     raw: torch.Tensor
     """[num_servers] ids before deduplication."""
-    grad_bags: torch.Tensor
-    """Backward: the bag of every id, grouped by reply row (rows in reply order)."""
-    grad_offsets: torch.Tensor
+    grad_bags: torch.Tensor | None
+    """Backward: the bag of every id, grouped by reply row (rows in reply order); None (as the
+    other ``grad_*``) for a route made with ``backward`` false."""
+    grad_offsets: torch.Tensor | None
     """Backward: where each reply row's group starts in ``grad_bags`` (``include_last_offset``)."""
     grad_scale: torch.Tensor | None
     """Backward: each id's factor (its weight, or 1/len(bag) for mean), grouped as grad_bags."""
@@ -54,7 +56,18 @@ class Route(BagLayout):
 
 
 def route(ids, lengths, feature_table, row_base, shards, server_rank, *, num_servers, batch_size,
-          weights=None, mean=False, sample_major=True) -> Route:
+          weights=None, mean=False, sample_major=True, backward=True) -> Route:
+    routed = _route(ids, lengths, feature_table, row_base, shards, server_rank, num_servers=num_servers,
+                    batch_size=batch_size, weights=weights, mean=mean, sample_major=sample_major)
+    return routed if backward else _without_backward(routed)
+
+
+def _without_backward(routed: Route) -> Route:
+    return dataclasses.replace(routed, grad_bags=None, grad_offsets=None, grad_scale=None)
+
+
+def _route(ids, lengths, feature_table, row_base, shards, server_rank, *, num_servers, batch_size,
+           weights=None, mean=False, sample_major=True) -> Route:
     ids = ids.to(torch.int64)
     lengths = lengths.to(torch.int64)
     total = ids.numel()
@@ -414,10 +427,18 @@ def id_maps_find(keys: list[torch.Tensor], slots: list[torch.Tensor], ids: torch
 
 
 def route_hashed(ids, lengths, feature_table, shards, server_rank, *, partitions, num_servers, batch_size,
-                 weights=None, mean=False, sample_major=True) -> Route:
+                 weights=None, mean=False, sample_major=True, backward=True) -> Route:
     """:func:`route` for raw int64 ids (``ids: dynamic``): deduplicated by (table, id), each
     distinct id sent as itself to the server of its part (``fmix64(id) mod partitions``, part
     ``p`` on shard ``p % shards``), ascending within a table."""
+    routed = _route_hashed(ids, lengths, feature_table, shards, server_rank, partitions=partitions,
+                           num_servers=num_servers, batch_size=batch_size, weights=weights, mean=mean,
+                           sample_major=sample_major)
+    return routed if backward else _without_backward(routed)
+
+
+def _route_hashed(ids, lengths, feature_table, shards, server_rank, *, partitions, num_servers, batch_size,
+                  weights=None, mean=False, sample_major=True) -> Route:
     ids = ids.to(torch.int64)
     lengths = lengths.to(torch.int64)
     total = ids.numel()

@@ -174,6 +174,15 @@ def test_route_equals_the_reference(seed, pooling, sample_major):
     for field in ("requests_ids", "per", "raw", "idx", "offsets", "weights", "grad_bags", "grad_offsets",
                   "grad_scale"):
         assert _equal(getattr(got, field), getattr(want, field)), field
+    # Without the backward's index (bags the servers pool): the same route, no grad_* at all.
+    for impl in (ops, ref):
+        lean = impl.route(ids, lengths, feature_table, row_base, shards, server_rank, num_servers=num_servers,
+                          batch_size=b, weights=weights, mean=pooling == "mean", sample_major=sample_major,
+                          backward=False)
+        assert lean.grad_bags is None and lean.grad_offsets is None and lean.grad_scale is None
+        assert lean.num_unique == want.num_unique
+        for field in ("requests_ids", "per", "raw", "idx", "offsets", "weights"):
+            assert _equal(getattr(lean, field), getattr(want, field)), (impl.__name__, field)
 
 
 @native
@@ -269,6 +278,10 @@ def test_route_hashed_equals_the_reference(seed, pooling, spread):
         for field in ("requests_ids", "per", "raw", "idx", "offsets", "weights", "grad_bags", "grad_offsets",
                       "grad_scale"):
             assert _equal(getattr(got, field), getattr(want, field)), field
+        lean = ops.route_hashed(ids, lengths, feature_table, shards, server_rank, backward=False, **kw)
+        assert lean.grad_bags is None and lean.grad_offsets is None and lean.grad_scale is None
+        for field in ("requests_ids", "per", "raw", "idx", "offsets", "weights"):
+            assert _equal(getattr(lean, field), getattr(want, field)), field
     empty = torch.zeros(0, dtype=torch.int64), torch.zeros(nf * 2, dtype=torch.int64)
     kw = dict(partitions=3, num_servers=num_servers, batch_size=2)
     got = ops.route_hashed(*empty, feature_table, shards, server_rank, **kw)

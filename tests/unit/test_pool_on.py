@@ -186,9 +186,13 @@ def test_servers_pool_and_unpool_as_the_trainer_does_bit_for_bit(servers, weight
     router, shards = Router(config), _shards(config)
     kjt = _batch(weighted, empty_group=empty_group)
     routed = router.route(kjt, where="test", tag=7)
-    # Trainer-side pooling: the servers' rows, pooled here.
-    rows = {s: shards[s].gather(routed.requests[s]).detach().requires_grad_(True) for s in config.servers}
-    expected = router.pool(routed, rows)
+    # Trainer-side pooling: the servers' rows, pooled here (a route without a tag: one with the
+    # backward's index, which a tagged route leaves to the servers).
+    mine = router.route(kjt, where="test")
+    assert routed.routes[0].grad_bags is None and mine.routes[0].grad_bags is not None
+    assert all(torch.equal(mine.requests[s].ids, routed.requests[s].ids) for s in config.servers)
+    rows = {s: shards[s].gather(mine.requests[s]).detach().requires_grad_(True) for s in config.servers}
+    expected = router.pool(mine, rows)
     # Server-side: each server pools its bags; the trainer puts the blocks side by side.
     replies = {}
     for s in config.servers:

@@ -223,6 +223,7 @@ struct RouteIn {
   bool sample_major;     // bags ordered (sample, feature); else (feature, sample), ids in input order
   int64_t partitions;    // 0: ids are rows of their tables; > 0: raw ids (ids: dynamic), each sent
                          // as itself to the shard (fmix64(id) mod partitions) % shards, row_base unused
+  bool backward = true;  // the backward's index (grad_*); false: not written (bags the servers pool)
 };
 
 struct RouteOut {
@@ -232,7 +233,7 @@ struct RouteOut {
   int64_t* idx;           // n
   int64_t* offsets;       // nf * b + 1
   float* weights;         // n, or nullptr
-  int64_t* grad_bags;     // n
+  int64_t* grad_bags;     // n (unused unless RouteIn::backward)
   int64_t* grad_offsets;  // n + 1 (num_unique + 1 used)
   float* grad_scale;      // n, or nullptr
 };

@@ -109,7 +109,7 @@ using RouteTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, Tensor, Tensor
 RouteTuple route_batch(const Tensor& ids, const Tensor& lengths, const Tensor& feature_table,
                        const Tensor& row_base, const Tensor& shards, const Tensor& server_rank,
                        int64_t partitions, int64_t num_servers, int64_t batch_size,
-                       const std::optional<Tensor>& weights, bool mean, bool sample_major) {
+                       const std::optional<Tensor>& weights, bool mean, bool sample_major, bool backward) {
   check_int64_1d(ids, "ids");
   check_int64_1d(lengths, "lengths");
   check_int64_1d(feature_table, "feature_table");
@@ -175,41 +175,42 @@ RouteTuple route_batch(const Tensor& ids, const Tensor& lengths, const Tensor& f
   Tensor raw = at::empty({num_servers}, i64), idx = at::empty({n}, i64);
   Tensor offsets = at::empty({nf * batch_size + 1}, i64);
   Tensor weights_out = at::empty({w ? n : 0}, f32);
-  Tensor grad_bags = at::empty({n}, i64), grad_offsets = at::empty({n + 1}, i64);
-  Tensor grad_scale = at::empty({(w || mean) ? n : 0}, f32);
+  Tensor grad_bags = at::empty({backward ? n : 0}, i64), grad_offsets = at::empty({backward ? n + 1 : 1}, i64);
+  Tensor grad_scale = at::empty({backward && (w || mean) ? n : 0}, f32);
   const k::RouteIn in{n,  ids.data_ptr<int64_t>(), nf,    batch_size, len,         ft,        ntab, rb, sh,
-                      sr, width,                   num_servers, w,    mean,        sample_major, partitions};
+                      sr, width,                   num_servers, w,    mean,        sample_major, partitions,
+                      backward};
   const k::RouteOut out{req.data_ptr<int64_t>(),
                         per.data_ptr<int64_t>(),
                         raw.data_ptr<int64_t>(),
                         idx.data_ptr<int64_t>(),
                         offsets.data_ptr<int64_t>(),
                         w ? weights_out.data_ptr<float>() : nullptr,
-                        grad_bags.data_ptr<int64_t>(),
-                        grad_offsets.data_ptr<int64_t>(),
-                        (w || mean) ? grad_scale.data_ptr<float>() : nullptr};
+                        backward ? grad_bags.data_ptr<int64_t>() : nullptr,
+                        backward ? grad_offsets.data_ptr<int64_t>() : nullptr,
+                        backward && (w || mean) ? grad_scale.data_ptr<float>() : nullptr};
   k::Status st;
   int64_t nu = k::route(in, out, &st);
   if (nu < 0) nu = 0;
   return {st.code,   st.table,    st.position, st.count,  req.narrow(0, 0, nu),
           per,       raw,         idx,         offsets,   weights_out,
-          grad_bags, grad_offsets.narrow(0, 0, nu + 1), grad_scale};
+          grad_bags, backward ? grad_offsets.narrow(0, 0, nu + 1) : grad_offsets.narrow(0, 0, 0), grad_scale};
 }
 
 RouteTuple route(const Tensor& ids, const Tensor& lengths, const Tensor& feature_table, const Tensor& row_base,
                  const Tensor& shards, const Tensor& server_rank, int64_t num_servers, int64_t batch_size,
-                 const std::optional<Tensor>& weights, bool mean, bool sample_major) {
+                 const std::optional<Tensor>& weights, bool mean, bool sample_major, bool backward) {
   return route_batch(ids, lengths, feature_table, row_base, shards, server_rank, 0, num_servers, batch_size,
-                     weights, mean, sample_major);
+                     weights, mean, sample_major, backward);
 }
 
 RouteTuple route_hashed(const Tensor& ids, const Tensor& lengths, const Tensor& feature_table,
                         const Tensor& shards, const Tensor& server_rank, int64_t partitions,
                         int64_t num_servers, int64_t batch_size, const std::optional<Tensor>& weights,
-                        bool mean, bool sample_major) {
+                        bool mean, bool sample_major, bool backward) {
   TORCH_CHECK_VALUE(partitions >= 1, "partitions must be >= 1, got ", partitions);
   return route_batch(ids, lengths, feature_table, Tensor(), shards, server_rank, partitions, num_servers,
-                     batch_size, weights, mean, sample_major);
+                     batch_size, weights, mean, sample_major, backward);
 }
 
 // -- the server's rows --------------------------------------------------------------------------
@@ -910,12 +911,13 @@ TORCH_LIBRARY(hybrid, m) {
   m.def(
       "route(Tensor ids, Tensor lengths, Tensor feature_table, Tensor row_base, Tensor shards, "
       "Tensor server_rank, int num_servers, int batch_size, Tensor? weights, bool mean, "
-      "bool sample_major) -> (int, int, int, int, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
-      "Tensor, Tensor, Tensor)");
+      "bool sample_major, bool backward=True) -> (int, int, int, int, Tensor, Tensor, Tensor, Tensor, Tensor, "
+      "Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "route_hashed(Tensor ids, Tensor lengths, Tensor feature_table, Tensor shards, Tensor server_rank, "
-      "int partitions, int num_servers, int batch_size, Tensor? weights, bool mean, bool sample_major) -> "
-      "(int, int, int, int, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "int partitions, int num_servers, int batch_size, Tensor? weights, bool mean, bool sample_major, "
+      "bool backward=True) -> (int, int, int, int, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+      "Tensor)");
   m.def("gather_rows(Tensor[] tables, Tensor ids, int[] counts, Tensor(a!) out) -> (int, int, int, int)");
   m.def(
       "pool_rows(Tensor[] tables, Tensor ids, int[] counts, Tensor idx, Tensor offsets, Tensor? weights, "

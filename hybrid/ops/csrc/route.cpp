@@ -145,6 +145,7 @@ int64_t route(const RouteIn& in, const RouteOut& out, Status* status) {
   const int64_t n = in.n, nf = in.nf, b = in.b, ntab = in.ntab, nsrv = in.nsrv;
   const int64_t nbags = nf * b;
   const bool hashed = in.partitions > 0;
+  const bool backward = in.backward;
   const int pos_bits = bit_length(static_cast<uint64_t>(n > 1 ? n - 1 : 1));
   const int64_t total_rows = hashed ? 0 : in.row_base[ntab];
   const int key_bits = bit_length(static_cast<uint64_t>(total_rows > 0 ? total_rows - 1 : 0));
@@ -174,7 +175,7 @@ int64_t route(const RouteIn& in, const RouteOut& out, Status* status) {
       bag_start[f * b + s] = p;
       for (int64_t k = 0; k < len; k++, p++) {
         const int64_t id = in.ids[p];
-        bag[p] = bg;
+        if (backward) bag[p] = bg;
         if (hashed) {
           tab[p] = t;
           continue;
@@ -279,6 +280,8 @@ int64_t route(const RouteIn& in, const RouteOut& out, Status* status) {
       out.offsets[bg + 1] = q;
     }
   }
+
+  if (!backward) return nu;  // no backward's index asked for (the bags pool on the servers)
 
   // Backward groups in the request's row order: each row's ids (arrival order), their bags
   // and scales.

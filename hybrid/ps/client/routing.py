@@ -175,7 +175,7 @@ class Router:
     def route(self, kjt: KeyedJaggedTensor, *, where: str, tag: int = -1) -> RoutedBatch:
         """The batch routed; with ``tag`` >= 0 (``pool_on: server``) each server's bags too, under
         that tag."""
-        routed = self._route(kjt, where=where)
+        routed = self._route(kjt, where=where, backward=tag < 0)  # servers that pool work out their own
         if tag >= 0:
             routed.tag = tag
             routed.bags = {s: Bags(tag, self._bag_groups(routed, r)) for r, s in enumerate(self.servers)}
@@ -209,13 +209,13 @@ class Router:
                 weights=None if route.weights is None else route.weights[entries], **common))
         return out
 
-    def _route(self, kjt: KeyedJaggedTensor, *, where: str) -> RoutedBatch:
+    def _route(self, kjt: KeyedJaggedTensor, *, where: str, backward: bool = True) -> RoutedBatch:
         check_kjt(kjt, where=where)
         missing = [f for f in self.feature_order if f not in kjt.keys()]
         if missing:
             raise ValueError(f"{where}: the input KeyedJaggedTensor lacks features {missing}; it has {kjt.keys()}")
         b = kjt.stride()
-        routed_groups = [self._route_group(g, kjt, b) for g in self.groups]
+        routed_groups = [self._route_group(g, kjt, b, backward) for g in self.groups]
         routes = [r for r, _ in routed_groups]
         requests, num_raw, splits = {}, {}, {}
         for r, s in enumerate(self.servers):
@@ -236,10 +236,12 @@ class Router:
         return RoutedBatch(requests=requests, num_raw=num_raw, routes=routes, splits=splits, batch_size=b,
                            counts=[c for _, c in routed_groups])
 
-    def _route_group(self, g: TableGroup, kjt: KeyedJaggedTensor, b: int) -> tuple[ops.Route, list[int] | None]:
-        """The group's route, and for an unpooled group its ids per feature. Pooled groups order
-        their bags sample by sample (the ``KeyedTensor`` layout); unpooled ones keep the ids in
-        feature-major order, each feature's a contiguous run."""
+    def _route_group(self, g: TableGroup, kjt: KeyedJaggedTensor, b: int,
+                     backward: bool = True) -> tuple[ops.Route, list[int] | None]:
+        """The group's route (with the backward's index unless ``backward`` is false), and for an
+        unpooled group its ids per feature. Pooled groups order their bags sample by sample (the
+        ``KeyedTensor`` layout); unpooled ones keep the ids in feature-major order, each
+        feature's a contiguous run."""
         # A weighted collection's batch without weights is routed for its ids alone (a
         # prefetch of the raw batch, whose weights the model computes in its forward).
         weighted = self.config.weighted and kjt.weights_or_none() is not None
@@ -247,7 +249,7 @@ class Router:
         args = (g.feature_table, g.row_base, g.shards, g.server_rank)
         unpooled = g.pooling == "none"
         kw = dict(num_servers=len(self.servers), batch_size=b, weights=weights, mean=g.pooling == "mean",
-                  sample_major=not unpooled)
+                  sample_major=not unpooled, backward=backward)
         counts = lengths.view(len(g.features), b).sum(1).tolist() if unpooled else None
         if self.config.dynamic is not None:
             return ops.route_hashed(values, lengths, g.feature_table, g.shards, g.server_rank,
