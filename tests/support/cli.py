@@ -13,6 +13,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 _PR_SET_PDEATHSIG = 1
+_SIG_DFL = 0
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT)
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -20,8 +22,13 @@ def die_with_test() -> None:
     """``preexec_fn`` of a job a test starts: the kernel SIGKILLs it when the test's process
     ends, also when that process is killed outright (a run cut off by an outer timeout), so no
     job trains on unattended; its workers die with it (``hybrid launch`` asks the same for them).
-    A single system call, safe between fork and exec."""
+    The signals a terminal or a scheduler sends are at their defaults, as in a terminal's
+    foreground job, however the suite was started: ``nohup`` leaves SIGHUP ignored, a script's
+    ``&`` SIGINT, and an ignored signal stays ignored across exec (a test's Ctrl-C would then be
+    lost). System calls only, safe between fork and exec."""
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    for sig in _STOP_SIGNALS:
+        _libc.signal(int(sig), _SIG_DFL)
 
 
 @dataclass
