@@ -445,6 +445,9 @@ def test_pool_rows_names_a_row_outside_its_table_and_refuses_a_bad_index():
     with pytest.raises(ValueError, match="mean"):
         ops.pool_rows(tables, torch.tensor([1, 4, 5]), [2, 1], idx, offsets, weights=torch.ones(3), mean=True,
                       out=out)
+    with pytest.raises(ValueError, match="at least one table"):
+        ops.pool_rows([], torch.empty(0, dtype=torch.int64), [], torch.empty(0, dtype=torch.int32),
+                      torch.zeros(3, dtype=torch.int32), out=out)
 
 
 @native

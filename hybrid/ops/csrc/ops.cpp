@@ -99,6 +99,23 @@ void check_sort_key(int64_t rows, int64_t n, const char* op) {
                     " ids do not fit one 64-bit sort key; split the call");
 }
 
+// A lookup's bags: idx (each id's row) and offsets (the bags' bounds, the last one included),
+// both int32 and 1-D, the offsets running from 0 to the number of ids without decreasing.
+void check_bags(const Tensor& idx, const Tensor& offsets) {
+  check_cpu_contiguous(idx, "idx");
+  check_cpu_contiguous(offsets, "offsets");
+  TORCH_CHECK_TYPE(idx.scalar_type() == at::kInt && offsets.scalar_type() == at::kInt,
+                   "idx and offsets must be int32, got ", idx.scalar_type(), " and ", offsets.scalar_type());
+  TORCH_CHECK_VALUE(idx.dim() == 1 && offsets.dim() == 1 && offsets.numel() >= 1, "idx and offsets must be 1-D, ",
+                    "offsets with at least one entry");
+  const int64_t n = idx.numel(), nbags = offsets.numel() - 1;
+  const int32_t* op = offsets.data_ptr<int32_t>();
+  TORCH_CHECK_VALUE(op[0] == 0 && op[nbags] == n, "offsets must run from 0 to ", n, " (the ids), got ", op[0], " to ",
+                    op[nbags]);
+  for (int64_t g = 0; g < nbags; g++)
+    TORCH_CHECK_VALUE(op[g] <= op[g + 1], "offsets must not decrease (bag ", g, ")");
+}
+
 // -- route ----------------------------------------------------------------------------------------
 
 using RouteTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, Tensor, Tensor, Tensor, Tensor, Tensor,
@@ -260,32 +277,19 @@ StatusTuple pool_rows(TensorList tables, const Tensor& ids, IntArrayRef counts, 
                       const Tensor& offsets, const std::optional<Tensor>& weights, bool mean,
                       const Tensor& out) {
   const auto views = table_views(tables, "tables");
+  TORCH_CHECK_VALUE(!views.empty(), "pool_rows needs at least one table (the rows' dim and dtype)");
   check_int64_1d(ids, "ids");
   check_counts(counts, views, ids.numel());
   const int64_t nrows = ids.numel();
-  int64_t dim = 0;
-  k::DType dtype = k::DType::f32;
-  for (size_t t = 0; t < views.size(); t++) {
-    if (t == 0) {
-      dim = views[t].dim;
-      dtype = views[t].dtype;
-    }
+  const int64_t dim = views[0].dim;
+  const k::DType dtype = views[0].dtype;
+  for (size_t t = 1; t < views.size(); t++)
     TORCH_CHECK_VALUE(views[t].dim == dim && views[t].dtype == dtype, "tables[", t,
                       "] differs from tables[0] in dim or dtype: one call pools one group");
-  }
-  check_cpu_contiguous(idx, "idx");
-  check_cpu_contiguous(offsets, "offsets");
-  TORCH_CHECK_TYPE(idx.scalar_type() == at::kInt && offsets.scalar_type() == at::kInt,
-                   "idx and offsets must be int32, got ", idx.scalar_type(), " and ", offsets.scalar_type());
-  TORCH_CHECK_VALUE(idx.dim() == 1 && offsets.dim() == 1 && offsets.numel() >= 1,
-                    "idx and offsets must be 1-D, offsets with at least one entry");
+  check_bags(idx, offsets);
   const int64_t n = idx.numel(), nbags = offsets.numel() - 1;
   const int32_t* ip = idx.data_ptr<int32_t>();
   const int32_t* op = offsets.data_ptr<int32_t>();
-  TORCH_CHECK_VALUE(op[0] == 0 && op[nbags] == n, "offsets must run from 0 to ", n, " (the ids), got ", op[0],
-                    " to ", op[nbags]);
-  for (int64_t b = 0; b < nbags; b++)
-    TORCH_CHECK_VALUE(op[b] <= op[b + 1], "offsets must not decrease (bag ", b, ")");
   int32_t bad = 0;  // branch-free scan; the rare bad index is searched again
   for (int64_t p = 0; p < n; p++) bad |= static_cast<int32_t>(static_cast<uint32_t>(ip[p]) >= nrows);
   if (bad) {
@@ -841,22 +845,13 @@ StatusTuple scatter_rows_(const Tensor& dst, const Tensor& rows, const Tensor& s
 // `features` features: bag s * features + j.
 std::tuple<Tensor, Tensor, Tensor> bag_rows(const Tensor& idx, const Tensor& offsets, int64_t rows,
                                             int64_t features, const std::optional<Tensor>& weights, bool mean) {
-  check_cpu_contiguous(idx, "idx");
-  check_cpu_contiguous(offsets, "offsets");
-  TORCH_CHECK_TYPE(idx.scalar_type() == at::kInt && offsets.scalar_type() == at::kInt,
-                   "idx and offsets must be int32, got ", idx.scalar_type(), " and ", offsets.scalar_type());
-  TORCH_CHECK_VALUE(idx.dim() == 1 && offsets.dim() == 1 && offsets.numel() >= 1, "idx and offsets must be 1-D, ",
-                    "offsets with at least one entry");
+  check_bags(idx, offsets);
   TORCH_CHECK_VALUE(rows >= 0 && rows < (int64_t{1} << 31), "rows must be in [0, 2^31), got ", rows);
   const int64_t n = idx.numel(), nbags = offsets.numel() - 1;
   TORCH_CHECK_VALUE(features >= 1 && nbags % features == 0, nbags, " bags are not a whole number of samples of ",
                     features, " features");
   const int32_t* ip = idx.data_ptr<int32_t>();
   const int32_t* op = offsets.data_ptr<int32_t>();
-  TORCH_CHECK_VALUE(op[0] == 0 && op[nbags] == n, "offsets must run from 0 to ", n, " (the ids), got ", op[0], " to ",
-                    op[nbags]);
-  for (int64_t g = 0; g < nbags; g++)
-    TORCH_CHECK_VALUE(op[g] <= op[g + 1], "offsets must not decrease (bag ", g, ")");
   const float* wp = nullptr;
   if (weights.has_value()) {
     check_float32(*weights, "weights");

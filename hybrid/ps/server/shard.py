@@ -292,11 +292,11 @@ class CollectionShard:
         the backward's index (:func:`hybrid.ops.bag_rows`) is kept for the trainer's push
         (:meth:`unpool`). Range tables pool straight from their rows (:func:`hybrid.ops.pool_rows`);
         dynamic ones, whose ids may have no row yet, from the rows :meth:`_read` makes."""
-        shards = self.shards_of(rows)
         spans = _group_spans(rows.counts, bags.groups)
         if spans is None or self.config.dynamic is not None:
             self._pool_read(rows, bags, out, step)
         else:
+            shards = self.shards_of(rows)
             o = 0
             with self.lock:
                 self._ensure(shards, rows)
