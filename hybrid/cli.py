@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, NamedTuple, NoReturn
 # imports torch (for torchrun) only once the check passed; each verb imports what it needs
 from hybrid.errors import (DEBUG_ENV, EXIT_USAGE, InputError, PlanError, UserCodeError, exit_now, exit_status,
                            print_error)
+from hybrid.launch.stopping import Stopped, stop_signals_raise
 
 if TYPE_CHECKING:
     from hybrid.plan import Plan
@@ -59,6 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C in a verb that runs here (export, plan): one line, as a shell's 130
         print(f"hybrid {args.verb}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
+    except Stopped as e:  # SIGTERM, SIGHUP or SIGQUIT to `hybrid launch` before its agent runs
+        print(f"hybrid {args.verb}: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
 
 
 class _Parser(argparse.ArgumentParser):
@@ -280,6 +284,8 @@ def _launch(args: argparse.Namespace) -> int:
     # plan, config and data are checked here: a mistake is one message, exit 2. With workers to
     # fork, in a process forked from their server: this one then never imports torchrec, and
     # imports torch (for torchrun) only once the check passed.
+    if args.nproc > 1:
+        stop_signals_raise()  # a stop before the agent runs is the launcher's to report (main)
     if args.nproc > 1 and workers.forked():
         checked = workers.call("hybrid.cli:_check_train", command[1:], args.nproc)
     else:

@@ -17,11 +17,12 @@ import signal
 import socket
 import sys
 import uuid
+from collections.abc import Callable
 from typing import NoReturn
 
 import torch.distributed as dist
 
-from hybrid.launch.stopping import mark_stopping, name_mark
+from hybrid.launch.stopping import STOP_SIGNALS, mark_stopping, name_mark
 
 _Real = dist.TCPStore
 _SOCKETS: list[socket.socket] = []  # kept open for the life of the stores
@@ -150,12 +151,33 @@ def standalone_on(argv: list[str], address: str) -> list[str]:
     return [*(a for a in head if a != "--standalone"), *spelled, *tail]
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, handled: Callable[[], None] | None = None) -> NoReturn:
     """``python -m hybrid.launch.torchrun [--address A] [--names N0,N1,...] [--exit-barrier-timeout S]
     TORCHRUN_ARGS...``: torchrun with its stores on ``A``; messages name rank ``i`` as ``Ni`` (its
     role, e.g. ``trainer1``) when the names are given; an agent whose workers succeeded waits ``S``
-    seconds at most for the other nodes' agents (:func:`_bound_exit_barrier`; default 30)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    seconds at most for the other nodes' agents (:func:`_bound_exit_barrier`; default 30).
+
+    A stop signal (:data:`~hybrid.launch.stopping.STOP_SIGNALS`) ends the job in one line from
+    this function's first line on, also before torchrun starts the workers (its own handler is
+    installed only then); ``handled()`` is called once that holds. Exits with the job's status."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    _name_stopping_mark()
+    _quiet_stops()
+    try:
+        if handled is not None:
+            handled()
+        _run(list(sys.argv[1:] if argv is None else argv))
+    except SignalException as e:  # the workers are stopped (torchrun sent them the same signal)
+        from hybrid.launch import workers
+
+        workers.kill_unclaimed()
+        what = "interrupted (Ctrl-C)" if e.sigval == signal.SIGINT else f"stopped by {e.sigval.name}"
+        print(f"hybrid: {what}; every process of the job has ended", file=sys.stderr)
+        _exit(128 + int(e.sigval))
+
+
+def _run(argv: list[str]) -> NoReturn:
     address, names, exit_barrier_s = "127.0.0.1", [], EXIT_BARRIER_S
     while argv[:1] in (["--address"], ["--names"], ["--exit-barrier-timeout"]):
         if len(argv) < 2:
@@ -187,13 +209,10 @@ def main(argv: list[str] | None = None) -> None:
     install(address)
     argv = _honour_shutdown_timeout(argv)
     _bound_exit_barrier(exit_barrier_s)
-    _name_stopping_mark()
-    _quiet_stops()
     _name_restarts(names)
     from hybrid.launch import workers
 
     workers.install()
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
@@ -202,10 +221,6 @@ def main(argv: list[str] | None = None) -> None:
         _exit(0)
     except ChildFailedError as e:
         _exit(_exit_status(e, names))
-    except SignalException as e:  # the workers are stopped (torchrun sent them the same signal)
-        what = "interrupted (Ctrl-C)" if e.sigval == signal.SIGINT else f"stopped by {e.sigval.name}"
-        print(f"hybrid: {what}; every process of the job has ended", file=sys.stderr)
-        _exit(128 + int(e.sigval))
 
 
 def _exit(code: int) -> NoReturn:
@@ -264,6 +279,10 @@ def _quiet_stops() -> None:
         handler(signum, frame)
 
     mp_api._terminate_process_handler = quiet_on_stop
+    # torchrun installs it when it starts the workers (PContext.start); before that, from here on,
+    # a stop signal raises torchrun's SignalException all the same, which main turns into one line.
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), quiet_on_stop)
 
 
 def _name_restarts(names: list[str]) -> None:

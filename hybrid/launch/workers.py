@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from typing import Any
 
-from hybrid.launch.stopping import name_mark
+from hybrid.launch.stopping import STOP_SIGNALS, name_mark
 
 ENV = "HYBRID_WORKER_START"
 
@@ -141,6 +142,10 @@ def call(target: str, *args: Any) -> Any:
     except EOFError:
         process.join()
         raise RuntimeError(f"{target} ended without an answer (exit code {process.exitcode})") from None
+    except BaseException:  # Ctrl-C or a stop signal: the answer is not wanted, and the call only reads
+        process.kill()
+        process.join()
+        raise
     process.join()
     return result
 
@@ -151,13 +156,17 @@ def _call(send, target: str, args: tuple) -> None:  # noqa: ANN001 - a Connectio
     from hybrid.errors import exit_now
 
     module, _, name = target.partition(":")
-    send.send(getattr(importlib.import_module(module), name)(*args))
+    result = getattr(importlib.import_module(module), name)(*args)
+    try:
+        send.send(result)
+    except BrokenPipeError:  # the caller has ended (a signal stopped it): nobody waits for the answer
+        exit_now(1)
     send.close()
     exit_now(0)
 
 
-AGENT_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
-"""The signals ``hybrid launch`` passes on to torchrun's agent: those it stops the job on."""
+READY_WAIT_S = 5.0
+"""How long a stop signal waits for the agent to handle it before it is passed on regardless."""
 
 
 def run_agent(argv: list[str]) -> int:
@@ -165,39 +174,56 @@ def run_agent(argv: list[str]) -> int:
     from the fork server, which has imported torch already: the launcher itself then never
     imports torch (about 3 s of CPU and 300 MB a job). The agent forks the workers from the same
     server; it has the launcher's environment, standard output and error. The signals the job
-    stops on (:data:`AGENT_SIGNALS`), which the launcher's session gets (a terminal's Ctrl-C, a
-    scheduler), are passed on to the agent, which stops the workers and says so itself. Returns
-    the agent's exit status (128 + N where signal N ended it)."""
+    stops on (:data:`~hybrid.launch.stopping.STOP_SIGNALS`), which the launcher's session gets (a
+    terminal's Ctrl-C, a scheduler), are passed on to the agent, which stops the workers and says
+    so itself: those that come before the agent handles them (it says when, over a pipe) wait
+    here until it does, so that each ends the job in the agent's one line wherever it lands. One
+    that this process ignores (``nohup``'s SIGHUP) is not passed on. Returns the agent's exit
+    status (128 + N where signal N ended it)."""
     import multiprocessing
     import multiprocessing.forkserver as forkserver
-    import signal
+    import time
 
     start_server()
     ctx = multiprocessing.get_context("forkserver")
     folder = name_mark()  # in the environment the agent gets (hybrid.launch.stopping)
-    agent = ctx.Process(target=_agent, args=(argv, dict(os.environ), forkserver._forkserver._forkserver_address),
-                        name="hybrid-agent")
+    ready, says_ready = ctx.Pipe(duplex=False)
+    agent = ctx.Process(target=_agent, name="hybrid-agent",
+                        args=(argv, dict(os.environ), forkserver._forkserver._forkserver_address, says_ready))
 
     passed: set[int] = set()
-    early: list[int] = []
-    """Signals that came before the agent had a pid: passed on once it has."""
+    held: list[int] = []
+    """Signals that came before the agent handled them: passed on once it does (or ignored if it
+    ended first)."""
+    held_at: list[float] = []
+    handles: list[bool] = []
 
     def forward(signum: int, _frame) -> None:  # noqa: ANN001 - a signal handler's signature
         passed.add(signum)
-        if agent.pid is None:
-            early.append(signum)
+        if not handles:
+            held_at.append(time.monotonic())
+            held.append(signum)
             return
         try:  # (not agent.exitcode: that reads the pipe join may be reading)
             os.kill(agent.pid, signum)
         except ProcessLookupError:  # it ended: join returns
             pass
 
-    for name in AGENT_SIGNALS:
-        signal.signal(getattr(signal, name), forward)
+    for name in STOP_SIGNALS:
+        signum = getattr(signal, name)
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, forward)
     try:
         agent.start()
-        for signum in early:
-            os.kill(agent.pid, signum)
+        says_ready.close()
+        # Until the agent's handlers are in place, or it ended (EOF: join says how); a signal held
+        # for READY_WAIT_S goes on anyway (an agent stuck before then ends on its defaults).
+        while not ready.poll(0.1):
+            if held and time.monotonic() - held_at[0] > READY_WAIT_S:
+                break
+        handles.append(True)
+        for signum in held:
+            forward(signum, None)
         agent.join()
     finally:
         if folder is not None:
@@ -210,12 +236,12 @@ def run_agent(argv: list[str]) -> int:
     return 128 - agent.exitcode
 
 
-def _agent(argv: list[str], env: dict[str, str], server_address: str) -> None:
+def _agent(argv: list[str], env: dict[str, str], server_address: str, says_ready) -> None:  # noqa: ANN001 - a Connection
     """The agent's process: the launcher's environment (the server set its own for its imports),
     workers forked from the server at ``server_address``, and ended with the server (and so with
-    the launcher: the server's parent-death signal)."""
+    the launcher: the server's parent-death signal). ``says_ready`` tells the launcher when the
+    stop signals it passes on are handled here."""
     import multiprocessing.forkserver as forkserver
-    import signal
 
     from hybrid import ops
 
@@ -235,7 +261,20 @@ def _agent(argv: list[str], env: dict[str, str], server_address: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     from hybrid.launch import torchrun
 
-    torchrun.main(argv)
+    def handled() -> None:
+        says_ready.send(True)
+        says_ready.close()
+
+    try:
+        torchrun.main(argv, handled=handled)  # exits with the job's status
+    except BaseException:  # a bug: said as it is, and multiprocessing must not wait for the workers
+        import traceback
+
+        from hybrid.errors import exit_now
+
+        traceback.print_exc()
+        kill_unclaimed()
+        exit_now(1)
 
 
 class ForkedProcess:
@@ -248,9 +287,16 @@ class ForkedProcess:
         start_server()
         self._process = multiprocessing.get_context("forkserver").Process(
             target=_worker, args=(argv, env, stdout, stderr), name="hybrid-worker")
-        self._process.start()
-        self.pid = self._process.pid
+        # A stop signal waits until the server has the worker's arguments: one that raised midway
+        # would leave the new worker reading a cut pipe (its traceback on the job's output).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [getattr(signal, name) for name in STOP_SIGNALS])
         self.args = [sys.executable, *COMMAND, *argv]
+        try:
+            self._process.start()
+            self.pid = self._process.pid
+            _forked.append(self)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     def poll(self) -> int | None:
         return self._process.exitcode
@@ -269,6 +315,19 @@ class ForkedProcess:
                 pass
 
 
+_forked: list[ForkedProcess] = []
+
+
+def kill_unclaimed() -> None:
+    """SIGKILL every worker this process forked that is still running: on a stop signal, after
+    torchrun stopped the workers it knows of. One the signal interrupted torchrun in starting
+    (the worker had started; torchrun had not recorded it yet) would run on, waiting for the
+    rendezvous of a job that has ended. Such a worker is milliseconds old and has done nothing."""
+    for worker in _forked:
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGKILL)
+
+
 def install() -> None:
     """Have torchrun, in this process, fork the workers of ``python -u -m hybrid.cli ...`` from the
     fork server (:class:`ForkedProcess`); any other command it runs as before."""
@@ -284,11 +343,13 @@ def install() -> None:
                                  self._stderr and self._stderr.name)
 
         def close(self, death_sig=None) -> None:  # noqa: ANN001 - torch's signature
-            # The fork server reaps its children as they end, so a worker that ended between
-            # torchrun's poll and its signal has no process group left to signal.
+            # torchrun signals the worker's process group, which a worker has only from its
+            # first instant (its session, made in the fork server's child) and until it ends
+            # (the server reaps it): outside those the signal goes to the worker alone, if it runs.
             try:
                 super().close(death_sig)
             except ProcessLookupError:
+                self.proc.send_signal(death_sig or signal.SIGTERM)
                 for f in (self._stdout, self._stderr):
                     if f:
                         f.close()

@@ -14,8 +14,9 @@ it forks get sessions of their own.
   SIGHUP, a scheduler's SIGTERM -- reaches the launcher alone, and torchrun stops the workers
   itself, each with the time to say why. The fork server would otherwise share the launcher's
   group: SIGHUP or SIGTERM would end it there, and with it every worker, at once and silently. A
-  worker's new session is made in the child right after the fork, before the server reports its
-  pid, so that torchrun can signal its group from the first moment.
+  worker's new session is made in the child right after the fork; torchrun may have its pid a
+  moment before, and a signal it sends then goes to the worker itself
+  (:func:`hybrid.launch.workers.install`).
 - A process forked after its parent initialized CUDA cannot use it, and
   ``torch.cuda.is_available()`` initializes it, unless ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` has it
   ask NVML instead (torch's documented way not to "poison" a fork); fbgemm_gpu asks at import.
@@ -39,9 +40,18 @@ if ops.die_with_parent(int(signal.SIGKILL)) and os.getppid() == 1:  # the agent 
 _SERVER = os.getpid()
 
 
+# SIGINT ends each process forked here at once and silently, as SIGTERM does (a worker keeps it
+# so: hybrid.train.loop), from its first instant: multiprocessing ignores it in the server and
+# gives each child this disposition back, and a SIGINT that comes meanwhile waits, blocked.
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+
+
 def _own_session() -> None:
     if os.getppid() == _SERVER:  # forked by the server (not by a worker: its own children stay its)
         os.setsid()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
 
 os.register_at_fork(after_in_child=_own_session)

@@ -37,30 +37,110 @@ def _assert_nothing_left(pids: list[int], tmp: Path) -> None:
     assert not list(tmp.glob("torchelastic_*")), sorted(p.name for p in tmp.iterdir())
 
 
+def _fork_server(job: Job, timeout: float = 60) -> int:
+    """The pid of the job's fork server, once it runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        server = next((p for p in job.pids() if "forkserver" in (cmdline_of(p) or "")), None)
+        if server is not None:
+            return server
+        time.sleep(0.01)
+    raise AssertionError(f"no fork server within {timeout}s:\n{job.output[-4000:]}")
+
+
+def _await_forks(job: Job, n: int, timeout: float = 60) -> list[int]:
+    """Until the job's fork server has forked ``n`` processes (the check, the agent, then the
+    workers one by one); their pids. Polled every millisecond: the caller acts on the moment."""
+    server = _fork_server(job, timeout)
+    seen: list[int] = []
+    deadline = time.monotonic() + timeout
+    while len(seen) < n:
+        try:
+            children = Path(f"/proc/{server}/task/{server}/children").read_text().split()
+        except OSError:
+            children = []
+        seen += [int(c) for c in children if int(c) not in seen]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the fork server forked {len(seen)} of {n} in {timeout}s:\n{job.output[-4000:]}")
+        time.sleep(0.001)
+    return seen
+
+
+STOP_LINE = {signal.SIGINT: "interrupted", signal.SIGTERM: "stopped by SIGTERM"}
+
+
 @pytest.mark.serial  # bounds how long it takes: runs after the others (make test)
-def test_ctrl_c_while_the_plan_is_checked_ends_the_launch_with_one_line(tmp_path):
-    """SIGINT to the launcher's process group while the workers' server imports torch and the
-    plan is checked (before torchrun starts): the launcher's one line, exit 130, within 5 s,
-    and the server (in a session of its own from its first line) neither prints a traceback nor
-    stays behind."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_while_the_plan_is_checked_ends_the_launch_with_one_line(tmp_path, sig):
+    """SIGINT (or a scheduler's SIGTERM) to the launcher's process group while the workers'
+    server imports torch and the plan is checked (before torchrun starts): the launcher's one
+    line, exit 128 + N, within 5 s, and the server (in a session of its own from its first line)
+    and the check's process neither print a traceback nor stay behind."""
     tmp = _fresh_tmp(tmp_path)
     with Job(["launch", "-n", "3", *DLRM, *TINY, "train.steps=5", f"train.out_dir={tmp_path / 'out'}"],
              env={"TMPDIR": str(tmp)}) as job:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any("forkserver" in (cmdline_of(p) or "") for p in job.pids()):
-            time.sleep(0.05)
+        _fork_server(job)
         time.sleep(0.3)  # the server is importing torch
+        pids = job.pids()
+        t0 = time.monotonic()
+        os.killpg(job.proc.pid, sig)
+        code = job.wait(timeout=60)
+        took = time.monotonic() - t0
+    print(f"{sig.name} during the check: exit {code} after {took:.2f}s: {job.output[-2000:]}")
+    assert code == 128 + sig, job.output[-4000:]
+    assert [line for _, line in job.lines_after(t0)] == [f"hybrid launch: {STOP_LINE[sig]}"], job.output[-4000:]
+    assert not any(n in job.output for n in NOISE), job.output[-4000:]
+    assert "serving" not in job.output, job.output[-4000:]  # no worker started
+    assert took < 5.0, f"{took:.2f}s"
+    _assert_nothing_left(pids, tmp)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("forks", [2, 3, 5], ids=["agent", "first-worker", "last-worker"])
+def test_a_stop_as_the_agent_or_a_worker_starts_ends_the_job_in_one_line(tmp_path, forks, sig):
+    """SIGINT or SIGTERM to the launcher's group the moment the fork server has forked torchrun's
+    agent (``agent``: the agent has no handler of its own yet, so the launcher holds the signal
+    until it has), the first worker (torchrun has not recorded it yet), or the last one (it may
+    not have its own process group yet): the agent's one line, exit 128 + N, no traceback, no
+    worker waiting out the grace before SIGKILL (60 s here), nothing left behind."""
+    tmp = _fresh_tmp(tmp_path)
+    with Job(["launch", "-n", "3", *DLRM, *TINY, "train.steps=5", "runtime.kill_grace_s=60",
+              f"train.out_dir={tmp_path / 'out'}"], env={"TMPDIR": str(tmp)}) as job:
+        forked = _await_forks(job, forks)
+        t0 = time.monotonic()
+        os.killpg(job.proc.pid, sig)
+        pids = job.pids()
+        code = job.wait(timeout=90)
+        took = time.monotonic() - t0
+    after = [line for _, line in job.lines_after(t0)]
+    print(f"{sig.name} at fork {forks}: exit {code} after {took:.2f}s: {after}")
+    assert code == 128 + sig, job.output[-4000:]
+    what = "interrupted (Ctrl-C)" if sig == signal.SIGINT else "stopped by SIGTERM"
+    assert after == [f"hybrid: {what}; every process of the job has ended"], job.output[-4000:]
+    assert not any(n in job.output for n in NOISE), job.output[-4000:]
+    assert took < 30, f"{took:.2f}s"
+    _assert_nothing_left(sorted(set(pids) | set(forked)), tmp)
+
+
+def test_a_launch_started_under_nohup_trains_on_through_sighup(tmp_path):
+    """``nohup hybrid launch ...``: SIGHUP (the terminal closed) is ignored, as nohup asks, not
+    passed on to the job; Ctrl-C still stops it in one line."""
+    tmp, out = _fresh_tmp(tmp_path), tmp_path / "out"
+    with Job(["launch", "-n", "3", *DLRM, *TINY, "train.steps=100000", f"train.out_dir={out}"],
+             env={"TMPDIR": str(tmp)}, ignoring=(signal.SIGHUP,)) as job:
+        job.wait_training(out)
+        os.killpg(job.proc.pid, signal.SIGHUP)
+        rows = len((out / "metrics.jsonl").read_text().splitlines())
+        job.wait_training(out, rows=rows + 3, timeout=60)
+        assert job.proc.poll() is None, job.output[-4000:]
         pids = job.pids()
         t0 = time.monotonic()
         os.killpg(job.proc.pid, signal.SIGINT)
         code = job.wait(timeout=60)
-        took = time.monotonic() - t0
-    print(f"Ctrl-C during the check: exit {code} after {took:.2f}s: {job.output[-2000:]}")
+        after = [line for _, line in job.lines_after(t0)]
     assert code == 130, job.output[-4000:]
-    assert [line for _, line in job.lines_after(t0)] == ["hybrid launch: interrupted"], job.output[-4000:]
-    assert not any(n in job.output for n in NOISE), job.output[-4000:]
-    assert "serving" not in job.output, job.output[-4000:]  # no worker started
-    assert took < 5.0, f"{took:.2f}s"
+    assert len(after) == 1 and "interrupted" in after[0], after
+    assert "SIGHUP" not in job.output, job.output[-4000:]
     _assert_nothing_left(pids, tmp)
 
 

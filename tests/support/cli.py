@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 _PR_SET_PDEATHSIG = 1
 _SIG_DFL = 0
+_SIG_IGN = 1
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT)
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -29,6 +30,17 @@ def die_with_test() -> None:
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     for sig in _STOP_SIGNALS:
         _libc.signal(int(sig), _SIG_DFL)
+
+
+def die_with_test_ignoring(*signals: int):  # noqa: ANN201 - a preexec_fn
+    """:func:`die_with_test`, with ``signals`` ignored (a job started under ``nohup``: SIGHUP)."""
+
+    def preexec() -> None:
+        die_with_test()
+        for sig in signals:
+            _libc.signal(int(sig), _SIG_IGN)
+
+    return preexec
 
 
 @dataclass

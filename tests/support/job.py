@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.support.cli import REPO, die_with_test, kill_tree
+from tests.support.cli import REPO, die_with_test_ignoring, kill_tree
 from tests.support.sockets import descendants
 
 
@@ -19,11 +19,12 @@ class Job:
     a process group of its own); stdout and stderr together, each line with its ``time.monotonic()``.
     Use it as a context manager: whatever is left of it is SIGKILLed on the way out."""
 
-    def __init__(self, args: list[str], *, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, ignoring: tuple[int, ...] = ()) -> None:
+        """``ignoring``: signals the command starts with ignored (SIGHUP: as under ``nohup``)."""
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "hybrid.cli", *args], cwd=REPO, env=full_env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True, preexec_fn=die_with_test)
+                                     start_new_session=True, preexec_fn=die_with_test_ignoring(*ignoring))
         self.lines: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
