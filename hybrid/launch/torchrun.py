@@ -270,10 +270,14 @@ def _quiet_stops() -> None:
     one line (:func:`main`) and torch logs only errors from then on."""
     from torch.distributed.elastic.multiprocessing import api as mp_api
 
+    from hybrid.launch import workers
+
     mp_api.logger.addFilter(_QuietAboutStops())
     handler = mp_api._terminate_process_handler
 
     def quiet_on_stop(signum: int, frame) -> None:  # noqa: ANN001 - a signal handler's signature
+        if workers.defer_stop(signum, frame):  # a worker's start is under way: raised once it is done
+            return
         logging.disable(logging.WARNING)
         mark_stopping()  # before any worker is stopped: the others need not report it
         handler(signum, frame)

@@ -192,17 +192,14 @@ def run_agent(argv: list[str]) -> int:
                         args=(argv, dict(os.environ), forkserver._forkserver._forkserver_address, says_ready))
 
     passed: set[int] = set()
-    held: list[int] = []
-    """Signals that came before the agent handled them: passed on once it does (or ignored if it
-    ended first)."""
-    held_at: list[float] = []
+    held: list[tuple[int, float]] = []
+    """Signals that came before the agent handled them, and when: passed on once it does."""
     handles: list[bool] = []
 
     def forward(signum: int, _frame) -> None:  # noqa: ANN001 - a signal handler's signature
         passed.add(signum)
         if not handles:
-            held_at.append(time.monotonic())
-            held.append(signum)
+            held.append((signum, time.monotonic()))
             return
         try:  # (not agent.exitcode: that reads the pipe join may be reading)
             os.kill(agent.pid, signum)
@@ -219,10 +216,10 @@ def run_agent(argv: list[str]) -> int:
         # Until the agent's handlers are in place, or it ended (EOF: join says how); a signal held
         # for READY_WAIT_S goes on anyway (an agent stuck before then ends on its defaults).
         while not ready.poll(0.1):
-            if held and time.monotonic() - held_at[0] > READY_WAIT_S:
+            if held and time.monotonic() - held[0][1] > READY_WAIT_S:
                 break
         handles.append(True)
-        for signum in held:
+        for signum, _ in held:
             forward(signum, None)
         agent.join()
     finally:
@@ -287,16 +284,21 @@ class ForkedProcess:
         start_server()
         self._process = multiprocessing.get_context("forkserver").Process(
             target=_worker, args=(argv, env, stdout, stderr), name="hybrid-worker")
-        # A stop signal waits until the server has the worker's arguments: one that raised midway
-        # would leave the new worker reading a cut pipe (its traceback on the job's output).
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [getattr(signal, name) for name in STOP_SIGNALS])
         self.args = [sys.executable, *COMMAND, *argv]
+        # A stop signal waits until the server has the worker's arguments (defer_stop): one that
+        # raised midway would leave the server or the new worker reading a cut connection (a
+        # traceback on the job's output; the server's ends the job).
+        _starting.append(True)
         try:
             self._process.start()
             self.pid = self._process.pid
             _forked.append(self)
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            _starting.clear()
+        if _deferred:
+            signum, frame = _deferred[0]
+            _deferred.clear()
+            signal.getsignal(signum)(signum, frame)
 
     def poll(self) -> int | None:
         return self._process.exitcode
@@ -316,6 +318,19 @@ class ForkedProcess:
 
 
 _forked: list[ForkedProcess] = []
+_starting: list[bool] = []
+_deferred: list[tuple[int, Any]] = []
+
+
+def defer_stop(signum: int, frame: Any) -> bool:
+    """For the agent's stop-signal handler: whether a worker's start is under way, and the signal
+    then waits for it to end (its handler is called again then). Python runs a handler between
+    any two bytecodes of the main thread, whichever thread the kernel gave the signal to, so no
+    signal mask can hold it off."""
+    if _starting:
+        _deferred.append((signum, frame))
+        return True
+    return False
 
 
 def kill_unclaimed() -> None:
@@ -343,9 +358,9 @@ def install() -> None:
                                  self._stderr and self._stderr.name)
 
         def close(self, death_sig=None) -> None:  # noqa: ANN001 - torch's signature
-            # torchrun signals the worker's process group, which a worker has only from its
-            # first instant (its session, made in the fork server's child) and until it ends
-            # (the server reaps it): outside those the signal goes to the worker alone, if it runs.
+            # torchrun signals the worker's process group, which exists from the moment the
+            # fork server's child made its session until the worker ends (the server reaps it):
+            # outside that, the signal goes to the worker alone, if it runs.
             try:
                 super().close(death_sig)
             except ProcessLookupError:
