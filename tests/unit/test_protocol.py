@@ -76,6 +76,26 @@ def test_every_message_kind_round_trips(msg):
     _same(decode(Frame(list(frame.ints), list(frame.tensors))), msg)
 
 
+@pytest.mark.parametrize("ids, wire", [
+    ([0, 5, 2**31 - 1, 7], torch.int32),
+    ([-2**31, 0, 3, 1], torch.int32),
+    ([0, 2**31, 1, 2], torch.int64),
+    ([-2**31 - 1, 0, 1, 2], torch.int64),
+    ([2**62 + 9, -5, 1, 2], torch.int64),
+], ids=["int32-top", "int32-bottom", "above-int32", "below-int32", "raw-hashed"])
+def test_ids_travel_as_int32_where_they_fit_and_come_back_as_the_same_int64(ids, wire):
+    """A lookup's and a push's ids go on the wire in 4 bytes each when every id of the tensor
+    fits, in 8 otherwise; either way they decode to the same int64 ids."""
+    rows = Rows([0, 2], [2, 2], torch.tensor(ids, dtype=torch.int64))
+    msg = StepMessage(trainer=0, parts=[Part(7, step=3, lookup=rows, num_raw=4,
+                                             pushes=[Push(2, rows, torch.randn(8))])])
+    frame = encode(msg)
+    assert [t.dtype for t in frame.tensors] == [wire, wire, torch.float32]
+    back = decode(Frame(list(frame.ints), list(frame.tensors)))
+    _same(back, msg)
+    assert back.parts[0].lookup.ids.dtype == torch.int64 and back.parts[0].pushes[0].rows.ids.dtype == torch.int64
+
+
 def test_another_version_a_short_frame_trailing_data_and_bad_ids_are_refused():
     frame = encode(StepMessage(trainer=0, parts=[Part(7, step=3, lookup=_rows(5), num_raw=9)]))
     with pytest.raises(ProtocolError, match=f"protocol version {VERSION + 1}; this server speaks version {VERSION}"):
@@ -88,8 +108,8 @@ def test_another_version_a_short_frame_trailing_data_and_bad_ids_are_refused():
         decode(Frame([*frame.ints, 0], frame.tensors))
     with pytest.raises(ProtocolError, match="ids of 4 torch.int64 for counts summing to 5"):
         decode(Frame(frame.ints, [torch.arange(4)]))
-    with pytest.raises(ProtocolError, match="ids of 5 torch.int32"):
-        decode(Frame(frame.ints, [torch.arange(5, dtype=torch.int32)]))
+    with pytest.raises(ProtocolError, match="ids of 5 torch.int16"):
+        decode(Frame(frame.ints, [torch.arange(5, dtype=torch.int16)]))
     with pytest.raises(ProtocolError, match="does not fit"):
         decode(Frame([VERSION, 0, 0, 0, 0, 1, 7, 3, 9, 1, 1000], frame.tensors))
 
