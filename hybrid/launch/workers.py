@@ -262,12 +262,14 @@ def _agent(argv: list[str], env: dict[str, str], server_address: str, says_ready
         says_ready.send(True)
         says_ready.close()
 
+    from hybrid.errors import exit_now
+
     try:
         torchrun.main(argv, handled=handled)  # exits with the job's status
+    except SystemExit as e:  # a refusal main said in one line (exit 2)
+        exit_now(e.code if isinstance(e.code, int) else 1)
     except BaseException:  # a bug: said as it is, and multiprocessing must not wait for the workers
         import traceback
-
-        from hybrid.errors import exit_now
 
         traceback.print_exc()
         kill_unclaimed()

@@ -196,6 +196,18 @@ def test_a_rendezvous_port_in_use_is_named_at_once():
     assert took < 30, took
 
 
+def test_a_refusal_of_the_forked_agent_is_its_one_line_and_exit_2():
+    """torchrun's agent, forked from the workers' server as ``hybrid launch`` runs it, refusing its
+    own arguments: its one line and exit 2 reach the launcher, no traceback."""
+    code = ("import sys; from hybrid.launch import workers; sys.exit(workers.run_agent(['--exit-barrier-timeout', "
+            "'abc', '--standalone', '--nproc-per-node=1', '-m', 'hybrid.cli', 'train']))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-4000:]
+    assert res.stderr.strip().splitlines() == [
+        "error: python -m hybrid.launch.torchrun: --exit-barrier-timeout: got 'abc'; expected a number of seconds "
+        "above 0"], res.stderr[-4000:]
+
+
 PLAN_MISTAKES = {
     "unknown module path": (["plan.modules.dense_ach.strategy=ddp"], ["dense_ach", "dense_arch"]),
     "parameter_server on a dense module": (["plan.modules.dense_arch.strategy=parameter_server",
