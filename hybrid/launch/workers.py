@@ -259,7 +259,10 @@ def _agent(argv: list[str], env: dict[str, str], server_address: str, says_ready
     from hybrid.launch import torchrun
 
     def handled() -> None:
-        says_ready.send(True)
+        try:
+            says_ready.send(True)
+        except OSError:  # the launcher is gone: this process ends with the server (parent-death signal)
+            pass
         says_ready.close()
 
     from hybrid.errors import exit_now
