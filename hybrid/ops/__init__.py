@@ -22,10 +22,10 @@ from hybrid.ops.reference import DynamicPlan, ForeignPart, NonFinite, PartFull, 
 
 __all__ = ["AVAILABLE", "DynamicPlan", "ForeignPart", "NonFinite", "PartFull", "Route", "RowOutOfRange",
            "bag_rows", "criteo_parse", "csv_records_end", "die_with_parent", "dynamic_commit_", "dynamic_plan", "dynamic_rows", "gather_rows", "merge_ids", "initial_rows_", "optimizer_rows",
-           "optimizer_step_", "populate_", "route", "route_hashed", "scatter_rows_", "sgd_rows_", "sum_rows", "sum_runs"]
+           "optimizer_step_", "populate_", "route", "route_hashed", "scatter_rows_", "sgd_bags_", "sgd_rows_", "sum_rows", "sum_runs"]
 
-OPS = ("route", "route_hashed", "gather_rows", "sgd_rows_", "sum_rows", "optimizer_rows", "optimizer_step_",
-       "scatter_rows_", "initial_rows_", "merge_ids", "sum_runs", "dynamic_plan", "dynamic_commit_",
+OPS = ("route", "route_hashed", "gather_rows", "sgd_rows_", "sgd_bags_", "sum_rows", "optimizer_rows",
+       "optimizer_step_", "scatter_rows_", "initial_rows_", "merge_ids", "sum_runs", "dynamic_plan", "dynamic_commit_",
        "dynamic_rows", "populate_", "bag_rows", "die_with_parent", "criteo_parse", "csv_records_end")
 """The operators ``hybrid._C`` registers under ``torch.ops.hybrid``."""
 
@@ -152,6 +152,25 @@ def sgd_rows_(tables, ids, counts, grad, *, alpha) -> None:
     ids = _index(ids)
     grads = [g.contiguous() for g in grad] if isinstance(grad, (list, tuple)) else [grad.contiguous()]
     status = torch.ops.hybrid.sgd_rows_(tables, ids, counts, grads, alpha)
+    if status[0] == _BAD_ROW:
+        raise _out_of_range(status, ids, lambda t: tables[t].shape[0])
+    if status[0] == _NON_FINITE:
+        raise NonFinite(f"non-finite gradient in {status[3]} rows (the first: position {status[2]}, "
+                        f"table {status[1]}); nothing was applied")
+
+
+def sgd_bags_(tables, ids, counts, grad, groups, *, alpha) -> None:
+    """:func:`sgd_rows_` with the row gradients of a lookup pooled on the server summed from its
+    bags' gradients as it goes (bit for bit what ``embedding_bag`` over the bags' gradients and
+    then :func:`sgd_rows_` give, without the row gradients in memory). ``grad``: the bags'
+    gradients, float32, group after group (``bags x dim`` each); ``groups``: per group ``(bags,
+    dim, grad_bags, grad_offsets, grad_scale)`` (the last three from :func:`bag_rows`), whose
+    rows are the next tables' ids in order, each id once. Raises :class:`RowOutOfRange` or
+    :class:`NonFinite` before writing anything."""
+    ids = _index(ids)
+    status = torch.ops.hybrid.sgd_bags_(tables, ids, counts, grad.contiguous(), [g[2] for g in groups],
+                                        [g[3] for g in groups], [g[4] for g in groups], [int(g[0]) for g in groups],
+                                        [int(g[1]) for g in groups], alpha)
     if status[0] == _BAD_ROW:
         raise _out_of_range(status, ids, lambda t: tables[t].shape[0])
     if status[0] == _NON_FINITE:
@@ -378,6 +397,7 @@ if not AVAILABLE:
         route,
         route_hashed,
         scatter_rows_,
+        sgd_bags_,
         sgd_rows_,
         sum_rows,
         sum_runs,

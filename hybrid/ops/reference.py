@@ -207,6 +207,27 @@ def sgd_rows_(tables, ids, counts, grad, *, alpha) -> None:
         q += n * d
 
 
+def unpool_bags(grad, groups) -> torch.Tensor:
+    """The row gradients of a lookup pooled on a server from its bags' gradients (``grad``,
+    float32, group after group), as the trainer's pooling backward computes them: per group
+    ``(bags, dim, grad_bags, grad_offsets, grad_scale)`` (:func:`bag_rows`), ``embedding_bag``
+    over the bags' gradients; flat, group after group."""
+    out, pos = [], 0
+    for bags, dim, grad_bags, grad_offsets, grad_scale in groups:
+        g = grad[pos : pos + bags * dim].view(bags, dim)
+        pos += bags * dim
+        out.append(torch.nn.functional.embedding_bag(grad_bags, g, grad_offsets, mode="sum",
+                                                     per_sample_weights=grad_scale,
+                                                     include_last_offset=True).reshape(-1))
+    if not out:
+        return grad.new_zeros(0)
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def sgd_bags_(tables, ids, counts, grad, groups, *, alpha) -> None:
+    sgd_rows_(tables, ids, counts, unpool_bags(grad, groups), alpha=alpha)
+
+
 def sum_rows(ids, grads, *, scale, num_rows):
     _check_rows(ids, [ids.numel()], [num_rows])
     rows, inverse = torch.unique(ids, return_inverse=True)

@@ -7,7 +7,9 @@ and row-wise Adagrad. Every step's output of the pair is equal bit for bit, and 
 end, every server row and its optimizer state (dynamic: ids, rows and state), and a read outside
 a step, as evaluation reads. A third collection sends its bags in bfloat16 (its twin rows in
 float32): half the bytes of float32 bags each way, and its first step's bags are the twin's
-rounded.
+rounded. In async mode (one trainer, whose messages the server handles in order, so both twins
+read the same rows), plain SGD applies a pooled lookup's gradient straight from its bags, and
+the twins stay equal bit for bit all the same.
 """
 
 import torch
@@ -40,17 +42,17 @@ def _data(k: int) -> dict:
     return global_batch(k, sample_tables(), 2 * BATCH, weighted=True)
 
 
-def _train(rank, world_size, *, num_servers):
+def _train(rank, world_size, *, num_servers, staleness=0):
     role = role_of(rank, world_size, num_servers)
     if not role.is_trainer:
         return None
     t_n, me = role.num_trainers, role.index
-    pipeline = make_pipeline(trainer=me, num_servers=num_servers, staleness=0, transport="socket")
+    pipeline = make_pipeline(trainer=me, num_servers=num_servers, staleness=staleness, transport="socket")
     pairs = {}
     for name, (weighted, opt, lr, options) in COLLECTIONS.items():
         pairs[name] = [remote_of(make_ebc(seed=2, weighted=weighted), pipeline, cid=f"{name}/{pool_on}",
                                  num_servers=num_servers, sharding="table_wise", optimizer={"name": opt, "lr": lr},
-                                 trainer=me, num_trainers=t_n, seed=2, pool_on=pool_on,
+                                 trainer=me, num_trainers=t_n, seed=2, pool_on=pool_on, staleness=staleness,
                                  **(options if pool_on == "server" else {**options, "wire_dtype": "float32"}))
                        for pool_on in ("server", "trainer")]
     dist.barrier()
@@ -113,3 +115,15 @@ def test_pooling_on_the_servers_trains_exactly_as_pooling_on_the_trainers():
         assert sum(st["bytes_out"] for st in stats.values()) == size * STEPS * 2 * BATCH * per_sample, (name, stats)
         assert sum(st["lookups"] for st in stats.values()) == STEPS * 2 * 2  # a lookup per server, trainer, step
         assert sum(st["channel_lookups"] for st in stats.values()) == STEPS * 2 * 2  # over the step connection
+        assert sum(st["updates_from_bags"] for st in stats.values()) == 0  # sync: the bags are unpooled
+
+
+def test_async_pooling_on_the_server_trains_exactly_as_pooling_on_the_trainer():
+    out = run_distributed(_train, 2, setup="hybrid", num_servers=1, staleness=1, timeout=240)
+    res = out[0]
+    for name in COLLECTIONS:
+        stats = res[name]
+        assert sum(st["lookups"] for st in stats.values()) == STEPS
+        # Plain SGD (the weighted collection) from the bags at every push; the others unpool.
+        assert sum(st["updates_from_bags"] for st in stats.values()) == (STEPS if name == "weighted" else 0), (
+            name, stats)

@@ -1105,3 +1105,79 @@ def test_csv_records_end_values_and_refusals(impl):
     assert end(b'1,"a\nb') == -1 and end(b'"\r\n') == -1
     with pytest.raises(TypeError, match="text must be uint8"):
         impl.csv_records_end(torch.zeros(3, dtype=torch.int32))
+
+
+def _bagged_lookup(g: torch.Generator, dtype: torch.dtype, pooling: str):
+    """A lookup pooled on a server, as :meth:`CollectionShard.gather_pooled` keeps it: groups of
+    tables sharing a dim (32: the kernel's vector path; 3: its scalar one; one group with no row
+    here), each table's distinct rows, random bags over the group's rows (empty ones too), the
+    backward's index (:func:`ops.bag_rows`), and the bags' gradients."""
+    tables, ids, counts, groups, grads = [], [], [], [], []
+    for dim, ntab in ((32, 2), (3, 1), (8, 0)):
+        rows = 0
+        for _ in range(ntab):
+            t = torch.randn(60, dim, generator=g).to(dtype)
+            n = int(torch.randint(1, 40, (1,), generator=g))
+            tables.append(t)
+            ids.append(torch.randperm(60, generator=g)[:n])
+            counts.append(n)
+            rows += n
+        bags = 12
+        lengths = torch.randint(0, 5, (bags,), generator=g) if rows else torch.zeros(bags, dtype=torch.int64)
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+        idx = torch.randint(0, max(rows, 1), (int(lengths.sum()),), generator=g).to(torch.int32)
+        weights = torch.rand(idx.shape, generator=g) * 4 if pooling == "weighted" else None
+        gb, go, gs = ops.bag_rows(idx, offsets, rows=rows, features=3 if bags % 3 == 0 else 1, weights=weights,
+                                  mean=pooling == "mean")
+        groups.append((bags, dim, gb, go, gs))
+        grads.append(torch.randn(bags * dim, generator=g) * 5)
+    return tables, torch.cat(ids), counts, groups, torch.cat(grads)
+
+
+@native
+@pytest.mark.parametrize("table_dtype", ROW_DTYPES)
+@pytest.mark.parametrize("pooling", ["sum", "mean", "weighted"])
+def test_sgd_bags_equals_unpooling_then_sgd_rows_bit_for_bit(table_dtype, pooling):
+    """Plain SGD straight from a pooled lookup's bag gradients writes what ``embedding_bag`` over
+    them and then ``sgd_rows_`` write (the reference), bit for bit."""
+    g = torch.Generator().manual_seed(40 + ROW_DTYPES.index(table_dtype))
+    tables, ids, counts, groups, grad = _bagged_lookup(g, table_dtype, pooling)
+    want = [t.clone() for t in tables]
+    ref.sgd_bags_(want, ids, counts, grad, groups, alpha=-0.3)
+    assert not all(_equal(a, b) for a, b in zip(want, tables))
+    ops.sgd_bags_(tables, ids, counts, grad, groups, alpha=-0.3)
+    assert all(_equal(a, b) for a, b in zip(tables, want))
+
+
+@native
+def test_sgd_bags_refuses_a_non_finite_row_gradient_and_writes_nothing():
+    """A bag gradient that is not finite, or finite ones whose sum is not (float32 overflow), is
+    named as ``sgd_rows_`` names it on the unpooled rows; a row outside its table too; nothing is
+    written either way."""
+    g = torch.Generator().manual_seed(47)
+    tables, ids, counts, groups, grad = _bagged_lookup(g, torch.float32, "sum")
+    before = [t.clone() for t in tables]
+    _, _, gb, go, _ = groups[0]
+    row = int(torch.argmax(go[1:] - go[:-1]))  # a row in two or more bags
+    assert int(go[row + 1] - go[row]) >= 2
+    first, second = int(gb[go[row]]), int(gb[go[row] + 1])
+    for bad in ("nan", "inf", "overflow"):
+        spoilt = grad.clone()
+        if bad == "overflow":
+            spoilt[first * 32 + 5] = spoilt[second * 32 + 5] = 3e38
+        else:
+            spoilt[first * 32 + 5] = float(bad)
+        rows = ref.unpool_bags(spoilt, groups)
+        with pytest.raises(ops.NonFinite) as want:
+            ops.sgd_rows_([t.clone() for t in tables], ids, counts, rows, alpha=-1.0)
+        with pytest.raises(ops.NonFinite) as got:
+            ops.sgd_bags_(tables, ids, counts, spoilt, groups, alpha=-1.0)
+        assert str(got.value) == str(want.value)
+        assert all(_equal(a, b) for a, b in zip(tables, before))
+    bad_ids = ids.clone()
+    bad_ids[counts[0] + 1] = 60
+    with pytest.raises(ops.RowOutOfRange, match="row 60 at position .* outside table 1 of 60 rows"):
+        ops.sgd_bags_(tables, bad_ids, counts, grad, groups, alpha=-1.0)
+    assert all(_equal(a, b) for a, b in zip(tables, before))
+    with pytest.raises(ValueError, match="grad holds 515 elements; the groups' bags need more"):
+        ops.sgd_bags_(tables, ids, counts, grad[:-1], groups, alpha=-1.0)

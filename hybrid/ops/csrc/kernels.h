@@ -95,6 +95,18 @@ struct RowKernels {
   // once. Ids and gradients already checked.
   void (*sgd)(const Table& t, const int64_t* ids, int64_t n, const void* grad, DType grad_dtype,
               float alpha);
+  // Plain SGD from the gradients of bags pooled where the rows are: for each of n distinct
+  // checked ids, its gradient row summed from bag_grads rows bags[p] for p in [offsets[k],
+  // offsets[k + 1]) (times scale[p] where scale is given) as pool sums a bag, then added as sgd
+  // adds a gradient row. bag_grads: float32 rows of t.dim.
+  void (*sgd_bags)(const Table& t, const int64_t* ids, int64_t n, const float* bag_grads,
+                   const int32_t* bags, const int32_t* offsets, const float* scale, float alpha);
+  // How many of those n gradient rows (d wide) hold a non-finite value; *first the first (-1:
+  // none). Nothing is written.
+  int64_t (*nonfinite_bags)(int64_t n, int64_t d, const float* bag_grads, const int32_t* bags,
+                            const int32_t* offsets, const float* scale, int64_t* first);
+  // The largest magnitude among n float32 values; +infinity if one is not finite.
+  float (*max_abs)(const float* x, int64_t n);
   // Bags of rows pooled where the rows are (pool_on: server): bag b is rows[idx[p]] for p in
   // [offsets[b], offsets[b + 1]), each row dim elements of dtype, summed in order in float32
   // (weights: each row times weights[p], one fused multiply-add an element; mean: the sum

@@ -59,6 +59,13 @@ inline bool any_nan(const v8f& v) {
   return nan;
 }
 
+// a * b + c lane by lane, each one fused multiply-add (one vector instruction where the ISA has it).
+inline v8f fma8(const v8f& a, const v8f& b, const v8f& c) {
+  v8f r;
+  for (int l = 0; l < 8; l++) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
+  return r;
+}
+
 // Whether every element of a float32 row is finite.
 inline bool finite_row(const float* x, int64_t d) {
   v8f lanes;
@@ -195,6 +202,109 @@ void sgd_f32(float* w, int64_t d, const int64_t* ids, int64_t n, const typename 
     for (int64_t j = 0; j < d; j++) wr[j] = __builtin_fmaf(alpha, G::load(g[j]), wr[j]);
     g += d;
   }
+}
+
+// Plain SGD from the gradients of bags pooled on the server: row k's gradient is summed from
+// its bags into a float32 accumulator exactly as pool_t sums a bag from its rows (in order, one
+// fused multiply-add an element where scale is given, else an addition), which is torch's
+// embedding_bag over the bags' gradients, bit for bit; then it is added as sgd adds a gradient
+// row (sgd_f32; a 16-bit row loaded, added, rounded once, as sgd_rounded does for a row that
+// comes once). The n ids are distinct. The weight rows are requested rows_ahead ids ahead.
+template <typename S, int64_t kD>
+void sgd_bags_t(typename S::T* w, int64_t dim, const int64_t* ids, int64_t n, const float* bag_grads,
+                const int32_t* bags, const int32_t* offsets, const float* scale, float alpha) {
+  using T = typename S::T;
+  const int64_t d = kD > 0 ? kD : dim;
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(T));
+  const int64_t ahead = rows_ahead(bytes);
+  for (int64_t k = 0; k < n && k < ahead; k++) prefetch_row_w(w + ids[k] * d, bytes);
+  if constexpr (kD > 0 && kD % 8 == 0 && S::dtype == DType::f32) {
+    // Float32 rows of a known width: the accumulator in vectors of 8 (registers).
+    constexpr int64_t V = kD / 8;
+    const v8f alpha8 = v8f{} + alpha;
+    for (int64_t k = 0; k < n; k++) {
+      if (k + ahead < n) prefetch_row_w(w + ids[k + ahead] * d, bytes);
+      v8f acc[V] = {};
+      for (int64_t p = offsets[k]; p < offsets[k + 1]; p++) {
+        const float* g = bag_grads + static_cast<int64_t>(bags[p]) * kD;
+        if (scale != nullptr) {
+          const v8f f8 = v8f{} + scale[p];
+          for (int64_t q = 0; q < V; q++) {
+            v8f g8;
+            std::memcpy(&g8, g + 8 * q, sizeof g8);
+            acc[q] = fma8(f8, g8, acc[q]);
+          }
+        } else {
+          for (int64_t q = 0; q < V; q++) {
+            v8f g8;
+            std::memcpy(&g8, g + 8 * q, sizeof g8);
+            acc[q] += g8;
+          }
+        }
+      }
+      float* wr = w + ids[k] * kD;
+      for (int64_t q = 0; q < V; q++) {
+        v8f w8;
+        std::memcpy(&w8, wr + 8 * q, sizeof w8);
+        w8 = fma8(alpha8, acc[q], w8);
+        std::memcpy(wr + 8 * q, &w8, sizeof w8);
+      }
+    }
+    return;
+  }
+  float* acc = scratch<float>(d);
+  for (int64_t k = 0; k < n; k++) {
+    if (k + ahead < n) prefetch_row_w(w + ids[k + ahead] * d, bytes);
+    for (int64_t j = 0; j < d; j++) acc[j] = 0.0f;
+    for (int64_t p = offsets[k]; p < offsets[k + 1]; p++) {
+      const float* g = bag_grads + static_cast<int64_t>(bags[p]) * d;
+      if (scale != nullptr) {
+        const float f = scale[p];
+        for (int64_t j = 0; j < d; j++) acc[j] = __builtin_fmaf(f, g[j], acc[j]);
+      } else {
+        for (int64_t j = 0; j < d; j++) acc[j] += g[j];
+      }
+    }
+    T* wr = w + ids[k] * d;
+    if constexpr (S::dtype == DType::f32) {
+      for (int64_t j = 0; j < d; j++) wr[j] = __builtin_fmaf(alpha, acc[j], wr[j]);
+    } else {
+      for (int64_t j = 0; j < d; j++) wr[j] = S::store(__builtin_fmaf(alpha, acc[j], S::load(wr[j])));
+    }
+  }
+}
+
+void sgd_bags(const Table& t, const int64_t* ids, int64_t n, const float* bag_grads, const int32_t* bags,
+              const int32_t* offsets, const float* scale, float alpha) {
+  with_dtype(t.dtype, [&](auto s) {
+    using S = decltype(s);
+    with_dim(t.dim, [&](auto kd) {
+      sgd_bags_t<S, decltype(kd)::value>(static_cast<typename S::T*>(t.data), t.dim, ids, n, bag_grads, bags,
+                                         offsets, scale, alpha);
+    });
+  });
+}
+
+// How many of n rows' gradients summed from their bags (as sgd_bags sums them) hold a
+// non-finite value; *first the first (-1: none). Nothing is written.
+int64_t nonfinite_bags(int64_t n, int64_t d, const float* bag_grads, const int32_t* bags, const int32_t* offsets,
+                       const float* scale, int64_t* first) {
+  float* acc = scratch<float>(d);
+  int64_t count = 0;
+  *first = -1;
+  for (int64_t k = 0; k < n; k++) {
+    for (int64_t j = 0; j < d; j++) acc[j] = 0.0f;
+    for (int64_t p = offsets[k]; p < offsets[k + 1]; p++) {
+      const float* g = bag_grads + static_cast<int64_t>(bags[p]) * d;
+      if (scale != nullptr) {
+        for (int64_t j = 0; j < d; j++) acc[j] = __builtin_fmaf(scale[p], g[j], acc[j]);
+      } else {
+        for (int64_t j = 0; j < d; j++) acc[j] += g[j];
+      }
+    }
+    if (!finite_row(acc, d) && count++ == 0) *first = k;
+  }
+  return count;
 }
 
 // A 16-bit table: each distinct row loaded to float32 once, its gradients added in arrival
@@ -890,6 +1000,26 @@ inline bool finite_values(const typename S::T* x, int64_t n) {
   }
 }
 
+// The largest magnitude among n float32 values, or +infinity if one of them is not finite.
+float max_abs(const float* x, int64_t n) {
+  if (!finite_row(x, n)) return __builtin_inff();
+  v8f most = {};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    v8f v;
+    __builtin_memcpy(&v, x + j, sizeof v);
+    v = v < 0 ? -v : v;
+    most = v > most ? v : most;
+  }
+  float m = 0.0f;
+  for (int i = 0; i < 8; i++) m = most[i] > m ? most[i] : m;
+  for (; j < n; j++) {
+    const float v = x[j] < 0 ? -x[j] : x[j];
+    m = v > m ? v : m;
+  }
+  return m;
+}
+
 // Rows of a gradient with a non-finite value: one scan of the whole buffer, and only when it
 // finds something, a scan row by row to count them.
 template <typename S>
@@ -912,7 +1042,8 @@ int64_t nonfinite_rows(const void* x, DType dtype, int64_t nrows, int64_t d, int
 }  // namespace HY_ISA
 
 const RowKernels HY_KERNELS = {
-    HY_ISA_NAME,         HY_ISA::gather,      HY_ISA::sgd,          HY_ISA::pool,         HY_ISA::sum_rows,
+    HY_ISA_NAME,         HY_ISA::gather,      HY_ISA::sgd,          HY_ISA::sgd_bags,     HY_ISA::nonfinite_bags,
+    HY_ISA::max_abs,     HY_ISA::pool,         HY_ISA::sum_rows,
     HY_ISA::state_step, HY_ISA::weight_step, HY_ISA::step_inplace, HY_ISA::scatter,
     HY_ISA::initial_rows, HY_ISA::nonfinite_rows,
 };

@@ -836,6 +836,111 @@ StatusTuple scatter_rows_(const Tensor& dst, const Tensor& rows, const Tensor& s
   return as_tuple(st);
 }
 
+// Plain SGD straight from the gradients of one pooled lookup's bags (pool_on: server): what
+// sgd_rows_ does with the row gradients embedding_bag makes of them, bit for bit, without those
+// row gradients in memory. grad: float32, group after group, bags[g] x the group's dim each;
+// group g's rows (grad_offsets[g]: rows + 1 bounds into grad_bags[g] and grad_scale[g]) are the
+// next tables' ids in order, each id once. Every row's gradient is known finite before any row
+// is written: from the largest gradient, factor and number of bags of a row, or else by summing
+// each row once without writing it.
+StatusTuple sgd_bags_(TensorList tables, const Tensor& ids, IntArrayRef counts, const Tensor& grad,
+                      TensorList grad_bags, TensorList grad_offsets, const c10::List<std::optional<Tensor>>& grad_scale,
+                      IntArrayRef bags, IntArrayRef dims, double alpha) {
+  const auto views = table_views(tables, "tables");
+  check_int64_1d(ids, "ids");
+  check_counts(counts, views, ids.numel());
+  check_float32(grad, "grad");
+  const size_t ngroups = bags.size();
+  TORCH_CHECK_VALUE(grad_bags.size() == ngroups && grad_offsets.size() == ngroups && grad_scale.size() == ngroups &&
+                        dims.size() == ngroups,
+                    "grad_bags, grad_offsets, grad_scale, bags and dims must have one entry per group");
+  const int64_t ntab = static_cast<int64_t>(views.size());
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  k::Status st = k::first_bad_id(views.data(), ntab, counts.data(), ip);
+  if (st.code != k::kOk) return as_tuple(st);
+  struct Slice {  // one table's rows of one group
+    int64_t table, first_id;  // first_id: the table's first id in ids
+    const float* g;           // the group's bag gradients
+    const int32_t* gb;
+    const int32_t* go;  // the table's first row's bounds in the group's grad_offsets
+    const float* gs;
+    bool checked;  // its rows' gradients are finite by the bound
+  };
+  std::vector<Slice> slices;
+  const float* gp = grad.data_ptr<float>();
+  const k::RowKernels& kern = k::dispatch();
+  int64_t t = 0, p = 0, used = 0;
+  for (size_t j = 0; j < ngroups; j++) {
+    const Tensor& gb = grad_bags[j];
+    const Tensor& go = grad_offsets[j];
+    check_cpu_contiguous(gb, "grad_bags");
+    check_cpu_contiguous(go, "grad_offsets");
+    TORCH_CHECK_TYPE(gb.scalar_type() == at::kInt && go.scalar_type() == at::kInt,
+                     "grad_bags and grad_offsets must be int32");
+    const int64_t rows = go.numel() - 1, n = gb.numel(), nb = bags[j], dim = dims[j];
+    TORCH_CHECK_VALUE(rows >= 0 && nb >= 0 && dim >= 0, "grad_offsets[", j, "] is empty or bags[", j, "] or dims[",
+                      j, "] negative");
+    const int32_t* gop = go.data_ptr<int32_t>();
+    const int32_t* gbp = gb.data_ptr<int32_t>();
+    TORCH_CHECK_VALUE(gop[0] == 0 && gop[rows] == n, "grad_offsets[", j, "] must run from 0 to ", n);
+    for (int64_t r = 0; r < rows; r++) TORCH_CHECK_VALUE(gop[r] <= gop[r + 1], "grad_offsets[", j, "] decreases");
+    for (int64_t q = 0; q < n; q++)
+      TORCH_CHECK_VALUE(gbp[q] >= 0 && gbp[q] < nb, "grad_bags[", j, "][", q, "] = ", gbp[q], " is not one of the ",
+                        nb, " bags");
+    const float* gsp = nullptr;
+    const std::optional<Tensor> scale = grad_scale.get(j);
+    if (scale.has_value()) {
+      check_float32(*scale, "grad_scale");
+      TORCH_CHECK_VALUE(scale->numel() == n, "grad_scale[", j, "] has ", scale->numel(), " entries for ", n);
+      gsp = scale->data_ptr<float>();
+    }
+    const size_t first_slice = slices.size();
+    int64_t r = 0;
+    while (r < rows) {  // the tables holding this group's rows, in order
+      TORCH_CHECK_VALUE(t < ntab, "the groups hold more rows than the tables' counts");
+      TORCH_CHECK_VALUE(views[t].dim == dim, "table ", t, " has dim ", views[t].dim, "; its group's is ", dim);
+      slices.push_back({t, p, gp + used, gbp, gop + r, gsp, false});
+      r += counts[t];
+      p += counts[t];
+      t++;
+    }
+    TORCH_CHECK_VALUE(r == rows, "group ", j, "'s ", rows, " rows end inside a table");
+    const int64_t need = nb * dim;
+    TORCH_CHECK_VALUE(used + need <= grad.numel(), "grad holds ", grad.numel(),
+                      " elements; the groups' bags need more");
+    // No row's sum can leave float32's range (with room for rounding): a sum of at most
+    // `longest` products each at most factor x most, all finite.
+    const float most = kern.max_abs(gp + used, need), factor = gsp != nullptr ? kern.max_abs(gsp, n) : 1.0f;
+    int64_t longest = 0;
+    for (int64_t q = 0; q < rows; q++) longest = std::max<int64_t>(longest, gop[q + 1] - gop[q]);
+    const bool bounded = static_cast<double>(longest) * factor * most < 1e37;  // false for infinity
+    for (size_t k = first_slice; k < slices.size(); k++) slices[k].checked = bounded;
+    used += need;
+  }
+  TORCH_CHECK_VALUE(t == ntab, "the tables hold more rows than the groups");
+  TORCH_CHECK_VALUE(used == grad.numel(), "grad holds ", grad.numel(), " elements; the groups' bags hold ", used);
+  for (const Slice& sl : slices) {  // every gradient checked before any row is written
+    if (sl.checked) continue;
+    int64_t first = -1;
+    const int64_t bad = kern.nonfinite_bags(counts[sl.table], views[sl.table].dim, sl.g, sl.gb, sl.go, sl.gs, &first);
+    if (bad && st.code == k::kOk) {
+      st.code = k::kNonFinite;
+      st.table = sl.table;
+      st.position = sl.first_id + first;
+    }
+    st.count += bad;
+  }
+  if (st.code != k::kOk) return as_tuple(st);
+  at::parallel_for(0, static_cast<int64_t>(slices.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; i++) {
+      const Slice& sl = slices[static_cast<size_t>(i)];
+      kern.sgd_bags(views[sl.table], ip + sl.first_id, counts[sl.table], sl.g, sl.gb, sl.go, sl.gs,
+                    static_cast<float>(alpha));
+    }
+  });
+  return as_tuple(st);
+}
+
 // -- bag_rows ------------------------------------------------------------------------------------
 
 // The backward's index of bags pooled on a server (pool_on: server): for each row, the bags its
@@ -921,6 +1026,9 @@ TORCH_LIBRARY(hybrid, m) {
       "sgd_rows_(Tensor(a!)[] tables, Tensor ids, int[] counts, Tensor[] grads, float alpha) -> "
       "(int, int, int, int)");
   m.def(
+      "sgd_bags_(Tensor(a!)[] tables, Tensor ids, int[] counts, Tensor grad, Tensor[] grad_bags, "
+      "Tensor[] grad_offsets, Tensor?[] grad_scale, int[] bags, int[] dims, float alpha) -> (int, int, int, int)");
+  m.def(
       "sum_rows(Tensor ids, Tensor grads, float scale, int num_rows) -> "
       "(int, int, int, int, Tensor, Tensor)");
   m.def(
@@ -945,6 +1053,7 @@ TORCH_LIBRARY_IMPL(hybrid, CompositeExplicitAutograd, m) {
   m.impl("gather_rows", gather_rows);
   m.impl("pool_rows", pool_rows);
   m.impl("sgd_rows_", sgd_rows_);
+  m.impl("sgd_bags_", sgd_bags_);
   m.impl("sum_rows", sum_rows);
   m.impl("optimizer_rows", optimizer_rows);
   m.impl("optimizer_step_", optimizer_step_);

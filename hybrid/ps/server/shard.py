@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid import ops
+from hybrid.ops.reference import unpool_bags
 from hybrid.ps.config import CollectionConfig
 from hybrid.ps.init import initial_rows, table_key
 from hybrid.ps.protocol import Bags, Rows
@@ -54,6 +55,9 @@ class ServerCounters:
     bytes_out: int = 0
     updates_applied: int = 0
     """Updates finished: sync, one per step (every trainer's gradients in); async, one per push."""
+    updates_from_bags: int = 0
+    """Of those, async plain-SGD updates of a lookup pooled here applied straight from its bags'
+    gradients (:func:`hybrid.ops.sgd_bags_`)."""
     planned_ahead: int = 0
     """Sync dynamic tables: updates whose admissions were planned from the lookups, before the gradients."""
     plans_used: int = 0
@@ -188,6 +192,23 @@ class LookedUp:
     def matches(self, rows: Rows, shards: list[TableShard]) -> bool:
         return (self.rows.tables == list(rows.tables) and self.rows.counts == list(rows.counts)
                 and self.versions == [t.dynamic.version for t in shards] and torch.equal(self.rows.ids, rows.ids))
+
+
+@dataclass(eq=False)
+class BagGradient:
+    """A pooled lookup's gradient as it came, its bags' (float32), with what the server kept of
+    the lookup: applied by plain SGD straight from the bags (:func:`hybrid.ops.sgd_bags_`),
+    without the row gradients in memory; :meth:`unbagged` makes the row gradients where
+    anything else takes it. Only an update applied while the message is handled takes one:
+    the gradient may be the transport's memory."""
+
+    rows: Rows
+    grad: torch.Tensor
+    groups: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+    def unbagged(self) -> Contribution:
+        """The rows and their gradients, computed as the trainer's pooling backward would."""
+        return self.rows, unpool_bags(self.grad, self.groups)
 
 
 @dataclass(eq=False)
@@ -336,15 +357,16 @@ class CollectionShard:
             raise ValueError(f"{self.cid} on ps{self.server}: the lookup's bag groups cover {pos} of its "
                              f"{flat.numel()} row elements and {o} of {out.numel()} pooled ones")
 
-    def unpool(self, trainer: int, tag: int, grad: torch.Tensor, *, step: int) -> Contribution:
+    def unpool(self, trainer: int, tag: int, grad: torch.Tensor, *, step: int) -> Contribution | BagGradient:
         """The row gradients of ``trainer``'s pooled lookup ``tag`` from its bags' gradients
         (``grad``, flat, in :attr:`wire_dtype`): float32, computed as the trainer's pooling
-        backward would; ``step``: the push's step. The trainer's lookups of an earlier step, or
-        of this step with a smaller tag, were never used (their rows were discarded: a trainer
-        pushes its steps in order, and a step's lookups in the order it made them) and are
-        dropped; those of later steps stay (a prefetch may be made before the current step's
-        own lookup, so tags do not follow steps). A failure fails the collection, as a failed
-        push does (the step it belongs to can never complete)."""
+        backward would; ``step``: the push's step. Where :meth:`push` applies it at once by
+        plain SGD (async mode), the bags' gradients as they are (:class:`BagGradient`). The
+        trainer's lookups of an earlier step, or of this step with a smaller tag, were never used
+        (their rows were discarded: a trainer pushes its steps in order, and a step's lookups in
+        the order it made them) and are dropped; those of later steps stay (a prefetch may be
+        made before the current step's own lookup, so tags do not follow steps). A failure fails
+        the collection, as a failed push does (the step it belongs to can never complete)."""
         try:
             return self._unpool(trainer, tag, grad, step)
         except BaseException as e:
@@ -352,7 +374,7 @@ class CollectionShard:
                 self.failed = e
             raise
 
-    def _unpool(self, trainer: int, tag: int, grad: torch.Tensor, step: int) -> Contribution:
+    def _unpool(self, trainer: int, tag: int, grad: torch.Tensor, step: int) -> Contribution | BagGradient:
         grad = self._widened(grad)
         with self.lock:
             mine = self.pooled[trainer]
@@ -366,13 +388,8 @@ class CollectionShard:
         if grad.numel() != expected:
             raise ValueError(f"{self.cid} on ps{self.server}: a pooled gradient of {grad.numel()} elements for "
                              f"{expected} pooled ones")
-        out, pos = [], 0
-        for bags, dim, grad_bags, grad_offsets, grad_scale in kept.groups:
-            g = grad[pos : pos + bags * dim].view(bags, dim)
-            pos += bags * dim
-            out.append(F.embedding_bag(grad_bags, g, grad_offsets, mode="sum", per_sample_weights=grad_scale,
-                                       include_last_offset=True).view(-1))
-        return kept.rows, _cat(out) if out else grad.new_zeros(0)
+        bagged = BagGradient(kept.rows, grad, kept.groups)
+        return bagged if self.staleness and self.accumulates and self.config.dynamic is None else bagged.unbagged()
 
     def _widened(self, grad: torch.Tensor) -> torch.Tensor:
         """A gradient as it arrived (counted), checked to be in :attr:`wire_dtype` and widened to
@@ -775,10 +792,25 @@ class CollectionShard:
     def _what(self) -> str:
         return f"{self.config.optimizer.name} update of {self.cid} on ps{self.server}"
 
-    def _accumulate(self, contributions: list[Contribution]) -> None:
+    def _accumulate(self, contributions: list[Contribution | BagGradient]) -> None:
         """Plain SGD: each contribution added straight into the weights, in order (rows may repeat
         across trainers), all in one ``sgd_rows_`` call, which checks every contribution before
-        it adds the first."""
+        it adds the first; a lone :class:`BagGradient` straight from its bags (``sgd_bags_``)."""
+        if len(contributions) == 1 and isinstance(contributions[0], BagGradient):
+            bagged = contributions[0]
+            shards = self.shards_of(bagged.rows)
+            self._ensure(shards, bagged.rows)
+            try:
+                ops.sgd_bags_([t.weight for t in shards], bagged.rows.ids, bagged.rows.counts, bagged.grad,
+                              bagged.groups,
+                              alpha=-self.config.optimizer.lr * self.scale)
+            except ops.RowOutOfRange as e:
+                raise self._outside(shards[e.table], e.row, "gradient push") from None
+            except ops.NonFinite as e:
+                raise FloatingPointError(f"{self._what()}: {e}") from None
+            self.counters.updates_from_bags += 1
+            return
+        contributions = [c.unbagged() if isinstance(c, BagGradient) else c for c in contributions]
         shards = []
         for rows, _ in contributions:
             mine = self.shards_of(rows)
