@@ -59,11 +59,10 @@ inline bool any_nan(const v8f& v) {
   return nan;
 }
 
-// a * b + c lane by lane, each one fused multiply-add (one vector instruction where the ISA has it).
-inline v8f fma8(const v8f& a, const v8f& b, const v8f& c) {
-  v8f r;
-  for (int l = 0; l < 8; l++) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
-  return r;
+// acc = a * b + acc lane by lane, each a fused multiply-add (one vector instruction where the
+// ISA has it; by reference, as the baseline build has no 32-byte registers to pass vectors in).
+inline void fma8(const v8f& a, const v8f& b, v8f& acc) {
+  for (int l = 0; l < 8; l++) acc[l] = __builtin_fmaf(a[l], b[l], acc[l]);
 }
 
 // Whether every element of a float32 row is finite.
@@ -232,7 +231,7 @@ void sgd_bags_t(typename S::T* w, int64_t dim, const int64_t* ids, int64_t n, co
           for (int64_t q = 0; q < V; q++) {
             v8f g8;
             std::memcpy(&g8, g + 8 * q, sizeof g8);
-            acc[q] = fma8(f8, g8, acc[q]);
+            fma8(f8, g8, acc[q]);
           }
         } else {
           for (int64_t q = 0; q < V; q++) {
@@ -246,7 +245,7 @@ void sgd_bags_t(typename S::T* w, int64_t dim, const int64_t* ids, int64_t n, co
       for (int64_t q = 0; q < V; q++) {
         v8f w8;
         std::memcpy(&w8, wr + 8 * q, sizeof w8);
-        w8 = fma8(alpha8, acc[q], w8);
+        fma8(alpha8, acc[q], w8);
         std::memcpy(wr + 8 * q, &w8, sizeof w8);
       }
     }

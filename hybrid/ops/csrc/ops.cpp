@@ -883,10 +883,22 @@ StatusTuple sgd_bags_(TensorList tables, const Tensor& ids, IntArrayRef counts, 
     const int32_t* gop = go.data_ptr<int32_t>();
     const int32_t* gbp = gb.data_ptr<int32_t>();
     TORCH_CHECK_VALUE(gop[0] == 0 && gop[rows] == n, "grad_offsets[", j, "] must run from 0 to ", n);
-    for (int64_t r = 0; r < rows; r++) TORCH_CHECK_VALUE(gop[r] <= gop[r + 1], "grad_offsets[", j, "] decreases");
-    for (int64_t q = 0; q < n; q++)
-      TORCH_CHECK_VALUE(gbp[q] >= 0 && gbp[q] < nb, "grad_bags[", j, "][", q, "] = ", gbp[q], " is not one of the ",
-                        nb, " bags");
+    // Branch-free scans (they run on every push); the rare bad input is searched again to name it.
+    int32_t shortest = 0, longest = 0, lowest = 0, highest = 0;
+    for (int64_t r = 0; r < rows; r++) {
+      const int32_t len = gop[r + 1] - gop[r];
+      shortest = std::min(shortest, len);
+      longest = std::max(longest, len);
+    }
+    TORCH_CHECK_VALUE(shortest >= 0, "grad_offsets[", j, "] decreases");
+    for (int64_t q = 0; q < n; q++) {
+      lowest = std::min(lowest, gbp[q]);
+      highest = std::max(highest, gbp[q]);
+    }
+    if (lowest < 0 || (n > 0 && highest >= nb))
+      for (int64_t q = 0; q < n; q++)
+        TORCH_CHECK_VALUE(gbp[q] >= 0 && gbp[q] < nb, "grad_bags[", j, "][", q, "] = ", gbp[q],
+                          " is not one of the ", nb, " bags");
     const float* gsp = nullptr;
     const std::optional<Tensor> scale = grad_scale.get(j);
     if (scale.has_value()) {
@@ -911,8 +923,6 @@ StatusTuple sgd_bags_(TensorList tables, const Tensor& ids, IntArrayRef counts, 
     // No row's sum can leave float32's range (with room for rounding): a sum of at most
     // `longest` products each at most factor x most, all finite.
     const float most = kern.max_abs(gp + used, need), factor = gsp != nullptr ? kern.max_abs(gsp, n) : 1.0f;
-    int64_t longest = 0;
-    for (int64_t q = 0; q < rows; q++) longest = std::max<int64_t>(longest, gop[q + 1] - gop[q]);
     const bool bounded = static_cast<double>(longest) * factor * most < 1e37;  // false for infinity
     for (size_t k = first_slice; k < slices.size(); k++) slices[k].checked = bounded;
     used += need;
