@@ -142,6 +142,15 @@ def pool_rows(tables, ids, counts, idx, offsets, *, weights=None, mean=False, ou
     return out
 
 
+def _raise_gradient_status(status, ids: torch.Tensor, tables) -> None:
+    """The status of a plain-SGD update (``sgd_rows_``, ``sgd_bags_``) as its exception, if any."""
+    if status[0] == _BAD_ROW:
+        raise _out_of_range(status, ids, lambda t: tables[t].shape[0])
+    if status[0] == _NON_FINITE:
+        raise NonFinite(f"non-finite gradient in {status[3]} rows (the first: position {status[2]}, "
+                        f"table {status[1]}); nothing was applied")
+
+
 def sgd_rows_(tables, ids, counts, grad, *, alpha) -> None:
     """``tables[t][id] += alpha * grad_row`` for each id in order (``ids`` and the flat ``grad``
     split by ``counts`` as in :func:`gather_rows`); a repeated id adds each of its rows, and a
@@ -152,11 +161,7 @@ def sgd_rows_(tables, ids, counts, grad, *, alpha) -> None:
     ids = _index(ids)
     grads = [g.contiguous() for g in grad] if isinstance(grad, (list, tuple)) else [grad.contiguous()]
     status = torch.ops.hybrid.sgd_rows_(tables, ids, counts, grads, alpha)
-    if status[0] == _BAD_ROW:
-        raise _out_of_range(status, ids, lambda t: tables[t].shape[0])
-    if status[0] == _NON_FINITE:
-        raise NonFinite(f"non-finite gradient in {status[3]} rows (the first: position {status[2]}, "
-                        f"table {status[1]}); nothing was applied")
+    _raise_gradient_status(status, ids, tables)
 
 
 def sgd_bags_(tables, ids, counts, grad, groups, *, alpha) -> None:
@@ -171,11 +176,7 @@ def sgd_bags_(tables, ids, counts, grad, groups, *, alpha) -> None:
     status = torch.ops.hybrid.sgd_bags_(tables, ids, counts, grad.contiguous(), [g[2] for g in groups],
                                         [g[3] for g in groups], [g[4] for g in groups], [int(g[0]) for g in groups],
                                         [int(g[1]) for g in groups], alpha)
-    if status[0] == _BAD_ROW:
-        raise _out_of_range(status, ids, lambda t: tables[t].shape[0])
-    if status[0] == _NON_FINITE:
-        raise NonFinite(f"non-finite gradient in {status[3]} rows (the first: position {status[2]}, "
-                        f"table {status[1]}); nothing was applied")
+    _raise_gradient_status(status, ids, tables)
 
 
 def sum_rows(ids, grads, *, scale, num_rows):

@@ -203,6 +203,22 @@ void sgd_f32(float* w, int64_t d, const int64_t* ids, int64_t n, const typename 
   }
 }
 
+// Row k's gradient summed from its bags into acc (d floats), as pool_t sums a bag from its rows:
+// in order, one fused multiply-add an element where scale is given, else an addition.
+inline void sum_bags_row(float* acc, int64_t d, int64_t k, const float* bag_grads, const int32_t* bags,
+                         const int32_t* offsets, const float* scale) {
+  for (int64_t j = 0; j < d; j++) acc[j] = 0.0f;
+  for (int64_t p = offsets[k]; p < offsets[k + 1]; p++) {
+    const float* g = bag_grads + static_cast<int64_t>(bags[p]) * d;
+    if (scale != nullptr) {
+      const float f = scale[p];
+      for (int64_t j = 0; j < d; j++) acc[j] = __builtin_fmaf(f, g[j], acc[j]);
+    } else {
+      for (int64_t j = 0; j < d; j++) acc[j] += g[j];
+    }
+  }
+}
+
 // Plain SGD from the gradients of bags pooled on the server: row k's gradient is summed from
 // its bags into a float32 accumulator exactly as pool_t sums a bag from its rows (in order, one
 // fused multiply-add an element where scale is given, else an addition), which is torch's
@@ -254,16 +270,7 @@ void sgd_bags_t(typename S::T* w, int64_t dim, const int64_t* ids, int64_t n, co
   float* acc = scratch<float>(d);
   for (int64_t k = 0; k < n; k++) {
     if (k + ahead < n) prefetch_row_w(w + ids[k + ahead] * d, bytes);
-    for (int64_t j = 0; j < d; j++) acc[j] = 0.0f;
-    for (int64_t p = offsets[k]; p < offsets[k + 1]; p++) {
-      const float* g = bag_grads + static_cast<int64_t>(bags[p]) * d;
-      if (scale != nullptr) {
-        const float f = scale[p];
-        for (int64_t j = 0; j < d; j++) acc[j] = __builtin_fmaf(f, g[j], acc[j]);
-      } else {
-        for (int64_t j = 0; j < d; j++) acc[j] += g[j];
-      }
-    }
+    sum_bags_row(acc, d, k, bag_grads, bags, offsets, scale);
     T* wr = w + ids[k] * d;
     if constexpr (S::dtype == DType::f32) {
       for (int64_t j = 0; j < d; j++) wr[j] = __builtin_fmaf(alpha, acc[j], wr[j]);
@@ -292,15 +299,7 @@ int64_t nonfinite_bags(int64_t n, int64_t d, const float* bag_grads, const int32
   int64_t count = 0;
   *first = -1;
   for (int64_t k = 0; k < n; k++) {
-    for (int64_t j = 0; j < d; j++) acc[j] = 0.0f;
-    for (int64_t p = offsets[k]; p < offsets[k + 1]; p++) {
-      const float* g = bag_grads + static_cast<int64_t>(bags[p]) * d;
-      if (scale != nullptr) {
-        for (int64_t j = 0; j < d; j++) acc[j] = __builtin_fmaf(scale[p], g[j], acc[j]);
-      } else {
-        for (int64_t j = 0; j < d; j++) acc[j] += g[j];
-      }
-    }
+    sum_bags_row(acc, d, k, bag_grads, bags, offsets, scale);
     if (!finite_row(acc, d) && count++ == 0) *first = k;
   }
   return count;
@@ -1006,7 +1005,7 @@ float max_abs(const float* x, int64_t n) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     v8f v;
-    __builtin_memcpy(&v, x + j, sizeof v);
+    std::memcpy(&v, x + j, sizeof v);
     v = v < 0 ? -v : v;
     most = v > most ? v : most;
   }

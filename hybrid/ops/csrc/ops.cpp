@@ -99,21 +99,42 @@ void check_sort_key(int64_t rows, int64_t n, const char* op) {
                     " ids do not fit one 64-bit sort key; split the call");
 }
 
-// A lookup's bags: idx (each id's row) and offsets (the bags' bounds, the last one included),
-// both int32 and 1-D, the offsets running from 0 to the number of ids without decreasing.
-void check_bags(const Tensor& idx, const Tensor& offsets) {
-  check_cpu_contiguous(idx, "idx");
-  check_cpu_contiguous(offsets, "offsets");
-  TORCH_CHECK_TYPE(idx.scalar_type() == at::kInt && offsets.scalar_type() == at::kInt,
-                   "idx and offsets must be int32, got ", idx.scalar_type(), " and ", offsets.scalar_type());
-  TORCH_CHECK_VALUE(idx.dim() == 1 && offsets.dim() == 1 && offsets.numel() >= 1, "idx and offsets must be 1-D, ",
-                    "offsets with at least one entry");
+// A lookup's bags: idx (each id's row, or bag) and offsets (the bags' bounds, the last one
+// included), both int32 and 1-D, the offsets running from 0 to the number of ids without
+// decreasing, every index in [0, bound) (`unit`: what the indices count, for the message).
+// Returns the longest bag. Branch-free scans (they run on every step's lookup and push); the
+// rare bad input is searched again to name it.
+int64_t check_bags(const Tensor& idx, const Tensor& offsets, int64_t bound, const char* unit,
+                   const std::string& idx_name = "idx", const std::string& offsets_name = "offsets") {
+  check_cpu_contiguous(idx, idx_name.c_str());
+  check_cpu_contiguous(offsets, offsets_name.c_str());
+  TORCH_CHECK_TYPE(idx.scalar_type() == at::kInt && offsets.scalar_type() == at::kInt, idx_name, " and ",
+                   offsets_name, " must be int32, got ", idx.scalar_type(), " and ", offsets.scalar_type());
+  TORCH_CHECK_VALUE(idx.dim() == 1 && offsets.dim() == 1 && offsets.numel() >= 1, idx_name, " and ", offsets_name,
+                    " must be 1-D, ", offsets_name, " with at least one entry");
   const int64_t n = idx.numel(), nbags = offsets.numel() - 1;
   const int32_t* op = offsets.data_ptr<int32_t>();
-  TORCH_CHECK_VALUE(op[0] == 0 && op[nbags] == n, "offsets must run from 0 to ", n, " (the ids), got ", op[0], " to ",
-                    op[nbags]);
-  for (int64_t g = 0; g < nbags; g++)
-    TORCH_CHECK_VALUE(op[g] <= op[g + 1], "offsets must not decrease (bag ", g, ")");
+  TORCH_CHECK_VALUE(op[0] == 0 && op[nbags] == n, offsets_name, " must run from 0 to ", n, " (the ids), got ", op[0],
+                    " to ", op[nbags]);
+  int32_t shortest = 0, longest = 0;
+  for (int64_t g = 0; g < nbags; g++) {
+    const int32_t len = op[g + 1] - op[g];
+    shortest = std::min(shortest, len);
+    longest = std::max(longest, len);
+  }
+  if (shortest < 0)
+    for (int64_t g = 0; g < nbags; g++)
+      TORCH_CHECK_VALUE(op[g] <= op[g + 1], offsets_name, " must not decrease (bag ", g, ")");
+  const int32_t* ip = idx.data_ptr<int32_t>();
+  // As unsigned, a negative index is 2^31 or more, past any bound an int32 index can meet.
+  const uint32_t ubound = static_cast<uint32_t>(std::clamp<int64_t>(bound, 0, int64_t{1} << 31));
+  int32_t bad = 0;
+  for (int64_t p = 0; p < n; p++) bad |= static_cast<int32_t>(static_cast<uint32_t>(ip[p]) >= ubound);
+  if (bad)
+    for (int64_t p = 0; p < n; p++)
+      TORCH_CHECK_VALUE(ip[p] >= 0 && ip[p] < bound, idx_name, "[", p, "] = ", ip[p], " is not one of the ", bound,
+                        " ", unit);
+  return longest;
 }
 
 // -- route ----------------------------------------------------------------------------------------
@@ -286,17 +307,10 @@ StatusTuple pool_rows(TensorList tables, const Tensor& ids, IntArrayRef counts, 
   for (size_t t = 1; t < views.size(); t++)
     TORCH_CHECK_VALUE(views[t].dim == dim && views[t].dtype == dtype, "tables[", t,
                       "] differs from tables[0] in dim or dtype: one call pools one group");
-  check_bags(idx, offsets);
+  check_bags(idx, offsets, nrows, "rows");
   const int64_t n = idx.numel(), nbags = offsets.numel() - 1;
   const int32_t* ip = idx.data_ptr<int32_t>();
   const int32_t* op = offsets.data_ptr<int32_t>();
-  int32_t bad = 0;  // branch-free scan; the rare bad index is searched again
-  for (int64_t p = 0; p < n; p++) bad |= static_cast<int32_t>(static_cast<uint32_t>(ip[p]) >= nrows);
-  if (bad) {
-    for (int64_t p = 0; p < n; p++)
-      TORCH_CHECK_VALUE(ip[p] >= 0 && ip[p] < nrows, "idx[", p, "] = ", ip[p], " is not one of the ", nrows,
-                        " rows");
-  }
   const float* wp = nullptr;
   if (weights.has_value()) {
     check_float32(*weights, "weights");
@@ -873,32 +887,13 @@ StatusTuple sgd_bags_(TensorList tables, const Tensor& ids, IntArrayRef counts, 
   for (size_t j = 0; j < ngroups; j++) {
     const Tensor& gb = grad_bags[j];
     const Tensor& go = grad_offsets[j];
-    check_cpu_contiguous(gb, "grad_bags");
-    check_cpu_contiguous(go, "grad_offsets");
-    TORCH_CHECK_TYPE(gb.scalar_type() == at::kInt && go.scalar_type() == at::kInt,
-                     "grad_bags and grad_offsets must be int32");
-    const int64_t rows = go.numel() - 1, n = gb.numel(), nb = bags[j], dim = dims[j];
-    TORCH_CHECK_VALUE(rows >= 0 && nb >= 0 && dim >= 0, "grad_offsets[", j, "] is empty or bags[", j, "] or dims[",
-                      j, "] negative");
+    const int64_t nb = bags[j], dim = dims[j];
+    TORCH_CHECK_VALUE(nb >= 0 && dim >= 0, "bags[", j, "] or dims[", j, "] is negative");
+    const std::string index = "[" + std::to_string(j) + "]";
+    const int64_t longest = check_bags(gb, go, nb, "bags", "grad_bags" + index, "grad_offsets" + index);
+    const int64_t rows = go.numel() - 1, n = gb.numel();
     const int32_t* gop = go.data_ptr<int32_t>();
     const int32_t* gbp = gb.data_ptr<int32_t>();
-    TORCH_CHECK_VALUE(gop[0] == 0 && gop[rows] == n, "grad_offsets[", j, "] must run from 0 to ", n);
-    // Branch-free scans (they run on every push); the rare bad input is searched again to name it.
-    int32_t shortest = 0, longest = 0, lowest = 0, highest = 0;
-    for (int64_t r = 0; r < rows; r++) {
-      const int32_t len = gop[r + 1] - gop[r];
-      shortest = std::min(shortest, len);
-      longest = std::max(longest, len);
-    }
-    TORCH_CHECK_VALUE(shortest >= 0, "grad_offsets[", j, "] decreases");
-    for (int64_t q = 0; q < n; q++) {
-      lowest = std::min(lowest, gbp[q]);
-      highest = std::max(highest, gbp[q]);
-    }
-    if (lowest < 0 || (n > 0 && highest >= nb))
-      for (int64_t q = 0; q < n; q++)
-        TORCH_CHECK_VALUE(gbp[q] >= 0 && gbp[q] < nb, "grad_bags[", j, "][", q, "] = ", gbp[q],
-                          " is not one of the ", nb, " bags");
     const float* gsp = nullptr;
     const std::optional<Tensor> scale = grad_scale.get(j);
     if (scale.has_value()) {
@@ -960,8 +955,8 @@ StatusTuple sgd_bags_(TensorList tables, const Tensor& ids, IntArrayRef counts, 
 // `features` features: bag s * features + j.
 std::tuple<Tensor, Tensor, Tensor> bag_rows(const Tensor& idx, const Tensor& offsets, int64_t rows,
                                             int64_t features, const std::optional<Tensor>& weights, bool mean) {
-  check_bags(idx, offsets);
   TORCH_CHECK_VALUE(rows >= 0 && rows < (int64_t{1} << 31), "rows must be in [0, 2^31), got ", rows);
+  check_bags(idx, offsets, rows, "rows");
   const int64_t n = idx.numel(), nbags = offsets.numel() - 1;
   TORCH_CHECK_VALUE(features >= 1 && nbags % features == 0, nbags, " bags are not a whole number of samples of ",
                     features, " features");
@@ -976,10 +971,7 @@ std::tuple<Tensor, Tensor, Tensor> bag_rows(const Tensor& idx, const Tensor& off
   auto i32 = idx.options();
   Tensor grad_offsets = at::zeros({rows + 1}, i32);
   int32_t* go = grad_offsets.data_ptr<int32_t>();
-  for (int64_t p = 0; p < n; p++) {
-    TORCH_CHECK_VALUE(ip[p] >= 0 && ip[p] < rows, "idx[", p, "] = ", ip[p], " is not one of the ", rows, " rows");
-    go[ip[p] + 1]++;
-  }
+  for (int64_t p = 0; p < n; p++) go[ip[p] + 1]++;
   for (int64_t r = 0; r < rows; r++) go[r + 1] += go[r];
   std::vector<int32_t> next(go, go + rows);
   Tensor grad_bags = at::empty({n}, i32);

@@ -796,35 +796,35 @@ class CollectionShard:
         """Plain SGD: each contribution added straight into the weights, in order (rows may repeat
         across trainers), all in one ``sgd_rows_`` call, which checks every contribution before
         it adds the first; a lone :class:`BagGradient` straight from its bags (``sgd_bags_``)."""
-        if len(contributions) == 1 and isinstance(contributions[0], BagGradient):
-            bagged = contributions[0]
+        alpha = -self.config.optimizer.lr * self.scale
+        bagged = contributions[0] if len(contributions) == 1 and isinstance(contributions[0], BagGradient) else None
+        if bagged is not None:
             shards = self.shards_of(bagged.rows)
             self._ensure(shards, bagged.rows)
-            try:
+
+            def update() -> None:
                 ops.sgd_bags_([t.weight for t in shards], bagged.rows.ids, bagged.rows.counts, bagged.grad,
-                              bagged.groups,
-                              alpha=-self.config.optimizer.lr * self.scale)
-            except ops.RowOutOfRange as e:
-                raise self._outside(shards[e.table], e.row, "gradient push") from None
-            except ops.NonFinite as e:
-                raise FloatingPointError(f"{self._what()}: {e}") from None
-            self.counters.updates_from_bags += 1
-            return
-        contributions = [c.unbagged() if isinstance(c, BagGradient) else c for c in contributions]
-        shards = []
-        for rows, _ in contributions:
-            mine = self.shards_of(rows)
-            self._ensure(mine, rows)
-            shards += mine
-        ids = _cat([rows.ids for rows, _ in contributions])
-        counts = [n for rows, _ in contributions for n in rows.counts]
+                              bagged.groups, alpha=alpha)
+        else:
+            contributions = [c.unbagged() if isinstance(c, BagGradient) else c for c in contributions]
+            shards = []
+            for rows, _ in contributions:
+                mine = self.shards_of(rows)
+                self._ensure(mine, rows)
+                shards += mine
+            ids = _cat([rows.ids for rows, _ in contributions])
+            counts = [n for rows, _ in contributions for n in rows.counts]
+
+            def update() -> None:
+                ops.sgd_rows_([t.weight for t in shards], ids, counts, [g for _, g in contributions], alpha=alpha)
         try:
-            ops.sgd_rows_([t.weight for t in shards], ids, counts, [g for _, g in contributions],
-                          alpha=-self.config.optimizer.lr * self.scale)
+            update()
         except ops.RowOutOfRange as e:
             raise self._outside(shards[e.table], e.row, "gradient push") from None
         except ops.NonFinite as e:
             raise FloatingPointError(f"{self._what()}: {e}") from None
+        if bagged is not None:
+            self.counters.updates_from_bags += 1
 
     # -- whole shards (creation, checkpoints) ---------------------------------------------------
     def table(self, name: str) -> TableShard:
