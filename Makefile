@@ -4,9 +4,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hybrid-installed
-# The native code (hybrid._C: operators, RPC transport; benchmarks._C: the emulated network's delay
+# The native code (hybrid._C: operators, RPC transport, all-reduce ring; benchmarks._C: the emulated network's delay
 # line) is built by the editable install below: editing it rebuilds.
-CSRC   := setup.py $(wildcard hybrid/ops/csrc/*.cpp hybrid/ops/csrc/*.h hybrid/launch/csrc/*.cpp benchmarks/csrc/*.cpp)
+CSRC   := setup.py $(wildcard hybrid/ops/csrc/*.cpp hybrid/ops/csrc/*.h hybrid/launch/csrc/*.cpp hybrid/dense/csrc/*.cpp benchmarks/csrc/*.cpp)
 NPROC  ?= 3
 
 .PHONY: env demo test test-gpu test-fast bench clean-env

@@ -32,8 +32,9 @@ def extensions():
               file=sys.stderr)
         return [], {}
     here = os.path.dirname(os.path.abspath(__file__))
-    # The operators (hybrid/ops/csrc) and the RPC transport bound to runtime.address (hybrid/launch/csrc).
-    csrc = [os.path.join("hybrid", part, "csrc") for part in ("ops", "launch")]
+    # The operators (hybrid/ops/csrc), the RPC transport bound to runtime.address (hybrid/launch/csrc)
+    # and the trainers' all-reduce ring (hybrid/dense/csrc).
+    csrc = [os.path.join("hybrid", part, "csrc") for part in ("ops", "launch", "dense")]
     sources = sorted(f for d in csrc for f in glob.glob(os.path.join(d, "*.cpp"), root_dir=here))
     headers = sorted(f for d in csrc for f in glob.glob(os.path.join(d, "*.h"), root_dir=here))  # a changed header rebuilds
     # The extension uses the process's shared libstdc++ (torch's), named outright: a toolchain that

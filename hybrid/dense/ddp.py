@@ -32,6 +32,7 @@ from torch.distributed._composable import replicate
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
 
+from hybrid.dense.ring import mean_allreduce, ring_of
 from hybrid.log import logger, warn_once
 from hybrid.plan.schema import CommHook
 
@@ -65,8 +66,8 @@ def _mean_allreduce(group, bucket):  # noqa: ANN001 - DDP refuses a hook whose b
 def _launch_then(hook, on_launch):
     """``hook`` (DDP's bucket reduction), then ``on_launch()`` while the reduction is on the wire."""
 
-    def reduce_bucket(group, bucket):  # noqa: ANN001 - DDP refuses a hook whose bucket annotation is not GradBucket
-        fut = hook(group, bucket)
+    def reduce_bucket(state, bucket):  # noqa: ANN001 - DDP refuses a hook whose bucket annotation is not GradBucket
+        fut = hook(state, bucket)
         on_launch()
         return fut
 
@@ -275,6 +276,9 @@ def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ig
     broadcast = broadcasts_buffers(module, ignored_modules, options.broadcast_buffers)
     group = mesh.get_group()
     hook = _comm_hook(options.comm_hook, mesh.device_type) if options.comm_hook != "none" else None
+    state = group
+    if hook is None and mesh.device_type == "cpu" and (ring := ring_of(group)) is not None:
+        hook, state = mean_allreduce, ring
     if on_launch is not None:
         hook = _launch_then(hook or _mean_allreduce, on_launch)
     replicate(
@@ -287,7 +291,7 @@ def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ig
         find_unused_parameters=options.find_unused_parameters,
     )
     if hook is not None:
-        module.register_comm_hook(group, hook)
+        module.register_comm_hook(state, hook)
     # replicate() builds its DistributedDataParallel lazily, in the first forward; build it now so
     # that the broadcast from rank 0 and DDP's cross-rank shape check happen here, at compose time.
     replicate.state(module).lazy_init()
@@ -295,8 +299,8 @@ def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ig
         _sync_buffers_from_rank0(module, ignored_modules, group)
     logger.info(
         "applied ddp to %s (bucket_cap_mb=%g, static_graph=%s, gradient_as_bucket_view=%s, "
-        "find_unused_parameters=%s, broadcast_buffers=%s%s, comm_hook=%s, %d trainers)",
+        "find_unused_parameters=%s, broadcast_buffers=%s%s, comm_hook=%s, all-reduce over %s, %d trainers)",
         what, options.bucket_cap_mb, options.static_graph, options.gradient_as_bucket_view,
         options.find_unused_parameters, broadcast, " (auto)" if options.broadcast_buffers == "auto" else "",
-        options.comm_hook, mesh.size(),
+        options.comm_hook, "the trainers' ring" if state is not group else "the process group", mesh.size(),
     )
