@@ -52,18 +52,19 @@ class TrainerRing:
         self.native = torch.classes.hybrid.Ring(self.rank, self.size, left.detach(), right.detach(), timeout_s,
                                                 names[0], names[1])
         self.closed = False
+        self.calls = 0
+        """All-reduces started."""
         logger.info("ddp all-reduce: ring of %d trainers connected (%s -> trainer%d -> %s)", self.size, names[0],
                     self.rank, names[1])
 
     def allreduce_(self, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        """The sum of ``buffer`` over the trainers, in place; the future's value is ``buffer``.
-
-        The ring's thread completes a future of ``[buffer]``; DDP takes only a Python value as a
-        hook's result, so the returned future is that one's ``then``: its callback runs on the
-        ring's thread, holding the GIL as briefly as it takes to return the tensor."""
+        """The sum of ``buffer`` over the trainers, in place: the future's value is ``buffer`` once
+        it holds it (the ring's thread completes it, without the GIL), or its error names the
+        trainer that failed."""
         done = torch.futures.Future()
         torch.ops.hybrid.ring_allreduce_(self.native, buffer, done)
-        return done.then(_first)
+        self.calls += 1
+        return done
 
     def close(self) -> None:
         if not self.closed:

@@ -21,11 +21,13 @@
 //   the ring takes over both connected sockets (closes them on close()). Messages go to the
 //   right neighbour and come from the left one.
 // torch.ops.hybrid.ring_allreduce_(ring, buffer, done): queues the sum of `buffer` (float32,
-//   contiguous, CPU) over the ring; `done` completes with [buffer] once it holds the sum.
+//   contiguous, CPU) over the ring; `done` completes with `buffer` (the Python tensor: DDP takes
+//   only a Python value as a hook's result) once it holds the sum, or fails with the error.
 // Ring.close(): ends the ring's thread; queued and later all-reduces fail.
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -76,14 +78,14 @@ class Ring : public torch::CustomClassHolder {
 
   ~Ring() override { close(); }
 
-  void enqueue(at::Tensor buffer, c10::intrusive_ptr<c10::ivalue::Future> done) {
+  void enqueue(at::Tensor buffer, c10::IValue value, c10::intrusive_ptr<c10::ivalue::Future> done) {
     TORCH_CHECK(buffer.device().is_cpu() && buffer.scalar_type() == at::kFloat && buffer.is_contiguous(),
                 "ring_allreduce_: the buffer must be a contiguous float32 CPU tensor, got ", buffer.scalar_type(),
                 " on ", buffer.device(), buffer.is_contiguous() ? "" : " (not contiguous)");
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (error_.empty() && !stop_) {
-        queue_.push_back({std::move(buffer), done});
+        queue_.push_back({std::move(buffer), std::move(value), done});
         cv_.notify_one();
         return;
       }
@@ -109,6 +111,7 @@ class Ring : public torch::CustomClassHolder {
  private:
   struct Job {
     at::Tensor buffer;
+    c10::IValue value;  // `buffer` as a Python object
     c10::intrusive_ptr<c10::ivalue::Future> done;
   };
 
@@ -138,7 +141,9 @@ class Ring : public torch::CustomClassHolder {
       if (!error.empty() && error_.empty()) error_ = error;
       if (go && error.empty()) {
         lock.unlock();
-        job.done->markCompleted(c10::IValue(c10::List<at::Tensor>({job.buffer})));
+        // The storage named: else the future would ask Python for the value's tensors (the GIL).
+        job.done->markCompleted(job.value, std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>>{
+                                               job.buffer.storage().getWeakStorageImpl()});
       } else {
         const std::string message = error_.empty() ? "ddp all-reduce: the ring is closed" : error_;
         lock.unlock();
@@ -288,12 +293,17 @@ class Ring : public torch::CustomClassHolder {
   std::thread thread_;
 };
 
-// Boxed: the schema's Future(Tensor[]) has no unboxed C++ argument type.
+// Boxed: the schema's Future(Tensor) has no unboxed C++ argument type.
 void ring_allreduce_(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   auto done = torch::jit::pop(*stack).toFuture();
   auto buffer = torch::jit::pop(*stack).toTensor();
   auto ring = torch::jit::pop(*stack).toCustomClass<Ring>();
-  ring->enqueue(std::move(buffer), std::move(done));
+  c10::IValue value;
+  {
+    pybind11::gil_scoped_acquire gil;
+    value = torch::jit::toIValue(torch::jit::toPyObject(c10::IValue(buffer)), c10::PyObjectType::get());
+  }
+  ring->enqueue(std::move(buffer), std::move(value), std::move(done));
 }
 
 }  // namespace
@@ -302,7 +312,7 @@ TORCH_LIBRARY_FRAGMENT(hybrid, m) {
   m.class_<Ring>("Ring")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, std::string, std::string>())
       .def("close", &Ring::close);
-  m.def("ring_allreduce_(__torch__.torch.classes.hybrid.Ring ring, Tensor(a!) buffer, Future(Tensor[]) done) -> ()");
+  m.def("ring_allreduce_(__torch__.torch.classes.hybrid.Ring ring, Tensor(a!) buffer, Future(Tensor) done) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hybrid, CatchAll, m) {
