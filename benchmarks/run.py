@@ -281,6 +281,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gloo-loop", choices=("batch", "stock"), default=None,
                    help="hybrid's trainers run gloo's event-loop thread under SCHED_BATCH (batch) or as gloo "
                         "starts it (stock) (runtime.gloo_loop_batch; default: RuntimeOptions', batch)")
+    p.add_argument("--allreduce", choices=("ring", "gloo"), default=None,
+                   help="DDP's all-reduce on hybrid's trainers: over their own ring (ring) or gloo's "
+                        "(runtime.trainer_ring; default: RuntimeOptions', ring)")
     p.add_argument("--server-policy", choices=("batch", "stock"), default=None,
                    help="hybrid's servers run under SCHED_BATCH (batch) or as started (stock) "
                         "(runtime.server_batch; default: RuntimeOptions', batch)")
@@ -335,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         runtime["huge_pages"] = args.huge_pages == "on"
     if args.gloo_loop is not None:
         runtime["gloo_loop_batch"] = args.gloo_loop == "batch"
+    if args.allreduce is not None:
+        runtime["trainer_ring"] = args.allreduce == "ring"
     if args.server_policy is not None:
         runtime["server_batch"] = args.server_policy == "batch"
     if args.ps_transport is not None:
