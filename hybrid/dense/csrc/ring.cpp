@@ -3,8 +3,8 @@
 //
 // A gloo all-reduce of one DLRM bucket costs each trainer about 1 ms of CPU under load: its
 // worker and event-loop threads trade a dozen wake-ups and many small control messages per
-// call. Here one thread per ring does the whole reduction with blocking-free sends and receives
-// and a poll per wait: a ring all-reduce (reduce-scatter, then all-gather; 2 (N - 1) / N of the
+// call. Here one thread per ring (under SCHED_BATCH) does the whole reduction with non-blocking
+// sends and receives and a poll per wait: a ring all-reduce (reduce-scatter, then all-gather; 2 (N - 1) / N of the
 // buffer each way per trainer, as gloo's ring), in place, float32.
 //
 // Every rank ends with the same bits: chunk c is summed once, in ring order starting at rank c
@@ -35,6 +35,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -121,6 +122,12 @@ class Ring : public torch::CustomClassHolder {
   }
 
   void run() {
+    // SCHED_BATCH: the peer's data waking this thread does not preempt the thread running on
+    // the core (the trainer's step) but waits its turn, as gloo's event loop does on hybrid's
+    // trainers (runtime.gloo_loop_batch); an idle core runs it at once either way. Where the
+    // policy cannot be set, the thread runs as started.
+    sched_param param{};
+    ::sched_setscheduler(0, SCHED_BATCH, &param);
     std::unique_lock<std::mutex> lock(mu_);
     while (true) {
       cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
