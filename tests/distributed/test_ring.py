@@ -82,13 +82,14 @@ def test_ring_sums_in_ring_order_and_every_trainer_gets_the_same_bits(world_size
 def _ddp(rank: int, world_size: int, *, steps: int):
     mesh = init_device_mesh("cpu", (world_size,))
     out = {}
-    for name, group in (("gloo", None), ("ring", dist.group.WORLD)):
+    for name, group, dtype in (("gloo", None, torch.float32), ("ring", dist.group.WORLD, torch.float32),
+                               ("gloo64", None, torch.float64), ("ring64", dist.group.WORLD, torch.float64)):
         ring_mod.configure(group, address="127.0.0.1", timeout_s=30)
-        model = build()
+        model = build().to(dtype)
         apply_ddp(model, "", mesh=mesh, options=DDPOpts(), on_launch=None)
         opt = make_opt("sgd", model.parameters())
         for s in range(steps):
-            x, y = data(s, world_size * B)
+            x, y = (t.to(dtype) for t in data(s, world_size * B))
             opt.zero_grad()
             F.mse_loss(model(x[rank * B:(rank + 1) * B]), y[rank * B:(rank + 1) * B]).backward()
             opt.step()
@@ -100,12 +101,15 @@ def _ddp(rank: int, world_size: int, *, steps: int):
 
 def test_ddp_through_the_ring_trains_the_same_bits_as_through_gloo():
     """Two trainers, five steps of DDP (one bucket a step): the ring's mean is gloo's, bit for bit,
-    and the ring is what DDP used (one all-reduce a step)."""
+    and the ring is what DDP used (one all-reduce a step); a float64 model's bucket, which the
+    ring does not sum, goes through the process group from the same hook."""
     for out in run_distributed(_ddp, 2, timeout=60, steps=5):
-        gloo, ring = out["gloo"], out["ring"]
-        assert gloo[1] is None and ring[1] == 5
-        assert gloo[0].keys() == ring[0].keys()
-        assert all(torch.equal(gloo[0][k], ring[0][k]) for k in gloo[0])
+        for a, b in (("gloo", "ring"), ("gloo64", "ring64")):
+            gloo, ring = out[a], out[b]
+            assert gloo[1] is None and ring[1] == (5 if b == "ring" else 0)
+            assert gloo[0].keys() == ring[0].keys()
+            assert all(torch.equal(gloo[0][k], ring[0][k]) for k in gloo[0])
+        assert all(v.dtype == torch.float64 for v in out["ring64"][0].values())
 
 
 def _peer_fails(rank: int, world_size: int, *, how: str):
