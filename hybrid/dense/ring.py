@@ -26,7 +26,6 @@ group as before.
 
 from __future__ import annotations
 
-import hmac
 import os
 import socket
 import struct
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.log import logger
+from hybrid.ps.transport.tcp import accept_proven, address_family
 
 TOKEN_BYTES = 32
 _INFO_BYTES = 320  # a trainer's "address|port|token" in the all-gather, zero-padded
@@ -120,13 +120,9 @@ def close_all() -> None:
         _RINGS.popitem()[1].close()
 
 
-def _family(address: str) -> int:
-    return socket.AF_INET6 if ":" in address else socket.AF_INET
-
-
 def _connect(group: dist.ProcessGroup, address: str, timeout_s: float) -> tuple[socket.socket, socket.socket, tuple[str, str]]:
     rank, size = group.rank(), group.size()
-    listener = socket.socket(_family(address), socket.SOCK_STREAM)
+    listener = socket.socket(address_family(address), socket.SOCK_STREAM)
     try:
         listener.bind((address, 0))
         listener.listen(1)
@@ -166,24 +162,7 @@ def _connect(group: dist.ProcessGroup, address: str, timeout_s: float) -> tuple[
 def _accept(listener: socket.socket, token: bytes, left: int, deadline: float, name: str,
             timeout_s: float) -> socket.socket:
     """The connection from trainer ``left`` (it sent ``token`` and its rank); others are dropped."""
-    want = token + _HELLO.pack(left)
-    while (wait := deadline - time.monotonic()) > 0:
-        listener.settimeout(wait)
-        try:
-            conn, _ = listener.accept()
-        except TimeoutError:
-            break
-        conn.settimeout(max(0.001, deadline - time.monotonic()))
-        got = b""
-        try:
-            while len(got) < len(want):
-                piece = conn.recv(len(want) - len(got))
-                if not piece:
-                    break
-                got += piece
-        except OSError:
-            pass
-        if hmac.compare_digest(got, want):
-            return conn
-        conn.close()
-    raise RuntimeError(f"ddp all-reduce: {name} did not connect within runtime.pg_timeout_s ({timeout_s:g} s)")
+    conn = accept_proven(listener, token + _HELLO.pack(left), deadline)
+    if conn is None:
+        raise RuntimeError(f"ddp all-reduce: {name} did not connect within runtime.pg_timeout_s ({timeout_s:g} s)")
+    return conn

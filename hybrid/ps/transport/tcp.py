@@ -45,11 +45,11 @@ TOKEN_BYTES = 32
 _PREFIX = struct.Struct("<qq")  # the frame's length, its message's number
 
 
-def _connect_family(address: str) -> int:
+def address_family(address: str) -> int:
     return socket.AF_INET6 if ":" in address else socket.AF_INET
 
 
-def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None) -> bool:
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None) -> bool:
     """Fill ``view`` from ``sock``; ``False`` at end-of-file. Raises ``TimeoutError`` past
     ``deadline`` (None: wait for ever)."""
     got = 0
@@ -70,13 +70,13 @@ def _recv_frame(sock: socket.socket, region_of, deadline: float | None) -> int |
     its number, or ``None`` at end-of-file. Raises ``ValueError`` for a number ``region_of``
     refuses or a length the region cannot hold, ``TimeoutError`` past ``deadline``."""
     head = bytearray(_PREFIX.size)
-    if not _recv_exact(sock, memoryview(head), deadline):
+    if not recv_exact(sock, memoryview(head), deadline):
         return None
     n, seq = _PREFIX.unpack(head)
     region = region_of(seq)
     if not 0 < n <= region.numel():
         raise ValueError(f"a frame of {n} bytes")
-    return seq if _recv_exact(sock, memoryview(region[:n].numpy()), deadline) else None
+    return seq if recv_exact(sock, memoryview(region[:n].numpy()), deadline) else None
 
 
 def _send_frame(sock: socket.socket, region: torch.Tensor, seq: int, end: int) -> None:
@@ -249,7 +249,7 @@ def rpc_open_socket(trainer: int, token: bytes, capacity: int, timeout_s: float)
     from hybrid.ps.server.service import server
 
     address = server().options.address
-    listener = socket.socket(_connect_family(address), socket.SOCK_STREAM)
+    listener = socket.socket(address_family(address), socket.SOCK_STREAM)
     try:
         listener.bind((address, 0))
         listener.listen(1)
@@ -262,25 +262,32 @@ def rpc_open_socket(trainer: int, token: bytes, capacity: int, timeout_s: float)
 
 
 def _accept(listener: socket.socket, trainer: int, token: bytes, capacity: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
     try:
-        while (left := deadline - time.monotonic()) > 0:
-            listener.settimeout(left)
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            got = bytearray(TOKEN_BYTES)
-            try:
-                ok = _recv_exact(conn, memoryview(got), deadline) and hmac.compare_digest(bytes(got), token)
-            except (OSError, TimeoutError):
-                ok = False
-            if not ok:
-                conn.close()
-                continue
-            conn.settimeout(None)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _SocketServerEnd(conn, capacity, f"hybrid-ps-socket-t{trainer}")
+        conn = accept_proven(listener, token, time.monotonic() + timeout_s)
+        if conn is None:
             return
+        conn.settimeout(None)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _SocketServerEnd(conn, capacity, f"hybrid-ps-socket-t{trainer}")
     finally:
         listener.close()
+
+
+def accept_proven(listener: socket.socket, proof: bytes, deadline: float) -> socket.socket | None:
+    """The first connection to ``listener`` whose first bytes are ``proof``, before ``deadline``
+    (every other is closed); None past the deadline or once the listener is closed."""
+    while (left := deadline - time.monotonic()) > 0:
+        listener.settimeout(left)
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return None
+        got = bytearray(len(proof))
+        try:
+            ok = recv_exact(conn, memoryview(got), deadline) and hmac.compare_digest(bytes(got), proof)
+        except (OSError, TimeoutError):
+            ok = False
+        if ok:
+            return conn
+        conn.close()
+    return None
