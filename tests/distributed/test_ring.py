@@ -3,6 +3,7 @@ which order, DDP through it, and how it fails."""
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
@@ -146,6 +147,36 @@ def test_a_dead_or_hung_trainer_fails_the_all_reduce_naming_it(how):
         assert "sent nothing for 2 s (runtime.pg_timeout_s)" in first, first
         assert 1.9 < took < 3.5
     assert again == first and took_again < 0.1  # the ring stays failed, and says why at once
+
+
+def _close_in_flight(rank: int, world_size: int):
+    ring_mod.configure(dist.group.WORLD, address="127.0.0.1", timeout_s=30)
+    ring = ring_mod.ring_of(dist.group.WORLD)
+    if rank == 1:
+        time.sleep(1.0)  # takes no part; rank 0's all-reduce is in flight meanwhile
+        ring_mod.close_all()
+        return None
+    fut = ring.allreduce_(torch.ones(1000))
+    time.sleep(0.2)
+    started = time.monotonic()
+    # The ring's last reference dropped, not closed: its destructor closes it, holding the GIL,
+    # while the ring's thread is in the all-reduce.
+    ring_mod._RINGS.clear()
+    del ring
+    gc.collect()
+    took = time.monotonic() - started
+    try:
+        fut.wait()
+    except RuntimeError as e:
+        return took, str(e)
+    return took, None
+
+
+def test_dropping_a_ring_with_an_all_reduce_in_flight_fails_it_and_returns():
+    """The ring's thread drops the failed all-reduce's Python value, which needs the GIL that a
+    destructor run from Python holds: closing lets go of it while it waits for the thread."""
+    took, error = run_distributed(_close_in_flight, 2, timeout=60)[0]
+    assert took < 5.0 and error is not None and error.startswith("ddp all-reduce: "), (took, error)
 
 
 def test_the_listener_takes_only_the_connection_with_the_token_and_rank():

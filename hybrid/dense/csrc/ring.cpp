@@ -104,7 +104,16 @@ class Ring : public torch::CustomClassHolder {
     // Wakes the thread's poll, if it is in one.
     ::shutdown(left_, SHUT_RDWR);
     ::shutdown(right_, SHUT_RDWR);
-    if (thread_.joinable()) thread_.join();
+    if (thread_.joinable()) {
+      // The thread may need the GIL to drop a failed all-reduce's Python value: a caller that
+      // holds it (Python, or the object's last reference dropped there) lets go while it waits.
+      if (Py_IsInitialized() && PyGILState_Check()) {
+        pybind11::gil_scoped_release released;
+        thread_.join();
+      } else {
+        thread_.join();
+      }
+    }
     ::close(left_);
     ::close(right_);
   }
