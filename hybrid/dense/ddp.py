@@ -32,7 +32,7 @@ from torch.distributed._composable import replicate
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
 
-from hybrid.dense.ring import mean_allreduce, ring_of
+from hybrid.dense.ring import ring_of
 from hybrid.log import logger, warn_once
 from hybrid.plan.schema import CommHook
 
@@ -61,6 +61,15 @@ def _mean_allreduce(group, bucket):  # noqa: ANN001 - DDP refuses a hook whose b
     # logging around it cost the calling thread about 20 us more a call (66-70 us against 44-48).
     buffer = bucket.buffer().mul_(1.0 / group.size())
     return group.allreduce([buffer]).get_future().then(lambda fut: fut.value()[0])
+
+
+def _ring_mean_allreduce(ring, bucket):  # noqa: ANN001 - DDP refuses a hook whose bucket annotation is not GradBucket
+    # The same mean as _mean_allreduce, summed around the trainers' ring (hybrid.dense.ring); a
+    # bucket the ring does not sum (not float32 on CPU) through the process group.
+    buffer = bucket.buffer()
+    if buffer.dtype != torch.float32 or buffer.device.type != "cpu":
+        return _mean_allreduce(ring.group, bucket)
+    return ring.allreduce_(buffer.mul_(1.0 / ring.size))
 
 
 def _launch_then(hook, on_launch):
@@ -278,7 +287,7 @@ def _replicate(model: nn.Module, fqn: str, *, mesh: DeviceMesh, options: Any, ig
     hook = _comm_hook(options.comm_hook, mesh.device_type) if options.comm_hook != "none" else None
     state = group
     if hook is None and mesh.device_type == "cpu" and (ring := ring_of(group)) is not None:
-        hook, state = mean_allreduce, ring
+        hook, state = _ring_mean_allreduce, ring
     if on_launch is not None:
         hook = _launch_then(hook or _mean_allreduce, on_launch)
     replicate(

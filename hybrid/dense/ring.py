@@ -6,7 +6,7 @@ control messages per call. On CPU trainers that is much of a step (docs/performa
 :class:`TrainerRing` connects each trainer to the next over TCP, on ``runtime.address``, once,
 and its native thread (``torch.classes.hybrid.Ring``, ``csrc/ring.cpp``) sums a bucket around
 the ring: reduce-scatter then all-gather, the bytes of gloo's ring algorithm, a header per
-message, no other traffic. DDP gets it as a communication hook (:func:`mean_allreduce`): the
+message, no other traffic. DDP gets it as a communication hook (``hybrid.dense.ddp``): the
 same mean of the trainers' gradients that DDP's own reduction computes, bit for bit between two
 trainers.
 
@@ -47,7 +47,6 @@ class TrainerRing:
 
     def __init__(self, group: dist.ProcessGroup, address: str, timeout_s: float) -> None:
         self.group, self.rank, self.size = group, group.rank(), group.size()
-        self.timeout_s = timeout_s
         left, right, names = _connect(group, address, timeout_s)
         self.native = torch.classes.hybrid.Ring(self.rank, self.size, left.detach(), right.detach(), timeout_s,
                                                 names[0], names[1])
@@ -70,20 +69,6 @@ class TrainerRing:
         if not self.closed:
             self.closed = True
             self.native.close()
-
-
-def _first(fut: torch.futures.Future) -> torch.Tensor:
-    return fut.value()[0]
-
-
-def mean_allreduce(ring: TrainerRing, bucket):  # noqa: ANN001, ANN201 - DDP refuses a hook annotated otherwise than it expects (and these annotations are strings)
-    """DDP communication hook: the bucket's mean over the trainers, as DDP's own reduction
-    computes it (each gradient times 1 / trainers, then the sum), around the ring; a bucket the
-    ring does not take (not float32) through the process group."""
-    buffer = bucket.buffer().mul_(1.0 / ring.size)
-    if buffer.dtype != torch.float32 or buffer.device.type != "cpu":
-        return ring.group.allreduce([buffer]).get_future().then(_first)
-    return ring.allreduce_(buffer)
 
 
 _SETTINGS: dict = {}

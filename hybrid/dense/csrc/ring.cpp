@@ -60,6 +60,8 @@ struct Header {
 
 using Clock = std::chrono::steady_clock;
 
+constexpr const char* kClosed = "ddp all-reduce: the ring is closed";
+
 class Ring : public torch::CustomClassHolder {
  public:
   Ring(int64_t rank, int64_t size, int64_t left_fd, int64_t right_fd, double timeout_s, std::string left_name,
@@ -127,8 +129,11 @@ class Ring : public torch::CustomClassHolder {
 
   std::string failure() {
     std::lock_guard<std::mutex> lock(mu_);
-    return error_.empty() ? std::string("ddp all-reduce: the ring is closed") : error_;
+    return failure_locked();
   }
+
+  // Why an all-reduce cannot run: the ring's error, or that it is closed. Under mu_.
+  std::string failure_locked() const { return error_.empty() ? std::string(kClosed) : error_; }
 
   void run() {
     // SCHED_BATCH: the peer's data waking this thread does not preempt the thread running on
@@ -161,7 +166,7 @@ class Ring : public torch::CustomClassHolder {
         job.done->markCompleted(job.value, std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>>{
                                                job.buffer.storage().getWeakStorageImpl()});
       } else {
-        const std::string message = error_.empty() ? "ddp all-reduce: the ring is closed" : error_;
+        const std::string message = failure_locked();
         lock.unlock();
         job.done->setError(std::make_exception_ptr(std::runtime_error(message)));
       }
@@ -272,7 +277,7 @@ class Ring : public torch::CustomClassHolder {
       }
       {
         std::lock_guard<std::mutex> lock(mu_);
-        if (stop_) throw std::runtime_error("ddp all-reduce: the ring is closed");
+        if (stop_) throw std::runtime_error(kClosed);
       }
       pollfd fds[2];
       nfds_t k = 0;
